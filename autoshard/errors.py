@@ -1,0 +1,51 @@
+"""The one exception hierarchy of autoshard.
+
+Every error a user can cause is raised as a subclass of :class:`AutoshardError` with a message of the form
+"<subject> has <actual>, but <expected>. <what to do>", naming the node, module path or option involved.
+"""
+
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Base class of every error autoshard raises on purpose."""
+
+
+class TraceError(AutoshardError):
+    """The model could not be captured as a graph with static shapes."""
+
+
+class MeshError(AutoshardError):
+    """The mesh is malformed or does not match the processes it runs on."""
+
+
+class PlanError(AutoshardError):
+    """An annotation or plan option is invalid (unknown parameter, bad placement, non-divisible dim...)."""
+
+
+class UnsupportedOpError(AutoshardError):
+    """An op in the graph has no sharding rule."""
+
+
+class RuntimeShapeError(AutoshardError):
+    """A call's inputs differ from the shapes the plan was compiled for."""
+
+
+class CollectiveTimeoutError(AutoshardError):
+    """A collective did not complete within the configured timeout (a peer died or hangs)."""
+
+
+def node_location(node) -> str:
+    """'node `name` (op) in module `path`, at file:line' for error messages."""
+    from autoshard import meta as M
+
+    parts = [f"node `{node.name}` ({node.target})" if node.op == "call_function" else f"node `{node.name}`"]
+    path = M.module_path(node)
+    if path:
+        parts.append(f"in module `{path}`")
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+        if lines:
+            parts.append(f"at {lines[-1]}")
+    return " ".join(parts)

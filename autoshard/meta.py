@@ -1,0 +1,81 @@
+"""Every ``node.meta`` key autoshard writes, and the frozen values stored under them.
+
+Passes communicate only through these keys (and the context object); no pass reads another pass's
+private state, and nothing is hung on nodes or modules as ad-hoc attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.placements import Spec
+
+#: Output spec of a node: a ``Spec`` (one placement per mesh axis) or, for multi-output ops, a tuple of them.
+SPEC = "autoshard.spec"
+#: The chosen :class:`Strategy` of a call_function node (what each tensor input must look like).
+STRATEGY = "autoshard.strategy"
+#: Why the strategy was chosen: a :class:`Decision`.
+DECISION = "autoshard.decision"
+#: On nodes inserted by the collectives pass: a :class:`CollectiveInfo`.
+COLLECTIVE = "autoshard.collective"
+#: On get_attr nodes: the parameter/buffer's fully-qualified name in the original model.
+PARAM = "autoshard.param"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op: the spec every tensor input must have and the spec of the output.
+
+    ``input_specs`` lists specs for the node's tensor inputs in ``flat_tensor_inputs`` order (None where an
+    input is not a tensor). ``grad_sync`` lists, per tensor input, the mesh axes on which the input is
+    replicated while the op's result is not: the backward of such an input must be all-reduced over those axes.
+    """
+
+    input_specs: tuple[Spec | None, ...]
+    output_spec: Spec | tuple[Spec, ...]
+    grad_sync: tuple[tuple[str, ...], ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner chose for a node, its estimated cost and the best alternative it rejected."""
+
+    cost: float
+    alternative: Strategy | None = None
+    alternative_cost: float | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """An inserted redistribution: ``kind`` on mesh ``axis`` (tensor dims involved in ``dims``)."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | local_slice | grad_all_reduce
+    axes: tuple[str, ...]
+    dims: tuple[int, ...] = ()
+    src: Spec | None = None
+    dst: Spec | None = None
+    bytes_forward: int = 0
+    bytes_backward: int = 0
+    extra: tuple = field(default_factory=tuple)
+
+
+def module_path(node) -> str:
+    """Innermost module path of a node (from ``nn_module_stack``), '' at the top level."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # torch.export writes paths like "L['self'].transformer.h[0].mlp" or "transformer.h.0.mlp" by version.
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    out = []
+    for part in path.replace("]", "").replace("[", ".").split("."):
+        part = part.strip("'\"")
+        if part:
+            out.append(part)
+    return ".".join(out)
