@@ -1,0 +1,158 @@
+"""The user-facing entry point: ``autoshard.compile(model, mesh, ...)``.
+
+With ``example_inputs`` the plan is built at once, in one process, and can be inspected (``show``, ``code``,
+``rank_module``) before any process group exists. Without them the module is lazy, like ``torch.compile``: it
+traces on the first call, taking the static shapes of that call — each rank passes its own data shard (dim 0
+split over the data axis, as with DDP), so the global batch is the local one times the data-axis size.
+
+Calling the returned :class:`ShardedModule` runs this process's rank of the plan under ``torch.distributed``
+(or under any communicator made current with :func:`autoshard.runtime.use`, e.g. the simulator's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autoshard.context import Options
+from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError
+from autoshard.mesh import Mesh, as_mesh
+from autoshard.placements import Spec, local_shape, parse_placement
+from autoshard.plan import Plan, build_plan
+
+
+def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
+            plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
+            comm=None) -> ShardedModule:
+    """Shard ``model`` over ``mesh``.
+
+    ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
+    ``{"transformer.h.*.mlp.c_fc.weight": (Replicate(), Shard(1))}``; everything else is propagated.
+    """
+    mesh = as_mesh(mesh)
+    options = make_options(plan, data_axis, on_unsupported, mesh)
+    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm)
+
+
+def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh) -> Options:
+    if on_unsupported not in ("error", "replicate"):
+        raise PlanError(f"option on_unsupported is {on_unsupported!r}, but must be 'error' or 'replicate'.")
+    if not isinstance(data_axis, str):
+        raise PlanError(f"option data_axis is {data_axis!r}, but must be a mesh axis name such as 'data'.")
+    annotations = []
+    for pattern, spec in (plan or {}).items():
+        if isinstance(spec, str) or not isinstance(spec, (tuple, list)):
+            raise PlanError(f"annotation {pattern!r} has {spec!r}, but must be a tuple with one placement per "
+                            f"mesh axis {list(mesh.names)}, e.g. (Replicate(), Shard(0)).")
+        annotations.append((pattern, tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)))
+    return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported)
+
+
+class ShardedModule(torch.nn.Module):
+    """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``)."""
+
+    def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None):
+        super().__init__()
+        self.mesh = mesh
+        self.options = options
+        self._source = (model,)  # a tuple keeps the unsharded model out of this module's parameters
+        self._comm = comm
+        self.plan: Plan | None = None
+        self.local: torch.fx.GraphModule | None = None
+        self._expected: list | None = None
+        if example_inputs is not None or example_kwargs is not None:
+            args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+            self.plan = build_plan(model, mesh, tuple(args or ()), example_kwargs, options)
+
+    # ---- the plan ---------------------------------------------------------------------------------------
+    def _need_plan(self) -> Plan:
+        if self.plan is None:
+            raise AutoshardError("this ShardedModule has no plan yet: it compiles on its first call. Call it once "
+                                 "with a batch, or pass example_inputs= to autoshard.compile to plan ahead of time.")
+        return self.plan
+
+    def show(self, console=None) -> None:
+        self._need_plan().show(console)
+
+    def code(self, rank: int = 0) -> str:
+        return self._need_plan().code(rank)
+
+    def rank_module(self, rank: int) -> torch.fx.GraphModule:
+        return self._need_plan().rank_module(rank)
+
+    def format(self) -> str:
+        return self._need_plan().format()
+
+    # ---- running ----------------------------------------------------------------------------------------
+    def parameters(self, recurse: bool = True):
+        if self.local is None:
+            raise AutoshardError("ShardedModule has no parameters before its first call (the plan decides how "
+                                 "they are sharded). Call it once with a batch before building the optimizer, or "
+                                 "pass example_inputs= to autoshard.compile.")
+        return super().parameters(recurse)
+
+    def communicator(self):
+        if self._comm is None:
+            from autoshard.runtime.comm import current
+
+            try:
+                self._comm = current()
+            except AutoshardError:
+                self._comm = None
+        if self._comm is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                if self.mesh.size != 1:
+                    raise MeshError(f"mesh {self.mesh} has {self.mesh.size} ranks, but torch.distributed is not "
+                                    "initialised. Launch with torchrun (and init_process_group), or run the plan "
+                                    "in the simulator (autoshard.runtime.SimWorld).")
+            from autoshard.runtime.dist import DistCommunicator
+
+            self._comm = DistCommunicator(self.mesh)
+        return self._comm
+
+    def forward(self, *args, **kwargs):
+        comm = self.communicator()
+        if self.plan is None:
+            gargs, gkwargs = self._global_examples(args, kwargs)
+            self.plan = build_plan(self._source[0], self.mesh, gargs, gkwargs, self.options)
+        if self.local is None:
+            self.local = self.plan.rank_module(comm.rank)
+            self._expected = self._expected_local_shapes()
+        self._check_inputs(args, kwargs)
+        from autoshard.runtime.comm import use
+
+        with use(comm):
+            return self.local(*args, **kwargs)
+
+    def _global_examples(self, args, kwargs):
+        n = self.mesh.axis_size(self.options.data_axis) if self.options.data_axis in self.mesh.names else 1
+
+        def grow(x):
+            if isinstance(x, torch.Tensor) and x.dim() >= 1:
+                return x.repeat(n, *([1] * (x.dim() - 1)))
+            return x
+
+        return pytree.tree_map(grow, tuple(args)), pytree.tree_map(grow, dict(kwargs))
+
+    def _expected_local_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        from autoshard import meta as M
+
+        out = []
+        for n in self.plan.graph_module.graph.nodes:
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
+                spec: Spec = n.meta[M.SPEC]
+                out.append((n.name, local_shape(n.meta["val"].shape, spec, self.mesh)))
+        return out
+
+    def _check_inputs(self, args, kwargs) -> None:
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if len(leaves) != len(self._expected):
+            return
+        for x, (name, want) in zip(leaves, self._expected):
+            if tuple(x.shape) != tuple(want):
+                raise RuntimeShapeError(
+                    f"input `{name}` has local shape {list(x.shape)}, but the plan was compiled for {list(want)} on "
+                    f"this rank. Shapes are static: pad or batch to the compiled shape, or compile a new "
+                    f"ShardedModule for the new shape.")

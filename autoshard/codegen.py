@@ -1,0 +1,158 @@
+"""Per-rank code generation: from the annotated global graph to one plain GraphModule per rank.
+
+The global graph (after propagation and collective insertion) says, for every node, its global shape and its
+spec. Localising it for rank ``r`` means:
+
+* shapes written into the code (``view``/``reshape``/``expand`` targets) become the local shapes of their outputs;
+* ops whose local form differs from their global one are rewritten by a handler in :data:`LOCALIZERS`
+  (a mean over a sharded dim divides by the *global* count; a bias added to a Partial output is added once;
+  a mean cross-entropy over a sharded batch divides by the global count of targets);
+* every ``get_attr`` holds rank ``r``'s shard of the original weight, copied (no full copy is kept).
+
+The result calls ``autoshard.runtime.collectives`` for communication, keeps the original calling convention
+(the exported pytree in/out specs), and prints as readable Python (``Plan.code(rank)``); the same plan always
+gives byte-identical code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from autoshard import meta as M
+from autoshard.graph_utils import tensor_inputs
+from autoshard.mesh import Mesh
+from autoshard.placements import Partial, Spec, local_shape, shard_tensor
+from autoshard.runtime import ops as runtime_ops
+from autoshard.trace import fetch_attr
+
+aten = torch.ops.aten
+
+Localizer = Callable[[torch.fx.Graph, torch.fx.Node, torch.fx.Node, Mesh, int], torch.fx.Node]
+LOCALIZERS: dict[object, Localizer] = {}
+
+
+def localizer(*ops):
+    def deco(fn: Localizer) -> Localizer:
+        for op in ops:
+            LOCALIZERS[op] = fn
+        return fn
+
+    return deco
+
+
+def _out_spec(old: torch.fx.Node) -> Spec:
+    return old.meta[M.SPEC]
+
+
+def _partial_axes(spec: Spec, mesh: Mesh) -> list[int]:
+    return [a for a, p in enumerate(spec) if isinstance(p, Partial)]
+
+
+@localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+def _local_shape_arg(graph, new, old, mesh, rank):
+    new.args = (new.args[0], list(local_shape(old.meta["val"].shape, _out_spec(old), mesh))) + tuple(new.args[2:])
+    return new
+
+
+@localizer(aten.mean.dim, aten.mean.default)
+def _mean(graph, new, old, mesh, rank):
+    # A mean over a sharded dim: the local mean divides by the local count; the partial sum must divide by the
+    # global one, so scale by local/global count of the reduced elements.
+    x = tensor_inputs(old)[0]
+    in_spec = old.meta[M.STRATEGY].input_specs[0]
+    ndim = x.meta["val"].dim()
+    dims = old.args[1] if old.target == aten.mean.dim and len(old.args) > 1 and old.args[1] else list(range(ndim))
+    dims = [d % ndim for d in dims]
+    gshape = x.meta["val"].shape
+    lshape = local_shape(gshape, in_spec, mesh)
+    ratio = math.prod(lshape[d] for d in dims) / math.prod(gshape[d] for d in dims)
+    if ratio == 1:
+        return new
+    with graph.inserting_after(new):
+        scaled = graph.call_function(aten.mul.Tensor, (new, ratio))
+    return scaled
+
+
+@localizer(aten.linear.default, aten.addmm.default, aten.baddbmm.default)
+def _bias_once(graph, new, old, mesh, rank):
+    # A bias added to a Partial output would be summed once per rank: keep it on coordinate 0 of every partial
+    # axis, zero elsewhere (multiplied, not dropped, so every rank's backward runs the same collectives).
+    axes = _partial_axes(_out_spec(old), mesh)
+    bias_pos = 2 if old.target == aten.linear.default else 0
+    if not axes or len(new.args) <= bias_pos or new.args[bias_pos] is None:
+        return new
+    coords = mesh.coords(rank)
+    keep = all(coords[mesh.names[a]] == 0 for a in axes)
+    with graph.inserting_before(new):
+        scaled = graph.call_function(aten.mul.Tensor, (new.args[bias_pos], 1.0 if keep else 0.0))
+    args = list(new.args)
+    args[bias_pos] = scaled
+    new.args = tuple(args)
+    return new
+
+
+@localizer(aten.cross_entropy_loss.default)
+def _cross_entropy(graph, new, old, mesh, rank):
+    spec = _out_spec(old)
+    axes = tuple(mesh.names[a] for a in _partial_axes(spec, mesh))
+    reduction = old.args[3] if len(old.args) > 3 else old.kwargs.get("reduction", 1)
+    if not axes or reduction != 1:
+        return new  # sum reduction is already a correct partial sum; 'none' has no reduction
+    a = list(new.args) + [None] * (6 - len(new.args))
+    weight = a[2] if a[2] is not None else new.kwargs.get("weight")
+    ignore = a[4] if len(old.args) > 4 else old.kwargs.get("ignore_index", -100)
+    smoothing = a[5] if len(old.args) > 5 else old.kwargs.get("label_smoothing", 0.0)
+    with graph.inserting_before(new):
+        repl = graph.call_function(runtime_ops.cross_entropy_partial_mean,
+                                   (a[0], a[1], weight, ignore, smoothing, axes))
+    repl.meta.update(new.meta)
+    new.replace_all_uses_with(repl)
+    graph.erase_node(new)
+    return repl
+
+
+def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.Module | None = None
+             ) -> torch.fx.GraphModule:
+    """Rank ``rank``'s GraphModule. ``weights`` holds the full parameters (default: ``gm`` itself)."""
+    weights = gm if weights is None else weights
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    attrs: dict[str, torch.Tensor] = {}
+    for old in gm.graph.nodes:
+        new = graph.node_copy(old, lambda n: env[n])
+        new.meta = {k: v for k, v in old.meta.items() if k != "val"}
+        if old.op == "get_attr":
+            attrs[old.target] = _local_attr(fetch_attr(weights, old.target), old.meta.get(M.SPEC), mesh, rank)
+        elif old.op == "call_function" and old.target in LOCALIZERS:
+            new = LOCALIZERS[old.target](graph, new, old, mesh, rank)
+        env[old] = new
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.lint()
+    out = torch.fx.GraphModule(attrs, graph, class_name=f"Rank{rank}Module")
+    for name in ("_in_spec", "_out_spec"):
+        if hasattr(gm, name):
+            setattr(out, name, getattr(gm, name))
+    return out
+
+
+def _local_attr(full, spec: Spec | None, mesh: Mesh, rank: int):
+    if not isinstance(full, torch.Tensor):
+        return full
+    local = full.detach() if spec is None else shard_tensor(full.detach(), spec, mesh, rank)
+    if isinstance(full, torch.nn.Parameter):
+        return torch.nn.Parameter(local.clone(), requires_grad=full.requires_grad)
+    return local.clone()
+
+
+def local_param_specs(gm: torch.fx.GraphModule) -> dict[str, Spec]:
+    """{parameter FQN: spec} of every get_attr tensor of the annotated global graph."""
+    return {n.meta.get(M.PARAM, n.target): n.meta[M.SPEC] for n in gm.graph.nodes
+            if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+

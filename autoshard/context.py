@@ -1,0 +1,38 @@
+"""What every pass receives besides the graph: the mesh, the user's options, and the report of decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoshard.mesh import Mesh
+from autoshard.placements import Spec
+
+
+@dataclass(frozen=True)
+class Options:
+    """User options of ``autoshard.compile`` that the passes read.
+
+    ``annotations`` maps glob patterns over parameter FQNs (or exact input names) to specs; later patterns
+    override earlier ones. ``data_axis`` is the axis the batch dim of inputs is sharded on by default.
+    """
+
+    annotations: tuple[tuple[str, Spec], ...] = ()
+    data_axis: str = "data"
+    on_unsupported: str = "error"  # error | replicate
+    on_indivisible: str = "error"  # error | replicate
+    output_keep_data_shard: bool = True
+
+
+@dataclass
+class Context:
+    mesh: Mesh
+    options: Options = field(default_factory=Options)
+    report: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        import warnings
+
+        self.warnings.append(message)
+        warnings.warn(message, stacklevel=3)

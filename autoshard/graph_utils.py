@@ -1,0 +1,40 @@
+"""Small helpers over FX nodes shared by the passes: tensor inputs in flat order, shapes, dtypes."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+
+def is_tensor_node(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's tensor-valued inputs, flattened from args then kwargs (the order rules index)."""
+    leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [x for x in leaves if is_tensor_node(x)]
+
+
+def out_vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def shape(node: torch.fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def itemsize(node: torch.fx.Node) -> int:
+    return node.meta["val"].element_size()
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

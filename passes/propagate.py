@@ -1,0 +1,184 @@
+"""Sharding propagation: give every tensor node a spec and every op a strategy.
+
+Inputs to the pass: user annotations on parameters (globs over FQNs) and inputs, plus the default that the
+batch dim (dim 0) of every input is sharded on the data axis. Parameters without annotation are *free*: the
+first op that consumes one fixes its layout to whatever that op's chosen strategy wants.
+
+The walk is greedy in topological order: for each op, every strategy the rule table allows
+(:func:`autoshard.strategies.strategies_for`) is priced by the communication bytes it causes — redistributing
+each input from its current spec to the spec the strategy needs (forward and backward,
+:mod:`autoshard.redistribute`), plus the backward all-reduce of replicated inputs feeding sharded work — and the
+cheapest wins (ties: rule order, which lists the all-replicated strategy first, so nothing is sharded
+without a reason). The backward all-reduce of *parameters* (data-parallel gradient sync) is not priced here: it
+is the price of data parallelism itself, and trading it against activation traffic op by op would undo the
+batch sharding the user asked for. The exact search of the cost models prices everything together. The chosen :class:`~autoshard.meta.Strategy`
+and a :class:`~autoshard.meta.Decision` (with the best rejected alternative) go into ``node.meta``. An exact,
+whole-graph search over the same strategies replaces this walk when a cost model is given (issue: auto plans).
+
+Entry point: :class:`Propagate` (``run(gm, ctx) -> gm``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from autoshard import meta as M
+from autoshard import redistribute, rules
+from autoshard.context import Context
+from autoshard.errors import PlanError, UnsupportedOpError, node_location
+from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
+from autoshard.placements import Replicate, Shard, check_spec, format_spec
+from autoshard.strategies import strategies_for
+
+@dataclass(frozen=True)
+class Propagate:
+    name: str = "propagate"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        mark_requires_grad(gm)
+        fixed = _seed_specs(gm, ctx)
+        decisions = 0
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if node.op == "output":
+                _require_outputs(node, ctx)
+                continue
+            if is_getitem(node):
+                src = node.args[0].meta[M.SPEC]
+                node.meta[M.SPEC] = src[node.args[1]] if isinstance(src, tuple) and src and isinstance(
+                    src[0], tuple) else src
+                continue
+            if node.op != "call_function":
+                raise UnsupportedOpError(f"{node_location(node)} is a {node.op} node, but autoshard only handles "
+                                         "aten call_function nodes after tracing.")
+            _choose(node, ctx, fixed)
+            decisions += 1
+        for node in gm.graph.nodes:  # parameters nobody consumed stay replicated
+            if node.op == "get_attr" and node.meta.get(M.SPEC) is None:
+                node.meta[M.SPEC] = (Replicate(),) * ctx.mesh.ndim
+        ctx.report[self.name] = {"ops": decisions}
+        return gm
+
+
+def mark_requires_grad(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "get_attr":
+            node.meta[M.REQUIRES_GRAD] = isinstance(val, torch.Tensor) and bool(val.requires_grad)
+        elif node.op == "placeholder":
+            node.meta[M.REQUIRES_GRAD] = isinstance(val, torch.Tensor) and bool(val.requires_grad)
+        elif node.op == "call_function":
+            vals = out_vals(node)
+            floating = any(v.dtype.is_floating_point or v.dtype.is_complex for v in vals)
+            node.meta[M.REQUIRES_GRAD] = floating and any(
+                x.meta.get(M.REQUIRES_GRAD, False) for x in tensor_inputs(node))
+
+
+def _seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
+    """Specs fixed before the walk: annotated parameters and every input. Returns the fixed nodes."""
+    mesh, opts = ctx.mesh, ctx.options
+    fixed: set[torch.fx.Node] = set()
+    params = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for pattern, spec in opts.annotations:
+        hits = [n for n in params if fnmatch.fnmatchcase(n.meta.get(M.PARAM, str(n.target)), pattern)]
+        hits += [n for n in inputs if n.name == pattern or n.target == pattern]
+        if not hits:
+            sample = ", ".join(n.meta.get(M.PARAM, str(n.target)) for n in params[:4])
+            raise PlanError(f"annotation {pattern!r} names no parameter or input of the model, but every "
+                            f"annotation must match at least one. Parameters look like: {sample}, ...; inputs are "
+                            f"{[n.name for n in inputs]}.")
+        for n in hits:
+            n.meta[M.SPEC] = check_spec(spec, shape(n), mesh, f"annotation {pattern!r} on `{n.name}`")
+            fixed.add(n)
+    for n in inputs:
+        if n in fixed or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        spec = [Replicate()] * mesh.ndim
+        s = shape(n)
+        if opts.data_axis in mesh.names and len(s) >= 1:
+            size = mesh.axis_size(opts.data_axis)
+            if s[0] % size == 0:
+                spec[mesh.index(opts.data_axis)] = Shard(0)
+            else:
+                ctx.warn(f"input `{n.name}` has batch size {s[0]}, not divisible by axis `{opts.data_axis}` of "
+                         f"size {size}: it is replicated on that axis (every rank passes the whole batch).")
+        n.meta[M.SPEC] = tuple(spec)
+        fixed.add(n)
+    return fixed
+
+
+def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node]) -> None:
+    mesh = ctx.mesh
+    inputs = tensor_inputs(node)
+    info = rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
+                        dict(node.kwargs))
+    rule = rules.rule_for(node.target)
+    if rule is None:
+        if ctx.options.on_unsupported != "replicate":
+            raise UnsupportedOpError(
+                f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Add a rule "
+                "for this op to autoshard/rules.py (RULES), or pass on_unsupported='replicate' to run it unsharded.")
+        ctx.warn(f"{node_location(node)} has no sharding rule: it runs replicated (on_unsupported='replicate').")
+        rule = rules.replicate_only
+    dm = rule(info)
+    candidates = strategies_for(dm, info.in_shapes, info.out_shapes, mesh)
+    scored = []
+    for strat in candidates:
+        cost = _price(node, inputs, strat, ctx, fixed)
+        if cost is not None:
+            scored.append((cost, strat))
+    if not scored:
+        specs = ", ".join(f"`{x.name}` {format_spec(x.meta.get(M.SPEC))}" for x in inputs)
+        raise PlanError(f"{node_location(node)} has inputs {specs}, but no strategy of its rule accepts them. "
+                        "Check the annotations feeding this op.")
+    scored.sort(key=lambda cs: cs[0])
+    best_cost, best = scored[0]
+    alt = next(((c, s) for c, s in scored[1:] if s.output_spec != best.output_spec), None)
+    for x, spec in zip(inputs, best.input_specs):
+        if x.meta.get(M.SPEC) is None:  # a free parameter takes the layout its first consumer wants
+            x.meta[M.SPEC] = spec
+    node.meta[M.STRATEGY] = best
+    node.meta[M.SPEC] = best.output_spec
+    node.meta[M.DECISION] = M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
+                                       "fewest bytes communicated")
+
+
+def _price(node, inputs, strat: M.Strategy, ctx: Context, fixed) -> float | None:
+    mesh = ctx.mesh
+    total = 0.0
+    for x, want, sync in zip(inputs, strat.input_specs, strat.grad_sync):
+        have = x.meta.get(M.SPEC)
+        rg = bool(x.meta.get(M.REQUIRES_GRAD))
+        if have is None:  # free parameter: any layout is free to choose
+            have = want
+        cost = redistribute.cost_bytes(have, want, shape(x), itemsize(x), mesh, rg)
+        if cost is None:
+            return None
+        total += cost
+        if rg and sync and x.op != "get_attr":
+            total += redistribute.grad_sync_bytes(want, sync, shape(x), itemsize(x), mesh)
+    return total
+
+
+def _require_outputs(node: torch.fx.Node, ctx: Context) -> None:
+    """Outputs leave replicated, except a batch shard on the data axis that stays local (as with DDP)."""
+    mesh, opts = ctx.mesh, ctx.options
+    wants = []
+    for x in tensor_inputs(node):
+        have = x.meta[M.SPEC]
+        want = []
+        for a, p in enumerate(have):
+            keep = (opts.output_keep_data_shard and mesh.names[a] == opts.data_axis and isinstance(p, Shard)
+                    and p.dim == 0)
+            want.append(p if keep else Replicate())
+        wants.append(tuple(want))
+    node.meta[M.STRATEGY] = M.Strategy(tuple(wants), (), tuple(() for _ in wants), "outputs")
+
+
+__all__ = ["Propagate", "mark_requires_grad"]
