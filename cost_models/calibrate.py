@@ -1,0 +1,352 @@
+"""Measure a hardware profile on the current machine (``autoshard calibrate``).
+
+:func:`measure` spawns ``world_size`` processes on 127.0.0.1 (``torch.multiprocessing``, a free port,
+``init_process_group(backend)``), and in them
+
+1. times all_reduce, all_gather and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
+   :mod:`autoshard.cost_models.comm`: the reduced tensor, the gathered output, the exchanged buffer), ``repeats``
+   calls back to back after a barrier, keeping the slowest rank's mean;
+2. times a 512×512 fp32 matmul (peak FLOP/s) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
+   once, so that ranks share the machine as they will in a run, and averages over ranks.
+
+The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`comm.model_coefficients`). For each
+collective, :func:`fit_line` fits ``time = intercept + slope·b`` and ``alpha = intercept / steps``,
+``beta = slope / wire`` (the per-collective rows of the table). The profile's link is one ``(alpha, beta)``
+fitted to all samples of all collectives at once with the same coefficients (:func:`fit_link`). Both fits are
+least squares on relative error, so that the small messages, which fix ``alpha``, weigh as much as the large ones.
+
+The whole run is bounded by ``timeout`` seconds; on a timeout or a failing rank every child is killed and an
+:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes about 10 s on 2 cores, most of
+it starting the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from autoshard.errors import AutoshardError, CollectiveTimeoutError
+
+from . import comm
+from .profile import HardwareProfile, LinkCost, save_profile
+
+__all__ = ["DEFAULT_SIZES", "COLLECTIVES", "CollectiveFit", "Calibration", "measure", "calibrate", "fit_line",
+           "fit_link", "format_calibration", "main"]
+
+#: Message sizes in bytes of the default run.
+DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "all_to_all")
+
+_MATMUL_N = 512
+_COPY_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Samples ``(bytes, seconds)`` of one collective and the alpha-beta fitted to them."""
+
+    kind: str
+    samples: tuple[tuple[int, float], ...]
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything one calibration run measured."""
+
+    world_size: int
+    backend: str
+    fits: tuple[CollectiveFit, ...]
+    link: LinkCost
+    peak_flops: float
+    mem_bandwidth: float
+    memory_bytes: int
+    seconds: float
+
+    def profile(self, name: str | None = None) -> HardwareProfile:
+        return HardwareProfile(
+            name=name or f"calibrated-{self.backend}",
+            description=f"measured by autoshard calibrate: {self.world_size} {self.backend} processes on "
+                        f"{socket.gethostname()}",
+            peak_flops=self.peak_flops,
+            mem_bandwidth=self.mem_bandwidth,
+            memory_bytes=self.memory_bytes,
+            overlap_comm=self.backend == "nccl",
+            link=self.link,
+        )
+
+
+# ---- fitting ---------------------------------------------------------------------------------------------
+def _relative_lstsq(rows: np.ndarray, times: np.ndarray) -> np.ndarray:
+    weights = 1.0 / times
+    solution, *_ = np.linalg.lstsq(rows * weights[:, None], times * weights, rcond=None)
+    return solution
+
+
+def fit_line(samples) -> tuple[float, float]:
+    """``(intercept, slope)`` of ``seconds = intercept + slope·bytes`` over ``(bytes, seconds)`` samples."""
+    xs = np.array([s[0] for s in samples], dtype=float)
+    ys = np.array([s[1] for s in samples], dtype=float)
+    if len(set(xs)) < 2:
+        raise AutoshardError(f"Calibration has samples at {len(set(xs))} message size(s), but fitting alpha and "
+                             "beta needs at least 2 distinct sizes.")
+    intercept, slope = _relative_lstsq(np.stack([np.ones_like(xs), xs], axis=1), ys)
+    return float(intercept), float(slope)
+
+
+def _checked(what: str, alpha: float, beta: float, samples) -> LinkCost:
+    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha > 0 and beta > 0):
+        raise AutoshardError(
+            f"Calibration of {what} fitted alpha={alpha:.3g} s and beta={beta:.3g} s/B, but both must be > 0: "
+            f"the times {[f'{t:.3g}' for _, t in samples]} s at sizes {[b for b, _ in samples]} B do not grow "
+            "linearly with size. Use a wider range of --sizes and more --repeats on a quiet machine.")
+    return LinkCost(alpha, beta)
+
+
+def fit_collective(kind: str, samples, world_size: int) -> CollectiveFit:
+    """Fit one collective's samples and divide out its model coefficients."""
+    intercept, slope = fit_line(samples)
+    steps, wire = comm.model_coefficients(kind, world_size)
+    link = _checked(kind, intercept / steps, slope / wire, samples)
+    return CollectiveFit(kind, tuple(samples), link.alpha, link.beta)
+
+
+def fit_link(samples_by_kind: dict[str, list[tuple[int, float]]], world_size: int) -> LinkCost:
+    """One ``(alpha, beta)`` for all collectives: least squares of ``steps_k·alpha + wire_k·b·beta``."""
+    rows, times = [], []
+    for kind, samples in samples_by_kind.items():
+        steps, wire = comm.model_coefficients(kind, world_size)
+        for nbytes, t in samples:
+            rows.append((steps, wire * nbytes))
+            times.append(t)
+    a, b = _relative_lstsq(np.array(rows, dtype=float), np.array(times, dtype=float))
+    return _checked("all collectives together", float(a), float(b),
+                    [s for samples in samples_by_kind.values() for s in samples])
+
+
+# ---- the worker processes --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_time(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn``, each started right after a barrier (the median shrugs off
+    the scheduler hiccups of a busy machine)."""
+    import torch.distributed as dist
+
+    for _ in range(2):  # warm up buffers, connections and caches
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _collective_call(kind: str, nbytes: int, world_size: int):
+    import torch.distributed as dist
+
+    numel = max(world_size, nbytes // 4 // world_size * world_size)  # even splits
+    if kind == "all_reduce":
+        t = torch.ones(numel)
+        return numel * 4, lambda: dist.all_reduce(t)
+    if kind == "all_gather":
+        out, inp = torch.empty(numel), torch.ones(numel // world_size)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return numel * 4, lambda: gather(out, inp)
+    out, inp = torch.empty(numel), torch.ones(numel)
+    return numel * 4, lambda: dist.all_to_all_single(out, inp)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[int, ...], repeats: int,
+            timeout: float, out_path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    try:
+        samples: dict[str, list[list[float]]] = {}
+        for kind in COLLECTIVES:
+            for size in sizes:
+                nbytes, fn = _collective_call(kind, size, world_size)
+                samples.setdefault(kind, []).append([nbytes, _median_time(fn, repeats)])
+        a, c = torch.randn(_MATMUL_N, _MATMUL_N), torch.empty(_MATMUL_N, _MATMUL_N)
+        matmul_s = _median_time(lambda: torch.mm(a, a, out=c), repeats)
+        src, dst = torch.ones(_COPY_BYTES // 4), torch.empty(_COPY_BYTES // 4)
+        copy_s = _median_time(lambda: dst.copy_(src), repeats)
+
+        times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+        rates = torch.tensor([2 * _MATMUL_N**3 / matmul_s, 2 * _COPY_BYTES / copy_s], dtype=torch.float64)
+        dist.all_reduce(rates)
+        rates /= world_size
+        if rank == 0:
+            flat = iter(times.tolist())
+            result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
+                      "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item()}
+            Path(out_path).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_workers(world_size: int, backend: str, sizes: tuple[int, ...], repeats: int, timeout: float) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="autoshard-calibrate-") as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        args = (world_size, _free_port(), backend, sizes, repeats, timeout, out_path)
+        ctx = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeoutError(
+                        f"Calibration with {world_size} {backend} processes did not finish within {timeout:g} s; "
+                        "its processes were killed. Raise --timeout or use smaller --sizes.")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            raise AutoshardError(f"Calibration rank {e.error_index} failed (exit code "
+                                 f"{getattr(e, 'exit_code', '?')}): {e}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        return json.loads(Path(out_path).read_text())
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def measure(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend: str = "gloo",
+            repeats: int = 10, timeout: float = 60.0) -> Calibration:
+    """Run the measurements described in the module docstring and fit them."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise AutoshardError(f"Calibration has world_size={world_size!r}, but needs at least 2 processes.")
+    if repeats < 1:
+        raise AutoshardError(f"Calibration has repeats={repeats!r}, but needs at least 1.")
+    sizes = tuple(sorted({int(s) for s in sizes}))
+    if len(sizes) < 2 or sizes[0] <= 0:
+        raise AutoshardError(f"Calibration has sizes={list(sizes)}, but needs at least 2 distinct positive sizes "
+                             "in bytes.")
+    start = time.monotonic()
+    raw = _run_workers(world_size, backend, sizes, repeats, timeout)
+    samples = {kind: [(int(nb), float(t)) for nb, t in raw["samples"][kind]] for kind in COLLECTIVES}
+    return Calibration(
+        world_size=world_size,
+        backend=backend,
+        fits=tuple(fit_collective(kind, samples[kind], world_size) for kind in COLLECTIVES),
+        link=fit_link(samples, world_size),
+        peak_flops=raw["peak_flops"],
+        mem_bandwidth=raw["mem_bandwidth"],
+        memory_bytes=_physical_memory() // world_size,
+        seconds=time.monotonic() - start,
+    )
+
+
+def calibrate(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend: str = "gloo",
+              repeats: int = 10, timeout: float = 60.0, name: str | None = None) -> HardwareProfile:
+    """A :class:`HardwareProfile` measured on this machine (see :func:`measure`)."""
+    return measure(world_size, sizes, backend, repeats, timeout).profile(name)
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+def _rows(cal: Calibration) -> list[tuple[str, str, str, str]]:
+    rows = [(f.kind, f"{f.alpha * 1e6:.3g}", f"{1 / f.beta / 1e9:.3g}",
+             ", ".join(f"{_human(b)}: {t * 1e6:.4g}" for b, t in f.samples)) for f in cal.fits]
+    rows.append(("link (joint fit)", f"{cal.link.alpha * 1e6:.3g}", f"{cal.link.bandwidth / 1e9:.3g}", ""))
+    return rows
+
+
+def _human(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return f"{nbytes}B"
+
+
+_HEADER = ("collective", "alpha (us)", "bandwidth (GB/s)", "time per size (us)")
+
+
+def format_calibration(cal: Calibration) -> str:
+    """Plain-text table of a calibration run (the CLI prints the same rows with rich)."""
+    rows = [_HEADER, *_rows(cal)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(f"peak {cal.peak_flops / 1e9:.3g} GFLOP/s, memory bandwidth {cal.mem_bandwidth / 1e9:.3g} GB/s, "
+                 f"memory {cal.memory_bytes / 2**30:.3g} GiB per rank ({cal.world_size} {cal.backend} ranks, "
+                 f"{cal.seconds:.1f} s)")
+    return "\n".join(lines)
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if scale != 1 else t
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a byte count such as 4096, 64K or 4M")
+    return int(digits) * scale
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``autoshard calibrate``: measure this machine, write the profile TOML, print the fit."""
+    parser = argparse.ArgumentParser(prog="autoshard calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", default="calibrated.toml", help="profile TOML to write")
+    parser.add_argument("--name", default=None, help="profile name (default: calibrated-<backend>)")
+    parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (default 2)")
+    parser.add_argument("--sizes", default=",".join(_human(s) for s in DEFAULT_SIZES),
+                        help="message sizes, comma-separated (e.g. 1K,16K,1M)")
+    parser.add_argument("--backend", default="gloo", help="torch.distributed backend (default gloo)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per size (default 10)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before the run is killed")
+    args = parser.parse_args(argv)
+    try:
+        sizes = tuple(_parse_size(s) for s in args.sizes.split(",") if s.strip())
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    try:
+        cal = measure(args.world_size, sizes, args.backend, args.repeats, args.timeout)
+    except AutoshardError as e:
+        print(f"autoshard calibrate: {e}", file=sys.stderr)
+        return 1
+    path = save_profile(cal.profile(args.name), args.output)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"alpha-beta fit, {cal.world_size} {cal.backend} ranks")
+    for h in _HEADER:
+        table.add_column(h)
+    for row in _rows(cal):
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(format_calibration(cal).splitlines()[-1])
+    console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

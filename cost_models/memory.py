@@ -1,0 +1,154 @@
+"""Per-rank memory: parameters, gradients, optimizer state and the activations kept for backward.
+
+Training state of ``p`` local parameter elements of ``dtype`` (:func:`training_state_bytes`)::
+
+    params    = p · itemsize(dtype)                                    param_bytes
+    grads     = p · itemsize(dtype)                                    grad_bytes
+    optimizer = sgd: 0 · sgd_momentum: params (one momentum buffer)    optimizer_state_bytes
+                adam / adamw: 2 · p · 4 (exp_avg and exp_avg_sq, fp32 whatever the parameter dtype)
+
+Activations (:func:`activation_bytes`) are a heuristic of what autograd saves between forward and backward: a
+node's output counts, at its local size, when
+
+- some user of it saves that input for its backward: contractions (mm, bmm, matmul, linear, einsum, conv, sdpa
+  save their operands), products and quotients (mul, div save both sides), nonlinear functions whose derivative
+  needs their input (gelu, silu, log, sin, layer_norm, rms_norm, the losses),
+  embedding (its indices); or
+- the node itself saves its output: relu, sigmoid, tanh, exp, softmax and log_softmax, sqrt and rsqrt, and the
+  attention ops (their output and log-sum-exp; for multi-output ops every output counts);
+- plus dropout's boolean mask (one byte per element) on top.
+
+Outputs read only by ops that save nothing (add, sub, views, reductions) are freed during the forward and do not
+count. Parameters (``get_attr`` nodes, nodes carrying ``autoshard.param``) and views of them count as parameters,
+not activations. Two views of one saved tensor both count (an over-estimate that keeps the rule local).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from autoshard import meta as M
+from autoshard.errors import PlanError
+
+from .compute import RULES, output_tensors
+
+__all__ = ["OPTIMIZERS", "dtype_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
+           "training_state_bytes", "activation_bytes", "SAVES_INPUTS", "SAVES_OUTPUT"]
+
+aten = torch.ops.aten
+
+#: Optimizer name → (state in units of parameter bytes, fp32 state elements per parameter).
+OPTIMIZERS: dict[str, tuple[int, int]] = {
+    "sgd": (0, 0),
+    "sgd_momentum": (1, 0),
+    "adam": (0, 2),
+    "adamw": (0, 2),
+}
+
+#: Ops → positions of the tensor arguments they save for backward.
+SAVES_INPUTS: dict[object, tuple[int, ...]] = {}
+for _op in (aten.mm, aten.bmm, aten.matmul, aten.linear, aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d,
+            aten.mul, aten.div, aten.pow, aten.maximum, aten.minimum, aten.atan2):
+    SAVES_INPUTS[_op] = (0, 1)
+for _op in (aten.addmm, aten.baddbmm):
+    SAVES_INPUTS[_op] = (1, 2)
+for _op in (aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_cudnn_attention):
+    SAVES_INPUTS[_op] = (0, 1, 2)
+for _op in (aten.gelu, aten.silu, aten.mish, aten.hardswish, aten.leaky_relu, aten.elu, aten.softplus, aten.log,
+            aten.sin, aten.cos, aten.abs, aten.reciprocal, aten.erf, aten.log_sigmoid, aten.where, aten.clamp,
+            aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten.group_norm, aten.batch_norm,
+            aten.native_batch_norm):
+    SAVES_INPUTS[_op] = (0,)
+for _op in (aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward, aten.mse_loss, aten.l1_loss,
+            aten.binary_cross_entropy_with_logits):
+    SAVES_INPUTS[_op] = (0, 1)
+SAVES_INPUTS[aten.embedding] = (1,)
+SAVES_INPUTS[aten.einsum] = ()  # operands come as one list argument; handled in _saved_inputs
+
+#: Ops that save their own output for backward.
+SAVES_OUTPUT: frozenset = frozenset({
+    aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.softmax, aten._softmax, aten.log_softmax,
+    aten._log_softmax, aten.sqrt, aten.rsqrt, aten.scaled_dot_product_attention,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_cudnn_attention,
+})
+
+_DROPOUT = frozenset({aten.dropout, aten.native_dropout, aten.feature_dropout})
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def param_bytes(local_numel: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``local_numel`` parameter elements on one rank."""
+    return int(local_numel) * dtype.itemsize
+
+
+def grad_bytes(local_numel: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the gradients of ``local_numel`` parameter elements (same dtype as the parameters)."""
+    return param_bytes(local_numel, dtype)
+
+
+def optimizer_state_bytes(param_bytes: int, optimizer: str = "adam", dtype: torch.dtype = torch.float32) -> int:
+    """Optimizer state for ``param_bytes`` bytes of parameters of ``dtype``: sgd 0, sgd_momentum 1×, adam/adamw
+    two fp32 moments per element (2× for fp32 parameters, 4× for bf16 ones)."""
+    key = optimizer.lower()
+    if key not in OPTIMIZERS:
+        raise PlanError(f"optimizer {optimizer!r} has no memory model; the known optimizers are "
+                        f"{sorted(OPTIMIZERS)}.")
+    same_dtype, fp32_moments = OPTIMIZERS[key]
+    numel = param_bytes // dtype.itemsize
+    return same_dtype * param_bytes + fp32_moments * numel * torch.float32.itemsize
+
+
+def training_state_bytes(local_numel: int, dtype: torch.dtype = torch.float32, optimizer: str = "adam") -> int:
+    """Parameters + gradients + optimizer state of ``local_numel`` parameter elements on one rank."""
+    p = param_bytes(local_numel, dtype)
+    return 2 * p + optimizer_state_bytes(p, optimizer, dtype)
+
+
+def _packet(node: Node):
+    if node.op != "call_function":
+        return None
+    return getattr(node.target, "overloadpacket", node.target)
+
+
+def _saved_inputs(user: Node) -> list:
+    op = _packet(user)
+    if op is aten.einsum:
+        return list(user.args[1]) if len(user.args) > 1 else []
+    positions = SAVES_INPUTS.get(op, ())
+    return [user.args[i] for i in positions if i < len(user.args)]
+
+
+def _is_param(node: Node) -> bool:
+    """A parameter or buffer, or a view of one (``t(weight)``, ``weight.view(...)``)."""
+    while True:
+        if node.op == "get_attr" or M.PARAM in node.meta:
+            return True
+        rule = RULES.get(_packet(node))
+        if rule is None or rule.bytes != "view" or not node.args or not isinstance(node.args[0], Node):
+            return False
+        node = node.args[0]
+
+
+def activation_bytes(node: Node, local_numel: int | None = None) -> int:
+    """Bytes of ``node``'s output that stay alive for the backward on one rank (the module docstring says which).
+
+    ``local_numel`` is the number of elements of the output a rank holds (the global numel when omitted).
+    """
+    tensors = output_tensors(node)
+    if not tensors or node.op == "output" or _is_param(node):
+        return 0
+    numel = sum(t.numel() for t in tensors) if local_numel is None else int(local_numel)
+    itemsize = tensors[0].dtype.itemsize
+    saved = _packet(node) in SAVES_OUTPUT or any(
+        any(x is node for x in _saved_inputs(u)) for u in node.users if u.op == "call_function")
+    total = numel * itemsize if saved else 0
+    if _packet(node) in _DROPOUT:
+        total += numel  # the boolean mask
+    return total

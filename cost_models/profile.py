@@ -1,0 +1,275 @@
+"""Hardware profiles: what the cost model needs to know about the machine, per rank.
+
+A :class:`HardwareProfile` holds the compute roofline of one rank (``peak_flops`` in FLOP/s for fp32,
+``mem_bandwidth`` in B/s), its memory (``memory_bytes``), whether communication overlaps compute
+(``overlap_comm``), and the alpha-beta cost of the links collectives run over: a default :class:`LinkCost` and
+optional per-axis overrides. A link costs ``alpha`` seconds per message step plus ``beta`` seconds per byte
+(``beta = 1 / bandwidth``); see :mod:`autoshard.cost_models.comm` for how the collectives use them.
+
+Per-axis overrides are ``(pattern, LinkCost)`` pairs tried in order; the first that matches an axis wins,
+the default link applies otherwise (:meth:`HardwareProfile.link_for`). A pattern is
+
+- an axis name (``"data"``) or a glob of names (``"data*"``, matched with :func:`fnmatch.fnmatchcase`);
+- ``"#i"``: the axis at mesh position ``i``, negative counting from the end (``"#0"`` is the outermost axis,
+  whose groups stride over the most ranks and, with the row-major rank layout of :class:`~autoshard.mesh.Mesh`,
+  are the ones that leave a node first; ``"#-1"`` is the innermost).
+
+Profiles are TOML files; the presets ship in ``cost_models/profiles/`` and load by name::
+
+    name = "cpu-gloo"
+    description = "..."
+    peak_flops = 5e10          # FLOP/s per rank (fp32)
+    mem_bandwidth = 1e10       # B/s per rank
+    memory_bytes = 8589934592  # per rank
+    overlap_comm = false
+
+    [link]                     # default link: alpha in s, and either beta in s/B or bandwidth in B/s
+    alpha = 5e-05
+    bandwidth = 2e9
+
+    [axes."#0"]                # optional overrides, tried in file order
+    alpha = 1e-05
+    bandwidth = 5e10
+
+:func:`load_profile` reads a preset name or a path, :func:`save_profile` writes one (by hand: ``tomllib`` only
+reads), :func:`list_profiles` names the presets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autoshard.errors import PlanError
+from autoshard.mesh import Mesh
+
+__all__ = ["LinkCost", "HardwareProfile", "PROFILES_DIR", "load_profile", "save_profile", "list_profiles",
+           "format_profile", "profile_to_toml", "profile_from_dict"]
+
+#: Where the preset profiles live (installed as package data).
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Alpha-beta cost of one link: ``alpha`` seconds per message step, ``beta`` seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        for what, v in (("alpha", self.alpha), ("beta", self.beta)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise PlanError(f"LinkCost has {what}={v!r}, but {what} is a finite number >= 0 "
+                                "(alpha in seconds, beta in seconds per byte).")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "beta", float(self.beta))
+
+    @classmethod
+    def from_bandwidth(cls, alpha: float, bandwidth: float) -> LinkCost:
+        """A link of ``bandwidth`` bytes per second and latency ``alpha`` seconds."""
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
+            raise PlanError(f"LinkCost has bandwidth={bandwidth!r}, but bandwidth is a number of bytes per "
+                            "second > 0.")
+        return cls(alpha, 1.0 / bandwidth)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second (``inf`` for a free link)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What one rank can do, and what its links cost. Numbers are per rank.
+
+    ``axes`` holds per-axis link overrides as ``(pattern, LinkCost)`` pairs tried in order (the constructor
+    also accepts a dict); it is a tuple so that profiles are hashable and can key caches.
+    """
+
+    name: str
+    peak_flops: float
+    mem_bandwidth: float
+    memory_bytes: int
+    overlap_comm: bool
+    link: LinkCost
+    axes: tuple[tuple[str, LinkCost], ...] = field(default=())
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for what in ("peak_flops", "mem_bandwidth", "memory_bytes"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise PlanError(f"Hardware profile `{self.name}` has {what}={v!r}, but {what} is a finite "
+                                "number > 0.")
+        if not isinstance(self.link, LinkCost):
+            raise PlanError(f"Hardware profile `{self.name}` has link={self.link!r}, but link is a LinkCost.")
+        axes = tuple(self.axes.items()) if isinstance(self.axes, Mapping) else tuple(self.axes)
+        for item in axes:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], LinkCost)):
+                raise PlanError(f"Hardware profile `{self.name}` has the axis override {item!r}, but overrides "
+                                "are (pattern, LinkCost) pairs such as ('data', LinkCost(1e-5, 2e-11)).")
+        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "peak_flops", float(self.peak_flops))
+        object.__setattr__(self, "mem_bandwidth", float(self.mem_bandwidth))
+        object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
+        object.__setattr__(self, "overlap_comm", bool(self.overlap_comm))
+
+    def link_for(self, axis_name: str, axis_index: int | None = None, mesh: Mesh | None = None) -> LinkCost:
+        """The link that collectives along mesh axis ``axis_name`` run over.
+
+        ``axis_index`` is the axis's position in the mesh (looked up in ``mesh`` when omitted); ``"#i"``
+        patterns need one of the two, name patterns need neither.
+        """
+        if axis_index is None and mesh is not None:
+            axis_index = mesh.index(axis_name)
+        ndim = mesh.ndim if mesh is not None else None
+        for pattern, link in self.axes:
+            if _matches(pattern, axis_name, axis_index, ndim):
+                return link
+        return self.link
+
+
+def _matches(pattern: str, axis_name: str, axis_index: int | None, ndim: int | None) -> bool:
+    if not pattern.startswith("#"):
+        return fnmatch.fnmatchcase(axis_name, pattern)
+    try:
+        want = int(pattern[1:])
+    except ValueError:
+        raise PlanError(f"Axis pattern {pattern!r} starts with '#', but '#' patterns are a mesh position such as "
+                        "'#0' (outermost) or '#-1' (innermost).") from None
+    if axis_index is None:
+        return False
+    if want < 0:
+        if ndim is None:
+            return False
+        want += ndim
+    return want == axis_index
+
+
+# ---- TOML ------------------------------------------------------------------------------------------------
+def list_profiles() -> list[str]:
+    """Names of the preset profiles, sorted."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A preset by name (``"cpu-gloo"``) or a profile TOML file by path. Raises PlanError."""
+    text = str(name_or_path)
+    path = Path(text)
+    # A bare word is a preset name; anything with a directory part or a .toml suffix is a path.
+    if isinstance(name_or_path, str) and path.name == text and path.suffix != ".toml":
+        path = PROFILES_DIR / f"{text}.toml"
+        if not path.is_file():
+            raise PlanError(f"Hardware profile `{text}` is unknown; the presets are {list_profiles()}. "
+                            "Pass one of them or the path of a profile TOML file (see `autoshard calibrate`).")
+    if not path.is_file():
+        raise PlanError(f"Hardware profile file {str(path)!r} does not exist; the presets are "
+                        f"{list_profiles()}.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise PlanError(f"Hardware profile file {str(path)!r} is not valid TOML: {e}.") from None
+    return profile_from_dict(data, source=str(path))
+
+
+def profile_from_dict(data: Mapping, source: str = "<dict>") -> HardwareProfile:
+    """Build a profile from the parsed TOML layout described in the module docstring."""
+    required = ("name", "peak_flops", "mem_bandwidth", "memory_bytes", "link")
+    known = set(required) | {"overlap_comm", "axes", "description"}
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise PlanError(f"Hardware profile {source} has no {missing}, but needs {list(required)}.")
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanError(f"Hardware profile {source} has the unknown keys {unknown}; known keys are {sorted(known)}.")
+    axes = data.get("axes", {})
+    if not isinstance(axes, Mapping):
+        raise PlanError(f"Hardware profile {source} has axes={axes!r}, but axes is a table of tables, "
+                        'e.g. [axes."data"] alpha = 1e-5 bandwidth = 5e10.')
+    return HardwareProfile(
+        name=data["name"],
+        description=data.get("description", ""),
+        peak_flops=data["peak_flops"],
+        mem_bandwidth=data["mem_bandwidth"],
+        memory_bytes=data["memory_bytes"],
+        overlap_comm=data.get("overlap_comm", False),
+        link=_link_from_dict(data["link"], f"{source} [link]"),
+        axes=tuple((str(k), _link_from_dict(v, f'{source} [axes."{k}"]')) for k, v in axes.items()),
+    )
+
+
+def _link_from_dict(d, where: str) -> LinkCost:
+    if not isinstance(d, Mapping):
+        raise PlanError(f"Hardware profile {where} is {d!r}, but a link is a table with alpha and beta or bandwidth.")
+    unknown = sorted(set(d) - {"alpha", "beta", "bandwidth"})
+    if unknown:
+        raise PlanError(f"Hardware profile {where} has the unknown keys {unknown}; a link has alpha and either "
+                        "beta (s/B) or bandwidth (B/s).")
+    if "alpha" not in d or ("beta" in d) == ("bandwidth" in d):
+        raise PlanError(f"Hardware profile {where} has keys {sorted(d)}, but a link has alpha and exactly one of "
+                        "beta (s/B) or bandwidth (B/s).")
+    if "beta" in d:
+        return LinkCost(d["alpha"], d["beta"])
+    return LinkCost.from_bandwidth(d["alpha"], d["bandwidth"])
+
+
+def _toml_str(s: str) -> str:
+    # JSON string escapes (\", \\, \n, \uXXXX with ensure_ascii) are all valid in TOML basic strings.
+    return json.dumps(s, ensure_ascii=True)
+
+
+def _toml_float(x: float) -> str:
+    # repr round-trips exactly; TOML accepts the same spelling, including inf and exponents like 1e-09.
+    r = repr(float(x))
+    return r if ("." in r or "e" in r or "n" in r) else r + ".0"
+
+
+def _link_lines(link: LinkCost) -> list[str]:
+    return [f"alpha = {_toml_float(link.alpha)}",
+            f"beta = {_toml_float(link.beta)}  # {link.bandwidth / 1e9:.4g} GB/s"]
+
+
+def profile_to_toml(profile: HardwareProfile) -> str:
+    """The TOML text of ``profile`` (what :func:`save_profile` writes; :func:`load_profile` reads it back)."""
+    lines = [
+        f"name = {_toml_str(profile.name)}",
+        f"description = {_toml_str(profile.description)}",
+        f"peak_flops = {_toml_float(profile.peak_flops)}  # FLOP/s per rank, fp32",
+        f"mem_bandwidth = {_toml_float(profile.mem_bandwidth)}  # B/s per rank",
+        f"memory_bytes = {profile.memory_bytes}  # {profile.memory_bytes / 2**30:.4g} GiB per rank",
+        f"overlap_comm = {'true' if profile.overlap_comm else 'false'}",
+        "",
+        "[link]",
+        *_link_lines(profile.link),
+    ]
+    for pattern, link in profile.axes:
+        lines += ["", f"[axes.{_toml_str(pattern)}]", *_link_lines(link)]
+    return "\n".join(lines) + "\n"
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    """Write ``profile`` as TOML to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile_to_toml(profile))
+    return path
+
+
+def format_profile(profile: HardwareProfile) -> str:
+    """A short plain-text summary of a profile (for reports and the CLI)."""
+    def link(lc: LinkCost) -> str:
+        return f"alpha={lc.alpha * 1e6:.3g} us, bandwidth={lc.bandwidth / 1e9:.4g} GB/s"
+
+    out = [f"profile {profile.name}: peak {profile.peak_flops / 1e12:.4g} TFLOP/s, memory bandwidth "
+           f"{profile.mem_bandwidth / 1e9:.4g} GB/s, memory {profile.memory_bytes / 2**30:.4g} GiB per rank, "
+           f"overlap_comm={profile.overlap_comm}",
+           f"  link (default): {link(profile.link)}"]
+    out += [f"  link axes {pattern!r}: {link(lc)}" for pattern, lc in profile.axes]
+    return "\n".join(out)
