@@ -1,0 +1,43 @@
+"""autoshard's runtime: what per-rank code needs to communicate, independent of the compiler.
+
+* :mod:`.comm` — the :class:`Communicator` interface, :func:`use` / :func:`current` (the communicator of the
+  calling thread) and the :class:`CollectiveRecord` log;
+* :mod:`.collectives` — autograd-aware collectives that generated rank modules call;
+* :mod:`.sim` — :class:`SimWorld`, every rank in one process (one thread per rank);
+* :mod:`.dist` — :class:`DistCommunicator` over ``torch.distributed`` (gloo, NCCL);
+* :mod:`.launch` — :func:`spawn`, N local processes with a process group, bounded in time.
+
+Nothing here imports the compiler (``autoshard.passes``, codegen): the runtime only needs a :class:`Mesh`.
+"""
+
+from autoshard.runtime.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    collective_counts,
+    grad_all_reduce,
+    local_slice,
+    reduce_scatter,
+)
+from autoshard.runtime.comm import CollectiveRecord, Communicator, current, use
+from autoshard.runtime.dist import DistCommunicator
+from autoshard.runtime.launch import spawn
+from autoshard.runtime.sim import SimCommunicator, SimWorld
+
+__all__ = [
+    "CollectiveRecord",
+    "Communicator",
+    "current",
+    "use",
+    "SimWorld",
+    "SimCommunicator",
+    "DistCommunicator",
+    "spawn",
+    "all_reduce",
+    "grad_all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "local_slice",
+    "collective_counts",
+]

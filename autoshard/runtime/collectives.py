@@ -1,0 +1,187 @@
+"""Autograd-aware collectives: the functions generated rank modules call, one per redistribution.
+
+Each is a plain module-level function of a tensor and simple arguments (axis names as ``str``, dims as ``int``,
+``axes`` as a tuple of ``str``), so FX graphs call it as a ``call_function`` node. Each looks up the calling
+thread's communicator with :func:`~autoshard.runtime.comm.current` once, at forward time, and its backward uses
+that same communicator (backward may run after the ``use`` block has ended). Backward collectives are recorded
+with ``phase="backward"``.
+
+The gradient convention (DESIGN.md, "Gradients"): the gradient of a *replicated* tensor is complete on every
+rank, the gradient of a *sharded* tensor is this rank's slice, the gradient of a *partial* tensor is the full
+gradient of the sum. Hence each backward is the conjugate of its forward:
+
+=====================  ===============================  =========================================
+function               forward                          backward
+=====================  ===============================  =========================================
+``all_reduce``         Partial → Replicate (sum)        identity
+``grad_all_reduce``    identity (Megatron's *f*)        sum-all-reduce over each axis in ``axes``
+``all_gather``         Shard(dim) → Replicate           keep this rank's slice (no communication)
+``reduce_scatter``     Partial → Shard(dim)             all-gather along ``dim``
+``all_to_all``         Shard(cat_dim) → Shard(split)    the inverse all-to-all
+``local_slice``        Replicate → Shard(dim), no comm  all-gather along ``dim``
+=====================  ===============================  =========================================
+
+Backwards are ``once_differentiable``: their collectives are raw, so double backward raises instead of silently
+losing terms.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime.comm import PHASES, CollectiveRecord, Communicator, current
+
+__all__ = ["all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_slice",
+           "collective_counts"]
+
+
+def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """This rank's contiguous chunk of ``t`` along ``dim`` (a view)."""
+    dim = comm._dim(t, dim, "local_slice", axis, divisible=True)
+    size = t.shape[dim] // comm.axis_size(axis)
+    return t.narrow(dim, comm.axis_index(axis) * size, size)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str):
+        return comm.all_reduce(x, axis)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axes: tuple[str, ...]):
+        ctx.comm, ctx.axes = comm, axes
+        # A view, not a copy: free, and autograd refuses in-place ops on it rather than computing wrong grads.
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        for axis in ctx.axes:
+            grad = ctx.comm.all_reduce(grad, axis, phase="backward")
+        return grad, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str, dim: int):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return comm.all_gather(x, axis, dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return _chunk(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str, dim: int):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return comm.reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, ctx.axis, ctx.dim, phase="backward"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str, split_dim: int, cat_dim: int):
+        ctx.comm, ctx.axis, ctx.split_dim, ctx.cat_dim = comm, axis, split_dim, cat_dim
+        return comm.all_to_all(x, axis, split_dim, cat_dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        out = ctx.comm.all_to_all(grad, ctx.axis, split_dim=ctx.cat_dim, cat_dim=ctx.split_dim, phase="backward")
+        return out, None, None, None, None
+
+
+class _LocalSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str, dim: int):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        # A copy: the shard is a new local tensor, so later in-place ops on it must not touch the replica.
+        return _chunk(comm, x, axis, dim).clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, ctx.axis, ctx.dim, phase="backward"), None, None, None
+
+
+def _tensor(x, fn: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise AutoshardError(f"autoshard.runtime.{fn} got a {type(x).__name__}, but takes a torch.Tensor.")
+    return x
+
+
+def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Partial → Replicate on ``axis``: sum over the group. Backward: identity."""
+    comm = current()
+    return _AllReduce.apply(_tensor(x, "all_reduce"), comm, comm._axis(axis))
+
+
+def grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over each axis of ``axes`` in order (Megatron's *f*)."""
+    comm = current()
+    if isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(comm._axis(a) for a in axes)
+    return _GradAllReduce.apply(_tensor(x, "grad_all_reduce"), comm, axes)
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """Shard(dim) → Replicate on ``axis``. Backward: this rank's slice of the (complete) gradient."""
+    comm = current()
+    x = _tensor(x, "all_gather")
+    return _AllGather.apply(x, comm, comm._axis(axis), _norm_dim(x, dim))
+
+
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """Partial → Shard(dim) on ``axis``. Backward: all-gather of the gradient along ``dim``."""
+    comm = current()
+    x = _tensor(x, "reduce_scatter")
+    return _ReduceScatter.apply(x, comm, comm._axis(axis), _norm_dim(x, dim))
+
+
+def all_to_all(x: torch.Tensor, axis: str, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Shard(cat_dim) → Shard(split_dim) on ``axis``. Backward: the inverse all-to-all."""
+    comm = current()
+    x = _tensor(x, "all_to_all")
+    return _AllToAll.apply(x, comm, comm._axis(axis), _norm_dim(x, split_dim), _norm_dim(x, cat_dim))
+
+
+def local_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """Replicate → Shard(dim) on ``axis`` without communication. Backward: all-gather of the gradient."""
+    comm = current()
+    x = _tensor(x, "local_slice")
+    return _LocalSlice.apply(x, comm, comm._axis(axis), _norm_dim(x, dim))
+
+
+def _norm_dim(x: torch.Tensor, dim: int) -> int:
+    # Backward gradients have the forward's rank, so a negative dim would mean the same; normalising once keeps
+    # the backward independent of that. Out-of-range dims are left for the communicator's error message.
+    if isinstance(dim, int) and not isinstance(dim, bool) and x.dim() and -x.dim() <= dim < 0:
+        return dim + x.dim()
+    return dim
+
+
+def collective_counts(log: Iterable[CollectiveRecord], phase: str | None = None) -> Counter:
+    """``Counter`` of ``(kind, axis)`` over ``log``, optionally only records of one ``phase``."""
+    if phase is not None and phase not in PHASES:
+        raise AutoshardError(f"collective_counts got phase={phase!r}, but phase is None, 'forward' or 'backward'.")
+    return Counter((r.kind, r.axis) for r in log if phase is None or r.phase == phase)

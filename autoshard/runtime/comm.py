@@ -1,0 +1,260 @@
+"""The communicator interface that per-rank code talks to, and the "current communicator" of a thread.
+
+Generated rank modules never see a process group. They call the autograd collectives of
+:mod:`autoshard.runtime.collectives`, which look up the communicator of the calling thread with :func:`current`
+(set by :func:`use`) and call its *raw* collectives. Two implementations exist: the in-process simulator
+(:mod:`autoshard.runtime.sim`, one thread per rank) and ``torch.distributed`` (:mod:`autoshard.runtime.dist`).
+
+Every raw collective takes a mesh axis *name* and works inside the group of ranks that share every other
+coordinate with this rank (``Mesh.group_of``); within a group, coordinate ``i`` on the axis holds chunk ``i``
+of a sharded dimension (chunks are contiguous and even, which the compiler guarantees; the communicator still
+checks divisibility and raises :class:`~autoshard.errors.RuntimeShapeError`). Every call appends one
+:class:`CollectiveRecord` to ``comm.log``, so tests and the CLI can count the collectives a plan really runs::
+
+    >>> world = SimWorld(Mesh(x=2))
+    >>> world.run(lambda r: current().all_reduce(torch.ones(3), "x"))
+    [tensor([2., 2., 2.]), tensor([2., 2., 2.])]
+    >>> world.communicator(0).log
+    [CollectiveRecord(kind='all_reduce', axis='x', numel=3, dtype=torch.float32, phase='forward')]
+
+The base class validates arguments, normalises dims, makes inputs contiguous and records; subclasses implement
+the ``_all_reduce`` ... ``_recv`` hooks on already-validated, detached, contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from autoshard.errors import AutoshardError, RuntimeShapeError
+from autoshard.mesh import Mesh, as_mesh
+
+__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "use", "current", "p2p_axis"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as this rank executed it. ``numel`` counts the elements of this rank's *input*."""
+
+    kind: str
+    axis: str
+    numel: int
+    dtype: torch.dtype
+    phase: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def p2p_axis(mesh: Mesh, a: int, b: int) -> str:
+    """The axis name recorded for a send/recv between ranks ``a`` and ``b``: the axes whose coordinates differ,
+    joined by ``+`` (a pipeline axis gives just its name; ``""`` when ``a == b``)."""
+    ca, cb = mesh.coords(a), mesh.coords(b)
+    return "+".join(n for n in mesh.names if ca[n] != cb[n])
+
+
+class Communicator(abc.ABC):
+    """One rank's view of the mesh: its coordinates, its groups, and the collectives over them.
+
+    Attributes: ``mesh``, ``rank``, ``log`` (list of :class:`CollectiveRecord`), ``timeout`` (seconds a
+    collective may wait for its peers), ``recording`` (set False to stop appending to ``log`` in long runs).
+    """
+
+    def __init__(self, mesh: Mesh, rank: int, timeout: float):
+        self.mesh = as_mesh(mesh)
+        self.mesh._check_rank(rank)
+        if not timeout > 0:
+            raise AutoshardError(f"communicator timeout is {timeout!r}, but must be a positive number of seconds.")
+        self.rank = rank
+        self.timeout = float(timeout)
+        self.log: list[CollectiveRecord] = []
+        self.recording = True
+        self._coords = self.mesh.coords(rank)
+
+    # ---- coordinates ------------------------------------------------------------------------------------
+    def axis_index(self, axis: str | int) -> int:
+        """This rank's coordinate on ``axis``."""
+        return self._coords[self._axis(axis)]
+
+    def axis_size(self, axis: str | int) -> int:
+        return self.mesh.axis_size(self._axis(axis))
+
+    def group(self, axis: str | int) -> tuple[int, ...]:
+        """The global ranks of this rank's group along ``axis``, in coordinate order."""
+        return self.mesh.group_of(self.rank, self._axis(axis))
+
+    # ---- raw collectives (no autograd) ------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
+        """Sum of ``t`` over the group along ``axis`` (every rank gets the same new tensor)."""
+        axis, t = self._axis(axis), self._input(t, "all_reduce")
+        out = self._all_reduce(t, axis)
+        self._record("all_reduce", axis, t, phase)
+        return out
+
+    def all_gather(self, t: torch.Tensor, axis: str, dim: int, phase: str = "forward") -> torch.Tensor:
+        """Concatenation along ``dim`` of every group member's ``t``, in axis-coordinate order."""
+        axis, t = self._axis(axis), self._input(t, "all_gather")
+        dim = self._dim(t, dim, "all_gather", axis)
+        out = self._all_gather(t, axis, dim)
+        self._record("all_gather", axis, t, phase)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, axis: str, dim: int, phase: str = "forward") -> torch.Tensor:
+        """Sum over the group, then this rank's contiguous chunk along ``dim`` (chunk i on coordinate i)."""
+        axis, t = self._axis(axis), self._input(t, "reduce_scatter")
+        dim = self._dim(t, dim, "reduce_scatter", axis, divisible=True)
+        out = self._reduce_scatter(t, axis, dim)
+        self._record("reduce_scatter", axis, t, phase)
+        return out
+
+    def all_to_all(self, t: torch.Tensor, axis: str, split_dim: int, cat_dim: int,
+                   phase: str = "forward") -> torch.Tensor:
+        """Chunk ``t`` along ``split_dim`` into n pieces, send piece j to coordinate j, concatenate the received
+        pieces along ``cat_dim`` in coordinate order. Shard(i) → Shard(j) is ``all_to_all(t, axis, j, i)``."""
+        axis, t = self._axis(axis), self._input(t, "all_to_all")
+        split_dim = self._dim(t, split_dim, "all_to_all", axis, divisible=True)
+        cat_dim = self._dim(t, cat_dim, "all_to_all", axis)
+        out = self._all_to_all(t, axis, split_dim, cat_dim)
+        self._record("all_to_all", axis, t, phase)
+        return out
+
+    def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, phase: str = "forward") -> torch.Tensor:
+        """The ``t`` of the group member at coordinate ``src`` on ``axis``, on every member (a new tensor)."""
+        axis, t = self._axis(axis), self._input(t, "broadcast")
+        n = self.mesh.axis_size(axis)
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+            raise AutoshardError(f"broadcast on axis `{axis}` has src={src!r}, but src is a coordinate on the "
+                                 f"axis, an int in [0, {n - 1}].")
+        out = self._broadcast(t, axis, src)
+        self._record("broadcast", axis, t, phase)
+        return out
+
+    def send(self, t: torch.Tensor, dst_rank: int, phase: str = "forward") -> None:
+        """Point-to-point send of ``t`` to global rank ``dst_rank`` (matched by a ``recv`` there)."""
+        t = self._input(t, "send")
+        self._peer(dst_rank, "send")
+        self._send(t, dst_rank)
+        self._record("send", p2p_axis(self.mesh, self.rank, dst_rank), t, phase)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src_rank: int, phase: str = "forward") -> torch.Tensor:
+        """Receive a tensor of ``shape`` and ``dtype`` sent by global rank ``src_rank``."""
+        self._peer(src_rank, "recv")
+        shape = torch.Size(shape)
+        out = self._recv(shape, dtype, src_rank)
+        self._record("recv", p2p_axis(self.mesh, self.rank, src_rank), out, phase)
+        return out
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank of the mesh reaches the barrier."""
+
+    # ---- hooks for implementations ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _all_reduce(self, t: torch.Tensor, axis: str) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_gather(self, t: torch.Tensor, axis: str, dim: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor, axis: str, dim: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, t: torch.Tensor, axis: str, split_dim: int, cat_dim: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, t: torch.Tensor, axis: str, src: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _send(self, t: torch.Tensor, dst_rank: int) -> None: ...
+
+    @abc.abstractmethod
+    def _recv(self, shape: torch.Size, dtype: torch.dtype, src_rank: int) -> torch.Tensor: ...
+
+    # ---- validation -------------------------------------------------------------------------------------
+    def _axis(self, axis: str | int) -> str:
+        return self.mesh.names[self.mesh.index(axis)]
+
+    def _input(self, t, kind: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise AutoshardError(f"{kind} on rank {self.rank} got a {type(t).__name__}, but takes a torch.Tensor.")
+        return t.detach().contiguous()
+
+    def _dim(self, t: torch.Tensor, dim: int, kind: str, axis: str, divisible: bool = False) -> int:
+        nd = t.dim()
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -nd <= dim < max(nd, 1):
+            raise RuntimeShapeError(f"{kind} on axis `{axis}` got dim={dim!r}, but the tensor of rank {self.rank} "
+                                    f"has shape {list(t.shape)}: use a dim in [{-nd}, {nd - 1}].")
+        if nd == 0:
+            raise RuntimeShapeError(f"{kind} on axis `{axis}` got a 0-dim tensor on rank {self.rank}, but needs "
+                                    "a tensor with at least one dimension.")
+        dim %= nd
+        n = self.mesh.axis_size(axis)
+        if divisible and t.shape[dim] % n:
+            raise RuntimeShapeError(f"{kind} on axis `{axis}` of size {n} splits dim {dim} of shape "
+                                    f"{list(t.shape)} on rank {self.rank}, but {t.shape[dim]} is not divisible by "
+                                    f"{n}: the plan must only split dims divisible by the axis size.")
+        return dim
+
+    def _peer(self, peer: int, kind: str) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.mesh.size:
+            raise AutoshardError(f"{kind} on rank {self.rank} names peer rank {peer!r}, but mesh {self.mesh} has "
+                                 f"ranks 0..{self.mesh.size - 1}.")
+        if peer == self.rank:
+            raise AutoshardError(f"{kind} on rank {self.rank} names itself as the peer, but point-to-point "
+                                 "transfers need two different ranks.")
+
+    def _record(self, kind: str, axis: str, t: torch.Tensor, phase: str) -> None:
+        if phase not in PHASES:
+            raise AutoshardError(f"{kind} got phase={phase!r}, but phase is 'forward' or 'backward'.")
+        if self.recording:
+            self.log.append(CollectiveRecord(kind, axis, t.numel(), t.dtype, phase))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mesh={self.mesh}, rank={self.rank})"
+
+
+# ---- the current communicator of a thread -----------------------------------------------------------------
+_local = threading.local()
+
+
+def _stack() -> list[Communicator]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+@contextmanager
+def use(comm: Communicator) -> Iterator[Communicator]:
+    """Make ``comm`` the communicator of the calling thread inside the ``with`` block (nestable)."""
+    if not isinstance(comm, Communicator):
+        raise AutoshardError(f"use() got a {type(comm).__name__}, but needs an autoshard.runtime Communicator "
+                             "(SimWorld(mesh).communicator(rank) or DistCommunicator(mesh)).")
+    stack = _stack()
+    stack.append(comm)
+    try:
+        yield comm
+    finally:
+        stack.pop()
+
+
+def current() -> Communicator:
+    """The communicator set by the innermost :func:`use` of the calling thread."""
+    stack = _stack()
+    if not stack:
+        raise AutoshardError("no communicator is active: run the rank module under autoshard.runtime.use(comm) "
+                             "or through a ShardedModule / simulator (SimWorld.run).")
+    return stack[-1]

@@ -1,0 +1,193 @@
+"""The ``torch.distributed`` communicator: one real process per rank (gloo on CPU, NCCL on GPUs).
+
+:class:`DistCommunicator` maps each mesh axis to process groups: by default it calls ``dist.new_group`` for every
+group of every axis (``Mesh.groups``, the same order on every rank, as ``new_group`` requires) and keeps the
+groups that contain this rank; a ``DeviceMesh`` with the same axes may be passed instead and its
+``get_group(axis)`` is used. Ranks are laid out row-major (``Mesh``), so group rank ``i`` is axis coordinate
+``i``.
+
+Which collectives are native. The tensor-form collectives (``all_gather_single``, ``reduce_scatter_single``,
+formerly ``all_gather_into_tensor``/``reduce_scatter_tensor``, and ``all_to_all_single``) work along dim 0
+only; other dims are handled by stacking the chunks along a new leading dim first and concatenating the result
+along the wanted dim. NCCL and, on torch
+2.13, gloo support all three natively for every dtype autoshard uses (checked on CPU for float32/64, bfloat16,
+float16, int8/32/64, uint8 and bool). For any other backend (``mpi``, ``ucc``, third-party) the communicator
+falls back to what every backend has and still records the *logical* collective once:
+
+* ``all_gather``     → ``dist.all_gather`` into a list, then ``torch.cat``;
+* ``reduce_scatter`` → ``dist.all_reduce``, then keep this rank's chunk (twice the traffic, same values);
+* ``all_to_all``     → ``dist.all_gather`` of every rank's pieces, then keep the pieces addressed to this rank.
+
+``native_ops`` overrides the choice (tests run the fallbacks on gloo with ``native_ops=()``).
+
+Timeouts. ``timeout`` is passed to every ``new_group``; on gloo it bounds each collective on that group (a
+peer that never arrives gives ``"Timed out waiting ... for recv"`` after ``timeout`` seconds, which this module
+re-raises as :class:`~autoshard.errors.CollectiveTimeoutError`). Point-to-point ops and ``barrier`` run on the
+default group, whose timeout is ``init_process_group(timeout=...)``; :func:`autoshard.runtime.launch.spawn` sets
+it from its own ``timeout``. With NCCL, timeouts are enforced by the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``)
+rather than raised from the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from autoshard.errors import CollectiveTimeoutError, MeshError
+from autoshard.mesh import Mesh, as_mesh
+from autoshard.runtime.comm import Communicator
+
+__all__ = ["DistCommunicator", "NATIVE_OPS"]
+
+_ALL = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+# Collectives called natively per backend (all_reduce, broadcast, send/recv are native everywhere).
+NATIVE_OPS: dict[str, frozenset[str]] = {"nccl": _ALL, "gloo": _ALL, "mpi": frozenset({"all_to_all"})}
+
+# torch 2.13 renamed the tensor-form collectives (the old names still work but warn on every call).
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class DistCommunicator(Communicator):
+    """This process's rank of ``mesh`` over the initialised default process group.
+
+    ``timeout`` (seconds) is given to every process group created here. ``native_ops``: which of
+    ``all_gather``, ``reduce_scatter``, ``all_to_all`` to call natively (default: :data:`NATIVE_OPS` of the
+    backend).
+    """
+
+    def __init__(self, mesh: Mesh, device_mesh=None, timeout: float = 300.0,
+                 native_ops: Collection[str] | None = None):
+        mesh = as_mesh(mesh)
+        if not dist.is_available() or not dist.is_initialized():
+            raise MeshError(f"DistCommunicator for mesh {mesh} needs torch.distributed, but no process group is "
+                            "initialised: call torch.distributed.init_process_group(...) in every process first "
+                            "(torchrun does it from its environment), or use autoshard.runtime.launch.spawn.")
+        world = dist.get_world_size()
+        if world != mesh.size:
+            raise MeshError(f"mesh {mesh} has {mesh.size} ranks, but the process group has world size {world}: "
+                            f"launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or use a mesh "
+                            f"whose axis sizes multiply to {world}.")
+        super().__init__(mesh, dist.get_rank(), timeout)
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        if device_mesh is not None:
+            self._groups = self._groups_of_device_mesh(device_mesh)
+        else:
+            delta = timedelta(seconds=self.timeout)
+            for axis in mesh.names:
+                for ranks in mesh.groups(axis):
+                    pg = dist.new_group(list(ranks), timeout=delta)
+                    if self.rank in ranks:
+                        self._groups[axis] = pg
+        self.backend = str(dist.get_backend()).lower()
+        if native_ops is None:
+            native_ops = next((ops for name, ops in NATIVE_OPS.items() if name in self.backend), frozenset())
+        unknown = set(native_ops) - _ALL
+        if unknown:
+            raise MeshError(f"native_ops has {sorted(unknown)}, but only {sorted(_ALL)} can be chosen.")
+        self.native_ops = frozenset(native_ops)
+
+    def _groups_of_device_mesh(self, device_mesh) -> dict[str, dist.ProcessGroup]:
+        theirs = Mesh.from_device_mesh(device_mesh)
+        if theirs != self.mesh:
+            raise MeshError(f"device_mesh has axes {theirs}, but the communicator's mesh is {self.mesh}: create "
+                            f"it with init_device_mesh(..., {self.mesh.shape}, mesh_dim_names={self.mesh.names}).")
+        layout = device_mesh.mesh.flatten().tolist()
+        if layout != list(range(self.mesh.size)):
+            raise MeshError(f"device_mesh lays out ranks as {device_mesh.mesh.tolist()}, but autoshard places "
+                            "ranks row-major (rank = flattened coordinate): build the DeviceMesh over "
+                            "torch.arange(world_size).reshape(shape).")
+        return {axis: device_mesh.get_group(axis) for axis in self.mesh.names}
+
+    def process_group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis``."""
+        return self._groups[self._axis(axis)]
+
+    # ---- collectives ------------------------------------------------------------------------------------
+    @contextmanager
+    def _guard(self, what: str, axis: str | None):
+        try:
+            yield
+        except RuntimeError as e:
+            text = str(e)
+            if "timed out" not in text.lower() and "timeout" not in text.lower():
+                raise
+            where = f" (group of ranks {list(self.group(axis))})" if axis else ""
+            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            raise CollectiveTimeoutError(
+                f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: a peer died, "
+                f"hangs or skipped this collective. Backend said: {first}") from e
+
+    def _all_reduce(self, t, axis):
+        out = t.clone()
+        with self._guard(f"all_reduce on axis `{axis}`", axis):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
+        return out
+
+    def _all_gather(self, t, axis, dim):
+        n, group = self.mesh.axis_size(axis), self._groups[axis]
+        with self._guard(f"all_gather on axis `{axis}`", axis):
+            if "all_gather" in self.native_ops:
+                stacked = t.new_empty((n, *t.shape))
+                _all_gather_tensor(stacked, t, group=group)
+                pieces = list(stacked.unbind(0))
+            else:
+                pieces = [torch.empty_like(t) for _ in range(n)]
+                dist.all_gather(pieces, t, group=group)
+        return torch.cat(pieces, dim=dim)
+
+    def _reduce_scatter(self, t, axis, dim):
+        n, group = self.mesh.axis_size(axis), self._groups[axis]
+        with self._guard(f"reduce_scatter on axis `{axis}`", axis):
+            if "reduce_scatter" in self.native_ops:
+                stacked = torch.stack(t.chunk(n, dim))
+                out = t.new_empty(stacked.shape[1:])
+                _reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.SUM, group=group)
+                return out
+            total = t.clone()
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total.chunk(n, dim)[self._coords[axis]].clone()
+
+    def _all_to_all(self, t, axis, split_dim, cat_dim):
+        n, group = self.mesh.axis_size(axis), self._groups[axis]
+        stacked = torch.stack(t.chunk(n, split_dim))  # stacked[j] goes to coordinate j
+        with self._guard(f"all_to_all on axis `{axis}`", axis):
+            if "all_to_all" in self.native_ops:
+                received = torch.empty_like(stacked)
+                dist.all_to_all_single(received, stacked, group=group)
+                pieces = list(received.unbind(0))
+            else:
+                everything = stacked.new_empty((n, *stacked.shape))
+                parts = list(everything.unbind(0))
+                dist.all_gather(parts, stacked, group=group)
+                pieces = [p[self._coords[axis]] for p in parts]
+        return torch.cat(pieces, dim=cat_dim)
+
+    def _broadcast(self, t, axis, src):
+        out = t.clone()
+        with self._guard(f"broadcast on axis `{axis}`", axis):
+            dist.broadcast(out, src=self.group(axis)[src], group=self._groups[axis])
+        return out
+
+    def _send(self, t, dst_rank):
+        with self._guard(f"send to rank {dst_rank}", None):
+            dist.send(t, dst=dst_rank)
+
+    def _recv(self, shape, dtype, src_rank):
+        out = torch.empty(shape, dtype=dtype, device=self._device())
+        with self._guard(f"recv from rank {src_rank}", None):
+            dist.recv(out, src=src_rank)
+        return out
+
+    def barrier(self) -> None:
+        with self._guard("barrier", None):
+            dist.barrier()
+
+    def _device(self) -> torch.device:
+        if "nccl" in self.backend and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
