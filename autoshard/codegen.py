@@ -78,6 +78,18 @@ def _mean(graph, new, old, mesh, rank):
     return scaled
 
 
+@localizer(aten.mse_loss.default, aten.l1_loss.default)
+def _elementwise_loss(graph, new, old, mesh, rank):
+    reduction = old.args[2] if len(old.args) > 2 else old.kwargs.get("reduction", 1)
+    x = tensor_inputs(old)[0]
+    in_spec = old.meta[M.STRATEGY].input_specs[0]
+    ratio = math.prod(local_shape(x.meta["val"].shape, in_spec, mesh)) / math.prod(x.meta["val"].shape)
+    if reduction != 1 or ratio == 1:
+        return new
+    with graph.inserting_after(new):
+        return graph.call_function(aten.mul.Tensor, (new, ratio))
+
+
 @localizer(aten.linear.default, aten.addmm.default, aten.baddbmm.default)
 def _bias_once(graph, new, old, mesh, rank):
     # A bias added to a Partial output would be summed once per rank: keep it on coordinate 0 of every partial

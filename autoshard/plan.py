@@ -17,7 +17,7 @@ from autoshard.codegen import local_param_specs, localize
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
-from autoshard.placements import Spec
+from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.propagate import Propagate
 from autoshard.trace import trace
@@ -59,6 +59,49 @@ class Plan:
         self.mesh._check_rank(rank)
         return localize(self.graph_module, self.mesh, rank).code.strip() + "\n"
 
+    def shard_inputs(self, rank: int, args=(), kwargs=None) -> tuple[tuple, dict]:
+        """Cut global example inputs into ``rank``'s local inputs (by the specs of the graph's placeholders)."""
+        from torch.fx._pytree import tree_flatten_spec
+        from torch.utils import _pytree as pytree
+
+        gm = self.graph_module
+        kwargs = dict(kwargs or {})
+        leaves = tree_flatten_spec((tuple(args), kwargs), gm._in_spec)
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        local = [shard_tensor(x, h.meta[M.SPEC], self.mesh, rank) if isinstance(x, torch.Tensor) else x
+                 for x, h in zip(leaves, holders)]
+        a, k = pytree.tree_unflatten(local, gm._in_spec)
+        return tuple(a), dict(k)
+
+    def simulate(self, args=(), kwargs=None, backward: bool = True, timeout: float = 120.0) -> Simulation:
+        """Run every rank in this process (one thread each): outputs per rank, assembled gradients, collective logs.
+
+        The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first element.
+        """
+        from autoshard.runtime.comm import current
+        from autoshard.runtime.sim import SimWorld
+
+        world = SimWorld(self.mesh, timeout=timeout)
+
+        def body(rank):
+            module = self.rank_module(rank)
+            a, k = self.shard_inputs(rank, args, kwargs)
+            out = module(*a, **k)
+            if backward:
+                loss_of(out).backward()
+            grads = {n: p.grad for n, p in module.named_parameters()}
+            return out, grads, list(current().log)
+
+        results = world.run(body)
+        specs = self.param_specs()
+        grads = {}
+        if backward:
+            for name in results[0][1]:
+                per_rank = [r[1][name] for r in results]
+                if all(g is not None for g in per_rank):
+                    grads[name] = assemble(per_rank, specs[name], self.mesh)
+        return Simulation([r[0] for r in results], grads, [r[2] for r in results])
+
     # ---- questions --------------------------------------------------------------------------------------
     def param_specs(self) -> dict[str, Spec]:
         return local_param_specs(self.graph_module)
@@ -76,6 +119,24 @@ class Plan:
         from autoshard.report import show_plan
 
         show_plan(self, console)
+
+
+@dataclass
+class Simulation:
+    outputs: list  # per rank, as its module returned them
+    grads: dict[str, torch.Tensor]  # parameter FQN -> global gradient reassembled from every rank's shard
+    logs: list  # per rank: the CollectiveRecords it executed
+
+
+def loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise AutoshardError(f"output of type {type(out).__name__} has no loss: return a scalar tensor, a tuple whose "
+                         "first element is the loss, or an object with a .loss attribute.")
 
 
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:

@@ -431,6 +431,23 @@ def _sdpa(info: OpInfo) -> DimMap:
     return DimMap(tuple(ins), (out,))
 
 
+@register(aten.broadcast_tensors.default)
+def _broadcast_tensors(info: OpInfo) -> DimMap:
+    out = info.out_shapes[0]
+    labels = _out_labels(len(out))
+    ins = tuple(_broadcast_labels(s, out, labels) for s in info.in_shapes)
+    return DimMap(ins, tuple(tuple(labels) for _ in info.out_shapes), "sum")
+
+
+@register(aten.mse_loss.default, aten.l1_loss.default)
+def _elementwise_loss(info: OpInfo) -> DimMap:
+    # reduction 'none' keeps the shape; 'mean'/'sum' contract every dim (a sharded dim gives a Partial loss,
+    # and codegen rescales the local mean to the global count).
+    labels = tuple(_out_labels(len(info.in_shapes[0])))
+    reduction = info.arg(2, "reduction", 1)
+    return DimMap((labels, labels), (labels if reduction == 0 else (),))
+
+
 @register(aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default)
 def _cross_entropy(info: OpInfo) -> DimMap:
     x, t = info.in_shapes[:2]
