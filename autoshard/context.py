@@ -29,6 +29,8 @@ class Context:
     mesh: Mesh
     options: Options = field(default_factory=Options)
     report: dict[str, Any] = field(default_factory=dict)
+    #: Strategies decided outside the greedy walk (by a search, or by a test), keyed by node name.
+    forced: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:

@@ -11,7 +11,10 @@ each input from its current spec to the spec the strategy needs (forward and bac
 cheapest wins (ties: rule order, which lists the all-replicated strategy first, so nothing is sharded
 without a reason). The backward all-reduce of *parameters* (data-parallel gradient sync) is not priced here: it
 is the price of data parallelism itself, and trading it against activation traffic op by op would undo the
-batch sharding the user asked for. The exact search of the cost models prices everything together. The chosen :class:`~autoshard.meta.Strategy`
+batch sharding the user asked for. The exact search of the cost models prices everything together.
+Parameters are consumed where they lie: redistributing a parameter with a fixed layout (all-gathering an
+annotated column-parallel weight, say) is allowed only when no strategy takes it in place, since it would undo
+the memory and compute split the annotation asked for. The chosen :class:`~autoshard.meta.Strategy`
 and a :class:`~autoshard.meta.Decision` (with the best rejected alternative) go into ``node.meta``. An exact,
 whole-graph search over the same strategies replaces this walk when a cost model is given (issue: auto plans).
 
@@ -33,6 +36,9 @@ from autoshard.errors import PlanError, UnsupportedOpError, node_location
 from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
 from autoshard.placements import Replicate, Shard, check_spec, format_spec
 from autoshard.strategies import strategies_for
+
+_MOVE_PARAMETER = 1e18  # bytes-equivalent price of redistributing a parameter: a last resort
+
 
 @dataclass(frozen=True)
 class Propagate:
@@ -128,6 +134,11 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node]) -> Non
         rule = rules.replicate_only
     dm = rule(info)
     candidates = strategies_for(dm, info.in_shapes, info.out_shapes, mesh)
+    if node.name in ctx.forced:
+        if ctx.forced[node.name] not in candidates:
+            raise PlanError(f"{node_location(node)} was given strategy {ctx.forced[node.name]}, but its rule does "
+                            "not allow it.")
+        candidates = [ctx.forced[node.name]]
     scored = []
     for strat in candidates:
         cost = _price(node, inputs, strat, ctx, fixed)
@@ -161,6 +172,8 @@ def _price(node, inputs, strat: M.Strategy, ctx: Context, fixed) -> float | None
         if cost is None:
             return None
         total += cost
+        if x.op == "get_attr" and have != want:
+            total += _MOVE_PARAMETER
         if rg and sync and x.op != "get_attr":
             total += redistribute.grad_sync_bytes(want, sync, shape(x), itemsize(x), mesh)
     return total
