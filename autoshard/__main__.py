@@ -1,0 +1,8 @@
+"""``python -m autoshard``: the same command line as the ``autoshard`` console script."""
+
+import sys
+
+from autoshard.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The ``autoshard`` command line: inspect a plan without writing a script, and calibrate the machine.
+
+    $ autoshard show examples.models:gpt --mesh data=2,model=2 --megatron          # the annotated graph (rich)
+    $ autoshard show examples.models:gpt --mesh model=2 --megatron --code --rank 1  # rank 1's generated code
+    $ autoshard show examples.models:mlp --mesh data=2 --json                       # the plan as JSON
+    $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
+    $ autoshard calibrate --world-size 2 -o calibrated.toml                         # measure alpha-beta
+
+``show`` imports ``MODULE`` (the current directory is put on ``sys.path`` first, so ``examples.models`` works
+from the repository root), calls ``FACTORY(**factory_args)`` to get ``(model, args, kwargs)`` or
+``(model, args)``, compiles the model on the mesh with the given annotations, and prints the plan. A plan file
+holds ``{glob: [placement per mesh axis]}`` as JSON, or the same under a ``[plan]`` table as TOML.
+
+Everything a user can get wrong (a bad ``MODULE:FACTORY``, a missing or malformed plan file, any
+:class:`~autoshard.errors.AutoshardError` from the compiler) is reported as one red ``error: ...`` line on
+stderr with exit code 2, never a traceback. ``rich`` is used only here; the formatters stay plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+from autoshard.errors import AutoshardError
+
+#: Exit code of every user error (the code argparse uses for bad usage).
+USAGE_ERROR = 2
+
+
+class CliError(AutoshardError):
+    """A mistake in the command line itself: the factory path, a plan file, a factory argument."""
+
+
+# ---- argument parsing ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autoshard`` parser with its ``show`` and ``calibrate`` subcommands."""
+    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    show = sub.add_parser("show", help="compile a model factory on a mesh and print its plan or generated code",
+                          description="Compile MODULE:FACTORY on a mesh and print the plan (default), the "
+                                      "generated code of one rank (--code) or the plan as JSON (--json).")
+    show.add_argument("factory", metavar="MODULE:FACTORY",
+                      help="a function returning (model, args, kwargs), e.g. examples.models:gpt")
+    show.add_argument("--mesh", required=True, help="logical mesh as NAME=SIZE,..., e.g. data=2,model=2")
+    show.add_argument("--plan", metavar="FILE", type=Path,
+                      help='annotations: JSON {"glob": ["R", "S(0)"]} or TOML with a [plan] table of the same')
+    show.add_argument("--megatron", action="store_true",
+                      help="annotate with examples.models.megatron(mesh, FACTORY) (Megatron tensor parallelism)")
+    show.add_argument("--rank", type=int, default=0, help="rank whose code --code prints (default 0)")
+    out = show.add_mutually_exclusive_group()
+    out.add_argument("--code", action="store_true", help="print the generated Python code of --rank")
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    show.add_argument("--factory-arg", metavar="KEY=VALUE", action="append", default=[], dest="factory_args",
+                      help="keyword argument of FACTORY (int, float or str), repeatable, e.g. layers=1")
+    show.add_argument("--on-unsupported", choices=("error", "replicate"), default="error",
+                      help="what to do with ops that have no sharding rule (default: error)")
+    show.add_argument("--data-axis", default="data", help="mesh axis the batch is split over (default: data)")
+
+    # calibrate's own parser reads its arguments; this entry only lists it in --help.
+    sub.add_parser("calibrate", add_help=False, help="measure alpha-beta, FLOP/s and bandwidth of this machine "
+                                                     "(see autoshard calibrate --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``autoshard`` command line; returns the exit code (0 ok, 2 user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        from autoshard.cost_models.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage and the reason
+        return e.code if isinstance(e.code, int) else USAGE_ERROR
+    try:
+        return show(args)
+    except AutoshardError as e:
+        print_error(str(e))
+        return USAGE_ERROR
+
+
+def print_error(message: str) -> None:
+    """One red ``error: ...`` line on stderr (not wrapped, so it stays one line when piped)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
+
+
+# ---- show -----------------------------------------------------------------------------------------------------
+def show(args: argparse.Namespace) -> int:
+    """The ``show`` subcommand: compile and print the table, the code of ``args.rank`` or the JSON."""
+    import autoshard
+    from autoshard.report import plan_json
+
+    mesh = autoshard.Mesh.parse(args.mesh)
+    factory, name = load_factory(args.factory)
+    model, example_args, example_kwargs = call_factory(factory, args.factory, parse_factory_args(args.factory_args))
+    annotations: dict[str, Any] = {}
+    if args.megatron:
+        annotations.update(megatron_plan(mesh, name))
+    if args.plan is not None:
+        annotations.update(load_plan(args.plan, mesh.names))
+    sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
+                           data_axis=args.data_axis, on_unsupported=args.on_unsupported)
+    plan = sm.plan
+    if args.code:
+        sys.stdout.write(plan.code(args.rank))
+    elif args.json:
+        sys.stdout.write(plan_json(plan) + "\n")
+    else:
+        plan.show(_stdout_console())
+    return 0
+
+
+def _stdout_console():
+    from rich.console import Console
+
+    console = Console()
+    # Piped or captured output has no terminal width; 80 columns would fold node names and shapes.
+    return console if console.is_terminal else Console(width=200)
+
+
+def load_factory(spec: str) -> tuple[Callable[..., Any], str]:
+    """``"pkg.mod:name"`` → (the callable, ``name``); the current directory is importable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"factory {spec!r} is not MODULE:FACTORY. Write e.g. examples.models:gpt.")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        missing = getattr(e, "name", None)
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise CliError(f"factory {spec!r} names module `{module_name}`, but it cannot be imported ({e}). "
+                           f"Run from the directory that contains it (now {cwd}) or install its package.") from e
+        raise CliError(f"importing module `{module_name}` for factory {spec!r} failed: {e}. Install what it "
+                       "needs.") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        found = sorted(n for n, v in vars(module).items()
+                       if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_"))
+        what = "has no attribute" if factory is None else "has a non-callable attribute"
+        raise CliError(f"module `{module_name}` {what} `{attr}`, but FACTORY must be a function of it. "
+                       f"Functions it defines: {', '.join(found) or 'none'}.")
+    return factory, attr
+
+
+def parse_factory_args(items: list[str]) -> dict[str, int | float | str]:
+    """``["layers=1", "lr=0.1", "name=x"]`` → ``{"layers": 1, "lr": 0.1, "name": "x"}``."""
+    out: dict[str, int | float | str] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise CliError(f"--factory-arg {item!r} is not KEY=VALUE. Write e.g. --factory-arg layers=1.")
+        out[key] = _scalar(text.strip())
+    return out
+
+
+def _scalar(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def call_factory(factory: Callable[..., Any], spec: str, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """Call the factory and normalise its result to ``(model, args, kwargs)``."""
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise CliError(f"factory {spec!r} does not accept the arguments {kwargs}: {e}. It takes "
+                       f"{inspect.signature(factory)}; pass them as --factory-arg KEY=VALUE.") from e
+    except ValueError:  # no signature (a builtin): let the call itself check
+        pass
+    result = factory(**kwargs)
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise CliError(f"factory {spec!r} returned {type(result).__name__}, but must return (model, args, kwargs) "
+                       "or (model, args).")
+    model, args = result[0], result[1]
+    kw = result[2] if len(result) == 3 else {}
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    return model, args, dict(kw or {})
+
+
+def megatron_plan(mesh, name: str) -> dict:
+    """The Megatron annotations of ``examples.models`` for factory ``name`` on ``mesh``."""
+    try:
+        models = importlib.import_module("examples.models")
+    except ImportError as e:
+        raise CliError(f"--megatron needs the module `examples.models` ({e}). Run from the repository root, or "
+                       "give the annotations with --plan FILE.") from e
+    if name not in models.MEGATRON:
+        raise CliError(f"--megatron has no plan for factory `{name}`, but only for {sorted(models.MEGATRON)}. "
+                       "Give the annotations with --plan FILE instead.")
+    return models.megatron(mesh, name)
+
+
+def load_plan(path: Path, axes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Read ``{glob: [placement per axis]}`` from a JSON file, or from the ``[plan]`` table of a TOML file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CliError(f"plan file {str(path)!r} does not exist. Check the path given to --plan.") from None
+    except OSError as e:
+        raise CliError(f"plan file {str(path)!r} cannot be read: {e.strerror}.") from None
+    if path.suffix.lower() == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise CliError(f"plan file {str(path)!r} is not valid TOML: {e}.") from None
+        if not isinstance(data.get("plan"), dict):
+            raise CliError(f"plan file {str(path)!r} has no [plan] table, but a TOML plan needs one, e.g. "
+                           f'[plan] "fc1.weight" = {_example_spec(axes)}.')
+        data = data["plan"]
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CliError(f"plan file {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} column "
+                           f"{e.colno}. Fix it, or use a .toml file with a [plan] table.") from None
+        if not isinstance(data, dict):
+            raise CliError(f"plan file {str(path)!r} holds a JSON {type(data).__name__}, but must hold an object "
+                           f'{{"glob": {_example_spec(axes)}, ...}}.')
+    plan = {}
+    for glob, spec in data.items():
+        if not isinstance(spec, list) or not all(isinstance(p, str) for p in spec):
+            raise CliError(f"plan file {str(path)!r} has {glob!r} = {spec!r}, but each entry must be a list of "
+                           f"placements, one per mesh axis {list(axes)}, e.g. {_example_spec(axes)}.")
+        plan[glob] = tuple(spec)
+    return plan
+
+
+def _example_spec(axes: tuple[str, ...]) -> str:
+    return json.dumps(["R"] * (len(axes) - 1) + ["S(0)"])
