@@ -4,10 +4,11 @@
 ``init_process_group(backend)``), and in them
 
 1. times all_reduce, all_gather and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
-   :mod:`autoshard.cost_models.comm`: the reduced tensor, the gathered output, the exchanged buffer), ``repeats``
-   calls back to back after a barrier, keeping the slowest rank's mean;
+   :mod:`autoshard.cost_models.comm`: the reduced tensor, the gathered output, the exchanged buffer), the fastest
+   of ``repeats`` calls, each right after a barrier, sizes interleaved (:func:`_min_times`), keeping the slowest
+   rank's;
 2. times a 512×512 fp32 matmul (peak FLOP/s) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
-   once, so that ranks share the machine as they will in a run, and averages over ranks.
+   once, so that ranks share the machine as they will in a run, and averages the rates over ranks.
 
 The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`comm.model_coefficients`). For each
 collective, :func:`fit_line` fits ``time = intercept + slope·b`` and ``alpha = intercept / steps``,
@@ -16,8 +17,8 @@ fitted to all samples of all collectives at once with the same coefficients (:fu
 least squares on relative error, so that the small messages, which fix ``alpha``, weigh as much as the large ones.
 
 The whole run is bounded by ``timeout`` seconds; on a timeout or a failing rank every child is killed and an
-:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes about 10 s on 2 cores, most of
-it starting the processes.
+:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes 5-10 s on an idle 2-core machine, most of
+it starting the processes (each imports torch and autoshard); a loaded machine can take several times that.
 """
 
 from __future__ import annotations
@@ -42,8 +43,18 @@ from autoshard.errors import AutoshardError, CollectiveTimeoutError
 from . import comm
 from .profile import HardwareProfile, LinkCost, save_profile
 
-__all__ = ["DEFAULT_SIZES", "COLLECTIVES", "CollectiveFit", "Calibration", "measure", "calibrate", "fit_line",
-           "fit_link", "format_calibration", "main"]
+__all__ = [
+    "COLLECTIVES",
+    "DEFAULT_SIZES",
+    "Calibration",
+    "CollectiveFit",
+    "calibrate",
+    "fit_line",
+    "fit_link",
+    "format_calibration",
+    "main",
+    "measure",
+]
 
 #: Message sizes in bytes of the default run.
 DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
@@ -144,20 +155,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_time(fn, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of ``fn``, each started right after a barrier (the median shrugs off
-    the scheduler hiccups of a busy machine)."""
+def _min_times(fns: list, repeats: int) -> list[float]:
+    """Fastest seconds of each of ``fns`` over ``repeats`` rounds; a round calls every fn once, each right after a
+    barrier. A busy machine only ever adds time, so the minimum is the estimate least disturbed by it, and
+    interleaving the fns spreads a busy spell over all of them."""
     import torch.distributed as dist
 
-    for _ in range(2):  # warm up buffers, connections and caches
+    for fn in fns:  # warm up buffers, connections and caches
         fn()
-    times = []
+        fn()
+    best = [math.inf] * len(fns)
     for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def _collective_call(kind: str, nbytes: int, world_size: int):
@@ -186,13 +200,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
     try:
         samples: dict[str, list[list[float]]] = {}
         for kind in COLLECTIVES:
-            for size in sizes:
-                nbytes, fn = _collective_call(kind, size, world_size)
-                samples.setdefault(kind, []).append([nbytes, _median_time(fn, repeats)])
+            calls = [_collective_call(kind, size, world_size) for size in sizes]
+            best = _min_times([fn for _, fn in calls], repeats)
+            samples[kind] = [[nbytes, t] for (nbytes, _), t in zip(calls, best)]
         a, c = torch.randn(_MATMUL_N, _MATMUL_N), torch.empty(_MATMUL_N, _MATMUL_N)
-        matmul_s = _median_time(lambda: torch.mm(a, a, out=c), repeats)
         src, dst = torch.ones(_COPY_BYTES // 4), torch.empty(_COPY_BYTES // 4)
-        copy_s = _median_time(lambda: dst.copy_(src), repeats)
+        matmul_s, copy_s = _min_times([lambda: torch.mm(a, a, out=c), lambda: dst.copy_(src)], repeats)
 
         times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank

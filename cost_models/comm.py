@@ -44,8 +44,20 @@ from autoshard.errors import PlanError
 
 from .profile import LinkCost
 
-__all__ = ["b", "n", "alpha", "beta", "BYTES_ON_WIRE", "STEPS", "COLLECTIVE_TIME", "KINDS", "time_expr",
-           "collective_time", "collective_bytes_on_wire", "model_coefficients"]
+__all__ = [
+    "BYTES_ON_WIRE",
+    "COLLECTIVE_TIME",
+    "KINDS",
+    "STEPS",
+    "alpha",
+    "b",
+    "beta",
+    "collective_bytes_on_wire",
+    "collective_time",
+    "model_coefficients",
+    "n",
+    "time_expr",
+]
 
 b, n, alpha, beta = sympy.symbols("b n alpha beta", positive=True)
 _B, _N = b, n  # for functions whose parameters are named b/n after the formulas' symbols

@@ -49,8 +49,17 @@ from autoshard.errors import PlanError, node_location
 
 from .profile import HardwareProfile
 
-__all__ = ["RULES", "flops", "backward_flops", "bytes_accessed", "backward_bytes_accessed", "compute_time",
-           "flops_expr", "output_tensors", "tensor_bytes"]
+__all__ = [
+    "RULES",
+    "backward_bytes_accessed",
+    "backward_flops",
+    "bytes_accessed",
+    "compute_time",
+    "flops",
+    "flops_expr",
+    "output_tensors",
+    "tensor_bytes",
+]
 
 aten = torch.ops.aten
 
@@ -286,7 +295,7 @@ def backward_flops(node: Node) -> int:
         return 0
     if rule.backward_flops is not None:
         return int(rule.backward_flops(_Op(node)))
-    return int(round(rule.backward * rule.flops(_Op(node))))
+    return round(rule.backward * rule.flops(_Op(node)))
 
 
 def bytes_accessed(node: Node) -> int:
@@ -307,7 +316,7 @@ def backward_bytes_accessed(node: Node) -> int:
     rule = _rule_of(node)
     if rule is None or rule.backward == 0 or not _has_gradient(node):
         return 0
-    return int(round(max(rule.backward, 1.0) * bytes_accessed(node)))
+    return round(max(rule.backward, 1.0) * bytes_accessed(node))
 
 
 def compute_time(node: Node, profile: HardwareProfile, shard_factor: float = 1, *, backward: bool = False) -> float:

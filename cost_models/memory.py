@@ -33,8 +33,17 @@ from autoshard.errors import PlanError
 
 from .compute import RULES, output_tensors
 
-__all__ = ["OPTIMIZERS", "dtype_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
-           "training_state_bytes", "activation_bytes", "SAVES_INPUTS", "SAVES_OUTPUT"]
+__all__ = [
+    "OPTIMIZERS",
+    "SAVES_INPUTS",
+    "SAVES_OUTPUT",
+    "activation_bytes",
+    "dtype_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+    "param_bytes",
+    "training_state_bytes",
+]
 
 aten = torch.ops.aten
 

@@ -40,16 +40,29 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
+
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 
-__all__ = ["LinkCost", "HardwareProfile", "PROFILES_DIR", "load_profile", "save_profile", "list_profiles",
-           "format_profile", "profile_to_toml", "profile_from_dict"]
+__all__ = [
+    "PROFILES_DIR",
+    "HardwareProfile",
+    "LinkCost",
+    "format_profile",
+    "list_profiles",
+    "load_profile",
+    "profile_from_dict",
+    "profile_to_toml",
+    "save_profile",
+]
 
 #: Where the preset profiles live (installed as package data).
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -267,9 +280,9 @@ def format_profile(profile: HardwareProfile) -> str:
     def link(lc: LinkCost) -> str:
         return f"alpha={lc.alpha * 1e6:.3g} us, bandwidth={lc.bandwidth / 1e9:.4g} GB/s"
 
-    out = [f"profile {profile.name}: peak {profile.peak_flops / 1e12:.4g} TFLOP/s, memory bandwidth "
-           f"{profile.mem_bandwidth / 1e9:.4g} GB/s, memory {profile.memory_bytes / 2**30:.4g} GiB per rank, "
-           f"overlap_comm={profile.overlap_comm}",
+    out = [(f"profile {profile.name}: peak {profile.peak_flops / 1e12:.4g} TFLOP/s, memory bandwidth "
+            f"{profile.mem_bandwidth / 1e9:.4g} GB/s, memory {profile.memory_bytes / 2**30:.4g} GiB per rank, "
+            f"overlap_comm={profile.overlap_comm}"),
            f"  link (default): {link(profile.link)}"]
     out += [f"  link axes {pattern!r}: {link(lc)}" for pattern, lc in profile.axes]
     return "\n".join(out)

@@ -1,0 +1,114 @@
+"""Calibration: the fits on synthetic samples, one real run on gloo, the CLI entry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from autoshard.cost_models import calibrate as cal_mod
+from autoshard.cost_models.calibrate import (
+    Calibration,
+    CollectiveFit,
+    fit_collective,
+    fit_line,
+    fit_link,
+    measure,
+)
+from autoshard.cost_models.comm import collective_time
+from autoshard.cost_models.profile import LinkCost, load_profile
+
+from autoshard.errors import AutoshardError
+
+TRUE = LinkCost(alpha=50e-6, beta=1 / 2e9)
+SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
+
+
+def _samples(kind, world_size, link=TRUE, noise=()):
+    return [(s, collective_time(kind, s, world_size, link) * (noise[i] if noise else 1.0))
+            for i, s in enumerate(SIZES)]
+
+
+def test_fit_line_is_exact_on_a_line():
+    intercept, slope = fit_line([(0, 1.0), (10, 3.0), (20, 5.0)])
+    assert intercept == pytest.approx(1.0) and slope == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "all_to_all"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fit_collective_divides_out_the_model_coefficients(kind, world_size):
+    fit = fit_collective(kind, _samples(kind, world_size), world_size)
+    assert fit.alpha == pytest.approx(TRUE.alpha, rel=1e-9)
+    assert fit.beta == pytest.approx(TRUE.beta, rel=1e-9)
+
+
+def test_joint_fit_recovers_the_link_through_noise():
+    noise = (1.05, 0.97, 1.02, 0.99)
+    samples = {k: _samples(k, 4, noise=noise) for k in ("all_reduce", "all_gather", "all_to_all")}
+    link = fit_link(samples, 4)
+    assert link.alpha == pytest.approx(TRUE.alpha, rel=0.1)
+    assert link.beta == pytest.approx(TRUE.beta, rel=0.1)
+
+
+def test_times_that_do_not_grow_are_an_error():
+    with pytest.raises(AutoshardError, match="beta=.* must be > 0"):
+        fit_collective("all_reduce", [(1024, 2e-3), (1 << 20, 1e-3)], 2)
+    with pytest.raises(AutoshardError, match="at least 2 distinct sizes"):
+        fit_line([(1024, 1e-3), (1024, 2e-3)])
+
+
+def test_bad_arguments():
+    with pytest.raises(AutoshardError, match="world_size=1"):
+        measure(world_size=1)
+    with pytest.raises(AutoshardError, match="at least 2 distinct positive sizes"):
+        measure(sizes=(4096,))
+
+
+@pytest.mark.gloo
+def test_real_run_on_two_gloo_processes(tmp_path):
+    cal = measure(world_size=2, sizes=(1 << 10, 1 << 20, 1 << 22), repeats=5, timeout=60)
+    assert [f.kind for f in cal.fits] == ["all_reduce", "all_gather", "all_to_all"]
+    for f in cal.fits:
+        assert [b for b, _ in f.samples] == [1 << 10, 1 << 20, 1 << 22]
+        assert all(t > 0 for _, t in f.samples)
+        assert math.isfinite(f.alpha) and f.alpha > 0
+        assert math.isfinite(f.beta) and f.beta > 0
+    assert cal.link.alpha > 0 and cal.link.beta > 0
+    assert cal.peak_flops > 1e8 and cal.mem_bandwidth > 1e8 and cal.memory_bytes > 0
+    assert cal.seconds < 60
+    profile = cal.profile("here")
+    path = tmp_path / "here.toml"
+    from autoshard.cost_models.profile import save_profile
+
+    assert load_profile(save_profile(profile, path)) == profile
+
+
+def test_main_writes_the_profile_and_prints_the_fit(tmp_path, monkeypatch, capsys):
+    fits = tuple(CollectiveFit(k, tuple(_samples(k, 2)), TRUE.alpha, TRUE.beta)
+                 for k in ("all_reduce", "all_gather", "all_to_all"))
+    fake = Calibration(world_size=2, backend="gloo", fits=fits, link=TRUE, peak_flops=5e10, mem_bandwidth=1e10,
+                       memory_bytes=1 << 33, seconds=1.0)
+    seen = {}
+
+    def fake_measure(world_size, sizes, backend, repeats, timeout):
+        seen.update(world_size=world_size, sizes=sizes, repeats=repeats)
+        return fake
+
+    monkeypatch.setattr(cal_mod, "measure", fake_measure)
+    out = tmp_path / "p.toml"
+    assert cal_mod.main(["-o", str(out), "--name", "box", "--sizes", "1K,64KiB,4M", "--repeats", "3"]) == 0
+    assert seen == {"world_size": 2, "sizes": (1024, 65536, 4 << 20), "repeats": 3}
+    profile = load_profile(out)
+    assert profile.name == "box" and profile.link == TRUE and profile.peak_flops == 5e10
+    printed = capsys.readouterr().out
+    assert "all_to_all" in printed and "link (joint fit)" in printed and str(out) in printed
+
+
+def test_main_reports_errors(monkeypatch, capsys):
+    def failing(*args):
+        raise AutoshardError("no peers")
+
+    monkeypatch.setattr(cal_mod, "measure", failing)
+    assert cal_mod.main(["-o", "/nonexistent/never.toml"]) == 1
+    assert "no peers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cal_mod.main(["--sizes", "lots"])
