@@ -48,6 +48,19 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh) -> Optio
     return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported)
 
 
+def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Tensor:
+    """``rank``'s share of a global batch: chunk ``i`` of dim 0 for the rank at coordinate ``i`` on ``axis``
+    (the default input sharding); the whole batch when the mesh has no such axis."""
+    mesh = as_mesh(mesh)
+    if axis not in mesh.names:
+        return x
+    n = mesh.axis_size(axis)
+    if x.shape[0] % n:
+        raise PlanError(f"batch of size {x.shape[0]} is not divisible by axis `{axis}` of size {n}: use a global "
+                        f"batch that is a multiple of {n}.")
+    return x.chunk(n, dim=0)[mesh.coords(rank)[axis]]
+
+
 class ShardedModule(torch.nn.Module):
     """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``)."""
 

@@ -16,7 +16,6 @@ gives byte-identical code.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 
@@ -143,7 +142,7 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
         elif old.op == "call_function" and old.target in LOCALIZERS:
             new = LOCALIZERS[old.target](graph, new, old, mesh, rank)
         env[old] = new
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph._codegen = gm.graph._codegen  # the pytree calling convention; never mutated
     graph.lint()
     out = torch.fx.GraphModule(attrs, graph, class_name=f"Rank{rank}Module")
     for name in ("_in_spec", "_out_spec"):

@@ -7,6 +7,7 @@ questions about itself without any process group: ``show()``, ``format()``, ``co
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -139,8 +140,13 @@ def loss_of(out) -> torch.Tensor:
                          "first element is the loss, or an object with a .loss attribute.")
 
 
+# torch.export keeps process-wide dispatch state: simulated ranks (threads) that compile lazily trace one at a time.
+_TRACE_LOCK = threading.Lock()
+
+
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:
-    gm = trace(model, args, kwargs)
+    with _TRACE_LOCK:
+        gm = trace(model, args, kwargs)
     ctx = Context(mesh, options)
     gm = run_passes(gm, ctx)
     return Plan(gm, mesh, ctx, type(model).__name__)
