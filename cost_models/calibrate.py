@@ -325,8 +325,12 @@ def _parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``autoshard calibrate``: measure this machine, write the profile TOML, print the fit."""
-    parser = argparse.ArgumentParser(prog="autoshard calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("-o", "--output", default="calibrated.toml", help="profile TOML to write")
+    parser = argparse.ArgumentParser(
+        prog="autoshard calibrate",
+        description="Measure alpha-beta links, FLOP/s and memory bandwidth of this machine with real processes, "
+                    "and write them as a hardware profile TOML.")
+    parser.add_argument("-o", "--output", default="calibrated.toml",
+                        help="profile TOML to write (default: calibrated.toml)")
     parser.add_argument("--name", default=None, help="profile name (default: calibrated-<backend>)")
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (default 2)")
     parser.add_argument("--sizes", default=",".join(_human(s) for s in DEFAULT_SIZES),

@@ -17,7 +17,7 @@ from autoshard.cost_models.calibrate import (
 from autoshard.cost_models.comm import collective_time
 from autoshard.cost_models.profile import LinkCost, load_profile
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, CollectiveTimeoutError
 
 TRUE = LinkCost(alpha=50e-6, beta=1 / 2e9)
 SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22)
@@ -80,6 +80,15 @@ def test_real_run_on_two_gloo_processes(tmp_path):
     from autoshard.cost_models.profile import save_profile
 
     assert load_profile(save_profile(profile, path)) == profile
+
+
+@pytest.mark.gloo
+def test_timeout_kills_the_processes():
+    import multiprocessing
+
+    with pytest.raises(CollectiveTimeoutError, match="did not finish within 0.5 s; its processes were killed"):
+        measure(world_size=2, timeout=0.5)
+    assert multiprocessing.active_children() == []
 
 
 def test_main_writes_the_profile_and_prints_the_fit(tmp_path, monkeypatch, capsys):
