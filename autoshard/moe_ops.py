@@ -95,7 +95,7 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
 
     Pure integer/rational arithmetic on static sizes, so every rank gets the same number without a collective.
     ``capacity_factor`` is taken as the decimal it prints as (``1.1`` is 11/10), so binary float rounding never
-    adds a slot: ``capacity(10, 1, 1, 1.1) == 11``, not 12.
+    adds a slot: ``capacity(50, 1, 1, 1.1) == 55``, not 56.
     """
     _check_top_k(top_k, num_experts)
     if num_tokens < 0:
@@ -123,7 +123,9 @@ def route(logits: Tensor, top_k: int, capacity: int) -> Routing:
     num_tokens, num_experts = logits.shape
     _check_top_k(top_k, num_experts)
     if capacity < 1:
-        raise PlanError(f"MoE capacity has {capacity}, but it must be >= 1. Compute it with moe_ops.capacity().")
+        raise PlanError(
+            f"MoE capacity has {capacity}, but it must be >= 1. Compute it with moe_ops.capacity()."
+        )
 
     probs = torch.softmax(logits.float(), dim=-1)
     # stable descending sort: equal probabilities go to the lower expert index (topk leaves ties unspecified)
@@ -244,7 +246,12 @@ def expert_ffn(
         )
     experts, _, hidden = buf.shape
     ffn = w1.shape[-1]
-    expected = {"w1": (experts, hidden, ffn), "w2": (experts, ffn, hidden), "b1": (experts, ffn), "b2": (experts, hidden)}
+    expected = {
+        "w1": (experts, hidden, ffn),
+        "w2": (experts, ffn, hidden),
+        "b1": (experts, ffn),
+        "b2": (experts, hidden),
+    }
     if w_gate is not None:
         expected["w_gate"] = (experts, hidden, ffn)
     given = {"w1": w1, "w2": w2, "b1": b1, "b2": b2, "w_gate": w_gate}
