@@ -36,8 +36,15 @@ from torch.autograd.function import once_differentiable
 from autoshard.errors import AutoshardError
 from autoshard.runtime.comm import PHASES, CollectiveRecord, Communicator, current
 
-__all__ = ["all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_slice",
-           "collective_counts"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "collective_counts",
+    "grad_all_reduce",
+    "local_slice",
+    "reduce_scatter",
+]
 
 
 def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from autoshard.errors import AutoshardError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
 
-__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "use", "current", "p2p_axis"]
+__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "current", "p2p_axis", "use"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 PHASES = ("forward", "backward")

@@ -8,10 +8,11 @@ groups that contain this rank; a ``DeviceMesh`` with the same axes may be passed
 
 Which collectives are native. The tensor-form collectives (``all_gather_single``, ``reduce_scatter_single``,
 formerly ``all_gather_into_tensor``/``reduce_scatter_tensor``, and ``all_to_all_single``) work along dim 0
-only; other dims are handled by stacking the chunks along a new leading dim first and concatenating the result
-along the wanted dim. NCCL and, on torch
-2.13, gloo support all three natively for every dtype autoshard uses (checked on CPU for float32/64, bfloat16,
-float16, int8/32/64, uint8 and bool). For any other backend (``mpi``, ``ucc``, third-party) the communicator
+only (and gloo accepts only the concatenated form of their outputs and inputs), so other dims are handled by
+moving chunks: gather into ``(n * d0, ...)`` and concatenate the n pieces along the wanted dim; chunk along the
+wanted dim and concatenate along dim 0 before reduce-scatter or all-to-all. NCCL and, on torch 2.13, gloo
+support all three natively for every dtype autoshard uses (checked on CPU for float32/64, bfloat16, float16,
+int8/32/64, uint8 and bool). For any other backend (``mpi``, ``ucc``, third-party) the communicator
 falls back to what every backend has and still records the *logical* collective once:
 
 * ``all_gather``     → ``dist.all_gather`` into a list, then ``torch.cat``;
@@ -22,8 +23,10 @@ falls back to what every backend has and still records the *logical* collective 
 
 Timeouts. ``timeout`` is passed to every ``new_group``; on gloo it bounds each collective on that group (a
 peer that never arrives gives ``"Timed out waiting ... for recv"`` after ``timeout`` seconds, which this module
-re-raises as :class:`~autoshard.errors.CollectiveTimeoutError`). Point-to-point ops and ``barrier`` run on the
-default group, whose timeout is ``init_process_group(timeout=...)``; :func:`autoshard.runtime.launch.spawn` sets
+re-raises as :class:`~autoshard.errors.CollectiveTimeoutError`); it also bounds creating the groups, so ranks
+that reach the communicator far apart need a ``timeout`` that covers the gap. Point-to-point ops, ``barrier``
+and the groups of a passed ``device_mesh`` use the default group's timeout, ``init_process_group(timeout=...)``
+(which governs gloo there); :func:`autoshard.runtime.launch.spawn` sets
 it from its own ``timeout``. With NCCL, timeouts are enforced by the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``)
 rather than raised from the call.
 """
@@ -41,7 +44,7 @@ from autoshard.errors import CollectiveTimeoutError, MeshError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator
 
-__all__ = ["DistCommunicator", "NATIVE_OPS"]
+__all__ = ["NATIVE_OPS", "DistCommunicator"]
 
 _ALL = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 # Collectives called natively per backend (all_reduce, broadcast, send/recv are native everywhere).
@@ -132,9 +135,10 @@ class DistCommunicator(Communicator):
         n, group = self.mesh.axis_size(axis), self._groups[axis]
         with self._guard(f"all_gather on axis `{axis}`", axis):
             if "all_gather" in self.native_ops:
-                stacked = t.new_empty((n, *t.shape))
-                _all_gather_tensor(stacked, t, group=group)
-                pieces = list(stacked.unbind(0))
+                # gloo accepts only the concatenated output form, (n * t.shape[0], ...).
+                flat = t.new_empty((n * t.shape[0], *t.shape[1:]))
+                _all_gather_tensor(flat, t, group=group)
+                pieces = list(flat.chunk(n, 0))
             else:
                 pieces = [torch.empty_like(t) for _ in range(n)]
                 dist.all_gather(pieces, t, group=group)
@@ -144,9 +148,9 @@ class DistCommunicator(Communicator):
         n, group = self.mesh.axis_size(axis), self._groups[axis]
         with self._guard(f"reduce_scatter on axis `{axis}`", axis):
             if "reduce_scatter" in self.native_ops:
-                stacked = torch.stack(t.chunk(n, dim))
-                out = t.new_empty(stacked.shape[1:])
-                _reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.SUM, group=group)
+                chunks = t.chunk(n, dim)
+                out = t.new_empty(chunks[0].shape)
+                _reduce_scatter_tensor(out, torch.cat(chunks, 0), op=dist.ReduceOp.SUM, group=group)
                 return out
             total = t.clone()
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)

@@ -42,9 +42,10 @@ import torch
 from autoshard import errors
 from autoshard.errors import AutoshardError, CollectiveTimeoutError
 
-__all__ = ["spawn", "free_port"]
+__all__ = ["free_port", "spawn"]
 
 _env_lock = threading.Lock()
+_GRACE = 1.0  # seconds to wait for the other ranks' errors once one rank has failed
 
 
 def free_port() -> int:
@@ -92,33 +93,48 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gl
 
 def _collect(procs, conns: dict, name: str, world_size: int, deadline: float, budget: float) -> list:
     results: dict[int, object] = {}
+    failures: list[tuple[float, int, str, str]] = []  # (when raised, rank, class name, traceback)
     pending = dict(conns)
     while pending:
         left = deadline - time.monotonic()
-        ready = wait(list(pending), timeout=max(left, 0)) if left > 0 else []
+        ready = wait(list(pending), timeout=left) if left > 0 else []
         if not ready:
-            missing = sorted(pending.values())
-            raise CollectiveTimeoutError(f"spawn of {world_size} processes running {name} did not finish within "
-                                         f"{budget:g} s: ranks {missing} had not returned (a collective hangs or "
-                                         "a rank waits forever); all processes were killed.")
+            break
         for conn in ready:
             rank = pending.pop(conn)
             try:
                 status, payload = conn.recv()
             except (EOFError, OSError):
                 procs[rank].join(5)
-                raise AutoshardError(f"rank {rank} of {world_size} running {name} exited with code "
-                                     f"{procs[rank].exitcode} without a result (killed by a signal, out of "
-                                     "memory, or os._exit); the other processes were killed.") from None
+                why = (f"exited with code {procs[rank].exitcode} without a result (killed by a signal, out of "
+                       "memory, or os._exit)")
+                failures.append((time.time(), rank, "", why))
+                continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)
-                continue
-            cls_name, text = payload
-            cls = getattr(errors, cls_name, None)
-            if not (isinstance(cls, type) and issubclass(cls, AutoshardError)):
-                cls = AutoshardError
-            raise cls(f"rank {rank} of {world_size} running {name} raised {cls_name}; the other processes were "
-                      f"killed. Traceback of rank {rank}:\n{text}")
+            else:
+                failures.append((payload[2], rank, payload[0], payload[1]))
+        if failures:
+            # When one rank fails its peers soon fail too ("Connection reset by peer"): listen a moment longer
+            # and report the failure that happened first, the cause.
+            deadline = min(deadline, time.monotonic() + _GRACE)
+            if not pending or time.monotonic() >= deadline:
+                break
+    if failures:
+        _, rank, cls_name, text = min(failures)
+        if not cls_name:
+            raise AutoshardError(f"rank {rank} of {world_size} running {name} {text}; the other processes were "
+                                 "killed.")
+        cls = getattr(errors, cls_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, AutoshardError)):
+            cls = AutoshardError
+        raise cls(f"rank {rank} of {world_size} running {name} raised {cls_name}; the other processes were "
+                  f"killed. Traceback of rank {rank}:\n{text}")
+    if pending:
+        missing = sorted(pending.values())
+        raise CollectiveTimeoutError(f"spawn of {world_size} processes running {name} did not finish within "
+                                     f"{budget:g} s: ranks {missing} had not returned (a collective hangs or a "
+                                     "rank waits forever); all processes were killed.")
     return [results[r] for r in range(world_size)]
 
 
@@ -175,13 +191,13 @@ def _child(fn, rank, world_size, args, port, backend, timeout, parent_pid, conn)
     import torch.distributed as dist
 
     try:
-        try:
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-            reply = ("ok", pickle.dumps(_to_cpu(fn(rank, world_size, *args))))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        reply = ("ok", pickle.dumps(_to_cpu(fn(rank, world_size, *args))))
     except BaseException as e:  # noqa: BLE001 - the parent must hear about every failure
-        reply = ("err", (type(e).__name__, traceback.format_exc()))
+        reply = ("err", (type(e).__name__, traceback.format_exc(), time.time()))
+    # Reply before tearing down the process group: the teardown makes the peers fail, and the parent ranks
+    # failures by the time they happened.
     conn.send(reply)
     conn.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()

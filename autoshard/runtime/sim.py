@@ -30,7 +30,7 @@ from autoshard.errors import AutoshardError, CollectiveTimeoutError, RuntimeShap
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, use
 
-__all__ = ["SimWorld", "SimCommunicator"]
+__all__ = ["SimCommunicator", "SimWorld"]
 
 
 class _Aborted(AutoshardError):

@@ -556,9 +556,8 @@ def _current_or_none():
 
 
 def test_use_rejects_non_communicators():
-    with pytest.raises(AutoshardError, match="needs an autoshard.runtime Communicator"):
-        with use("rank0"):
-            pass
+    with pytest.raises(AutoshardError, match="needs an autoshard.runtime Communicator"), use("rank0"):
+        pass
 
 
 # ---- failures -------------------------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Real torch.distributed processes (gloo on 127.0.0.1): the communicator agrees with the simulator, and
+spawn reports child failures. Few and fast: every spawn costs a few seconds of process start-up.
+
+The workers are module-level functions, because spawn pickles them into fresh processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoshard.errors import AutoshardError, CollectiveTimeoutError, MeshError
+from autoshard.mesh import Mesh
+from autoshard.runtime import (
+    DistCommunicator,
+    SimWorld,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    current,
+    grad_all_reduce,
+    local_slice,
+    reduce_scatter,
+    spawn,
+    use,
+)
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+MESH = Mesh(data=2, model=2)
+
+
+def _input(rank: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(-20, 20, shape, generator=g).float()
+
+
+def program(rank: int) -> dict:
+    """Every collective, raw and autograd (forward and backward), under the current communicator."""
+    comm = current()
+    x = _input(rank, (4, 4))
+    out = {
+        "all_reduce": comm.all_reduce(x, "model"),
+        "all_gather": comm.all_gather(x, "data", 1),
+        "reduce_scatter": comm.reduce_scatter(x, "model", 1),
+        "all_to_all": comm.all_to_all(x, "data", 0, 1),
+        "broadcast": comm.broadcast(x, "data", src=1),
+        "all_reduce_i64": comm.all_reduce(x.long(), "data"),
+    }
+    leaf = x.clone().requires_grad_()
+    y = grad_all_reduce(leaf, ("data", "model"))
+    y = reduce_scatter(y * (rank + 1), "model", 0)
+    y = all_to_all(y, "data", 1, 0)
+    y = all_gather(y, "data", 0)
+    y = local_slice(y, "model", 1)
+    y = all_reduce(y, "data")
+    (y * _input(10 + rank, y.shape)).sum().backward()
+    out["autograd_out"] = y.detach()
+    out["autograd_grad"] = leaf.grad
+    out["log"] = [(r.kind, r.axis, r.numel, r.phase) for r in comm.log]
+    return out
+
+
+def gloo_program(rank: int, world_size: int) -> dict:
+    results = {}
+    for label, native in (("native", None), ("emulated", ())):
+        comm = DistCommunicator(MESH, timeout=30, native_ops=native)
+        with use(comm):
+            results[label] = program(rank)
+        results[label + "_ops"] = sorted(comm.native_ops)
+    with use(DistCommunicator(MESH, device_mesh=MESH.to_device_mesh("cpu"))):
+        results["device_mesh"] = program(rank)
+    return results
+
+
+@pytest.mark.gloo
+def test_gloo_matches_simulator_forward_and_backward():
+    expected = SimWorld(MESH, timeout=30).run(program)
+    got = spawn(gloo_program, MESH.size, timeout=60)
+    assert got[0]["native_ops"] == ["all_gather", "all_to_all", "reduce_scatter"]
+    assert got[0]["emulated_ops"] == []
+    for r in range(MESH.size):
+        for label in ("native", "emulated", "device_mesh"):
+            ours = got[r][label]
+            assert ours.keys() == expected[r].keys()
+            for key, value in expected[r].items():
+                if isinstance(value, torch.Tensor):
+                    assert ours[key].dtype == value.dtype, (r, label, key)
+                    assert torch.equal(ours[key], value), (r, label, key)
+                else:
+                    assert ours[key] == value, (r, label, key)  # the log: same logical collectives
+
+
+def wrong_mesh_on_rank_1(rank: int, world_size: int):
+    if rank == 1:
+        DistCommunicator(MESH)  # 4 ranks on a world of 2: MeshError
+    dist.barrier()  # rank 0 would wait forever: spawn must kill it
+
+
+def skips_a_collective(rank: int, world_size: int):
+    dist.barrier()  # arrive together: creating the groups is bounded by the same 1 s timeout
+    comm = DistCommunicator(Mesh(x=2), timeout=1)
+    if rank == 0:
+        comm.all_reduce(torch.ones(1), "x")
+    else:
+        time.sleep(30)
+
+
+def sleeps(rank: int, world_size: int):
+    time.sleep(60)
+
+
+@pytest.mark.gloo
+def test_spawn_propagates_a_child_exception_and_kills_the_others():
+    """The error of rank 1 (not rank 0's later "connection reset") comes back with its class and traceback."""
+    start = time.monotonic()
+    with pytest.raises(MeshError, match=r"(?s)^rank 1 of 2 running wrong_mesh_on_rank_1 raised MeshError.*"
+                                        r"Traceback.*in wrong_mesh_on_rank_1.*mesh Mesh\(data=2, model=2\) has 4 "
+                                        r"ranks, but the process group has world size 2: launch 4 processes"):
+        spawn(wrong_mesh_on_rank_1, 2, timeout=30)
+    assert time.monotonic() - start < 25
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.gloo
+def test_gloo_collective_timeout_becomes_collective_timeout_error():
+    with pytest.raises(CollectiveTimeoutError, match=r"(?s)all_reduce on axis `x` \(group of ranks \[0, 1\]\) did "
+                                                     r"not complete within 1 s on rank 0"):
+        spawn(skips_a_collective, 2, timeout=30)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.gloo
+def test_spawn_kills_everything_past_its_deadline():
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"ranks \[0\] had not returned"):
+        spawn(sleeps, 1, timeout=1, startup_slack=1)
+    assert time.monotonic() - start < 10
+    assert multiprocessing.active_children() == []
+
+
+def test_spawn_rejects_functions_it_cannot_pickle():
+    with pytest.raises(AutoshardError, match="defined at module level"):
+        spawn(lambda rank, world_size: None, 2)
