@@ -103,10 +103,13 @@ class _Op:
 
     def shape(self, x) -> tuple:
         """Shape of argument ``x`` (an index into the args, or a node/tensor)."""
-        v = self.val(self.arg(x) if isinstance(x, int) else x)
+        a = self.arg(x) if isinstance(x, int) else x
+        v = self.val(a)
         if not isinstance(v, torch.Tensor):
-            raise PlanError(f"{node_location(self.node)} has argument {x!r} without a tensor in meta['val'], but "
-                            "its cost needs the shape. Trace with torch.export so every node carries meta['val'].")
+            what = f"argument {x}" if isinstance(x, int) else "an argument"
+            what += f" (`{a.name}`)" if isinstance(a, Node) else ""
+            raise PlanError(f"{node_location(self.node)} has {what} without a tensor in meta['val'], but its cost "
+                            "needs the shape. Trace with torch.export so every node carries meta['val'].")
         return tuple(self.size(int(d)) for d in v.shape)
 
     def numel(self, x) -> object:
@@ -306,7 +309,7 @@ def bytes_accessed(node: Node) -> int:
         return 0
     out = sum(tensor_bytes(t) for t in output_tensors(node))
     if rule.bytes == "embedding":
-        indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices")
+        indices = _Op(node).arg(1)
         return 2 * out + sum(tensor_bytes(t) for t in _tensors(getattr(indices, "meta", {}).get("val")))
     return out + sum(tensor_bytes(t) for x in node.all_input_nodes for t in _tensors(x.meta.get("val")))
 

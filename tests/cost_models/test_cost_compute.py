@@ -150,3 +150,12 @@ def test_einsum_and_matmul_on_a_small_graph():
     assert flops(einsums[1]) == 2 * 2 * 3 * 5 * 4
     matmuls = [nd for nd in gm.graph.nodes if getattr(nd.target, "overloadpacket", None) is aten.matmul]
     assert flops(matmuls[0]) == 2 * 2 * 3 * 4 * 5
+
+
+def test_missing_shapes_name_the_node():
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    mm = g.call_function(aten.mm.default, (a, b))
+    with pytest.raises(PlanError, match=r"node `mm_default` \(aten.mm.default\) has argument 0 \(`a`\) without "
+                                        r"a tensor in meta\['val'\]"):
+        flops(mm)

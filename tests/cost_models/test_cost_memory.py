@@ -79,3 +79,18 @@ def test_dropout_keeps_its_mask():
     gm = torch.export.export(M(), (torch.randn(4, 8),), strict=False).module()
     drop = next(nd for nd in gm.graph.nodes if "dropout" in nd.name)
     assert activation_bytes(drop) == 4 * 8  # one byte per element of mask; the output itself is not saved
+
+
+def test_views_of_parameters_are_parameters():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            return (x @ self.w.t()).sum()
+
+    gm = torch.export.export(M(), (torch.randn(2, 4),), strict=False).module()
+    transposed = next(nd for nd in gm.graph.nodes if getattr(nd.target, "overloadpacket", None) is torch.ops.aten.t)
+    assert activation_bytes(transposed) == 0
+    assert activation_bytes(next(nd for nd in gm.graph.nodes if nd.op == "placeholder")) == 2 * 4 * 4
