@@ -24,9 +24,9 @@ import inspect
 import json
 import os
 import sys
-import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from autoshard.errors import AutoshardError
 
@@ -219,9 +219,10 @@ def load_plan(path: Path, axes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     except OSError as e:
         raise CliError(f"plan file {str(path)!r} cannot be read: {e.strerror}.") from None
     if path.suffix.lower() == ".toml":
+        toml = _toml_module()
         try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
+            data = toml.loads(text)
+        except toml.TOMLDecodeError as e:
             raise CliError(f"plan file {str(path)!r} is not valid TOML: {e}.") from None
         if not isinstance(data.get("plan"), dict):
             raise CliError(f"plan file {str(path)!r} has no [plan] table, but a TOML plan needs one, e.g. "
@@ -243,6 +244,21 @@ def load_plan(path: Path, axes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
                            f"placements, one per mesh axis {list(axes)}, e.g. {_example_spec(axes)}.")
         plan[glob] = tuple(spec)
     return plan
+
+
+def _toml_module():
+    try:
+        import tomllib
+
+        return tomllib
+    except ImportError:  # Python 3.10: the same parser as a package
+        try:
+            import tomli
+
+            return tomli
+        except ImportError:
+            raise CliError("a TOML plan file needs Python 3.11 or the tomli package (pip install tomli). "
+                           "Or write the plan as JSON.") from None
 
 
 def _example_spec(axes: tuple[str, ...]) -> str:
