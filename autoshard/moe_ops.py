@@ -114,6 +114,14 @@ def route(logits: Tensor, top_k: int, capacity: int) -> Routing:
 
     Positions come from a stable sort of the choices by expert (``O(T·k·log(T·k))``, no ``[T·k, E]`` cumsum):
     a choice's position is its rank among the choices routed to the same expert, in choice-major order.
+
+    >>> r = route(torch.tensor([[2.0, 1, 0], [2, 0, 1], [2, 1, 0], [0, 2, 1]]), top_k=2, capacity=2)
+    >>> r.expert_index.tolist()
+    [[0, 1], [0, 2], [0, 1], [1, 2]]
+    >>> r.position.tolist()  # expert 1: token 3's first choice, then the second choices of tokens 0 and 2
+    [[0, 1], [1, 0], [2, 2], [0, 1]]
+    >>> r.keep.tolist()
+    [[True, True], [True, True], [False, False], [True, True]]
     """
     if logits.dim() != 2:
         raise PlanError(

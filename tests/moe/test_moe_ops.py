@@ -8,6 +8,7 @@ the dispatch benchmark's quick mode.
 
 from __future__ import annotations
 
+import doctest
 import importlib.util
 import math
 import sys
@@ -377,6 +378,10 @@ def test_traces_with_fake_tensors():
     traced = make_fx(layer, tracing_mode="fake")(x, *weights)
     for got, want in zip(traced(x, *weights), layer(x, *weights)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(M).failed == 0
 
 
 def test_z_loss_value():
