@@ -49,6 +49,7 @@ __all__ = [
     "Calibration",
     "CollectiveFit",
     "calibrate",
+    "fit_collective",
     "fit_line",
     "fit_link",
     "format_calibration",
