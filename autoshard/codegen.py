@@ -25,7 +25,7 @@ import torch.fx
 from autoshard import meta as M
 from autoshard.graph_utils import tensor_inputs
 from autoshard.mesh import Mesh
-from autoshard.placements import Partial, Spec, local_shape, shard_tensor
+from autoshard.placements import Partial, Shard, Spec, local_shape, shard_tensor
 from autoshard.runtime import ops as runtime_ops
 from autoshard.trace import fetch_attr
 
@@ -107,24 +107,45 @@ def _bias_once(graph, new, old, mesh, rank):
     return new
 
 
+@localizer(aten.embedding.default)
+def _embedding(graph, new, old, mesh, rank):
+    spec = old.meta[M.STRATEGY].input_specs[0]
+    vocab_axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == 0]
+    if not vocab_axes:
+        return new
+    rows = old.args[0].meta["val"].shape[0] // mesh.shape[vocab_axes[0]]
+    offset = mesh.coords(rank)[mesh.names[vocab_axes[0]]] * rows
+    padding_idx = new.args[2] if len(new.args) > 2 else new.kwargs.get("padding_idx", -1)
+    return _replace(graph, new, runtime_ops.masked_embedding, (new.args[0], new.args[1], offset, padding_idx))
+
+
+def _replace(graph, new, fn, args) -> torch.fx.Node:
+    with graph.inserting_before(new):
+        repl = graph.call_function(fn, tuple(args))
+    repl.meta.update(new.meta)
+    new.replace_all_uses_with(repl)
+    graph.erase_node(new)
+    return repl
+
+
 @localizer(aten.cross_entropy_loss.default)
 def _cross_entropy(graph, new, old, mesh, rank):
     spec = _out_spec(old)
     axes = tuple(mesh.names[a] for a in _partial_axes(spec, mesh))
     reduction = old.args[3] if len(old.args) > 3 else old.kwargs.get("reduction", 1)
+    x_spec = old.meta[M.STRATEGY].input_specs[0]
+    vocab = [mesh.names[a] for a, p in enumerate(x_spec) if isinstance(p, Shard) and p.dim == 1]
+    ignore = old.args[4] if len(old.args) > 4 else old.kwargs.get("ignore_index", -100)
+    if vocab:
+        batch_axes = tuple(mesh.names[a] for a, p in enumerate(x_spec) if isinstance(p, Shard) and p.dim == 0)
+        return _replace(graph, new, runtime_ops.vocab_parallel_cross_entropy,
+                        (new.args[0], new.args[1], ignore, reduction, vocab[0], batch_axes))
     if not axes or reduction != 1:
         return new  # sum reduction is already a correct partial sum; 'none' has no reduction
     a = list(new.args) + [None] * (6 - len(new.args))
     weight = a[2] if a[2] is not None else new.kwargs.get("weight")
-    ignore = a[4] if len(old.args) > 4 else old.kwargs.get("ignore_index", -100)
     smoothing = a[5] if len(old.args) > 5 else old.kwargs.get("label_smoothing", 0.0)
-    with graph.inserting_before(new):
-        repl = graph.call_function(runtime_ops.cross_entropy_partial_mean,
-                                   (a[0], a[1], weight, ignore, smoothing, axes))
-    repl.meta.update(new.meta)
-    new.replace_all_uses_with(repl)
-    graph.erase_node(new)
-    return repl
+    return _replace(graph, new, runtime_ops.cross_entropy_partial_mean, (a[0], a[1], weight, ignore, smoothing, axes))
 
 
 def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.Module | None = None

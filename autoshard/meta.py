@@ -20,6 +20,8 @@ DECISION = "autoshard.decision"
 COLLECTIVE = "autoshard.collective"
 #: On get_attr nodes: the parameter/buffer's fully-qualified name in the original model.
 PARAM = "autoshard.param"
+#: On get_attr nodes: every name the tensor has in the original model (tied weights have several).
+ALIASES = "autoshard.aliases"
 #: bool: whether autograd will produce a gradient for this value (decides where backward collectives go).
 REQUIRES_GRAD = "autoshard.requires_grad"
 

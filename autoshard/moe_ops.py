@@ -173,8 +173,10 @@ def _slots(r: Routing, capacity: int) -> tuple[Tensor, Tensor]:
 def dispatch(x: Tensor, r: Routing, num_experts: int, capacity: int) -> Tensor:
     """Scatter tokens ``x[T, h]`` into the expert buffer ``[E, C, h]``; unfilled slots are zero.
 
-    Each kept choice is one row copy (``index_add_`` into distinct slots); dropped choices go to one extra
-    trash row that is sliced off, so no ``[T, E, C]`` tensor and no one-hot is built. Differentiable in ``x``.
+    Each kept choice is one row copy (``index_put_`` into distinct slots, whose backward is a gather — an
+    ``index_add_`` here would make the forward a scatter-add, several times slower on CPU); dropped choices all
+    go to one extra trash row that is sliced off, so no ``[T, E, C]`` tensor and no one-hot is built.
+    Differentiable in ``x``.
     """
     if x.dim() != 2 or x.shape[0] != r.expert_index.shape[0]:
         raise PlanError(
@@ -187,7 +189,7 @@ def dispatch(x: Tensor, r: Routing, num_experts: int, capacity: int) -> Tensor:
     slot = torch.where(keep, slot, trash)
     buf = x.new_zeros(trash + 1, x.shape[1])
     for c in range(slot.shape[1]):  # k is static and small; avoids materialising x repeated k times
-        buf.index_add_(0, slot[:, c], x)
+        buf.index_put_((slot[:, c],), x)
     return buf[:trash].view(num_experts, capacity, x.shape[1])
 
 

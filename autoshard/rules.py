@@ -411,9 +411,11 @@ def _layer_norm(info: OpInfo) -> DimMap:
 
 @register(aten.embedding.default)
 def _embedding(info: OpInfo) -> DimMap:
+    # Sharding the vocabulary ("v", contracted) gives a Partial output: each rank looks up the ids it holds and
+    # zeros the rest (codegen: runtime.ops.masked_embedding).
     w, idx = info.in_shapes
     labels = _out_labels(len(idx))
-    return DimMap(((None, "h"), tuple(labels)), (tuple(labels) + ("h",),), "multi", (0,))
+    return DimMap((("v", "h"), tuple(labels)), (tuple(labels) + ("h",),), "multi", (0,))
 
 
 @register(aten.scaled_dot_product_attention.default)
@@ -453,7 +455,10 @@ def _cross_entropy(info: OpInfo) -> DimMap:
     x, t = info.in_shapes[:2]
     reduction = info.arg(3, "reduction", 1)
     batch = tuple(f"n{i}" for i in range(len(t)))
-    x_labels = (batch[0], None) + batch[1:] if len(x) == len(t) + 1 else (None,) * len(x)
+    # The class dim may be sharded (vocab-parallel loss, runtime.ops.vocab_parallel_cross_entropy) for unweighted,
+    # unsmoothed 2-D losses; the kernel returns a Partial value over that axis.
+    vocab_ok = len(x) == 2 and len(info.in_shapes) == 2 and not info.arg(5, "label_smoothing", 0.0)
+    x_labels = (batch[0], "c" if vocab_ok else None) + batch[1:] if len(x) == len(t) + 1 else (None,) * len(x)
     extra = tuple(None if s is None else (None,) * len(s) for s in info.in_shapes[2:])
     if len(x) != len(t) + 1:
         return replicate_only(info)

@@ -42,7 +42,7 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) 
         ) from e
     gm = ep.module()
     _clean(gm)
-    _annotate_params(gm)
+    _annotate_params(gm, model)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "call_function") and "val" not in node.meta:
             if node.op == "get_attr":
@@ -65,10 +65,15 @@ def _clean(gm: torch.fx.GraphModule) -> None:
     g.lint()
 
 
-def _annotate_params(gm: torch.fx.GraphModule) -> None:
+def _annotate_params(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    groups: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    by_name = {n: names for names in groups.values() for n in names}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             node.meta[M.PARAM] = str(node.target)
+            node.meta[M.ALIASES] = tuple(by_name.get(str(node.target), [str(node.target)]))
 
 
 def _fetch(gm: torch.nn.Module, target: str):

@@ -126,18 +126,21 @@ def hf_llama(batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, h
     return model, (), {"input_ids": ids, "labels": labels}
 
 
-#: Megatron plans (column-parallel then row-parallel linears, heads split on the model axis), per model, as
+#: Megatron plans (vocabulary-parallel embeddings and LM head, column-parallel then row-parallel linears, heads
+#: split on the model axis), per model, as
 #: {glob: placement on the model axis}; ``megatron(mesh, name)`` expands them to one placement per mesh axis.
 MEGATRON = {
     "mlp": {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"},
-    "gpt": {"blocks.*.attn.[qkv].weight": "S(0)", "blocks.*.attn.[qkv].bias": "S(0)",
+    "gpt": {"wte.weight": "S(0)", "wpe.weight": "S(0)", "blocks.*.attn.[qkv].weight": "S(0)", "blocks.*.attn.[qkv].bias": "S(0)",
             "blocks.*.attn.out.weight": "S(1)", "blocks.*.mlp.0.weight": "S(0)", "blocks.*.mlp.0.bias": "S(0)",
             "blocks.*.mlp.2.weight": "S(1)"},
     # GPT-2's Conv1D stores weights as [in, out]: column-parallel is Shard(1), row-parallel Shard(0).
-    "hf_gpt2": {"transformer.h.*.attn.c_attn.weight": "S(1)", "transformer.h.*.attn.c_attn.bias": "S(0)",
+    "hf_gpt2": {"lm_head.weight": "S(0)", "transformer.wpe.weight": "S(0)",
+                "transformer.h.*.attn.c_attn.weight": "S(1)", "transformer.h.*.attn.c_attn.bias": "S(0)",
                 "transformer.h.*.attn.c_proj.weight": "S(0)", "transformer.h.*.mlp.c_fc.weight": "S(1)",
                 "transformer.h.*.mlp.c_fc.bias": "S(0)", "transformer.h.*.mlp.c_proj.weight": "S(0)"},
-    "hf_llama": {"model.layers.*.self_attn.[qkv]_proj.weight": "S(0)", "model.layers.*.self_attn.o_proj.weight": "S(1)",
+    "hf_llama": {"model.embed_tokens.weight": "S(0)", "lm_head.weight": "S(0)",
+                 "model.layers.*.self_attn.[qkv]_proj.weight": "S(0)", "model.layers.*.self_attn.o_proj.weight": "S(1)",
                  "model.layers.*.mlp.gate_proj.weight": "S(0)", "model.layers.*.mlp.up_proj.weight": "S(0)",
                  "model.layers.*.mlp.down_proj.weight": "S(1)"},
 }

@@ -47,6 +47,7 @@ class Propagate:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         mark_requires_grad(gm)
         fixed = _seed_specs(gm, ctx)
+        paid: set[tuple] = set()  # (node, spec) redistributions and (node, spec, axes) grad syncs already bought
         decisions = 0
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -62,7 +63,7 @@ class Propagate:
             if node.op != "call_function":
                 raise UnsupportedOpError(f"{node_location(node)} is a {node.op} node, but autoshard only handles "
                                          "aten call_function nodes after tracing.")
-            _choose(node, ctx, fixed)
+            _choose(node, ctx, fixed, paid)
             decisions += 1
         for node in gm.graph.nodes:  # parameters nobody consumed stay replicated
             if node.op == "get_attr" and node.meta.get(M.SPEC) is None:
@@ -92,7 +93,8 @@ def _seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
     params = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for pattern, spec in opts.annotations:
-        hits = [n for n in params if fnmatch.fnmatchcase(n.meta.get(M.PARAM, str(n.target)), pattern)]
+        hits = [n for n in params
+                if any(fnmatch.fnmatchcase(a, pattern) for a in n.meta.get(M.ALIASES, (str(n.target),)))]
         hits += [n for n in inputs if n.name == pattern or n.target == pattern]
         if not hits:
             sample = ", ".join(n.meta.get(M.PARAM, str(n.target)) for n in params[:4])
@@ -119,7 +121,7 @@ def _seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
     return fixed
 
 
-def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node]) -> None:
+def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: set[tuple]) -> None:
     mesh = ctx.mesh
     inputs = tensor_inputs(node)
     info = rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
@@ -141,7 +143,7 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node]) -> Non
         candidates = [ctx.forced[node.name]]
     scored = []
     for strat in candidates:
-        cost = _price(node, inputs, strat, ctx, fixed)
+        cost = _price(node, inputs, strat, ctx, paid)
         if cost is not None:
             scored.append((cost, strat))
     if not scored:
@@ -151,16 +153,20 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node]) -> Non
     scored.sort(key=lambda cs: cs[0])
     best_cost, best = scored[0]
     alt = next(((c, s) for c, s in scored[1:] if s.output_spec != best.output_spec), None)
-    for x, spec in zip(inputs, best.input_specs):
+    for x, spec, sync in zip(inputs, best.input_specs, best.grad_sync):
         if x.meta.get(M.SPEC) is None:  # a free parameter takes the layout its first consumer wants
             x.meta[M.SPEC] = spec
+        paid.add((x, spec))
+        paid.add((x, spec, tuple(sync)))
     node.meta[M.STRATEGY] = best
     node.meta[M.SPEC] = best.output_spec
     node.meta[M.DECISION] = M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
                                        "fewest bytes communicated")
 
 
-def _price(node, inputs, strat: M.Strategy, ctx: Context, fixed) -> float | None:
+def _price(node, inputs, strat: M.Strategy, ctx: Context, paid: set[tuple]) -> float | None:
+    """Bytes this strategy adds; a redistribution or grad sync another consumer already bought is free (the
+    collectives pass shares it)."""
     mesh = ctx.mesh
     total = 0.0
     for x, want, sync in zip(inputs, strat.input_specs, strat.grad_sync):
@@ -171,10 +177,11 @@ def _price(node, inputs, strat: M.Strategy, ctx: Context, fixed) -> float | None
         cost = redistribute.cost_bytes(have, want, shape(x), itemsize(x), mesh, rg)
         if cost is None:
             return None
-        total += cost
+        if (x, want) not in paid:
+            total += cost
         if x.op == "get_attr" and have != want:
             total += _MOVE_PARAMETER
-        if rg and sync and x.op != "get_attr":
+        if rg and sync and x.op != "get_attr" and (x, want, tuple(sync)) not in paid:
             total += redistribute.grad_sync_bytes(want, sync, shape(x), itemsize(x), mesh)
     return total
 

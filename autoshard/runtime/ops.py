@@ -30,10 +30,67 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     return total / count
 
 
-def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, offset: int) -> torch.Tensor:
-    """Vocabulary-parallel embedding: rows ``[offset, offset + local_rows)`` live here; other ids give zeros."""
+def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, offset: int, padding_idx: int = -1) -> torch.Tensor:
+    """Vocabulary-parallel embedding: rows ``[offset, offset + local_rows)`` live here; other ids give zeros, so the
+    per-rank results are a Partial sum of the full lookup."""
     rows = weight.shape[0]
     local = indices - offset
     hit = (local >= 0) & (local < rows)
-    out = F.embedding(local.clamp(0, rows - 1), weight)
+    pad = padding_idx - offset if padding_idx >= 0 and 0 <= padding_idx - offset < rows else -1
+    out = torch.ops.aten.embedding.default(weight, local.clamp(0, rows - 1), pad)
     return out * hit.unsqueeze(-1).to(out.dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits whose class dim is sharded on ``vocab_axis`` (Megatron's vocab-parallel loss).
+
+    Forward: the row max, the sum of exponentials and the target logit are combined over the vocab axis, so each
+    rank knows the exact per-token loss without gathering the logits. The result is returned as a *Partial*
+    value on the vocab axis (the loss on coordinate 0, zero elsewhere) and, for a mean over a batch sharded on
+    ``batch_axes``, divided by the global count of targets. Backward: ``(softmax - onehot) / count`` on the local
+    slice of the classes — no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, vocab_axis, batch_axes, comm):
+        n_local = logits.shape[-1]
+        offset = comm.axis_index(vocab_axis) * n_local
+        x = logits.detach().float()
+        row_max = comm.all_gather(x.max(dim=-1).values.unsqueeze(0), vocab_axis, 0).max(dim=0).values
+        shifted = x - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), vocab_axis)
+        valid = target != ignore_index
+        local_t = target - offset
+        hit = valid & (local_t >= 0) & (local_t < n_local)
+        picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1) * hit
+        picked = comm.all_reduce(picked, vocab_axis)
+        per_token = (sum_exp.log() - picked) * valid
+        if reduction == 0:
+            count = torch.ones((), dtype=x.dtype)
+            out = per_token
+        else:
+            count = valid.sum().to(x.dtype) if reduction == 1 else torch.ones((), dtype=x.dtype)
+            for axis in batch_axes:
+                if reduction == 1:
+                    count = comm.all_reduce(count.reshape(1), axis).reshape(())
+            out = per_token.sum() / count
+        first = 1.0 if comm.axis_index(vocab_axis) == 0 else 0.0
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t.clamp(0, n_local - 1), hit, valid, count)
+        ctx.reduction = reduction
+        return (out * first).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, hit, valid, count = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local_t.unsqueeze(-1), -hit.to(g.dtype).unsqueeze(-1))
+        g = g * valid.unsqueeze(-1)
+        scale = grad.float().unsqueeze(-1) if ctx.reduction == 0 else grad.float() / count
+        return (g * scale).to(grad.dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: int,
+                                 vocab_axis: str, batch_axes: tuple[str, ...]) -> torch.Tensor:
+    return _VocabParallelCrossEntropy.apply(logits, target, ignore_index, reduction, vocab_axis, tuple(batch_axes),
+                                            current())
