@@ -1,7 +1,9 @@
 """Real torch.distributed processes (gloo on 127.0.0.1): the communicator agrees with the simulator, and
 spawn reports child failures. Few and fast: every spawn costs a few seconds of process start-up.
 
-The workers are module-level functions, because spawn pickles them into fresh processes.
+The workers are module-level functions, because spawn pickles them into fresh processes. The comparison runs
+with the default start method (spawn); the failure tests fork from a forkserver that has imported torch once,
+which saves seconds of import per child on a small machine.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def test_spawn_propagates_a_child_exception_and_kills_the_others():
     with pytest.raises(MeshError, match=r"(?s)^rank 1 of 2 running wrong_mesh_on_rank_1 raised MeshError.*"
                                         r"Traceback.*in wrong_mesh_on_rank_1.*mesh Mesh\(data=2, model=2\) has 4 "
                                         r"ranks, but the process group has world size 2: launch 4 processes"):
-        spawn(wrong_mesh_on_rank_1, 2, timeout=30)
+        spawn(wrong_mesh_on_rank_1, 2, timeout=30, start_method="forkserver")
     assert time.monotonic() - start < 25
     assert multiprocessing.active_children() == []
 
@@ -131,7 +133,7 @@ def test_spawn_propagates_a_child_exception_and_kills_the_others():
 def test_gloo_collective_timeout_becomes_collective_timeout_error():
     with pytest.raises(CollectiveTimeoutError, match=r"(?s)all_reduce on axis `x` \(group of ranks \[0, 1\]\) did "
                                                      r"not complete within 1 s on rank 0"):
-        spawn(skips_a_collective, 2, timeout=30)
+        spawn(skips_a_collective, 2, timeout=30, start_method="forkserver")
     assert multiprocessing.active_children() == []
 
 
@@ -139,7 +141,7 @@ def test_gloo_collective_timeout_becomes_collective_timeout_error():
 def test_spawn_kills_everything_past_its_deadline():
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match=r"ranks \[0\] had not returned"):
-        spawn(sleeps, 1, timeout=1, startup_slack=1)
+        spawn(sleeps, 1, timeout=1, startup_slack=1, start_method="forkserver")
     assert time.monotonic() - start < 10
     assert multiprocessing.active_children() == []
 
