@@ -83,7 +83,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gl
         with _child_env(OMP_NUM_THREADS="1"):
             for rank in range(world_size):
                 recv_end, send_end = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_child, name=f"autoshard-rank{rank}", daemon=True,
+                p = ctx.Process(target=_child, name=f"autoshard-rank{rank}",
                                 args=(fn, rank, world_size, args, port, backend, timeout, os.getpid(), send_end))
                 p.start()
                 send_end.close()  # the child's copy stays open; ours would hide the child's EOF
