@@ -1,0 +1,17 @@
+def forward(self, x, target):
+    x, target, = fx_pytree.tree_flatten_spec(([x, target], {}), self._in_spec)
+    fc1_weight = self.fc1.weight
+    fc1_bias = self.fc1.bias
+    fc2_weight = self.fc2.weight
+    fc2_bias = self.fc2.bias
+    linear = torch.ops.aten.linear.default(x, fc1_weight, fc1_bias);  x = fc1_weight = fc1_bias = None
+    gelu = torch.ops.aten.gelu.default(linear);  linear = None
+    grad_all_reduce = autoshard_runtime_collectives_grad_all_reduce(fc2_bias, ('model',));  fc2_bias = None
+    mul_tensor = torch.ops.aten.mul.Tensor(grad_all_reduce, 0.0);  grad_all_reduce = None
+    linear_1 = torch.ops.aten.linear.default(gelu, fc2_weight, mul_tensor);  gelu = fc2_weight = mul_tensor = None
+    all_reduce = autoshard_runtime_collectives_all_reduce(linear_1, 'model');  linear_1 = None
+    broadcast_tensors = torch.ops.aten.broadcast_tensors.default([all_reduce, target]);  all_reduce = target = None
+    getitem = broadcast_tensors[0]
+    getitem_1 = broadcast_tensors[1];  broadcast_tensors = None
+    mse_loss = torch.ops.aten.mse_loss.default(getitem, getitem_1);  getitem = getitem_1 = None
+    return pytree.tree_unflatten((mse_loss,), self._out_spec)
