@@ -41,7 +41,8 @@ class CliError(AutoshardError):
 # ---- argument parsing ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The ``autoshard`` parser with its ``show`` and ``calibrate`` subcommands."""
-    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="autoshard", description="Inspect sharding plans without writing a "
+                                     "script, and calibrate the machine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     show = sub.add_parser("show", help="compile a model factory on a mesh and print its plan or generated code",
