@@ -3,13 +3,30 @@
     >>> import autoshard
     >>> plan = autoshard.compile(model, autoshard.Mesh(data=2, model=2), example_inputs=(ids,))
     >>> plan.show(); print(plan.code(rank=1)); m1 = plan.rank_module(rank=1)
+
+The compiler is imported on first use (module ``__getattr__``), so ``import autoshard.runtime`` in a worker
+process stays light and never loads the passes.
 """
 
-from autoshard.api import ShardedModule, compile, data_shard
+from __future__ import annotations
+
+import importlib
+
 from autoshard.errors import (AutoshardError, CollectiveTimeoutError, MeshError, PlanError, RuntimeShapeError,
                               TraceError, UnsupportedOpError)
 from autoshard.mesh import Mesh
-from autoshard.placements import Partial, Replicate, Shard
 
-__all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError", "TraceError",
-           "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError", "CollectiveTimeoutError"]
+_LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
+         "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements"}
+
+__all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
+           "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
+           "CollectiveTimeoutError"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")

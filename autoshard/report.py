@@ -64,6 +64,7 @@ def plan_json(plan) -> str:
 
 def show_plan(plan, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -72,6 +73,7 @@ def show_plan(plan, console=None) -> None:
         table.add_column(c)
     for r in _rows(plan):
         style = "bold magenta" if r["comm_bytes"] else None
-        table.add_row(r["node"], r["op"], str(r["shape"]), r["spec"], r["comm_bytes"], r["module"], style=style)
+        cells = (r["node"], r["op"], str(r["shape"]), r["spec"], r["comm_bytes"], r["module"])
+        table.add_row(*(escape(c) for c in cells), style=style)
     console.print(table)
-    console.print(format_summary(plan))
+    console.print(format_summary(plan), markup=False)

@@ -231,8 +231,15 @@ def _keep_dims_whole(info: OpInfo, whole: list[int], linear: str = "none") -> Di
 RULES[aten.mm.default] = einsum("mk,kn->mn")
 RULES[aten.bmm.default] = einsum("bij,bjk->bik")
 RULES[aten.linear.default] = einsum("...k,nk,n->...n", bias=(2,))
-RULES[aten.addmm.default] = einsum("n,mk,kn->mn", bias=(0,))
-RULES[aten.baddbmm.default] = einsum("bik,bij,bjk->bik", bias=(0,))
+
+
+@register(aten.addmm.default, aten.baddbmm.default)
+def _addmm(info: OpInfo) -> DimMap:
+    # the added input broadcasts against the product (a bias [n], a row [1, n], or a full [m, n])
+    spec = "mk,kn->mn" if len(info.out_shapes[0]) == 2 else "bij,bjk->bik"
+    product = einsum(spec)(OpInfo(info.in_shapes[1:3], info.out_shapes))
+    bias = _broadcast_labels(info.in_shapes[0], info.out_shapes[0], product.outputs[0])
+    return DimMap((bias,) + product.inputs, product.outputs, "multi", (1, 2), (0,))
 
 
 @register(aten.matmul.default)
@@ -244,8 +251,11 @@ def _matmul(info: OpInfo) -> DimMap:
 
 
 # Elementwise. Linear ones let Partial flow through.
-for _op in (aten.add.Tensor, aten.sub.Tensor):
-    RULES[_op] = pointwise("sum")
+@register(aten.add.Tensor, aten.sub.Tensor)
+def _add(info: OpInfo) -> DimMap:
+    # x + y is linear in (x, y) jointly; x + 2.0 is not (each rank would add the constant once)
+    tensors = sum(1 for s in info.in_shapes if s is not None)
+    return pointwise("sum" if tensors == 2 else "none")(info)
 for _op in (aten.mul.Tensor,):
     RULES[_op] = pointwise("multi")
 RULES[aten.div.Tensor] = pointwise("multi", linear_inputs=(0,))
