@@ -1,0 +1,289 @@
+"""Op test cases for ``tests/test_rules.py``: one tiny module per case, each reaching one aten op of the rule table.
+
+A case names the op under test (the first node with that target in the traced graph, or the ``occurrence``-th),
+a function ``fn(module, *inputs)`` that calls it, its example inputs and its parameters. Float inputs and
+parameters require grad, so both the forward and the backward of every strategy are checked; integer indices,
+targets and boolean masks are plain inputs.
+
+Operands that a strategy may need ``Partial`` are graph *inputs* in at least one case of every linear op (an
+input can be annotated ``Partial()``; a parameter cannot usefully be Partial, see ``test_rules.py``). Shapes are
+small and every dim a strategy may shard is even, so both the 1-D and the 2x2 mesh have something to split;
+distinct sizes per dim catch transposed layouts.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Example values
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Float:
+    """A float tensor with values in N(0, 1), or in [0.5, 1.5) when ``positive`` (rsqrt, log, division)."""
+
+    shape: tuple[int, ...]
+    positive: bool = False
+    grad: bool = True
+    dtype: torch.dtype = torch.float32
+
+    def make(self, g: torch.Generator) -> torch.Tensor:
+        t = torch.rand(self.shape, generator=g) + 0.5 if self.positive else torch.randn(self.shape, generator=g)
+        return t.to(self.dtype).requires_grad_(self.grad)
+
+
+@dataclass(frozen=True)
+class Ints:
+    """Integer indices/targets in ``[0, high)``; ``force`` writes given values at given flat positions (so that
+    e.g. an ``ignore_index`` is present among the targets on every shard)."""
+
+    shape: tuple[int, ...]
+    high: int
+    force: tuple[tuple[int, int], ...] = ()
+
+    def make(self, g: torch.Generator) -> torch.Tensor:
+        t = torch.randint(0, self.high, self.shape, generator=g)
+        flat = t.view(-1)
+        for pos, value in self.force:
+            flat[pos] = value
+        return t
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A boolean mask, about half True."""
+
+    shape: tuple[int, ...]
+
+    def make(self, g: torch.Generator) -> torch.Tensor:
+        return torch.rand(self.shape, generator=g) > 0.5
+
+
+def f(*shape: int, grad: bool = True) -> Float:
+    return Float(tuple(shape), grad=grad)
+
+
+def pos(*shape: int) -> Float:
+    return Float(tuple(shape), positive=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------------------
+class OpModule(nn.Module):
+    """``forward(*inputs) = fn(self, *inputs)``; parameters are attributes named as in the case."""
+
+    def __init__(self, fn: Callable, params: dict[str, torch.Tensor]):
+        super().__init__()
+        self.fn = fn
+        for name, value in params.items():
+            self.register_parameter(name, nn.Parameter(value))
+
+    def forward(self, *inputs):
+        return self.fn(self, *inputs)
+
+
+@dataclass(frozen=True)
+class OpCase:
+    name: str
+    op: object  # the aten OpOverload under test
+    fn: Callable  # fn(module, *inputs)
+    inputs: tuple = ()
+    params: dict[str, Float] = field(default_factory=dict)
+    occurrence: int = 0  # which node with target ``op`` (in graph order) is under test
+    two_d: bool = True  # also sweep the 2x2 mesh
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        """A fresh module and example inputs, the same on every call (seeded by the case name)."""
+        g = torch.Generator().manual_seed(zlib.crc32(self.name.encode()))
+        params = {k: v.make(g).detach() for k, v in self.params.items()}
+        args = tuple(x.make(g) for x in self.inputs)
+        return OpModule(self.fn, params), args
+
+
+def case(name, op, fn, *inputs, params=None, **kw) -> OpCase:
+    return OpCase(name, op, fn, tuple(inputs), dict(params or {}), **kw)
+
+
+CASES: list[OpCase] = [
+    # ---- contractions ------------------------------------------------------------------------------------
+    case("mm", aten.mm.default, lambda m, a, b: torch.mm(a, b), f(4, 8), f(8, 6)),
+    case("bmm", aten.bmm.default, lambda m, a, b: torch.bmm(a, b), f(2, 4, 8), f(2, 8, 6)),
+    case("linear_bias", aten.linear.default, lambda m, x: F.linear(x, m.w, m.b), f(2, 4, 8),
+         params=dict(w=f(6, 8), b=f(6))),
+    case("linear_loss", aten.linear.default, lambda m, x: F.linear(x, m.w, m.b).square().mean(), f(4, 8),
+         params=dict(w=f(6, 8), b=f(6))),
+    case("linear_nobias", aten.linear.default, lambda m, x: F.linear(x, m.w), f(4, 8), params=dict(w=f(6, 8))),
+    case("linear_bias_inputs", aten.linear.default, lambda m, x, w, b: F.linear(x, w, b), f(4, 8), f(6, 8), f(6)),
+    case("addmm", aten.addmm.default, lambda m, b, x, w: torch.addmm(b, x, w), f(6), f(4, 8), f(8, 6)),
+    case("addmm_bias2d", aten.addmm.default, lambda m, b, x, w: torch.addmm(b, x, w), f(4, 6), f(4, 8), f(8, 6)),
+    case("matmul_batched", aten.matmul.default, lambda m, a, b: torch.matmul(a, b), f(2, 4, 8), f(2, 8, 6)),
+    case("matmul_bcast", aten.matmul.default, lambda m, a, b: a @ b, f(2, 4, 8), f(8, 6)),
+    case("matmul_size1_batch", aten.matmul.default, lambda m, a, b: a @ b, f(1, 4, 8), f(2, 8, 6)),
+    case("baddbmm", aten.baddbmm.default, lambda m, b, x, y: torch.baddbmm(b, x, y), f(2, 4, 6), f(2, 4, 8),
+         f(2, 8, 6)),
+    # ---- elementwise, broadcasting -----------------------------------------------------------------------
+    case("add_lower_rank", aten.add.Tensor, lambda m, a, b: a + b, f(4, 8), f(8)),
+    case("add_size1", aten.add.Tensor, lambda m, a, b: a + b, f(4, 8), f(4, 1)),
+    case("add_param", aten.add.Tensor, lambda m, a: a + m.b, f(2, 4, 8), params=dict(b=f(8))),
+    case("sub_bcast", aten.sub.Tensor, lambda m, a, b: a - b, f(2, 4, 8), f(1, 4, 8)),
+    case("mul_bcast", aten.mul.Tensor, lambda m, a, b: a * b, f(4, 8), f(1, 8)),
+    case("mul_param", aten.mul.Tensor, lambda m, a: a * m.g, f(4, 8), params=dict(g=f(8))),
+    case("div_bcast", aten.div.Tensor, lambda m, a, b: a / b, f(4, 8), pos(4, 1)),
+    case("add_scalar", aten.add.Tensor, lambda m, a: a + 1.5, f(4, 8)),
+    case("sub_scalar", aten.sub.Tensor, lambda m, a: a - 0.5, f(4, 8)),
+    case("mul_scalar", aten.mul.Tensor, lambda m, a: a * 2.5, f(4, 8)),
+    case("div_scalar", aten.div.Tensor, lambda m, a: a / 4.0, f(4, 8)),
+    case("rsub_scalar", aten.rsub.Scalar, lambda m, a: 1.0 - a, f(4, 8)),
+    case("neg", aten.neg.default, lambda m, a: -a, f(4, 8)),
+    case("to_dtype", aten.to.dtype, lambda m, a: a.to(torch.float64), f(4, 8)),
+    case("gelu", aten.gelu.default, lambda m, a: F.gelu(a), f(4, 8)),
+    case("silu", aten.silu.default, lambda m, a: F.silu(a), f(4, 8)),
+    case("relu", aten.relu.default, lambda m, a: torch.relu(a), f(4, 8)),
+    case("tanh", aten.tanh.default, lambda m, a: torch.tanh(a), f(4, 8)),
+    case("exp", aten.exp.default, lambda m, a: torch.exp(a), f(4, 8)),
+    case("rsqrt", aten.rsqrt.default, lambda m, a: torch.rsqrt(a), pos(4, 8)),
+    case("pow", aten.pow.Tensor_Scalar, lambda m, a: a.pow(3), f(4, 8)),
+    case("gt", aten.gt.Tensor, lambda m, a, b: a > b, f(4, 8, grad=False), f(8, grad=False)),
+    case("where", aten.where.self, lambda m, c, a, b: torch.where(c, a, b), Mask((4, 8)), f(4, 8), f(1, 8)),
+    case("where_of_compare", aten.where.self, lambda m, a, b: torch.where(a > 0, a, b), f(4, 8), f(4, 8)),
+    case("masked_fill", aten.masked_fill.Scalar, lambda m, a, c: a.masked_fill(c, -2.0), f(4, 8), Mask((1, 8))),
+    # ---- more pointwise ops of the table (1-D mesh; the 2x2 sweep adds nothing for one-input maps) -----
+    *[case(name, op, fn, x, two_d=False) for name, op, fn, x in [
+        ("sigmoid", aten.sigmoid.default, lambda m, a: torch.sigmoid(a), f(4, 8)),
+        ("log", aten.log.default, lambda m, a: torch.log(a), pos(4, 8)),
+        ("sqrt", aten.sqrt.default, lambda m, a: torch.sqrt(a), pos(4, 8)),
+        ("cos", aten.cos.default, lambda m, a: torch.cos(a), f(4, 8)),
+        ("sin", aten.sin.default, lambda m, a: torch.sin(a), f(4, 8)),
+        ("abs", aten.abs.default, lambda m, a: torch.abs(a), f(4, 8)),
+        ("square", aten.square.default, lambda m, a: torch.square(a), f(4, 8)),
+        ("reciprocal", aten.reciprocal.default, lambda m, a: torch.reciprocal(a), pos(4, 8)),
+        ("erf", aten.erf.default, lambda m, a: torch.erf(a), f(4, 8)),
+        ("clamp", aten.clamp.default, lambda m, a: a.clamp(-0.5, 0.5), f(4, 8)),
+        ("clone", aten.clone.default, lambda m, a: a.clone(), f(4, 8)),
+        ("alias", aten.alias.default, lambda m, a: a[:, :], f(4, 8)),
+        ("detach", aten.detach.default, lambda m, a: a.detach() * 1.0, f(4, 8, grad=False)),
+        ("to_device", aten.to.device, lambda m, a: a.to("cpu", torch.float64), f(4, 8)),
+        ("dropout_p0", aten.dropout.default, lambda m, a: F.dropout(a, 0.0), f(4, 8)),
+        ("lt_scalar", aten.lt.Scalar, lambda m, a: a < 0.25, f(4, 8, grad=False)),
+        ("logical_not", aten.logical_not.default, lambda m, c: torch.logical_not(c), Mask((4, 8))),
+    ]],
+    case("pow_tensor", aten.pow.Tensor_Tensor, lambda m, a, b: a.pow(b), pos(4, 8), f(8)),
+    case("minimum", aten.minimum.default, lambda m, a, b: torch.minimum(a, b), f(4, 8), f(4, 1)),
+    case("maximum", aten.maximum.default, lambda m, a, b: torch.maximum(a, b), f(4, 8), f(8)),
+    case("type_as", aten.type_as.default, lambda m, a, b: a.type_as(b), f(4, 8), Float((4, 8), grad=False,
+                                                                                   dtype=torch.float64)),
+    case("eq_tensor", aten.eq.Tensor, lambda m, a, b: a == b, Ints((4, 8), 3), Ints((8,), 3)),
+    case("le_tensor", aten.le.Tensor, lambda m, a, b: a <= b, f(4, 8, grad=False), f(4, 1, grad=False)),
+    case("and", aten.__and__.Tensor, lambda m, a, b: a & b, Mask((4, 8)), Mask((8,))),
+    case("or", aten.__or__.Tensor, lambda m, a, b: a | b, Mask((4, 8)), Mask((4, 1))),
+    case("logical_and", aten.logical_and.default, lambda m, a, b: torch.logical_and(a, b), Mask((4, 8)),
+         Mask((4, 8))),
+    case("masked_fill_tensor", aten.masked_fill.Tensor, lambda m, a, c, v: a.masked_fill(c, v), f(4, 8),
+         Mask((4, 8)), f(grad=False)),
+    # ---- views and data movement -------------------------------------------------------------------------
+    case("view_merge", aten.view.default, lambda m, a: a.view(8, 8), f(2, 4, 8)),
+    case("view_merge_inner", aten.view.default, lambda m, a: a.view(2, 32), f(2, 4, 8)),
+    case("reshape_split", aten.reshape.default, lambda m, a: a.reshape(2, 4, 2, 4), f(2, 4, 8)),
+    case("view_regroup", aten.view.default, lambda m, a: a.view(4, 2, 8), f(2, 4, 8)),
+    case("unflatten", aten.unflatten.int, lambda m, a: a.unflatten(1, (2, 4)), f(4, 8)),
+    case("transpose", aten.transpose.int, lambda m, a: a.transpose(1, 2), f(2, 4, 8)),
+    case("permute", aten.permute.default, lambda m, a: a.permute(2, 0, 1), f(2, 4, 8)),
+    case("t", aten.t.default, lambda m, a: a.t(), f(4, 8)),
+    case("unsqueeze", aten.unsqueeze.default, lambda m, a: a.unsqueeze(1), f(4, 8)),
+    case("squeeze_dim", aten.squeeze.dim, lambda m, a: a.squeeze(1), f(4, 1, 8)),
+    case("expand", aten.expand.default, lambda m, a: a.expand(4, 6, 8), f(4, 1, 8)),
+    case("slice_partial", aten.slice.Tensor, lambda m, a: a[:, 2:6], f(4, 8)),
+    case("slice_full", aten.slice.Tensor, lambda m, a: aten.slice.Tensor(a, 1, 0, 8), f(4, 8)),
+    case("split", aten.split.Tensor, lambda m, a: a.split(4, dim=1), f(4, 8)),
+    case("split_with_sizes", aten.split_with_sizes.default, lambda m, a: a.split([2, 6], dim=1), f(4, 8)),
+    case("chunk", aten.chunk.default, lambda m, a: a.chunk(2, dim=-1), f(4, 8)),
+    case("unbind", aten.unbind.int, lambda m, a: a.unbind(1), f(4, 2, 6)),
+    case("cat", aten.cat.default, lambda m, a, b: torch.cat([a, b], dim=1), f(4, 8), f(4, 6)),
+    case("stack", aten.stack.default, lambda m, a, b: torch.stack([a, b], dim=1), f(4, 8), f(4, 8)),
+    case("pad", aten.pad.default, lambda m, a: F.pad(a, (1, 1)), f(4, 8)),
+    case("flatten", aten.flatten.using_ints, lambda m, a: a.flatten(1), f(2, 4, 8)),
+    case("squeeze_all", aten.squeeze.default, lambda m, a: a.squeeze(), f(4, 1, 8)),
+    case("squeeze_dims", aten.squeeze.dims, lambda m, a: a.squeeze((1, 3)), f(4, 1, 8, 1)),
+    case("broadcast_tensors", aten.broadcast_tensors.default, lambda m, a, b: torch.broadcast_tensors(a, b),
+         f(4, 8), f(1, 8)),
+    # ---- reductions and scans ----------------------------------------------------------------------------
+    case("sum_dim_keepdim", aten.sum.dim_IntList, lambda m, a: a.sum(1, keepdim=True), f(2, 4, 8)),
+    case("sum_dims", aten.sum.dim_IntList, lambda m, a: a.sum((0, 2)), f(2, 4, 8)),
+    case("sum_all", aten.sum.default, lambda m, a: a.sum(), f(4, 8)),
+    case("mean_dim_keepdim", aten.mean.dim, lambda m, a: a.mean(-1, keepdim=True), f(2, 4, 8)),
+    case("mean_dim", aten.mean.dim, lambda m, a: a.mean(1), f(2, 4, 8)),
+    case("mean_all", aten.mean.default, lambda m, a: a.mean(), f(4, 8)),
+    case("amax", aten.amax.default, lambda m, a: a.amax(-1), f(4, 8)),
+    case("amax_keepdim", aten.amax.default, lambda m, a: a.amax(0, keepdim=True), f(4, 8)),
+    case("softmax", aten.softmax.int, lambda m, a: a.softmax(-1), f(2, 4, 8)),
+    case("log_softmax", aten.log_softmax.int, lambda m, a: F.log_softmax(a, dim=1), f(2, 4, 8)),
+    case("cumsum", aten.cumsum.default, lambda m, a: a.cumsum(1), f(4, 8)),
+    case("amin", aten.amin.default, lambda m, a: a.amin(1), f(4, 8)),
+    case("argmax", aten.argmax.default, lambda m, a: a.argmax(1), f(4, 8, grad=False)),
+    case("argmin", aten.argmin.default, lambda m, a: a.argmin(0), f(4, 8, grad=False)),
+    case("max_dim", aten.max.dim, lambda m, a: tuple(a.max(1)), f(4, 8)),
+    case("min_dim", aten.min.dim, lambda m, a: tuple(a.min(0, keepdim=True)), f(4, 8)),
+    case("logsumexp", aten.logsumexp.default, lambda m, a: a.logsumexp(1), f(2, 4, 8)),
+    case("topk", aten.topk.default, lambda m, a: tuple(a.topk(3, dim=1)), f(4, 8)),
+    case("sort", aten.sort.default, lambda m, a: tuple(a.sort(dim=0)), f(4, 8)),
+    # ---- ops the table runs whole, and factories ---------------------------------------------------------
+    case("diff", aten.diff.default, lambda m, a: torch.diff(a, dim=1), f(4, 8)),
+    case("index", aten.index.Tensor, lambda m, a, i: a[i], f(4, 8), Ints((6,), 4)),
+    case("index_select", aten.index_select.default, lambda m, a, i: a.index_select(1, i), f(4, 8), Ints((6,), 8)),
+    case("gather", aten.gather.default, lambda m, a, i: a.gather(1, i), f(4, 8), Ints((4, 2), 8)),
+    case("tril", aten.tril.default, lambda m, a: torch.tril(a), f(4, 8)),
+    case("arange", aten.arange.start_step, lambda m, a: a * torch.arange(0, 16, 2), f(4, 8)),
+    case("full", aten.full.default, lambda m, a: a + torch.full((4, 8), 0.5), f(4, 8)),
+    case("ones", aten.ones.default, lambda m, a: a + torch.ones(8), f(4, 8)),
+    case("zeros_like", aten.zeros_like.default, lambda m, a: torch.zeros_like(a) + a, f(4, 8)),
+    case("new_ones", aten.new_ones.default, lambda m, a: a * a.new_ones(8), f(4, 8)),
+    # ---- normalisation, embedding, attention -------------------------------------------------------------
+    case("layer_norm", aten.layer_norm.default, lambda m, a: F.layer_norm(a, (8,), m.w, m.b), f(2, 4, 8),
+         params=dict(w=f(8), b=f(8))),
+    case("layer_norm_2d", aten.layer_norm.default, lambda m, a: F.layer_norm(a, (4, 8)), f(2, 4, 8)),
+    case("rms_norm", aten.rms_norm.default, lambda m, a: F.rms_norm(a, (8,), m.w), f(2, 4, 8),
+         params=dict(w=f(8))),
+    case("embedding", aten.embedding.default, lambda m, i: F.embedding(i, m.w), Ints((4, 6), 16),
+         params=dict(w=f(16, 8))),
+    case("embedding_input", aten.embedding.default, lambda m, w, i: F.embedding(i, w), f(16, 8),
+         Ints((4, 6), 16)),
+    case("sdpa", aten.scaled_dot_product_attention.default,
+         lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v), f(2, 4, 8, 4), f(2, 4, 6, 4),
+         f(2, 4, 6, 4)),
+    case("sdpa_causal", aten.scaled_dot_product_attention.default,
+         lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), f(2, 4, 8, 4),
+         f(2, 4, 8, 4), f(2, 4, 8, 4)),
+    case("sdpa_mask", aten.scaled_dot_product_attention.default,
+         lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), f(2, 4, 8, 4),
+         f(2, 4, 6, 4), f(2, 4, 6, 4), f(8, 6)),
+    case("sdpa_bool_mask", aten.scaled_dot_product_attention.default,
+         lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), f(2, 4, 8, 4),
+         f(2, 4, 6, 4), f(2, 4, 6, 4), Mask((2, 1, 8, 6))),
+    # ---- losses ------------------------------------------------------------------------------------------
+    case("cross_entropy_mean", aten.cross_entropy_loss.default,
+         lambda m, x, t: F.cross_entropy(x, t, ignore_index=2), f(8, 6), Ints((8,), 6, ((0, 2), (5, 2), (6, 2)))),
+    case("cross_entropy_sum", aten.cross_entropy_loss.default,
+         lambda m, x, t: F.cross_entropy(x, t, reduction="sum"), f(8, 6), Ints((8,), 6)),
+    case("cross_entropy_none", aten.cross_entropy_loss.default,
+         lambda m, x, t: F.cross_entropy(x, t, reduction="none"), f(8, 6), Ints((8,), 6)),
+    case("cross_entropy_3d", aten.cross_entropy_loss.default,
+         lambda m, x, t: F.cross_entropy(x, t, ignore_index=0), f(2, 6, 4), Ints((2, 4), 6, ((1, 0),))),
+    case("nll_loss", aten.nll_loss_nd.default, lambda m, x, t: F.nll_loss(x, t), f(8, 6), Ints((8,), 6)),
+    case("mse_loss", aten.mse_loss.default, lambda m, x, y: F.mse_loss(x, y), f(4, 8), f(4, 8)),
+    case("l1_loss", aten.l1_loss.default, lambda m, x, y: F.l1_loss(x, y), f(4, 8), f(4, 8)),
+    case("mse_loss_sum", aten.mse_loss.default, lambda m, x, y: F.mse_loss(x, y, reduction="sum"), f(4, 8),
+         f(4, 8)),
+]
+
+BY_NAME = {c.name: c for c in CASES}
+assert len(BY_NAME) == len(CASES), "case names must be unique"

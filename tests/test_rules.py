@@ -1,0 +1,431 @@
+"""Every strategy of every rule, checked numerically through the real pipeline (trace → passes → codegen → simulator).
+
+For each op case of ``tests/opcases.py`` and each mesh, the op's node is found in the traced graph and its
+candidate strategies are enumerated exactly as propagation does (``rule(OpInfo)`` → ``strategies_for``). Each
+strategy is then *forced* on the node (``Context.forced``, the hook propagation honours) and the plan is run on
+every rank in the thread simulator, forward and backward. Ground truth is eager PyTorch on the full tensors:
+
+* every rank's outputs (left replicated by the output rule) equal the eager outputs;
+* every parameter gradient, reassembled from the ranks' shards as ``Plan.simulate`` does, equals the eager one,
+  and every rank's shard of a non-Partial parameter gradient is the matching piece of it;
+* every input gradient on every rank is that rank's piece of the eager gradient (the whole gradient where the
+  input is replicated or Partial).
+
+The loss is ``Σ_i (out_i * w_i).sum()`` over the float outputs, with fixed random ``w_i``, computed outside the
+traced graph on each rank's (replicated) outputs, so that only the op under test and the redistributions around
+it are in the graph.
+
+Input layouts vary per strategy: ``matched`` annotates every graph input and parameter feeding the op with the
+spec the strategy wants (no redistribution before the op; ``Partial()`` inputs included), ``default`` leaves
+them as the pipeline seeds them (replicated inputs on these meshes, free parameters), and ``resharded`` gives the
+inputs a different sharding, so the op is fed through all-to-all / all-gather.
+
+Strategies that would need a *parameter* to be ``Partial`` are left out of the sweep (a Partial parameter's
+gradient is replicated on every rank while its value is split, so no optimizer step can be right); one strict
+xfail test shows the problem.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard import meta as M
+from autoshard import rules
+from autoshard.context import Context, Options
+from autoshard.errors import PlanError
+from autoshard.graph_utils import out_vals, shape, tensor_inputs
+from autoshard.mesh import Mesh
+from autoshard.placements import Partial, Replicate, Shard, assemble, format_spec, shard_tensor
+from autoshard.plan import Plan, run_passes
+from autoshard.runtime.sim import SimWorld
+from autoshard.strategies import strategies_for
+from autoshard.trace import trace
+
+
+def _load_opcases():
+    name = "autoshard_tests_opcases"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("opcases.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+opcases = _load_opcases()
+CASES = opcases.CASES
+
+MESHES = {"x2": Mesh(x=2), "x2y2": Mesh(x=2, y=2)}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tracing once per case, strategies per (case, mesh)
+# ---------------------------------------------------------------------------------------------------------
+@functools.cache
+def traced(case_name: str):
+    """(module, example args, traced GraphModule, name of the node under test)."""
+    c = opcases.BY_NAME[case_name]
+    model, args = c.build()
+    gm = trace(model, args)
+    hits = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == c.op]
+    if len(hits) <= c.occurrence:
+        found = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        raise AssertionError(f"case {case_name}: no node {c.op} in the traced graph (ops: {found})")
+    return model, args, gm, hits[c.occurrence].name
+
+
+def _node(gm, name: str):
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def op_info(node) -> rules.OpInfo:
+    """The OpInfo of ``node``, built as ``passes/propagate.py`` builds it."""
+    inputs = tensor_inputs(node)
+    return rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
+                        dict(node.kwargs))
+
+
+@functools.cache
+def candidates(case_name: str, mesh_name: str):
+    """The node's distinct candidate strategies on the mesh, in rule order."""
+    _, _, gm, node_name = traced(case_name)
+    node = _node(gm, node_name)
+    info = op_info(node)
+    dm = rules.rule_for(node.target)(info)
+    out, seen = [], set()
+    for s in strategies_for(dm, info.in_shapes, info.out_shapes, MESHES[mesh_name]):
+        key = (s.input_specs, s.output_spec)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def _sources(case_name: str):
+    """Per tensor input of the node under test: the graph input/parameter node feeding it directly, or None."""
+    _, _, gm, node_name = traced(case_name)
+    return [x if x.op in ("placeholder", "get_attr") else None for x in tensor_inputs(_node(gm, node_name))]
+
+
+def _has_partial(spec) -> bool:
+    return spec is not None and any(isinstance(p, Partial) for p in spec)
+
+
+def _partial_parameter(case_name: str, strat) -> bool:
+    return any(src is not None and src.op == "get_attr" and _has_partial(spec)
+               for src, spec in zip(_sources(case_name), strat.input_specs))
+
+
+def _reshard(spec, shp, mesh: Mesh):
+    """A spec as different from ``spec`` as cheaply possible: each axis shards another even dim (or replicates)."""
+    out, used = [], set()
+    for a, p in enumerate(spec):
+        want = p.dim if isinstance(p, Shard) else None
+        size = mesh.shape[a]
+        choice = next((d for d in range(len(shp)) if d != want and d not in used and shp[d] % size == 0
+                       and not any(isinstance(q, Shard) and q.dim == d for q in spec[a + 1:])), None)
+        if isinstance(p, Shard) or choice is None:
+            out.append(Replicate() if choice is None else Shard(choice))
+        else:
+            out.append(Shard(choice))
+        if choice is not None:
+            used.add(choice)
+    return tuple(out)
+
+
+def annotations(case_name: str, mesh_name: str, strat, variant: str) -> tuple:
+    mesh = MESHES[mesh_name]
+    ann = {}
+    for src, spec in zip(_sources(case_name), strat.input_specs):
+        if src is None or spec is None:
+            continue
+        key = src.meta.get(M.PARAM, src.name) if src.op == "get_attr" else src.name
+        if variant == "matched":
+            ann[key] = spec
+        elif variant == "resharded" and src.op == "placeholder" and src.meta["val"].dtype.is_floating_point:
+            ann[key] = _reshard(spec, shape(src), mesh)
+    return tuple(ann.items())
+
+
+def variants(case_name: str, strat) -> list[str]:
+    """Which input layouts to try for ``strat`` (see the module docstring); duplicates are dropped."""
+    srcs = list(zip(_sources(case_name), strat.input_specs))
+    placeholders = [(s, spec) for s, spec in srcs if s is not None and s.op == "placeholder" and spec is not None]
+    needs_partial = any(_has_partial(spec) for _, spec in placeholders)
+    out = ["matched"]
+    if not needs_partial and any(any(not isinstance(p, Replicate) for p in spec) for _, spec in placeholders):
+        out.append("default")
+    if not needs_partial and any(s.meta["val"].dtype.is_floating_point for s, _ in placeholders):
+        out.append("resharded")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running a forced plan and eager PyTorch
+# ---------------------------------------------------------------------------------------------------------
+def _flat(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _loss_weights(outs) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(o.shape, generator=g, dtype=o.dtype) if o.dtype.is_floating_point else None for o in outs]
+
+
+def _loss(outs, weights):
+    terms = [(o * w).sum() for o, w in zip(outs, weights) if w is not None and o.requires_grad]
+    return sum(terms) if terms else None
+
+
+def eager(case_name: str):
+    """(outputs, {param: grad}, [input grad or None]) of the unsharded module."""
+    model, args, _, _ = traced(case_name)
+    model = copy.deepcopy(model)
+    args = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+    outs = _flat(model(*args))
+    loss = _loss(outs, _loss_weights(outs))
+    if loss is not None:
+        loss.backward()
+    return ([o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters()},
+            [a.grad for a in args])
+
+
+def build(case_name: str, mesh_name: str, strat, variant: str, forced: bool = True) -> Plan:
+    """The pipeline of ``autoshard.plan.build_plan``, with ``strat`` forced on the node under test."""
+    _, _, gm0, node_name = traced(case_name)
+    mesh = MESHES[mesh_name]
+    ctx = Context(mesh, Options(annotations=annotations(case_name, mesh_name, strat, variant)),
+                  forced={node_name: strat} if forced else {})
+    gm = run_passes(copy.deepcopy(gm0), ctx)
+    return Plan(gm, mesh, ctx, case_name)
+
+
+def simulate(plan: Plan, args):
+    """Every rank forward and backward: per rank (outputs, {param: grad}, [input grad])."""
+
+    def body(rank):
+        module = plan.rank_module(rank)
+        local, _ = plan.shard_inputs(rank, args, {})
+        local = tuple(x.requires_grad_(a.requires_grad) for x, a in zip(local, args))
+        outs = _flat(module(*local))
+        loss = _loss(outs, _loss_weights(outs))
+        if loss is not None:
+            loss.backward()
+        return ([o.detach() for o in outs], {n: p.grad for n, p in module.named_parameters()},
+                [x.grad for x in local])
+
+    return SimWorld(plan.mesh, timeout=30).run(body)
+
+
+def _without_partial(spec):
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
+
+
+def check(case_name: str, plan: Plan, what: str) -> None:
+    mesh = plan.mesh
+    _, args, _, _ = traced(case_name)
+    ref_outs, ref_pgrads, ref_igrads = eager(case_name)
+    results = simulate(plan, args)
+    for rank, (outs, _, _) in enumerate(results):
+        assert len(outs) == len(ref_outs)
+        for i, (o, r) in enumerate(zip(outs, ref_outs)):
+            torch.testing.assert_close(o, r, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: output {i}, rank {rank}: {m}")
+    specs = plan.param_specs()
+    for name, ref in ref_pgrads.items():
+        per_rank = [r[1].get(name) for r in results]
+        if ref is None:
+            continue
+        assert all(g is not None for g in per_rank), f"{what}: no gradient for parameter {name} on some rank"
+        spec = specs[name]
+        torch.testing.assert_close(assemble(per_rank, spec, mesh), ref, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what}: grad of parameter {name} ({format_spec(spec)}): {m}")
+        if not _has_partial(spec):
+            for rank, g in enumerate(per_rank):
+                torch.testing.assert_close(g, shard_tensor(ref, spec, mesh, rank), rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{what}: grad of {name} on rank {rank}: {m}")
+    holders = [n for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
+    for i, (ref, holder) in enumerate(zip(ref_igrads, holders)):
+        if ref is None:
+            continue
+        spec = _without_partial(holder.meta[M.SPEC])
+        for rank, r in enumerate(results):
+            g = r[2][i]
+            assert g is not None, f"{what}: no gradient for input {holder.name} on rank {rank}"
+            torch.testing.assert_close(g, shard_tensor(ref, spec, mesh, rank), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{what}: grad of input {holder.name} ({format_spec(spec)}) "
+                                                     f"on rank {rank}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sweep
+# ---------------------------------------------------------------------------------------------------------
+def tokens(strat) -> tuple[str, ...]:
+    """Per mesh axis: ``R``, ``S[label]``, or ``P`` followed by the indices of the inputs that are Partial."""
+    out = []
+    for a, tok in enumerate(strat.note.split(",")):
+        if tok == "P":
+            tok += "".join(str(i) for i, spec in enumerate(strat.input_specs) if spec is not None
+                           and isinstance(spec[a], Partial))
+        out.append(tok)
+    return tuple(out)
+
+
+def _cover_2d(strats: list) -> list:
+    """A few 2-D strategies that together use every option on each axis and every S/P pairing across axes.
+
+    Strategies with a replicated axis behave as on a 1-D mesh, which the 1-D sweep checks in full."""
+    def elements(s):
+        t = tokens(s)
+        return {(0, t[0]), (1, t[1]), ("kinds", t[0][0], t[1][0])}
+
+    pool = [s for s in strats if "R" not in tokens(s)]
+    want = set().union(*(elements(s) for s in pool)) if pool else set()
+    chosen = []
+    while want:
+        best = max(pool, key=lambda s: len(elements(s) & want))  # first best in rule order
+        chosen.append(best)
+        want -= elements(best)
+    return chosen
+
+
+def _any_axis(*toks):
+    return lambda strat: any(t in toks for t in tokens(strat))
+
+
+def _any_partial(strat):
+    return any(t.startswith("P") for t in tokens(strat))
+
+
+# Known compiler bugs: (case, predicate on the strategy, reason). Each marks those sweep entries strict-xfail.
+KNOWN_BUGS: list[tuple[str, object, str]] = [
+    ("unflatten", _any_axis("S[g1]"),
+     "BUG: unflatten.int keeps its global sizes argument in per-rank code (no localizer), so sharding the "
+     "unflattened dim fails: unflatten(1, [2, 4]) on a local dim of 4"),
+    ("unbind", _any_axis("S[d1]"),
+     "BUG: the split rule reads unbind.int's dim from args[2] (absent), so unbind(x, 1) is treated as unbind(x, 0): "
+     "it shards the unbound dim (S[d1]) and never offers dim 0"),
+    ("nll_loss", _any_axis("S[n0]", "S[c]"),
+     "BUG: nll_loss_nd shares cross-entropy's rule but has no localizer: with the batch sharded the mean divides "
+     "by the local count (loss x n), and with the class dim sharded the local kernel sees out-of-range targets"),
+]
+
+
+def _known_bug(case_name: str, strat) -> str | None:
+    return next((reason for c, pred, reason in KNOWN_BUGS if c == case_name and pred(strat)), None)
+
+
+def sweep_entries():
+    """(case, mesh, strategy index, variant) of the sweep, with the strategy."""
+    for c in CASES:
+        for mesh_name in MESHES:
+            if mesh_name != "x2" and not c.two_d:
+                continue
+            strats = candidates(c.name, mesh_name)
+            keep = strats if mesh_name == "x2" else _cover_2d(strats)
+            for strat in keep:
+                if _partial_parameter(c.name, strat):
+                    continue
+                for variant in variants(c.name, strat) if mesh_name == "x2" else ["matched"]:
+                    yield c.name, mesh_name, strats.index(strat), variant, strat
+
+
+def _sweep_params():
+    params = []
+    for case_name, mesh_name, idx, variant, strat in sweep_entries():
+        reason = _known_bug(case_name, strat)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(case_name, mesh_name, idx, variant, marks=marks,
+                                   id=f"{case_name}-{mesh_name}-{','.join(tokens(strat))}-{variant}"))
+    return params
+
+
+SWEEP = _sweep_params()
+
+
+@pytest.mark.parametrize("case_name, mesh_name, idx, variant", SWEEP)
+def test_strategy(case_name, mesh_name, idx, variant):
+    strat = candidates(case_name, mesh_name)[idx]
+    what = f"{case_name} on {mesh_name}, strategy {','.join(tokens(strat))} ({variant})"
+    plan = build(case_name, mesh_name, strat, variant)
+    _, _, _, node_name = traced(case_name)
+    assert _node(plan.graph_module, node_name).meta[M.STRATEGY] == strat, f"{what}: forced strategy not used"
+    check(case_name, plan, what)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Coverage of the table
+# ---------------------------------------------------------------------------------------------------------
+def uncovered_ops() -> list[str]:
+    covered = {c.op for c in CASES}
+    return sorted(str(op) for op in rules.RULES if op not in covered)
+
+
+def test_every_case_reaches_a_rule_with_strategies():
+    """Each case's op is in RULES, and on each mesh it has a sharded strategy unless the table runs it whole."""
+    for c in CASES:
+        assert c.op in rules.RULES, f"case {c.name}: {c.op} has no rule in autoshard/rules.py"
+        assert candidates(c.name, "x2"), f"case {c.name}: no strategy at all"
+
+
+def test_every_covered_op_is_swept():
+    """Every RULES op that some case reaches has at least one strategy checked numerically on each mesh kind."""
+    swept = {(case_name, mesh_name) for case_name, mesh_name, *_ in sweep_entries()}
+    for c in CASES:
+        assert (c.name, "x2") in swept, f"case {c.name} has no entry in the 1-D sweep"
+        if c.two_d and any("R" not in tokens(s) for s in candidates(c.name, "x2y2")):
+            assert (c.name, "x2y2") in swept, f"case {c.name} has no entry in the 2-D sweep"
+    ops_swept = {opcases.BY_NAME[case_name].op for case_name, _ in swept}
+    assert ops_swept == {c.op for c in CASES}
+
+
+def test_coverage_report(capsys):
+    """Not an assertion on the table: prints the RULES ops that no case reaches (see with ``pytest -s``)."""
+    missing = uncovered_ops()
+    with capsys.disabled():
+        print(f"\nRULES ops without an op case ({len(missing)} of {len(rules.RULES)}): {', '.join(missing)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameters that a strategy would make Partial
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG: strategies_for offers Partial strategies on parameter operands (linear's weight as P), and a free "
+    "parameter takes that layout: its value is split (whole on coordinate 0, zeros elsewhere) but every rank "
+    "computes the whole gradient, so the summed update is n times too large (assembled grad = n * true grad)"))
+def test_partial_parameter_gradient():
+    strat = next(s for s in candidates("linear_bias", "x2") if _partial_parameter("linear_bias", s))
+    plan = build("linear_bias", "x2", strat, "default")
+    assert any(_has_partial(spec) for spec in plan.param_specs().values())
+    check("linear_bias", plan, f"linear_bias on x2, strategy {','.join(tokens(strat))} (free parameters)")
+
+
+def test_plan_simulate_agrees_with_the_sweep_runner():
+    """The sweep's runner and ``Plan.simulate`` (loss = first output) give the same parameter gradients."""
+    from autoshard.plan import loss_of
+
+    model, args, _, _ = traced("linear_loss")
+    for strat in candidates("linear_loss", "x2"):
+        if _partial_parameter("linear_loss", strat):
+            continue
+        plan = build("linear_loss", "x2", strat, "matched")
+        sim = plan.simulate(args)
+        ref = copy.deepcopy(model)
+        loss_of(ref(*[a.detach() for a in args])).backward()
+        assert set(sim.grads) == {"w", "b"}
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(sim.grads[name], p.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_forced_strategy_outside_the_rule_is_refused():
+    strat = candidates("mm", "x2")[-1]
+    bogus = M.Strategy(strat.input_specs, strat.output_spec, strat.grad_sync, strat.note + "?")
+    with pytest.raises(PlanError, match="was given strategy .* but its rule does not allow it"):
+        build("mm", "x2", bogus, "matched")
