@@ -37,9 +37,7 @@ class Config:
     budget_s: float  # wall-clock seconds for the whole run; dense repeats are reduced to fit
 
 
-FULL = Config(
-    tokens=8192, hidden=512, experts=(8, 32, 128), top_k=2, capacity_factor=1.25, repeats=5, budget_s=100
-)
+FULL = Config(tokens=8192, hidden=512, experts=(8, 32, 128), top_k=2, capacity_factor=1.25, repeats=5, budget_s=100)
 QUICK = Config(tokens=256, hidden=32, experts=(4, 16), top_k=2, capacity_factor=1.25, repeats=3, budget_s=10)
 
 
@@ -94,12 +92,15 @@ def measure(cfg: Config, experts: int, budget_s: float) -> dict:
     buf = _index_step(x, r, *args)
     index_bytes = buf.numel() * buf.element_size()
     mask_seen = _ShapeBytes((cfg.tokens, experts, cap))
+    dense_start = time.perf_counter()
     x.grad = gate.grad = None
     with mask_seen:
         _dense_step(x, r, *args)
-    warm_s = time.perf_counter() - start
+    end = time.perf_counter()
 
-    dense_repeats = max(1, min(cfg.repeats, int((budget_s - warm_s) / max(warm_s, 1e-9))))
+    # the dense path dominates: give it the repeats that fit in what is left of this size's budget
+    left_s, dense_s = budget_s - (end - start), max(end - dense_start, 1e-9)
+    dense_repeats = max(1, min(cfg.repeats, int(left_s / dense_s)))
     index_times, dense_times = [], []
     for i in range(cfg.repeats):
         index_times.append(_timed(_index_step, x, r, gate, *args))
@@ -175,23 +176,21 @@ def _print(cfg: Config, rows: list[dict]) -> None:
     except ImportError:
         print(format_table(cfg, rows))
         return
-    table = Table(title=title(cfg))
+    table = Table()
     for h in HEADERS:
         table.add_column(h, justify="right")
     for cells in table_cells(rows):
         table.add_row(*cells)
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(title(cfg), soft_wrap=True)
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds (smoke test)")
-    parser.add_argument(
-        "--repeats", type=int, help="timed repeats per path (dense may get fewer, see --budget)"
-    )
-    parser.add_argument(
-        "--budget", type=float, help="seconds for the whole run; caps the dense path's repeats"
-    )
+    parser.add_argument("--repeats", type=int, help="timed repeats per path (dense may get fewer, see --budget)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run; caps the dense path's repeats")
     opts = parser.parse_args(argv)
     cfg = QUICK if opts.quick else FULL
     if opts.repeats is not None:
