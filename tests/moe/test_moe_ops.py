@@ -93,9 +93,7 @@ def assert_grads_close(got, want, what):
         if w is None:
             assert g is None or torch.count_nonzero(g) == 0, f"{what}: d/d{name} should be zero"
             continue
-        torch.testing.assert_close(
-            g, w, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{what}: d/d{name}: {m}"
-        )
+        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{what}: d/d{name}: {m}")
 
 
 def check_against_reference(tokens, experts, hidden, ffn, top_k, capacity_factor, variant, seed):
@@ -348,9 +346,7 @@ def test_index_path_builds_no_token_expert_capacity_tensor():
         with _LargestOutput() as mode:
             logits = x @ p["router"].t()
             r = M.route(logits, top_k, cap)
-            y = M.expert_ffn(
-                disp(x, r, experts, cap), p["w1"], p["b1"], p["w2"], p["b2"], "silu", p["w_gate"]
-            )
+            y = M.expert_ffn(disp(x, r, experts, cap), p["w1"], p["b1"], p["w2"], p["b2"], "silu", p["w_gate"])
             out = comb(y, r)
             (out.sum() + M.load_balancing_loss(r, experts)).backward()
         return mode.largest
@@ -448,9 +444,7 @@ def test_error_capacity_factor(factor):
 
 
 def test_error_logits_rank():
-    with pytest.raises(
-        PlanError, match=r"logits have shape \(2, 3, 4\), but route\(\) expects \[tokens, experts\]"
-    ):
+    with pytest.raises(PlanError, match=r"logits have shape \(2, 3, 4\), but route\(\) expects \[tokens, experts\]"):
         M.route(torch.zeros(2, 3, 4), 1, 4)
 
 
@@ -460,33 +454,25 @@ def test_error_route_capacity():
 
 
 def test_error_dispatch_shape():
-    with pytest.raises(
-        PlanError, match=r"dispatch input has shape \(5, 3\), but the routing covers 6 tokens"
-    ):
+    with pytest.raises(PlanError, match=r"dispatch input has shape \(5, 3\), but the routing covers 6 tokens"):
         M.dispatch(torch.zeros(5, 3), _routing(), 4, 3)
 
 
 def test_error_expert_count_mismatch():
     r = _routing()
-    with pytest.raises(
-        PlanError, match=r"dispatch has num_experts=8, but the routing was made for 4 experts"
-    ):
+    with pytest.raises(PlanError, match=r"dispatch has num_experts=8, but the routing was made for 4 experts"):
         M.dispatch(torch.zeros(6, 3), r, 8, 3)
     with pytest.raises(PlanError, match=r"combine has num_experts=8, but the routing was made for 4"):
         M.combine(torch.zeros(8, 3, 2), r)
 
 
 def test_error_combine_rank():
-    with pytest.raises(
-        PlanError, match=r"combine input has shape \(12, 2\), but it expects the expert buffer"
-    ):
+    with pytest.raises(PlanError, match=r"combine input has shape \(12, 2\), but it expects the expert buffer"):
         M.combine(torch.zeros(12, 2), _routing())
 
 
 def test_error_activation():
-    with pytest.raises(
-        PlanError, match=r"activation has 'tanh', but it must be one of \['gelu', 'gelu_tanh'"
-    ):
+    with pytest.raises(PlanError, match=r"activation has 'tanh', but it must be one of \['gelu', 'gelu_tanh'"):
         M.expert_ffn(torch.zeros(2, 3, 4), torch.zeros(2, 4, 5), None, torch.zeros(2, 5, 4), None, "tanh")
 
 
@@ -494,9 +480,7 @@ def test_error_expert_weight_shape():
     with pytest.raises(PlanError, match=r"weight w2 has shape \(2, 4, 5\), but .* need \(2, 5, 4\)"):
         M.expert_ffn(torch.zeros(2, 3, 4), torch.zeros(2, 4, 5), None, torch.zeros(2, 4, 5), None, "relu")
     with pytest.raises(PlanError, match=r"weight b1 has shape \(5,\)"):
-        M.expert_ffn(
-            torch.zeros(2, 3, 4), torch.zeros(2, 4, 5), torch.zeros(5), torch.zeros(2, 5, 4), None, "relu"
-        )
+        M.expert_ffn(torch.zeros(2, 3, 4), torch.zeros(2, 4, 5), torch.zeros(5), torch.zeros(2, 5, 4), None, "relu")
 
 
 # --- benchmark smoke run ------------------------------------------------------------------------------------
@@ -508,5 +492,6 @@ def test_bench_quick(capsys):
     assert rows and all(math.isfinite(row["ratio"]) and row["ratio"] > 0 for row in rows)
     for row in rows:
         assert row["dense_mask_bytes"] > row["index_buffer_bytes"] > 0
-    printed = capsys.readouterr().out
-    assert "dense/index" in printed
+    assert "dense/index" in capsys.readouterr().out
+    plain = bench.format_table(bench.QUICK, rows).splitlines()
+    assert len(plain) == 3 + len(rows) and "dense/index" in plain[1]
