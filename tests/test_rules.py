@@ -17,8 +17,10 @@ it are in the graph.
 
 Input layouts vary per strategy: ``matched`` annotates every graph input and parameter feeding the op with the
 spec the strategy wants (no redistribution before the op; ``Partial()`` inputs included), ``default`` leaves
-them as the pipeline seeds them (replicated inputs on these meshes, free parameters), and ``resharded`` gives the
-inputs a different sharding, so the op is fed through all-to-all / all-gather.
+them as the pipeline seeds them (replicated inputs on these meshes, free parameters), ``resharded`` gives the
+float inputs a different sharding, so the op is fed through all-to-all / all-gather, and ``from_partial`` makes
+them Partial on every axis, so they arrive through reduce-scatter / all-reduce (or stay Partial where the
+strategy takes them so).
 
 Strategies that would need a *parameter* to be ``Partial`` are left out of the sweep (a Partial parameter's
 gradient is replicated on every rank while its value is split, so no optimizer step can be right); one strict
@@ -29,9 +31,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -47,19 +46,8 @@ from autoshard.plan import Plan, run_passes
 from autoshard.runtime.sim import SimWorld
 from autoshard.strategies import strategies_for
 from autoshard.trace import trace
+from tests import opcases
 
-
-def _load_opcases():
-    name = "autoshard_tests_opcases"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("opcases.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-opcases = _load_opcases()
 CASES = opcases.CASES
 
 MESHES = {"x2": Mesh(x=2), "x2y2": Mesh(x=2, y=2)}
@@ -150,8 +138,11 @@ def annotations(case_name: str, mesh_name: str, strat, variant: str) -> tuple:
         key = src.meta.get(M.PARAM, src.name) if src.op == "get_attr" else src.name
         if variant == "matched":
             ann[key] = spec
-        elif variant == "resharded" and src.op == "placeholder" and src.meta["val"].dtype.is_floating_point:
-            ann[key] = _reshard(spec, shape(src), mesh)
+        elif src.op == "placeholder" and src.meta["val"].dtype.is_floating_point:
+            if variant == "resharded":
+                ann[key] = _reshard(spec, shape(src), mesh)
+            elif variant == "from_partial":
+                ann[key] = (Partial(),) * mesh.ndim
     return tuple(ann.items())
 
 
@@ -163,8 +154,10 @@ def variants(case_name: str, strat) -> list[str]:
     out = ["matched"]
     if not needs_partial and any(any(not isinstance(p, Replicate) for p in spec) for _, spec in placeholders):
         out.append("default")
-    if not needs_partial and any(s.meta["val"].dtype.is_floating_point for s, _ in placeholders):
-        out.append("resharded")
+    if any(s.meta["val"].dtype.is_floating_point for s, _ in placeholders):
+        if not needs_partial:
+            out.append("resharded")
+        out.append("from_partial")
     return out
 
 
@@ -312,9 +305,10 @@ KNOWN_BUGS: list[tuple[str, object, str]] = [
     ("unbind", _any_axis("S[d1]"),
      "BUG: the split rule reads unbind.int's dim from args[2] (absent), so unbind(x, 1) is treated as unbind(x, 0): "
      "it shards the unbound dim (S[d1]) and never offers dim 0"),
-    ("nll_loss", _any_axis("S[n0]", "S[c]"),
+    *[(name, _any_axis("S[n0]", "S[c]"),
      "BUG: nll_loss_nd shares cross-entropy's rule but has no localizer: with the batch sharded the mean divides "
-     "by the local count (loss x n), and with the class dim sharded the local kernel sees out-of-range targets"),
+     "by the local count (loss x n), and with the class dim sharded the local kernel sees out-of-range targets")
+      for name in ("nll_loss", "nll_loss_default")],
 ]
 
 
@@ -333,7 +327,8 @@ def sweep_entries():
             for strat in keep:
                 if _partial_parameter(c.name, strat):
                     continue
-                for variant in variants(c.name, strat) if mesh_name == "x2" else ["matched"]:
+                for variant in variants(c.name, strat) if mesh_name == "x2" else [
+                        v for v in variants(c.name, strat) if v != "default"]:
                     yield c.name, mesh_name, strats.index(strat), variant, strat
 
 
