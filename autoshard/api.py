@@ -23,18 +23,47 @@ from autoshard.plan import Plan, build_plan
 
 def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
-            comm=None) -> ShardedModule:
+            planner: str = "search", profile="cpu-gloo", memory_limit: float | str | None = None,
+            optimizer: str = "adam", comm=None, timeout: float = 300.0) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
-    ``{"transformer.h.*.mlp.c_fc.weight": (Replicate(), Shard(1))}``; everything else is propagated.
+    ``{"transformer.h.*.mlp.c_fc.weight": (Replicate(), Shard(1))}``; annotations are hard constraints.
+
+    ``planner="search"`` (default) chooses every other strategy by an exact search minimising the estimated step
+    time for the hardware ``profile`` (a preset name such as "cpu-gloo", "gpu-8x-nvlink", "multi-node", a TOML
+    path, or a HardwareProfile) under ``memory_limit`` bytes per rank (an int or text like "2GiB");
+    ``planner="greedy"`` propagates op by op, fewest bytes first.
+
+    ``timeout`` (seconds): how long a collective waits for its peers under torch.distributed before raising
+    :class:`~autoshard.errors.CollectiveTimeoutError` (a peer died or hangs).
     """
     mesh = as_mesh(mesh)
-    options = make_options(plan, data_axis, on_unsupported, mesh)
-    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm)
+    options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer)
+    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout)
 
 
-def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh) -> Options:
+def parse_bytes(value) -> float | None:
+    """2_000_000, "2GiB", "512MB", "1.5 GB" -> bytes."""
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None if value is None else float(value)
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+             "tib": 2**40}
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        return float(number) * units[unit]
+    except (KeyError, ValueError):
+        raise PlanError(f"memory_limit is {value!r}, but must be a number of bytes or text like '2GiB', '512MB'.") from None
+
+
+def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "search",
+                 profile="cpu-gloo", memory_limit=None, optimizer: str = "adam") -> Options:
+    if planner not in ("search", "greedy"):
+        raise PlanError(f"option planner is {planner!r}, but must be 'search' or 'greedy'.")
+    if optimizer not in ("adam", "adamw", "sgd", "sgd_momentum"):
+        raise PlanError(f"option optimizer is {optimizer!r}, but must be one of adam, adamw, sgd, sgd_momentum.")
     if on_unsupported not in ("error", "replicate"):
         raise PlanError(f"option on_unsupported is {on_unsupported!r}, but must be 'error' or 'replicate'.")
     if not isinstance(data_axis, str):
@@ -45,7 +74,8 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh) -> Optio
             raise PlanError(f"annotation {pattern!r} has {spec!r}, but must be a tuple with one placement per "
                             f"mesh axis {list(mesh.names)}, e.g. (Replicate(), Shard(0)).")
         annotations.append((pattern, tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)))
-    return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported)
+    return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported,
+                   planner=planner, profile=profile, memory_limit=parse_bytes(memory_limit), optimizer=optimizer)
 
 
 def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Tensor:
@@ -64,12 +94,14 @@ def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Te
 class ShardedModule(torch.nn.Module):
     """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``)."""
 
-    def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None):
+    def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
+                 timeout: float = 300.0):
         super().__init__()
         self.mesh = mesh
         self.options = options
         self._source = (model,)  # a tuple keeps the unsharded model out of this module's parameters
         self._comm = comm
+        self._timeout = timeout
         self.plan: Plan | None = None
         self.local: torch.fx.GraphModule | None = None
         self._expected: list | None = None
@@ -122,7 +154,7 @@ class ShardedModule(torch.nn.Module):
                                     "in the simulator (autoshard.runtime.SimWorld).")
             from autoshard.runtime.dist import DistCommunicator
 
-            self._comm = DistCommunicator(self.mesh)
+            self._comm = DistCommunicator(self.mesh, timeout=self._timeout)
         return self._comm
 
     def forward(self, *args, **kwargs):

@@ -20,11 +20,20 @@ from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.passes.collectives import InsertCollectives
+from autoshard.passes.plan_search import PlanSearch
 from autoshard.passes.propagate import Propagate
 from autoshard.trace import trace
 
 #: The passes that run, in order. Each is a frozen dataclass with ``name`` and ``run(gm, ctx) -> gm``.
 PIPELINE = (Propagate(), InsertCollectives())
+
+
+def pipeline(options: Options) -> tuple:
+    """The passes for these options: the exact search first when the planner is 'search'."""
+    if options.planner == "search":
+        search = PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
+        return (search, *PIPELINE)
+    return PIPELINE
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes=PIPELINE) -> torch.fx.GraphModule:
@@ -148,5 +157,5 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     with _TRACE_LOCK:
         gm = trace(model, args, kwargs)
     ctx = Context(mesh, options)
-    gm = run_passes(gm, ctx)
+    gm = run_passes(gm, ctx, pipeline(options))
     return Plan(gm, mesh, ctx, type(model).__name__)

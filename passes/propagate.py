@@ -46,7 +46,7 @@ class Propagate:
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         mark_requires_grad(gm)
-        fixed = _seed_specs(gm, ctx)
+        fixed = seed_specs(gm, ctx)
         paid: set[tuple] = set()  # (node, spec) redistributions and (node, spec, axes) grad syncs already bought
         decisions = 0
         for node in gm.graph.nodes:
@@ -86,7 +86,7 @@ def mark_requires_grad(gm: torch.fx.GraphModule) -> None:
                 x.meta.get(M.REQUIRES_GRAD, False) for x in tensor_inputs(node))
 
 
-def _seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
+def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
     """Specs fixed before the walk: annotated parameters and every input. Returns the fixed nodes."""
     mesh, opts = ctx.mesh, ctx.options
     fixed: set[torch.fx.Node] = set()
@@ -122,20 +122,8 @@ def _seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
 
 
 def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: set[tuple]) -> None:
-    mesh = ctx.mesh
     inputs = tensor_inputs(node)
-    info = rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
-                        dict(node.kwargs))
-    rule = rules.rule_for(node.target)
-    if rule is None:
-        if ctx.options.on_unsupported != "replicate":
-            raise UnsupportedOpError(
-                f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Add a rule "
-                "for this op to autoshard/rules.py (RULES), or pass on_unsupported='replicate' to run it unsharded.")
-        ctx.warn(f"{node_location(node)} has no sharding rule: it runs replicated (on_unsupported='replicate').")
-        rule = rules.replicate_only
-    dm = rule(info)
-    candidates = strategies_for(dm, info.in_shapes, info.out_shapes, mesh)
+    candidates = node_strategies(node, ctx)
     if node.name in ctx.forced:
         if ctx.forced[node.name] not in candidates:
             raise PlanError(f"{node_location(node)} was given strategy {ctx.forced[node.name]}, but its rule does "
@@ -160,8 +148,27 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
         paid.add((x, spec, tuple(sync)))
     node.meta[M.STRATEGY] = best
     node.meta[M.SPEC] = best.output_spec
-    node.meta[M.DECISION] = M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
-                                       "fewest bytes communicated")
+    searched = ctx.report.get("decisions", {}).get(node.name)
+    node.meta[M.DECISION] = searched or M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
+                                                   "fewest bytes communicated")
+
+
+def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
+    """Every strategy the rule table allows for ``node`` on ``ctx.mesh`` (the search space of one op)."""
+    inputs = tensor_inputs(node)
+    info = rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
+                        dict(node.kwargs))
+    rule = rules.rule_for(node.target)
+    if rule is None:
+        if ctx.options.on_unsupported != "replicate":
+            raise UnsupportedOpError(
+                f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Add a rule "
+                "for this op to autoshard/rules.py (RULES), or pass on_unsupported='replicate' to run it unsharded.")
+        if node.name not in ctx.report.setdefault("unsupported", []):
+            ctx.report["unsupported"].append(node.name)
+            ctx.warn(f"{node_location(node)} has no sharding rule: it runs replicated (on_unsupported='replicate').")
+        rule = rules.replicate_only
+    return strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
 
 
 def _price(node, inputs, strat: M.Strategy, ctx: Context, paid: set[tuple]) -> float | None:

@@ -1,0 +1,572 @@
+"""Exact plan search: choose every op's strategy to minimise estimated step time under a memory limit.
+
+Formulation (an integer linear program solved by HiGHS through ``scipy.optimize.milp``; built by
+:func:`build_problem`, solved by :func:`solve`, evaluated independently by :func:`evaluate`):
+
+* ``x[d, k] ∈ {0, 1}``: decision ``d`` (an op, or the layout of a free parameter) takes option ``k``;
+  ``Σ_k x[d, k] = 1``. An op's options are the strategies of :func:`passes.propagate.node_strategies`.
+* ``y[u, o] = Σ x[d, k]`` over the options that make value ``u`` come out as spec ``o`` (an expression).
+* ``r[u, i] ≥ x[c, k]`` for every consumer option that needs ``u`` as spec ``i``: the redistribution of ``u`` to
+  ``i`` is bought once and shared by every consumer, exactly as ``passes/collectives.py`` shares it.
+* ``q[u, o, i] ≥ y[u, o] + r[u, i] − 1``: pays ``time(o → i)`` (alpha-beta collectives, forward + backward);
+  impossible pairs get ``y[u, o] + r[u, i] ≤ 1``.
+* ``g[u, i, axes] ≥ x[c, k]`` for consumer options that need the gradient of ``u`` all-reduced over ``axes``.
+* objective: ``Σ x·compute_time + Σ q·redistribution_time + Σ g·all_reduce_time`` (seconds, forward + backward;
+  no overlap of communication and compute);
+* memory: ``Σ y[param, o]·(parameter + gradient + optimizer state bytes) + Σ x·saved activation bytes ≤ limit``.
+
+Repeated layers (same module structure, same shapes: ``blocks.0``, ``blocks.1``, ...) share their decision
+variables: node ``n`` of every copy maps to node ``n`` of the first copy (:func:`find_layers`), and the costs of all
+copies add up on the shared variables; terms of values are grouped by (canonical value, canonical consumers), with
+the number of copies as multiplicity. The program's size is then independent of the depth.
+Solutions are exact (``mip_rel_gap = 0``) and deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx
+
+from autoshard import meta as M
+from autoshard import redistribute
+from autoshard.context import Context
+from autoshard.cost_models.comm import collective_time
+from autoshard.cost_models.compute import compute_time
+from autoshard.cost_models.memory import optimizer_state_bytes
+from autoshard.cost_models.profile import HardwareProfile, load_profile
+from autoshard.errors import PlanError
+from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
+from autoshard.mesh import Mesh
+from autoshard.passes.propagate import mark_requires_grad, node_strategies, seed_specs
+from autoshard.placements import Replicate, Shard, Spec, format_spec, local_shape
+
+# ---------------------------------------------------------------------------------------------------------
+# Costs of one op, one redistribution, one gradient sync (seconds)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _local_numel(shape_, spec, mesh) -> int:
+    return math.prod(local_shape(shape_, spec, mesh))
+
+
+def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh) -> float:
+    """How many ways the op's work is split: the largest global/local size ratio among its operands."""
+    best = 1.0
+    vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
+    outs = strat.output_spec if isinstance(strat.output_spec[0], tuple) else (strat.output_spec,)
+    for v, spec in zip(vals, list(strat.input_specs) + list(outs)):
+        if spec is None or v.numel() == 0:
+            continue
+        best = max(best, v.numel() / max(1, _local_numel(v.shape, spec, mesh)))
+    return best
+
+
+def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
+    f = shard_factor(node, strat, mesh)
+    t = compute_time(node, profile, f)
+    if node.meta.get(M.REQUIRES_GRAD):
+        t += compute_time(node, profile, f, backward=True)
+    return t
+
+
+def _link(profile: HardwareProfile, mesh: Mesh, axis: str):
+    return profile.link_for(axis, mesh.index(axis), mesh)
+
+
+def redistribution_time(src: Spec, dst: Spec, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile
+                        ) -> float | None:
+    steps = redistribute.plan(src, dst, mesh)
+    if steps is None:
+        return None
+    rg = bool(x.meta.get(M.REQUIRES_GRAD))
+    shp, size = shape(x), itemsize(x)
+    total = 0.0
+    for st in steps:
+        n = mesh.axis_size(st.axis)
+        link = _link(profile, mesh, st.axis)
+        before = _local_numel(shp, st.before, mesh) * size
+        after = _local_numel(shp, st.after, mesh) * size
+        if st.kind == "all_reduce":
+            total += collective_time("all_reduce", before, n, link)
+        elif st.kind == "all_gather":
+            total += collective_time("all_gather", after, n, link)
+            # backward: a local slice
+        elif st.kind == "reduce_scatter":
+            total += collective_time("reduce_scatter", before, n, link)
+            total += rg * collective_time("all_gather", before, n, link)
+        elif st.kind == "all_to_all":
+            total += (1 + rg) * collective_time("all_to_all", before, n, link)
+        elif st.kind == "local_slice":
+            total += rg * collective_time("all_gather", before, n, link)
+    return total
+
+
+def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile) -> float:
+    nbytes = _local_numel(shape(x), spec, mesh) * itemsize(x)
+    return sum(collective_time("all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a)) for a in axes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Repeated layers
+# ---------------------------------------------------------------------------------------------------------
+_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def find_layers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Map every node of a repeated layer to the same node of the first copy (identity map for the rest).
+
+    A layer is the set of nodes whose module path starts with ``prefix.<i>`` (e.g. ``blocks.3``). Copies are tied
+    only if their node sequences have the same ops, shapes, argument structure and parameter names up to the
+    layer index.
+    """
+    from autoshard.meta import module_path
+
+    groups: dict[str, dict[int, list[torch.fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        path = module_path(node) if node.op != "get_attr" else str(node.target)
+        m = _LAYER.match(path or "")
+        if not m or node.op not in ("call_function", "get_attr"):
+            continue
+        groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(node)
+    canon: dict[torch.fx.Node, torch.fx.Node] = {}
+    for prefix, copies in groups.items():
+        indices = sorted(copies)
+        if len(indices) < 2:
+            continue
+        first = copies[indices[0]]
+        sig0 = _signature(first, prefix, indices[0])
+        for i in indices[1:]:
+            if len(copies[i]) == len(first) and _signature(copies[i], prefix, i) == sig0:
+                for a, b in zip(copies[i], first):
+                    canon[a] = b
+    return canon
+
+
+def _signature(nodes: list[torch.fx.Node], prefix: str, index: int) -> tuple:
+    pos = {n: k for k, n in enumerate(nodes)}
+    own = f"{prefix}.{index}."
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("local", pos[a]) if a in pos else ("outside", _shape_or_none(a))
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(b) for b in a)
+        return repr(a)
+
+    sig = []
+    for n in nodes:
+        target = str(n.target).replace(own, "") if n.op == "get_attr" else str(n.target)
+        sig.append((n.op, target, _shape_or_none(n), arg(n.args), tuple(sorted((k, arg(v)) for k, v in n.kwargs.items()))))
+    return tuple(sig)
+
+
+def _shape_or_none(n: torch.fx.Node):
+    v = n.meta.get("val")
+    return (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The problem
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Decision:
+    node: torch.fx.Node  # canonical node
+    options: list  # Strategy (ops) or Spec (free parameters)
+    cost: list[float]  # summed over every copy
+    memory: list[float]  # per-rank bytes, summed over every copy
+    copies: int = 1
+
+
+@dataclass
+class ValueTerm:
+    """The cost terms of one group of equivalent values: redistributions and gradient syncs they need."""
+
+    value: torch.fx.Node  # canonical value
+    multiplicity: int
+    out: list  # (decision index, option index, spec) triples that produce each spec; or a fixed spec
+    fixed: Spec | None
+    needs: dict  # spec i -> list of (decision, option) requiring it
+    syncs: dict  # (spec, axes) -> list of (decision, option)
+    outputs: list  # keep-flags of every graph output this value is (see output_spec_for)
+    pair_cost: dict  # (o, i) -> seconds or None (impossible)
+    sync_cost: dict  # (spec, axes) -> seconds
+
+
+@dataclass
+class Problem:
+    mesh: Mesh
+    decisions: list[Decision]
+    index: dict  # canonical node -> decision index
+    terms: list[ValueTerm]
+    memory_limit: float | None
+    fixed_memory: float = 0.0
+    canon: dict = field(default_factory=dict)
+
+
+def _canon(canon, n):
+    return canon.get(n, n)
+
+
+def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfile, memory_limit, optimizer: str,
+                  tie_layers: bool = True) -> Problem:
+    mesh = ctx.mesh
+    canon = find_layers(gm) if tie_layers else {}
+    decisions: list[Decision] = []
+    index: dict[torch.fx.Node, int] = {}
+    fixed_memory = 0.0
+    copies: dict[torch.fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        c = _canon(canon, n)
+        copies[c] = copies.get(c, 0) + 1
+
+    def state_bytes(x: torch.fx.Node, spec: Spec) -> float:
+        b = _local_numel(shape(x), spec, mesh) * itemsize(x)
+        if not x.meta.get(M.REQUIRES_GRAD):
+            return float(b)
+        return float(2 * b + optimizer_state_bytes(b, optimizer))
+
+    # decisions for ops
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_getitem(n) or _canon(canon, n) is not n:
+            continue
+        strats = node_strategies(n, ctx)
+        if n.name in ctx.forced:
+            strats = [ctx.forced[n.name]]
+        k = copies[n]
+        cost = [k * op_time(n, s, mesh, profile) for s in strats]
+        mem = []
+        for s in strats:
+            outs = s.output_spec if isinstance(s.output_spec[0], tuple) else (s.output_spec,)
+            act = 0.0
+            if n.meta.get(M.REQUIRES_GRAD):
+                for v, spec in zip(out_vals(n), outs):
+                    act += _local_numel(v.shape, spec, mesh) * v.element_size()
+            mem.append(k * act)
+        index[n] = len(decisions)
+        decisions.append(Decision(n, strats, cost, mem, k))
+
+    # decisions for free parameters: any spec a consumer asks for (replicated first)
+    wanted: dict[torch.fx.Node, list] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_getitem(n) or n not in index:
+            continue
+        for pos, x in enumerate(tensor_inputs(n)):
+            if x.op == "get_attr" and x.meta.get(M.SPEC) is None:
+                for s in decisions[index[n]].options:
+                    lst = wanted.setdefault(_canon(canon, x), [])
+                    if s.input_specs[pos] not in lst:
+                        lst.append(s.input_specs[pos])
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and is_tensor_node(n):
+            if n.meta.get(M.SPEC) is not None:
+                fixed_memory += state_bytes(n, n.meta[M.SPEC])
+                continue
+            c = _canon(canon, n)
+            if c is not n:
+                continue
+            specs = sorted(wanted.get(n, []), key=lambda s: (sum(not isinstance(p, type(s[0])) for p in s),
+                                                              format_spec(s)))
+            repl = tuple(p for p in specs[0]) if specs else None
+            options = specs or [repl]
+            index[n] = len(decisions)
+            decisions.append(Decision(n, options, [0.0] * len(options),
+                                      [copies[n] * state_bytes(n, s) for s in options], copies[n]))
+
+    # value terms: group actual values by (canonical value, canonical consumers)
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    consumers_of: dict[torch.fx.Node, list[tuple]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and not is_getitem(n):
+            for pos, x in enumerate(tensor_inputs(n)):
+                consumers_of.setdefault(x, []).append((n, pos))
+        elif n.op == "output":
+            for pos, x in enumerate(tensor_inputs(n)):
+                consumers_of.setdefault(x, []).append((n, pos))
+    for u, cons in consumers_of.items():
+        key = (_canon(canon, u), tuple(sorted({(_canon(canon, c).name, p) for c, p in cons})))
+        groups.setdefault(key, []).append(u)
+
+    out_req = _output_requirements(gm, ctx)
+    terms: list[ValueTerm] = []
+    for (cu, _), members in groups.items():
+        u = members[0]
+        term = ValueTerm(cu, len(members), [], None, {}, {}, [], {}, {})
+        _producer_options(u, cu, canon, index, decisions, term)
+        for c, pos in consumers_of[u]:
+            if c.op == "output":
+                term.outputs.append(out_req[(c, pos)])
+                continue
+            d = index[_canon(canon, c)]
+            for k, s in enumerate(decisions[d].options):
+                i = s.input_specs[pos]
+                term.needs.setdefault(i, []).append((d, k))
+                axes = tuple(s.grad_sync[pos]) if s.grad_sync else ()
+                if axes and u.meta.get(M.REQUIRES_GRAD):
+                    term.syncs.setdefault((i, axes), []).append((d, k))
+        outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
+        for o in outs:
+            targets = set(term.needs) | {output_spec_for(o, keep) for keep in term.outputs}
+            for i in targets:
+                term.pair_cost[(o, i)] = redistribution_time(o, i, u, mesh, profile)
+        for (i, axes) in term.syncs:
+            term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
+        terms.append(term)
+    return Problem(mesh, decisions, index, terms, memory_limit, fixed_memory, canon)
+
+
+def _output_requirements(gm, ctx: Context) -> dict:
+    """Per graph output: which mesh axes may keep a batch shard (the data axis, as with DDP)."""
+    mesh, opts = ctx.mesh, ctx.options
+    keep = tuple(opts.output_keep_data_shard and name == opts.data_axis for name in mesh.names)
+    return {(n, pos): keep for n in gm.graph.nodes if n.op == "output" for pos, _ in enumerate(tensor_inputs(n))}
+
+
+def output_spec_for(src: Spec, keep: tuple[bool, ...]) -> Spec:
+    return tuple(p if (k and isinstance(p, Shard) and p.dim == 0) else Replicate() for p, k in zip(src, keep))
+
+
+def _producer_options(u, cu, canon, index, decisions, term: ValueTerm) -> None:
+    if u.op in ("placeholder",) or (u.op == "get_attr" and u.meta.get(M.SPEC) is not None):
+        term.fixed = u.meta[M.SPEC]
+        return
+    if u.op == "get_attr":
+        d = index[cu]
+        term.out = [(d, k, s) for k, s in enumerate(decisions[d].options)]
+        return
+    if is_getitem(u):
+        producer = u.args[0]
+        d = index[_canon(canon, producer)]
+        term.out = [(d, k, s.output_spec[u.args[1]]) for k, s in enumerate(decisions[d].options)]
+        return
+    d = index[cu]
+    term.out = [(d, k, s.output_spec) for k, s in enumerate(decisions[d].options)]
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluating an assignment (the same objective the ILP minimises; used by tests and the explanations)
+# ---------------------------------------------------------------------------------------------------------
+INFEASIBLE = float("inf")
+
+
+def term_cost(term: ValueTerm, choice: list[int]) -> float:
+    if term.fixed is not None:
+        o = term.fixed
+    else:
+        o = next(spec for d, k, spec in term.out if choice[d] == k)
+    total = 0.0
+    wanted = {i for i, users in term.needs.items() if any(choice[d] == k for d, k in users)}
+    wanted |= {output_spec_for(o, keep) for keep in term.outputs}
+    for i in wanted:
+        c = term.pair_cost[(o, i)]
+        if c is None:
+            return INFEASIBLE
+        total += c
+    for key, users in term.syncs.items():
+        if any(choice[d] == k for d, k in users):
+            total += term.sync_cost[key]
+    return term.multiplicity * total
+
+
+def evaluate(problem: Problem, choice: list[int]) -> tuple[float, float]:
+    """(estimated step time in seconds, per-rank memory in bytes) of one option per decision."""
+    t = sum(d.cost[choice[i]] for i, d in enumerate(problem.decisions))
+    t += sum(term_cost(term, choice) for term in problem.terms)
+    mem = problem.fixed_memory + sum(d.memory[choice[i]] for i, d in enumerate(problem.decisions))
+    return t, mem
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ILP
+# ---------------------------------------------------------------------------------------------------------
+def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    offsets, nvar = [], 0
+    for d in problem.decisions:
+        offsets.append(nvar)
+        nvar += len(d.options)
+    cost: list[float] = []
+    for d in problem.decisions:
+        cost.extend(d.cost)
+    integer = [1] * nvar
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+
+    def new_var(c: float) -> int:
+        nonlocal nvar
+        cost.append(c)
+        integer.append(0)
+        nvar += 1
+        return nvar - 1
+
+    def constraint(entries, lb, ub):
+        nonlocal r
+        for col, v in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(v)
+        lo.append(lb)
+        hi.append(ub)
+        r += 1
+
+    for i, d in enumerate(problem.decisions):
+        constraint([(offsets[i] + k, 1.0) for k in range(len(d.options))], 1.0, 1.0)
+
+    for term in problem.terms:
+        m = term.multiplicity
+        if term.fixed is not None:
+            y = {term.fixed: []}  # constant: always this spec
+        else:
+            y = {}
+            for d, k, spec in term.out:
+                y.setdefault(spec, []).append(offsets[d] + k)
+        # redistributions wanted by consumers
+        for i, users in sorted(term.needs.items(), key=lambda kv: format_spec(kv[0])):
+            costs = {o: term.pair_cost[(o, i)] for o in y}
+            if all(c == 0 for c in costs.values()):
+                continue
+            rv = new_var(0.0)
+            for d, k in users:
+                constraint([(rv, 1.0), (offsets[d] + k, -1.0)], 0.0, np.inf)
+            for o, ys in y.items():
+                c = costs[o]
+                if c == 0:
+                    continue
+                if term.fixed is not None:  # y is the constant 1
+                    if c is None:
+                        constraint([(rv, 1.0)], 0.0, 0.0)
+                    else:
+                        cost[rv] += m * c
+                    continue
+                if c is None:
+                    constraint([(rv, 1.0)] + [(v, 1.0) for v in ys], -np.inf, 1.0)
+                    continue
+                qv = new_var(m * c)
+                constraint([(qv, 1.0), (rv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
+        # graph outputs: a cost that depends on the producer's spec only
+        if term.outputs:
+            for o, ys in y.items():
+                c = sum((term.pair_cost[(o, output_spec_for(o, keep))] or 0.0) for keep in term.outputs)
+                if any(term.pair_cost[(o, output_spec_for(o, keep))] is None for keep in term.outputs):
+                    for v in ys:
+                        constraint([(v, 1.0)], 0.0, 0.0)
+                    continue
+                if term.fixed is not None:
+                    continue  # constant
+                for v in ys:
+                    cost[v] += m * c
+        for key, users in sorted(term.syncs.items(), key=lambda kv: (format_spec(kv[0][0]), kv[0][1])):
+            gv = new_var(m * term.sync_cost[key])
+            for d, k in users:
+                constraint([(gv, 1.0), (offsets[d] + k, -1.0)], 0.0, np.inf)
+
+    if problem.memory_limit is not None:
+        entries = []
+        for i, d in enumerate(problem.decisions):
+            entries.extend((offsets[i] + k, mem) for k, mem in enumerate(d.memory) if mem)
+        constraint(entries, -np.inf, problem.memory_limit - problem.fixed_memory)
+
+    a = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
+    upper = np.ones(nvar)
+    res = milp(np.array(cost), constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
+               bounds=Bounds(np.zeros(nvar), upper),
+               options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True})
+    if res.x is None:
+        limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
+        raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
+                        "larger mesh, or relax the annotations.")
+    choice = []
+    for i, d in enumerate(problem.decisions):
+        vals_d = res.x[offsets[i]: offsets[i] + len(d.options)]
+        choice.append(int(np.argmax(vals_d)))
+    return choice
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanSearch:
+    """Choose every free strategy by the exact search above; propagation then applies the choices."""
+
+    profile: object = "cpu-gloo"
+    memory_limit: float | None = None
+    optimizer: str = "adam"
+    tie_layers: bool = True
+    name: str = "plan_search"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
+        t0 = time.perf_counter()
+        mark_requires_grad(gm)
+        seed_specs(gm, ctx)
+        problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers)
+        t1 = time.perf_counter()
+        choice = solve(problem)
+        t2 = time.perf_counter()
+        total, memory = evaluate(problem, choice)
+        explain(problem, choice, ctx)
+        for n, c in problem.canon.items():
+            if c.name in ctx.report["decisions"]:
+                ctx.report["decisions"][n.name] = ctx.report["decisions"][c.name]
+        for n in gm.graph.nodes:
+            d = problem.index.get(_canon(problem.canon, n))
+            if d is None or n.op not in ("call_function", "get_attr") or is_getitem(n):
+                continue
+            option = problem.decisions[d].options[choice[d]]
+            if n.op == "get_attr":
+                n.meta[M.SPEC] = option
+            else:
+                ctx.forced[n.name] = option
+        ctx.report[self.name] = {
+            "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
+            "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
+            "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
+            "binding": _binding(problem, memory),
+        }
+        return gm
+
+
+def _binding(problem: Problem, memory: float) -> str:
+    if problem.memory_limit is not None and memory >= 0.999 * problem.memory_limit:
+        return "memory limit"
+    return "step time (memory limit not binding)" if problem.memory_limit is not None else "step time"
+
+
+def explain(problem: Problem, choice: list[int], ctx: Context) -> None:
+    """Per decision: its cost share and the best rejected option (cost if only this decision changed)."""
+    touching: dict[int, list[ValueTerm]] = {}
+    for term in problem.terms:
+        ds = {d for d, _, _ in term.out} | {d for users in term.needs.values() for d, _ in users}
+        ds |= {d for users in term.syncs.values() for d, _ in users}
+        for d in ds:
+            touching.setdefault(d, []).append(term)
+    decisions: dict[str, M.Decision] = {}
+    for i, d in enumerate(problem.decisions):
+        terms = touching.get(i, [])
+
+        def local(k):
+            trial = list(choice)
+            trial[i] = k
+            return d.cost[k] + sum(term_cost(t, trial) for t in terms)
+
+        here = local(choice[i])
+        best_alt, best_cost = None, None
+        for k in range(len(d.options)):
+            if k == choice[i]:
+                continue
+            c = local(k)
+            if c != INFEASIBLE and (best_cost is None or c < best_cost):
+                best_alt, best_cost = d.options[k], c
+        decisions[d.node.name] = M.Decision(here, best_alt if isinstance(best_alt, M.Strategy) else None,
+                                            best_cost, "least estimated step time")
+    ctx.report["decisions"] = decisions
