@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import importlib
 
-from autoshard.errors import (AutoshardError, CollectiveTimeoutError, MeshError, PlanError, RuntimeShapeError,
-                              TraceError, UnsupportedOpError)
+from autoshard.errors import (AutoshardError, CheckpointError, CollectiveTimeoutError, MeshError, PlanError,
+                              RuntimeShapeError, TraceError, UnsupportedOpError)
 from autoshard.mesh import Mesh
 
 _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
-         "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements"}
+         "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
+         "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint"}
 
 __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
-           "CollectiveTimeoutError"]
+           "CollectiveTimeoutError", "CheckpointError", "save", "load", "full_state_dict"]
 
 
 def __getattr__(name: str):

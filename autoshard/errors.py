@@ -49,3 +49,7 @@ def node_location(node) -> str:
         if lines:
             parts.append(f"at {lines[-1]}")
     return " ".join(parts)
+
+
+class CheckpointError(AutoshardError):
+    """A checkpoint is missing, incomplete (no commit marker) or does not fit the model or optimizer loading it."""

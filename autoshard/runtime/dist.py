@@ -50,6 +50,9 @@ _ALL = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 # Collectives called natively per backend (all_reduce, broadcast, send/recv are native everywhere).
 NATIVE_OPS: dict[str, frozenset[str]] = {"nccl": _ALL, "gloo": _ALL, "mpi": frozenset({"all_to_all"})}
 
+# What gloo says when the other end of a connection is gone (the peer process died or tore down its group).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
 # torch 2.13 renamed the tensor-form collectives (the old names still work but warn on every call).
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -117,10 +120,18 @@ class DistCommunicator(Communicator):
             yield
         except RuntimeError as e:
             text = str(e)
-            if "timed out" not in text.lower() and "timeout" not in text.lower():
-                raise
+            low = text.lower()
             where = f" (group of ranks {list(self.group(axis))})" if axis else ""
             first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            if any(s in low for s in _PEER_GONE):
+                # gloo notices a dead peer at once (its socket closes): say so instead of waiting for a timeout.
+                others = [r for r in (self.group(axis) if axis else range(self.mesh.size)) if r != self.rank]
+                peer = f"peer rank {others[0]}" if len(others) == 1 else f"one of peer ranks {others}"
+                raise CollectiveTimeoutError(
+                    f"{what}{where} did not complete on rank {self.rank} (timeout {self.timeout:g} s): {peer} "
+                    f"closed its connection: that process died or left the collective. Backend said: {first}") from e
+            if "timed out" not in low and "timeout" not in low:
+                raise
             raise CollectiveTimeoutError(
                 f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: a peer died, "
                 f"hangs or skipped this collective. Backend said: {first}") from e
