@@ -77,3 +77,36 @@ def show_plan(plan, console=None) -> None:
         table.add_row(*(escape(c) for c in cells), style=style)
     console.print(table)
     console.print(format_summary(plan), markup=False)
+
+
+def format_stages(pplan) -> str:
+    """A pipelined plan's stages: modules, estimated time and memory, boundary tensors and their bytes, the
+    imbalance (max / mean stage cost) and the schedule's theoretical bubble fraction."""
+    from autoshard.pipeline import bubble_fraction
+
+    split, p = pplan.split, pplan.pipeline
+    lines = [f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
+             f"({'manual' if split.manual else 'auto'} split), schedule {p.schedule}, {p.microbatches} microbatches "
+             f"of {pplan.batch // p.microbatches} rows; stages run on {pplan.submesh} inside"]
+    cols = ["stage", "ranks", "time/mb (ms)", "compute", "transfer", "memory (MiB)", "modules"]
+    rows = []
+    for s, cost in enumerate(split.costs):
+        ranks = [r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)]
+        mods = list(split.modules[s])
+        shown = ", ".join(mods if len(mods) <= 6 else [*mods[:3], "...", *mods[-2:]])
+        rows.append([str(s), ",".join(map(str, ranks)), f"{cost * 1e3:.3f}", f"{split.compute[s] * 1e3:.3f}",
+                     f"{split.transfer[s] * 1e3:.3f}", f"{pplan.stage_memory(s, ranks[0]) / 2**20:.2f}", shown])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    for k, b in enumerate(split.boundaries):
+        tensors = ", ".join(f"{n} {list(sh)} {str(dt).replace('torch.', '')}"
+                            for n, sh, dt in zip(b.names, b.shapes, b.dtypes))
+        lines.append(f"boundary {k}->{k + 1}: {tensors}; {b.nbytes} bytes per microbatch per rank")
+    shared = pplan.shared_params()
+    if shared:
+        lines.append("shared parameters (gradients summed over their stages): "
+                     + ", ".join(f"{n} (stages {', '.join(map(str, s))})" for n, s in shared))
+    lines.append(f"imbalance (max/mean stage cost): {split.imbalance:.3f}; theoretical bubble (p-1)/(m+p-1): "
+                 f"{bubble_fraction(pplan.pipe, p.microbatches):.3f}")
+    return "\n".join(lines) + "\n"

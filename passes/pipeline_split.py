@@ -1,0 +1,383 @@
+"""Pipeline split: cut the annotated global graph into ``p`` stages balanced by the cost model.
+
+Runs after :class:`~autoshard.passes.collectives.InsertCollectives`, on the graph planned over the mesh *without*
+its pipeline axis (so every stage carries its own data/model sharding and collectives). It is an analysis: it
+leaves the graph unchanged and stores a :class:`StageSplit` in ``ctx.report["pipeline_split"]``;
+:func:`build_stage_graphs` then builds one GraphModule per stage, copying ``node.meta`` (a structural rewrite).
+
+Formulation. Nodes fall in two kinds:
+
+* *recomputable*: no gradient flows through them and every input is an input of the model, a parameter or
+  another recomputable node (``arange`` positions, causal masks, rotary tables, views of the labels). Every stage
+  that reads one recomputes it, so they never cross a stage boundary (and integer tensors, which
+  ``torch.distributed.pipelining`` cannot send with a gradient, stay local);
+* the others, in graph order ``v_0 .. v_{N-1}`` (:func:`_analyse`). A cut at position ``i`` puts ``v_0..v_{i-1}``
+  before it; the tensors *crossing* it are those produced before ``i`` and read at or after ``i``: besides the
+  hidden state, a residual stream or any skip connection is simply one more crossing tensor, and a tensor
+  crossing several cuts passes through the stages in between.
+
+Cut candidates are the positions where the module *unit* changes (the path up to the first numbered
+component, ``transformer.h.3``, else the innermost module path) and every crossing value is a floating tensor.
+A stage ``[a, b)`` costs, per microbatch, ``C(a, b) = Σ (fwd + bwd roofline time of its nodes)
++ T(a) + T(b)``, where ``T(i)`` sends the crossing tensors forward and their gradients back over the pipe link
+(``2 · (α · count + β · bytes)``, zero at the ends). Embeddings, the LM head and the loss are nodes like any
+other, so they are part of the balance. The split minimises ``max_k C(stage k)`` (then the total transfer) by
+dynamic programming over the candidates (:func:`_best_cuts`): ``D[k][j] = min_{i<j} max(D[k-1][i], C(c_i, c_j))``,
+exact for this chain of cut points. Manual cut points (module paths, each starting a stage) replace the search
+(:func:`_manual_cuts`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from autoshard import meta as M
+from autoshard.context import Context
+from autoshard.errors import PlanError
+from autoshard.mesh import Mesh
+from autoshard.placements import local_shape
+
+REPORT_KEY = "pipeline_split"
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The tensors crossing one cut: node names, local shapes (per microbatch, on one rank), dtypes, bytes."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Where the graph is cut and what each stage costs (seconds per microbatch, forward + backward)."""
+
+    cuts: tuple[int, ...]  # positions in ``order`` where stages 1..p-1 start
+    order: tuple[str, ...]  # the cuttable (non-recomputable) nodes in graph order
+    boundaries: tuple[Boundary, ...]  # one per cut
+    compute: tuple[float, ...]  # per stage: compute seconds (forward + backward)
+    transfer: tuple[float, ...]  # per stage: seconds sending/receiving its boundaries
+    modules: tuple[tuple[str, ...], ...]  # per stage: the module units it holds, in order
+    manual: bool = False
+
+    @property
+    def stages(self) -> int:
+        return len(self.cuts) + 1
+
+    @property
+    def costs(self) -> tuple[float, ...]:
+        return tuple(c + t for c, t in zip(self.compute, self.transfer))
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean stage cost (1.0 is perfect balance)."""
+        costs = self.costs
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Cut into ``stages`` stages: ``split="auto"`` searches, a tuple of module paths cuts there."""
+
+    stages: int
+    split: str | tuple[str, ...] = "auto"
+    profile: str = "cpu-gloo"
+    pipe_axis: str = "pipe"
+    name: str = "pipeline_split"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        ctx.report[REPORT_KEY] = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis)
+        return gm
+
+
+# ---- analysis ---------------------------------------------------------------------------------------------
+@dataclass
+class Analysis:
+    """Everything the search needs, computed once (:func:`analyse`)."""
+
+    order: list[torch.fx.Node]
+    recomputable: set[torch.fx.Node]
+    node_cost: list[float]  # per order position
+    candidates: list[int]  # valid cut positions, increasing
+    crossing: list[list[torch.fx.Node]]  # crossing[i] for i in 0..N
+    transfer: list[float]  # T(i) for i in 0..N (0 at both ends)
+    units: list[str]
+    mesh: Mesh
+
+    @property
+    def n(self) -> int:
+        return len(self.order)
+
+    def prefix(self) -> list[float]:
+        out = [0.0]
+        for c in self.node_cost:
+            out.append(out[-1] + c)
+        return out
+
+    def stage_cost(self, prefix: list[float], a: int, b: int) -> float:
+        return prefix[b] - prefix[a] + self.transfer[a] + self.transfer[b]
+
+    def costs_of(self, cuts) -> list[float]:
+        """Per-stage cost of a split given by its cut positions (what the search minimises the max of)."""
+        prefix = self.prefix()
+        edges = [0, *cuts, self.n]
+        return [self.stage_cost(prefix, a, b) for a, b in itertools.pairwise(edges)]
+
+
+def unit_of(node: torch.fx.Node) -> str:
+    """The module unit of a node: its path up to the first numbered component, else its innermost path."""
+    path = M.module_path(node)
+    if not path and M.COLLECTIVE in node.meta and node.users:
+        return unit_of(next(iter(node.users)))  # inserted collectives belong with their consumer
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
+
+
+def _local_bytes(node: torch.fx.Node, mesh: Mesh) -> tuple[tuple[int, ...], int]:
+    val = node.meta["val"]
+    spec = node.meta.get(M.SPEC)
+    shp = tuple(local_shape(val.shape, spec, mesh)) if spec else tuple(val.shape)
+    return shp, math.prod(shp) * val.element_size()
+
+
+def _shard_factor(node: torch.fx.Node, mesh: Mesh) -> float:
+    val = node.meta.get("val")
+    spec = node.meta.get(M.SPEC)
+    if not isinstance(val, torch.Tensor) or not spec or isinstance(spec[0], tuple):
+        return 1.0  # multi-output ops: count them unsplit
+    local = math.prod(local_shape(val.shape, spec, mesh))
+    return max(val.numel() / local, 1.0) if local else 1.0
+
+
+def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile) -> Analysis:
+    from autoshard.cost_models.compute import compute_time
+
+    pipe_link = profile.link
+    recomputable: set[torch.fx.Node] = set()
+    order: list[torch.fx.Node] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        leaves_ok = all(x.op in ("placeholder", "get_attr") or x in recomputable for x in node.all_input_nodes)
+        if leaves_ok and not node.meta.get(M.REQUIRES_GRAD):
+            recomputable.add(node)
+        else:
+            order.append(node)
+    pos = {n: i for i, n in enumerate(order)}
+    n = len(order)
+    last_use: dict[torch.fx.Node, int] = {}
+    for node in order:
+        uses = [pos.get(u, n) for u in node.users if u.op != "call_function" or u in pos]
+        last_use[node] = max(uses, default=pos[node])
+    crossing: list[list[torch.fx.Node]] = []
+    live: list[torch.fx.Node] = []
+    for i in range(n + 1):
+        if i > 0:
+            live.append(order[i - 1])
+        live = [v for v in live if last_use[v] >= i]
+        crossing.append(list(live) if 0 < i < n else [])
+    transfer = []
+    for i, cross in enumerate(crossing):
+        nbytes = sum(_local_bytes(v, mesh)[1] for v in cross if isinstance(v.meta.get("val"), torch.Tensor))
+        transfer.append(2 * (pipe_link.alpha * len(cross) + pipe_link.beta * nbytes) if cross else 0.0)
+    node_cost = [compute_time(v, profile, _shard_factor(v, mesh)) + compute_time(v, profile, _shard_factor(v, mesh),
+                                                                                backward=True) for v in order]
+    units = [unit_of(v) for v in order]
+    candidates = [i for i in range(1, n) if units[i] != units[i - 1] and _cuttable(crossing[i])]
+    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh)
+
+
+def _cuttable(cross: list[torch.fx.Node]) -> bool:
+    if not cross:
+        return False
+    for v in cross:
+        val = v.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point or not v.meta.get(M.REQUIRES_GRAD):
+            return False
+    return True
+
+
+# ---- search -----------------------------------------------------------------------------------------------
+def _best_cuts(a: Analysis, stages: int) -> list[int]:
+    """Exact DP over the candidate cuts minimising (max stage cost, total transfer)."""
+    prefix = a.prefix()
+    points = [0, *a.candidates, a.n]
+    m = len(points)
+    inf = (math.inf, math.inf)
+    # best[j] for k stages covering [0, points[j]); back[k][j] the previous point index
+    best = [(a.stage_cost(prefix, 0, points[j]), a.transfer[points[j]]) if j > 0 else inf for j in range(m)]
+    back: list[list[int]] = [[0] * m]
+    for _k in range(1, stages):
+        new = [inf] * m
+        arg = [0] * m
+        for j in range(1, m):
+            for i in range(1, j):
+                prev = best[i]
+                if prev[0] == math.inf:
+                    continue
+                c = a.stage_cost(prefix, points[i], points[j])
+                cand = (max(prev[0], c), prev[1] + a.transfer[points[j]])
+                if cand < new[j]:
+                    new[j], arg[j] = cand, i
+        best = new
+        back.append(arg)
+    cuts = []
+    j = m - 1
+    for k in range(stages - 1, 0, -1):
+        j = back[k][j]
+        cuts.append(points[j])
+    return sorted(cuts)
+
+
+def _manual_cuts(a: Analysis, split: tuple[str, ...], stages: int) -> list[int]:
+    if len(split) != stages - 1:
+        raise PlanError(f"pipeline split has {len(split)} cut points {list(split)}, but the pipe axis has {stages} "
+                        f"stages, which needs {stages - 1} cut points (each names the module that starts a stage).")
+    cuts = []
+    paths = [M.module_path(v) for v in a.order]
+    for name in split:
+        hit = next((i for i, p in enumerate(paths) if p == name or p.startswith(name + ".")), None)
+        if hit is None:
+            known = sorted(dict.fromkeys(u for u in a.units if u))[:8]
+            raise PlanError(f"pipeline cut point {name!r} names no module of the model, but each cut point must be "
+                            f"a module path such as {known}.")
+        if hit == 0:
+            raise PlanError(f"pipeline cut point {name!r} starts at the first op of the model, so stage 0 would "
+                            "be empty: name a later module.")
+        if not _cuttable(a.crossing[hit]):
+            names = [v.name for v in a.crossing[hit]]
+            raise PlanError(f"pipeline cut point {name!r} has {names} crossing it, but every tensor crossing a "
+                            "cut must be a floating tensor that carries a gradient: cut at another module.")
+        cuts.append(hit)
+    if cuts != sorted(set(cuts)):
+        raise PlanError(f"pipeline cut points {list(split)} are not in the order the model runs them (or repeat "
+                        "one): list them in execution order.")
+    return cuts
+
+
+def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto", profile="cpu-gloo",
+                pipe_axis: str = "pipe") -> StageSplit:
+    from autoshard.cost_models.profile import HardwareProfile, load_profile
+
+    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    if isinstance(prof, HardwareProfile):
+        prof = _with_link(prof, pipe_axis)
+    a = analyse(gm, mesh, prof)
+    if stages < 1:
+        raise PlanError(f"pipeline has {stages} stages, but needs at least 1.")
+    if split != "auto":
+        cuts = _manual_cuts(a, tuple([split] if isinstance(split, str) else split), stages)
+    else:
+        if len(a.candidates) < stages - 1:
+            raise PlanError(f"the model has {len(a.candidates)} points where it can be cut into pipeline stages, "
+                            f"but {stages} stages need {stages - 1}: use a smaller pipe axis or a model with more "
+                            "layers.")
+        cuts = _best_cuts(a, stages)
+    return _describe(a, cuts, split != "auto")
+
+
+def _with_link(prof, pipe_axis: str):
+    from dataclasses import replace
+
+    return replace(prof, link=prof.link_for(pipe_axis))
+
+
+def _describe(a: Analysis, cuts: list[int], manual: bool) -> StageSplit:
+    prefix = a.prefix()
+    edges = [0, *cuts, a.n]
+    compute = tuple(prefix[e] - prefix[s] for s, e in itertools.pairwise(edges))
+    transfer = tuple(a.transfer[s] + a.transfer[e] for s, e in itertools.pairwise(edges))
+    bounds = []
+    for c in cuts:
+        cross = a.crossing[c]
+        info = [_local_bytes(v, a.mesh) for v in cross]
+        bounds.append(Boundary(tuple(v.name for v in cross), tuple(s for s, _ in info),
+                               tuple(v.meta["val"].dtype for v in cross), sum(b for _, b in info)))
+    modules = tuple(tuple(dict.fromkeys(u for u in a.units[s:e] if u)) for s, e in itertools.pairwise(edges))
+    return StageSplit(tuple(cuts), tuple(v.name for v in a.order), tuple(bounds), compute, transfer, modules, manual)
+
+
+# ---- structural rewrite: one GraphModule per stage -------------------------------------------------------
+@dataclass(frozen=True)
+class StageGraph:
+    """Stage ``index``'s global annotated graph: positional placeholders ``acts`` (received activations) then
+    ``inputs`` (the model inputs it reads, passed by name); returns ``outputs`` (a tuple of tensors)."""
+
+    index: int
+    gm: torch.fx.GraphModule
+    acts: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple[str, ...]  # get_attr targets (parameter FQNs) this stage holds
+
+
+def build_stage_graphs(gm: torch.fx.GraphModule, split: StageSplit) -> list[StageGraph]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = [nodes[name] for name in split.order]
+    pos = {n: i for i, n in enumerate(order)}
+    edges = [0, *split.cuts, len(order)]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    crossing = [[]] + [[nodes[x] for x in b.names] for b in split.boundaries] + [[]]
+    stages = []
+    for k in range(split.stages):
+        lo, hi = edges[k], edges[k + 1]
+        last = k == split.stages - 1
+        acts = crossing[k]
+        outs: list = list(crossing[k + 1]) if not last else list(out_node.args[0])
+        wanted: set[torch.fx.Node] = set(order[lo:hi])
+        stack = [x for x in outs if isinstance(x, torch.fx.Node)] + list(order[lo:hi])
+        act_set = set(acts)
+        while stack:
+            v = stack.pop()
+            for x in v.all_input_nodes:
+                if x in wanted or x in act_set:
+                    continue
+                if x in pos:
+                    raise PlanError(f"stage {k} reads `{x.name}` from another stage without it crossing the cut "
+                                    "(internal error of the pipeline split).")
+                wanted.add(x)
+                stack.append(x)
+        for x in outs:
+            if isinstance(x, torch.fx.Node) and x not in act_set and x not in wanted:
+                wanted.add(x)
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for v in acts:
+            env[v] = graph.placeholder(v.name)
+            env[v].meta = dict(v.meta)
+        inputs = []
+        for v in gm.graph.nodes:
+            if v.op == "placeholder" and v in wanted:
+                env[v] = graph.placeholder(v.name)
+                env[v].meta = dict(v.meta)
+                inputs.append(v.name)
+        params = []
+        for v in gm.graph.nodes:
+            if v.op in ("placeholder", "output") or v not in wanted:
+                continue
+            env[v] = graph.node_copy(v, env.__getitem__)
+            env[v].meta = dict(v.meta)
+            if v.op == "get_attr":
+                params.append(str(v.target))
+        graph.output(tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in outs))
+        graph.lint()
+        sgm = torch.fx.GraphModule(gm, graph, class_name=f"Stage{k}")
+        stages.append(StageGraph(k, sgm, tuple(v.name for v in acts), tuple(inputs),
+                                 tuple(x.name if isinstance(x, torch.fx.Node) else repr(x) for x in outs),
+                                 tuple(params)))
+    return stages
+
+
+__all__ = ["Boundary", "PipelineSplit", "StageGraph", "StageSplit", "analyse", "build_stage_graphs", "split_graph",
+           "unit_of"]
