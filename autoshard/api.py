@@ -23,17 +23,17 @@ from autoshard.plan import Plan, build_plan
 
 def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
-            planner: str = "search", profile="cpu-gloo", memory_limit: float | str | None = None,
+            planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
     ``{"transformer.h.*.mlp.c_fc.weight": (Replicate(), Shard(1))}``; annotations are hard constraints.
 
-    ``planner="search"`` (default) chooses every other strategy by an exact search minimising the estimated step
-    time for the hardware ``profile`` (a preset name such as "cpu-gloo", "gpu-8x-nvlink", "multi-node", a TOML
-    path, or a HardwareProfile) under ``memory_limit`` bytes per rank (an int or text like "2GiB");
-    ``planner="greedy"`` propagates op by op, fewest bytes first.
+    ``planner="greedy"`` (default) propagates op by op, fewest bytes first. ``planner="search"`` chooses every
+    other strategy by an exact search minimising the estimated step time for the hardware ``profile`` (a preset
+    name such as "cpu-gloo", "gpu-8x-nvlink", "multi-node", a TOML path, or a HardwareProfile) under
+    ``memory_limit`` bytes per rank (an int or text like "2GiB").
 
     ``timeout`` (seconds): how long a collective waits for its peers under torch.distributed before raising
     :class:`~autoshard.errors.CollectiveTimeoutError` (a peer died or hangs).
@@ -58,7 +58,7 @@ def parse_bytes(value) -> float | None:
         raise PlanError(f"memory_limit is {value!r}, but must be a number of bytes or text like '2GiB', '512MB'.") from None
 
 
-def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "search",
+def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "greedy",
                  profile="cpu-gloo", memory_limit=None, optimizer: str = "adam") -> Options:
     if planner not in ("search", "greedy"):
         raise PlanError(f"option planner is {planner!r}, but must be 'search' or 'greedy'.")

@@ -22,7 +22,7 @@ class Options:
     on_unsupported: str = "error"  # error | replicate
     on_indivisible: str = "error"  # error | replicate
     output_keep_data_shard: bool = True
-    planner: str = "search"  # search (exact, cost model) | greedy (fewest bytes, op by op)
+    planner: str = "greedy"  # greedy (fewest bytes, op by op) | search (exact, cost model)
     profile: Any = "cpu-gloo"  # hardware profile name, path or HardwareProfile
     memory_limit: float | None = None  # bytes per rank
     optimizer: str = "adam"  # for the optimizer-state term of the memory model

@@ -24,6 +24,7 @@ Solutions are exact (``mip_rel_gap = 0``) and deterministic.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -81,11 +82,14 @@ def _link(profile: HardwareProfile, mesh: Mesh, axis: str):
 
 def redistribution_time(src: Spec, dst: Spec, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile
                         ) -> float | None:
+    return _redistribution_time(src, dst, shape(x), itemsize(x), bool(x.meta.get(M.REQUIRES_GRAD)), mesh, profile)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _redistribution_time(src, dst, shp, size, rg, mesh, profile) -> float | None:
     steps = redistribute.plan(src, dst, mesh)
     if steps is None:
         return None
-    rg = bool(x.meta.get(M.REQUIRES_GRAD))
-    shp, size = shape(x), itemsize(x)
     total = 0.0
     for st in steps:
         n = mesh.axis_size(st.axis)
@@ -429,8 +433,28 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
             y = {}
             for d, k, spec in term.out:
                 y.setdefault(spec, []).append(offsets[d] + k)
-        # redistributions wanted by consumers
-        for i, users in sorted(term.needs.items(), key=lambda kv: format_spec(kv[0])):
+        consumers = {d for users in term.needs.values() for d, _ in users}
+        if term.fixed is None and len(consumers) == 1 and not term.outputs and _single_position(term):
+            # One consumer: the tight "marginal" formulation (exact LP on tree-shaped parts of the graph):
+            # e[o, i] >= 0, sum_i e[o, i] = y[o], sum_o e[o, i] = z[i] = sum of the consumer's options needing i.
+            needs = sorted(term.needs, key=format_spec)
+            evars: dict = {}
+            for o in y:
+                for i in needs:
+                    c = term.pair_cost[(o, i)]
+                    if c is not None:
+                        evars[(o, i)] = new_var(m * c)
+            for o, ys in y.items():
+                constraint([(evars[(o, i)], 1.0) for i in needs if (o, i) in evars] + [(v, -1.0) for v in ys],
+                           0.0, 0.0)
+            for i in needs:
+                constraint([(evars[(o, i)], 1.0) for o in y if (o, i) in evars]
+                           + [(offsets[d] + k, -1.0) for d, k in term.needs[i]], 0.0, 0.0)
+            needs_items = []
+        else:
+            needs_items = sorted(term.needs.items(), key=lambda kv: format_spec(kv[0]))
+        # redistributions wanted by consumers, shared between them
+        for i, users in needs_items:
             costs = {o: term.pair_cost[(o, i)] for o in y}
             if all(c == 0 for c in costs.values()):
                 continue
@@ -534,6 +558,17 @@ class PlanSearch:
             "binding": _binding(problem, memory),
         }
         return gm
+
+
+def _single_position(term: ValueTerm) -> bool:
+    """Every option of the one consumer needs exactly one spec (it reads the value at one position)."""
+    seen = {}
+    for i, users in term.needs.items():
+        for d, k in users:
+            if (d, k) in seen:
+                return False
+            seen[(d, k)] = i
+    return True
 
 
 def _binding(problem: Problem, memory: float) -> str:

@@ -1,0 +1,138 @@
+"""The exact plan search: optimal against brute force, finds Megatron and data parallelism, honours memory."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.context import Context, Options
+from autoshard.cost_models.profile import load_profile
+from autoshard.meta import module_path
+from autoshard.passes.plan_search import build_problem, evaluate, solve
+from autoshard.passes.propagate import mark_requires_grad, seed_specs
+from autoshard.trace import trace
+from examples import models
+
+
+class TwoLinear(nn.Module):
+    def __init__(self, h=64, f=128):
+        super().__init__()
+        self.a = nn.Linear(h, f, bias=False)
+        self.b = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x))).sum()
+
+
+def _problem(model, args, mesh, profile="gpu-8x-nvlink", memory_limit=None, tie=True):
+    gm = trace(model, args)
+    ctx = Context(mesh, Options())
+    mark_requires_grad(gm)
+    seed_specs(gm, ctx)
+    return build_problem(gm, ctx, load_profile(profile), memory_limit, "adam", tie)
+
+
+@pytest.mark.parametrize("mesh", [dict(model=2), dict(data=2)])
+@pytest.mark.parametrize("batch", [4, 4096])
+def test_search_equals_brute_force_optimum(mesh, batch):
+    torch.manual_seed(0)
+    problem = _problem(TwoLinear(), (torch.randn(batch, 64),), autoshard.Mesh(**mesh))
+    sizes = [len(d.options) for d in problem.decisions]
+    assert math.prod(sizes) < 200_000, sizes
+    best = min(evaluate(problem, list(c))[0] for c in itertools.product(*(range(s) for s in sizes)))
+    found = evaluate(problem, solve(problem))[0]
+    assert found == pytest.approx(best, rel=1e-9, abs=1e-15)
+
+
+def test_tied_layers_reach_the_untied_optimum():
+    torch.manual_seed(0)
+    model, args, _ = models.gpt(batch=2, seq=8, layers=3, hidden=32, heads=2, vocab=32)
+    mesh = autoshard.Mesh(model=2)
+    tied = _problem(model, args, mesh, tie=True)
+    untied = _problem(model, args, mesh, tie=False)
+    assert len(tied.decisions) < len(untied.decisions)
+    assert evaluate(tied, solve(tied))[0] == pytest.approx(evaluate(untied, solve(untied))[0], rel=1e-9)
+
+
+def _meta_gpt(hidden=1024, layers=2, batch=2, seq=512):
+    with torch.device("meta"):
+        model = models.GPT(vocab=1024, hidden=hidden, heads=16, layers=layers, seq=seq)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids, ids)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_no_annotations_finds_megatron_for_gpt(n):
+    model, args = _meta_gpt()
+    plan = autoshard.compile(model, autoshard.Mesh(model=n), args, planner="search", profile="gpu-8x-nvlink").plan
+    specs = plan.param_specs()
+    for layer in range(2):
+        p = f"blocks.{layer}."
+        for col in ("attn.q", "attn.k", "attn.v", "mlp.0"):
+            assert specs[p + col + ".weight"] == (autoshard.Shard(0),), (col, specs[p + col + ".weight"])
+        for row in ("attn.out", "mlp.2"):
+            assert specs[p + row + ".weight"] == (autoshard.Shard(1),), (row, specs[p + row + ".weight"])
+    # two activation-sized all-reduces per layer in the forward pass (attention out, MLP out)
+    bsh = 2 * 512 * 1024 * 4
+    per_layer = {}
+    for name, info in plan.collectives():
+        node = next(nd for nd in plan.graph_module.graph.nodes if nd.name == name)
+        path = module_path(node)
+        if info.kind == "all_reduce" and info.bytes_forward == int(2 * (n - 1) / n * bsh):
+            per_layer.setdefault(path.split(".")[1] if path.startswith("blocks.") else path, []).append(name)
+    assert [len(per_layer.get(str(layer), [])) for layer in range(2)] == [2, 2], per_layer
+
+
+def test_data_axis_alone_gives_pure_data_parallelism():
+    with torch.device("meta"):  # compute-heavy enough that splitting the batch beats replicating it
+        model = models.MLP(512, 2048)
+    x = torch.empty(16384, 512, device="meta")
+    plan = autoshard.compile(model, autoshard.Mesh(data=4), (x, x), planner="search", profile="gpu-8x-nvlink").plan
+    assert all(s == (autoshard.Replicate(),) for s in plan.param_specs().values())
+    syncs = [info for _, info in plan.collectives() if info.kind == "grad_all_reduce"]
+    assert len(syncs) == len(plan.param_specs())  # one gradient all-reduce per parameter
+    assert not [i for _, i in plan.collectives() if i.kind in ("all_gather", "local_slice", "all_to_all")]
+
+
+def test_memory_limit_shards_parameters_and_holds():
+    model, args = _meta_gpt(hidden=512, layers=2, batch=1, seq=64)
+    mesh = autoshard.Mesh(model=4)
+    free = autoshard.compile(model, mesh, args, planner="search", profile="gpu-8x-nvlink").plan
+    replicated = sum(math.prod(p.shape) * 4 for p in model.parameters())
+    # parameters + gradients + Adam's two moments, all replicated: 4x the parameter bytes
+    limit = 4 * replicated * 0.6
+    plan = autoshard.compile(model, mesh, args, planner="search", profile="gpu-8x-nvlink", memory_limit=limit).plan
+    report = plan.context.report["plan_search"]
+    assert report["memory_per_rank"] <= limit
+    for rank in range(mesh.size):
+        local = sum(p.numel() * 4 for p in plan.rank_module(rank).parameters())  # real per-rank shards
+        assert 4 * local <= limit
+        assert local < 0.6 * replicated
+    assert free.context.report["plan_search"]["step_time"] <= report["step_time"]
+
+
+def test_heavy_tensor_parallelism_goes_on_the_fast_axis():
+    model, args = _meta_gpt(hidden=1024, layers=1, batch=1, seq=256)
+    # multi-node: the outermost axis is the slow inter-node link
+    plan = autoshard.compile(model, autoshard.Mesh(node=2, gpu=2), args, data_axis="none", planner="search",
+                             profile="multi-node").plan
+    by_axis = {"node": 0, "gpu": 0}
+    for _, info in plan.collectives():
+        for axis in info.axes:
+            by_axis[axis] += info.bytes_forward + info.bytes_backward
+    assert by_axis["gpu"] > by_axis["node"]
+
+
+def test_search_is_deterministic():
+    model, args = _meta_gpt(hidden=256, layers=2, batch=2, seq=64)
+    mesh = autoshard.Mesh(model=2)
+    a = autoshard.compile(model, mesh, args, planner="search").plan
+    b = autoshard.compile(model, mesh, args, planner="search").plan
+    assert a.format() == b.format()
+    assert a.code(1) == b.code(1)
