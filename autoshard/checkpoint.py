@@ -207,8 +207,14 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
         box = [f"{path}.tmp-{uuid.uuid4().hex}" if view.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         tmp = box[0]
-        dcp.save(_dtensor_state(view, optim), checkpoint_id=tmp)
-        view.comm.barrier()
+        try:
+            dcp.save(_dtensor_state(view, optim), checkpoint_id=tmp)
+            view.comm.barrier()
+        except Exception as e:  # DCP wraps a dead peer's "connection closed" in its own exception types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"save to {path!r} failed on rank {view.rank} before its commit (did another "
+                                  f"rank die?): {type(e).__name__}: {first}. Nothing was committed: {path!r} is "
+                                  f"unchanged and the partial data in {tmp!r} will never load.") from e
         if view.rank == 0:
             _commit(tmp, path, marker)
         view.comm.barrier()

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.errors import CheckpointError
 from autoshard.runtime.launch import free_port
 from examples import models
 
@@ -167,3 +168,50 @@ def test_a_rank_hanging_mid_step_makes_every_other_rank_time_out(tmp_path):
                      r"\[\d, \d\]\) did not complete (within 6 s|on rank)")
     # the direct peers of the hanging rank hit the timeout itself
     assert any("did not complete within 6 s" in reports[r][1] for r in (1, 2))
+
+
+def dies_while_saving(rank: int, world: int, path: str, stamp: str):
+    sharded, opt = _steps(rank, 1)
+    autoshard.save(sharded, path, optimizer=opt)  # a complete checkpoint of step 1
+    _steps_more(sharded, opt, rank)
+    if rank == 1:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write(self, plan, planner).wait()  # its shards reach the disk, then the process is gone
+            _stamp(stamp)
+            os._exit(19)
+
+        FileSystemWriter.write_data = write_then_die
+    autoshard.save(sharded, path, optimizer=opt)  # overwrite with step 2: rank 1 dies half-way
+
+
+def _steps_more(sharded, opt, rank):
+    mesh = autoshard.Mesh(**MESH)
+    x, y = _batch(1)
+    sharded(autoshard.data_shard(x, mesh, rank), autoshard.data_shard(y, mesh, rank)).backward()
+    opt.step()
+
+
+def test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads(tmp_path):
+    path, stamp = str(tmp_path / "ckpt"), str(tmp_path / "failed_at")
+    codes, reports = launch(dies_while_saving, 4, str(tmp_path), path, stamp, deadline=PG_TIMEOUT + 60)
+    failed_at = float(open(stamp).read())
+    assert codes[1] == 19
+    for rank in (0, 2, 3):
+        assert codes[rank] not in (0, None), (rank, codes, reports)
+        cls, msg, when, tb = reports[rank]
+        print(f"rank {rank}: {cls} {when - failed_at:.2f} s after rank 1 died: {msg[:300]}")
+        assert cls == "CheckpointError", (rank, cls, msg, tb)
+        assert f"save to '{path}' failed on rank {rank} before its commit" in msg
+        assert when - failed_at < 2 * TIMEOUT
+    partial = [n for n in os.listdir(tmp_path) if n.startswith("ckpt.tmp-")]
+    assert len(partial) == 1 and any(n.endswith(".distcp") for n in os.listdir(tmp_path / partial[0]))
+    with pytest.raises(CheckpointError, match="has no commit marker autoshard.json"):
+        autoshard.load(models.mlp()[0], str(tmp_path / partial[0]))
+    # the step-1 checkpoint it was replacing is intact and loads
+    model = models.mlp()[0]
+    autoshard.load(model, path)
+    assert not torch.equal(model.fc1.weight, models.mlp()[0].fc1.weight)
