@@ -6,6 +6,8 @@ machines). Models are tiny (hidden 32, seq 8, 4 layers); GPT ties its embedding 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,40 +23,47 @@ NAMES = ("gpt", "hf_gpt2", "hf_llama")
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _case(name: str, mesh_axes: dict, schedule: str, microbatches: int = 4):
+def _plan(name: str, mesh_axes: dict, microbatches: int = 4, stages_per_rank: int = 1):
     model, args, kwargs = models.FACTORIES[name](**SMALL)
     mesh = autoshard.Mesh(**mesh_axes)
     ann = models.megatron(mesh, name)
     pplan = build_pipeline_plan(model, mesh, args, kwargs, make_options(ann, "data", "error", mesh),
-                                Pipeline(microbatches=microbatches, schedule=schedule))
+                                Pipeline(microbatches=microbatches, stages_per_rank=stages_per_rank))
     return model, args, kwargs, pplan
 
 
-def _worker(rank, world_size, mesh_axes, cases):
+def _with_schedule(pplan, schedule: str):
+    # the plan does not depend on the schedule: compile once per model, run it under each schedule
+    return replace(pplan, pipeline=replace(pplan.pipeline, schedule=schedule))
+
+
+def _worker(rank, world_size, mesh_axes, cases, stages_per_rank):
     comm = DistCommunicator(autoshard.Mesh(**mesh_axes), timeout=120)
     out = {}
-    for name, schedule in cases:
-        _, args, kwargs, pplan = _case(name, mesh_axes, schedule)
-        runner = PipelineRunner(pplan, comm=comm)
-        loss = runner.step(*args, **kwargs)
-        out[(name, schedule)] = (loss, runner.grads())
+    for name in dict.fromkeys(n for n, _ in cases):
+        _, args, kwargs, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
+        for schedule in [s for n, s in cases if n == name]:
+            runner = PipelineRunner(_with_schedule(pplan, schedule), comm=comm)
+            loss = runner.step(*args, **kwargs)
+            out[(name, schedule)] = (loss, runner.grads())
     return out
 
 
-def _check(mesh_axes: dict, cases):
+def _check(mesh_axes: dict, cases, stages_per_rank: int = 1):
     mesh = autoshard.Mesh(**mesh_axes)
-    results = spawn(_worker, mesh.size, mesh_axes, cases, timeout=400, start_method="forkserver")
-    for name, schedule in cases:
-        model, args, kwargs, pplan = _case(name, mesh_axes, schedule)
+    results = spawn(_worker, mesh.size, mesh_axes, cases, stages_per_rank, timeout=400, start_method="forkserver")
+    for name in dict.fromkeys(n for n, _ in cases):
+        model, args, kwargs, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
         ref_loss, ref_grads = reference(model, args, kwargs)
-        for rank in range(mesh.size):
-            torch.testing.assert_close(results[rank][(name, schedule)][0], ref_loss, rtol=1e-5, atol=1e-6)
-        grads = pplan.assemble_grads([results[r][(name, schedule)][1] for r in range(mesh.size)])
-        missing = sorted(set(pplan.param_specs()) - set(grads))
-        assert not [m for m in missing if m in ref_grads], missing
-        for fqn, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, w=f"{name} {schedule} {fqn}": f"{w}: {m}")
+        for schedule in [s for n, s in cases if n == name]:
+            for rank in range(mesh.size):
+                torch.testing.assert_close(results[rank][(name, schedule)][0], ref_loss, rtol=1e-5, atol=1e-6)
+            grads = pplan.assemble_grads([results[r][(name, schedule)][1] for r in range(mesh.size)])
+            missing = sorted(set(pplan.param_specs()) - set(grads))
+            assert not [m for m in missing if m in ref_grads], missing
+            for fqn, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, w=f"{name} {schedule} {fqn}": f"{w}: {m}")
 
 
 ALL = [(n, s) for n in NAMES for s in SCHEDULES]
@@ -73,3 +82,8 @@ def test_pipe2_model2_gloo_matches_single_device():
 @pytest.mark.gloo
 def test_pipe2_data2_gloo_matches_single_device():
     _check({"pipe": 2, "data": 2}, ALL)
+
+
+@pytest.mark.gloo
+def test_interleaved_two_stages_per_rank_gloo_matches_single_device():
+    _check({"pipe": 2}, [("gpt", "interleaved"), ("gpt", "gpipe")], stages_per_rank=2)
