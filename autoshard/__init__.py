@@ -12,17 +12,26 @@ from __future__ import annotations
 
 import importlib
 
-from autoshard.errors import (AutoshardError, CheckpointError, CollectiveTimeoutError, MeshError, PlanError,
-                              RuntimeShapeError, TraceError, UnsupportedOpError)
+from autoshard.errors import (
+    AutoshardError,
+    CheckpointError,
+    CollectiveTimeoutError,
+    MeshError,
+    PlanError,
+    RuntimeShapeError,
+    TraceError,
+    UnsupportedOpError,
+)
 from autoshard.mesh import Mesh
 
 _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
+         "Pipeline": "autoshard.pipeline",
          "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint"}
 
 __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
-           "CollectiveTimeoutError", "CheckpointError", "save", "load", "full_state_dict"]
+           "CollectiveTimeoutError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline"]
 
 
 def __getattr__(name: str):

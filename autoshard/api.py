@@ -24,7 +24,7 @@ from autoshard.plan import Plan, build_plan
 def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
-            optimizer: str = "adam", comm=None, timeout: float = 300.0) -> ShardedModule:
+            optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -37,9 +37,17 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
 
     ``timeout`` (seconds): how long a collective waits for its peers under torch.distributed before raising
     :class:`~autoshard.errors.CollectiveTimeoutError` (a peer died or hangs).
+
+    ``pipeline=autoshard.Pipeline(microbatches=..., schedule=..., split=...)`` cuts the model into stages over the
+    mesh's ``pipe`` axis and returns a :class:`autoshard.pipeline.PipelinedModule` (calling it runs one training
+    step, forward and backward, and returns the loss); see :mod:`autoshard.pipeline`.
     """
     mesh = as_mesh(mesh)
     options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer)
+    if pipeline is not None:
+        from autoshard.pipeline import PipelinedModule
+
+        return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout)
     return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout)
 
 

@@ -72,6 +72,27 @@ class Pipeline:
     axis: str = "pipe"
     profile: str = "cpu-gloo"
 
+    @classmethod
+    def parse(cls, text: str) -> Pipeline:
+        """``"microbatches=8,schedule=1f1b,split=transformer.h.2+transformer.h.4"`` → ``Pipeline(...)`` (the CLI's
+        ``--pipeline``; ``split`` is ``auto`` or module paths joined by ``+``)."""
+        fields: dict = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or key not in ("microbatches", "schedule", "split", "stages_per_rank", "axis", "profile"):
+                raise PlanError(f"pipeline options {text!r} have the part {part!r}, but each part is KEY=VALUE with "
+                                "KEY one of microbatches, schedule, split, stages_per_rank, axis, profile.")
+            if key in ("microbatches", "stages_per_rank"):
+                if not value.isdigit():
+                    raise PlanError(f"pipeline option {key} is {value!r}, but must be a positive integer.")
+                fields[key] = int(value)
+            elif key == "split" and value != "auto":
+                fields[key] = tuple(v for v in value.split("+") if v)
+            else:
+                fields[key] = value
+        return cls(**fields)
+
     def check(self, mesh: Mesh) -> None:
         from autoshard.runtime.pipeline import SCHEDULES
 
@@ -294,8 +315,9 @@ def _microbatch_examples(args, kwargs, m: int):
 
 def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
                         pipeline: Pipeline) -> PipelinePlan:
+    from autoshard import plan as plan_module
     from autoshard.passes.pipeline_split import REPORT_KEY, PipelineSplit, build_stage_graphs
-    from autoshard.plan import _TRACE_LOCK, PIPELINE, Plan, run_passes
+    from autoshard.plan import _TRACE_LOCK, Plan, run_passes
     from autoshard.trace import trace
 
     if not isinstance(pipeline, Pipeline):
@@ -316,7 +338,9 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     ctx = Context(sub, sub_options)
     stages = mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
-    gm = run_passes(gm, ctx, (*PIPELINE, PipelineSplit(stages, split, pipeline.profile, pipeline.axis)))
+    # the sharding passes the options ask for (the planner's search, when chosen), then the split
+    passes = plan_module.pipeline(sub_options) if hasattr(plan_module, "pipeline") else plan_module.PIPELINE
+    gm = run_passes(gm, ctx, (*passes, PipelineSplit(stages, split, pipeline.profile, pipeline.axis)))
     stage_split = ctx.report[REPORT_KEY]
     plan = Plan(gm, sub, ctx, type(model).__name__)
     return PipelinePlan(plan, mesh, sub, pipeline, stage_split, build_stage_graphs(gm, stage_split), batch,
@@ -330,7 +354,7 @@ class PipelineRunner:
     ``step(*args, target=None, **kwargs)`` runs one forward+backward over the whole (global) batch and returns the
     loss on every rank; gradients are left in ``parameters()`` (summed over the stages for tied weights)."""
 
-    def __init__(self, pplan: PipelinePlan, rank: int | None = None, comm=None):
+    def __init__(self, pplan: PipelinePlan, rank: int | None = None, comm=None, timeout: float = 300.0):
         import torch.distributed as dist
 
         from autoshard.plan import loss_of
@@ -342,7 +366,7 @@ class PipelineRunner:
                 raise MeshError(f"a pipelined plan on {pplan.mesh} runs under torch.distributed, but it is not "
                                 "initialised: launch with torchrun (and init_process_group) or "
                                 "autoshard.runtime.launch.spawn.")
-            comm = DistCommunicator(pplan.mesh)
+            comm = DistCommunicator(pplan.mesh, timeout=timeout)
         self.comm = comm
         self.plan = pplan
         self.rank = comm.rank if rank is None else rank
@@ -411,7 +435,7 @@ class PipelinedModule(torch.nn.Module):
     as pipeline schedules interleave them) and returns the loss."""
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs, example_kwargs, pipeline: Pipeline,
-                 comm=None):
+                 comm=None, timeout: float = 300.0):
         super().__init__()
         if example_inputs is None and example_kwargs is None:
             raise PlanError("a pipelined compile needs example_inputs= (the global batch): the split and the "
@@ -420,6 +444,7 @@ class PipelinedModule(torch.nn.Module):
         self.mesh = mesh
         self.plan = build_pipeline_plan(model, mesh, tuple(args or ()), example_kwargs, options, pipeline)
         self._comm = comm
+        self._timeout = timeout
         self._runner: PipelineRunner | None = None
 
     def show(self, console=None) -> None:
@@ -433,7 +458,7 @@ class PipelinedModule(torch.nn.Module):
 
     def runner(self) -> PipelineRunner:
         if self._runner is None:
-            self._runner = PipelineRunner(self.plan, comm=self._comm)
+            self._runner = PipelineRunner(self.plan, comm=self._comm, timeout=self._timeout)
         return self._runner
 
     def parameters(self, recurse: bool = True):

@@ -197,3 +197,24 @@ def test_error_annotation_sharded_on_pipe_axis():
     opts = make_options({"wte.weight": ("S(0)", "R")}, "data", "error", mesh)
     with pytest.raises(PlanError, match="on the pipeline axis `pipe`"):
         build_pipeline_plan(model, mesh, args, kwargs, opts, Pipeline(microbatches=2))
+
+
+def test_compile_with_pipeline_returns_a_pipelined_module():
+    from autoshard.pipeline import PipelinedModule
+
+    model, args, kwargs = models.gpt(**SMALL)
+    sm = autoshard.compile(model, autoshard.Mesh(pipe=2), args, kwargs,
+                           pipeline=autoshard.Pipeline(microbatches=2, schedule="gpipe", split=["blocks.2"]))
+    assert isinstance(sm, PipelinedModule)
+    assert "blocks.2" in sm.plan.split.modules[1] and "boundary 0->1" in sm.format()
+    assert "def forward(self, add_" in sm.code(rank=1)
+    with pytest.raises(MeshError, match="torch.distributed is not|not initialised"):
+        sm(*args)
+
+
+def test_pipeline_parse():
+    p = Pipeline.parse("microbatches=8,schedule=gpipe,split=blocks.1+blocks.3,stages_per_rank=1")
+    assert p == Pipeline(microbatches=8, schedule="gpipe", split=("blocks.1", "blocks.3"))
+    assert Pipeline.parse("microbatches=2").split == "auto"
+    with pytest.raises(PlanError, match="each part is KEY=VALUE"):
+        Pipeline.parse("stages=2")
