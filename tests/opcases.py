@@ -35,10 +35,14 @@ class Float:
     positive: bool = False
     grad: bool = True
     dtype: torch.dtype = torch.float32
+    scale: float = 1.0
+    zeros: bool = False  # about a third of the values exactly 0
 
     def make(self, g: torch.Generator) -> torch.Tensor:
         t = torch.rand(self.shape, generator=g) + 0.5 if self.positive else torch.randn(self.shape, generator=g)
-        return t.to(self.dtype).requires_grad_(self.grad)
+        if self.zeros:
+            t = t * (torch.rand(self.shape, generator=g) > 0.33)
+        return (t * self.scale).to(self.dtype).requires_grad_(self.grad)
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,10 @@ CASES: list[OpCase] = [
     case("rsub_scalar", aten.rsub.Scalar, lambda m, a: 1.0 - a, f(4, 8)),
     case("neg", aten.neg.default, lambda m, a: -a, f(4, 8)),
     case("to_dtype", aten.to.dtype, lambda m, a: a.to(torch.float64), f(4, 8)),
+    case("to_int", aten.to.dtype, lambda m, a: a.to(torch.int32), Float((4, 8), grad=False, scale=3.0)),
+    case("to_bool", aten.to.dtype, lambda m, a: a.to(torch.bool), Float((4, 8), grad=False, zeros=True)),
+    case("type_as_int", aten.type_as.default, lambda m, a, b: a.type_as(b), Float((4, 8), grad=False, scale=3.0),
+         Ints((4, 8), 3)),
     case("gelu", aten.gelu.default, lambda m, a: F.gelu(a), f(4, 8)),
     case("silu", aten.silu.default, lambda m, a: F.silu(a), f(4, 8)),
     case("relu", aten.relu.default, lambda m, a: torch.relu(a), f(4, 8)),
