@@ -4,6 +4,7 @@
     $ autoshard show examples.models:gpt --mesh model=2 --megatron --code --rank 1  # rank 1's generated code
     $ autoshard show examples.models:mlp --mesh data=2 --json                       # the plan as JSON
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
+    $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
     $ autoshard calibrate --world-size 2 -o calibrated.toml                         # measure alpha-beta
 
 ``show`` imports ``MODULE`` (the current directory is put on ``sys.path`` first, so ``examples.models`` works
@@ -48,6 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="compile a model factory on a mesh and print its plan or generated code",
                           description="Compile MODULE:FACTORY on a mesh and print the plan (default), the "
                                       "generated code of one rank (--code) or the plan as JSON (--json).")
+    _add_plan_arguments(show, planner="greedy")
+    plan = sub.add_parser("plan", help="search the best plan for a model factory and explain it",
+                          description="Compile MODULE:FACTORY with the exact plan search and print every node's "
+                                      "strategy, cost and best rejected alternative, and the plan's estimated step "
+                                      "time, memory and bytes per axis (--symbolic: the collectives' formulas).")
+    _add_plan_arguments(plan, planner="search")
+    plan.add_argument("--symbolic", action="store_true",
+                      help="print each collective's bytes and time as formulas of the shapes and mesh sizes")
+
+    # calibrate's own parser reads its arguments; this entry only lists it in --help.
+    sub.add_parser("calibrate", add_help=False, help="measure alpha-beta, FLOP/s and bandwidth of this machine "
+                                                     "(see autoshard calibrate --help)")
+    return parser
+
+
+def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("factory", metavar="MODULE:FACTORY",
                       help="a function returning (model, args, kwargs), e.g. examples.models:gpt")
     show.add_argument("--mesh", required=True, help="logical mesh as NAME=SIZE,..., e.g. data=2,model=2")
@@ -64,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--on-unsupported", choices=("error", "replicate"), default="error",
                       help="what to do with ops that have no sharding rule (default: error)")
     show.add_argument("--data-axis", default="data", help="mesh axis the batch is split over (default: data)")
-
-    # calibrate's own parser reads its arguments; this entry only lists it in --help.
-    sub.add_parser("calibrate", add_help=False, help="measure alpha-beta, FLOP/s and bandwidth of this machine "
-                                                     "(see autoshard calibrate --help)")
-    return parser
+    show.add_argument("--planner", choices=("greedy", "search"), default=planner,
+                      help=f"greedy propagation or the exact cost-model search (default: {planner})")
+    show.add_argument("--profile", default="cpu-gloo",
+                      help="hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default cpu-gloo)")
+    show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +129,8 @@ def show(args: argparse.Namespace) -> int:
     if args.plan is not None:
         annotations.update(load_plan(args.plan, mesh.names))
     sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
-                           data_axis=args.data_axis, on_unsupported=args.on_unsupported)
+                           data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
+                           profile=args.profile, memory_limit=args.memory_limit)
     plan = sm.plan
     if args.code:
         sys.stdout.write(plan.code(args.rank))
@@ -120,6 +138,10 @@ def show(args: argparse.Namespace) -> int:
         sys.stdout.write(plan_json(plan) + "\n")
     else:
         plan.show(_stdout_console())
+        if getattr(args, "symbolic", False):
+            from autoshard.report import format_symbolic
+
+            sys.stdout.write(format_symbolic(plan))
     return 0
 
 

@@ -18,10 +18,10 @@ from autoshard.codegen import local_param_specs, localize
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
-from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.plan_search import PlanSearch
 from autoshard.passes.propagate import Propagate
+from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.trace import trace
 
 #: The passes that run, in order. Each is a frozen dataclass with ``name`` and ``run(gm, ctx) -> gm``.
@@ -115,6 +115,16 @@ class Plan:
     # ---- questions --------------------------------------------------------------------------------------
     def param_specs(self) -> dict[str, Spec]:
         return local_param_specs(self.graph_module)
+
+    def cost(self, profile=None, optimizer: str | None = None):
+        """Estimated step time (compute + communication), memory per rank and bytes per axis of this plan, for
+        ``profile`` (default: the one the plan was made for)."""
+        from autoshard.cost_models.plan_cost import plan_cost
+        from autoshard.cost_models.profile import HardwareProfile, load_profile
+
+        profile = profile or self.context.options.profile
+        profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+        return plan_cost(self.graph_module, self.mesh, profile, optimizer or self.context.options.optimizer)
 
     def collectives(self) -> list[tuple[str, M.CollectiveInfo]]:
         """(node name, info) of every inserted collective, in graph order."""

@@ -28,15 +28,28 @@ def _rows(plan):
         else:
             op = n.op if n.op != "call_function" else str(getattr(n.target, "__name__", n.target))
             comm = ""
+        strat = n.meta.get(M.STRATEGY)
+        dec = n.meta.get(M.DECISION)
         yield {"node": n.name, "op": op, "shape": shape, "spec": spec_text, "module": M.module_path(n),
-               "comm_bytes": comm}
+               "comm_bytes": comm, "strategy": strat.note if strat is not None else "",
+               "cost": _fmt_cost(dec.cost, dec) if dec else "",
+               "alternative": (f"{dec.alternative.note} {_fmt_cost(dec.alternative_cost, dec)}"
+                               if dec and dec.alternative is not None else "")}
+
+
+def _fmt_cost(value, dec) -> str:
+    if value is None:
+        return ""
+    if dec.reason.startswith("least estimated"):
+        return f"{value * 1e6:.1f}us"
+    return f"{value:.0f}B"
 
 
 def format_plan(plan) -> str:
     """The annotated graph as a plain-text table: node, op, global shape, spec per mesh axis, collective bytes."""
     rows = list(_rows(plan))
     head = f"plan for {plan.model_name} on {plan.mesh}  (spec: one placement per axis {list(plan.mesh.names)})"
-    cols = ["node", "op", "shape", "spec", "comm_bytes", "module"]
+    cols = ["node", "op", "shape", "spec", "strategy", "cost", "alternative", "comm_bytes", "module"]
     table = [[str(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) if table else len(c) for i, c in enumerate(cols)]
     lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
@@ -54,7 +67,19 @@ def format_summary(plan) -> str:
         fwd += info.bytes_forward
         bwd += info.bytes_backward
     parts = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none"
-    return f"collectives: {parts}; bytes per rank forward {fwd}, backward {bwd}"
+    text = f"collectives: {parts}; bytes per rank forward {fwd}, backward {bwd}"
+    search = plan.context.report.get("plan_search")
+    if search is not None:
+        cost = plan.cost()
+        axes = ", ".join(f"{a} {b:.0f}B" for a, b in cost.comm_bytes.items())
+        limit = search["memory_limit"]
+        text += (f"\nestimated step time {cost.step_time * 1e3:.3f} ms (compute {cost.compute_time * 1e3:.3f} ms, "
+                 f"communication {cost.comm_time * 1e3:.3f} ms) on profile {search['profile']}; bytes per axis: "
+                 f"{axes}; memory per rank {cost.memory_per_rank / 2**20:.1f} MiB"
+                 + (f" of {limit / 2**20:.1f} MiB allowed" if limit else "")
+                 + f"; binding constraint: {search['binding']}; search: {search['decisions']} decisions, "
+                 f"solved exactly in {search['solve_seconds']:.2f} s")
+    return text
 
 
 def plan_json(plan) -> str:
@@ -69,11 +94,13 @@ def show_plan(plan, console=None) -> None:
 
     console = console or Console()
     table = Table(title=f"autoshard plan: {plan.model_name} on {plan.mesh}", show_lines=False)
-    for c in ("node", "op", "global shape", "spec " + "×".join(plan.mesh.names), "comm bytes fwd/bwd", "module"):
+    for c in ("node", "op", "global shape", "spec " + "×".join(plan.mesh.names), "strategy", "cost",
+              "best rejected (cost)", "comm bytes fwd/bwd", "module"):
         table.add_column(c)
     for r in _rows(plan):
         style = "bold magenta" if r["comm_bytes"] else None
-        cells = (r["node"], r["op"], str(r["shape"]), r["spec"], r["comm_bytes"], r["module"])
+        cells = (r["node"], r["op"], str(r["shape"]), r["spec"], r["strategy"], r["cost"], r["alternative"],
+                 r["comm_bytes"], r["module"])
         table.add_row(*(escape(c) for c in cells), style=style)
     console.print(table)
     console.print(format_summary(plan), markup=False)
@@ -109,4 +136,47 @@ def format_stages(pplan) -> str:
                      + ", ".join(f"{n} (stages {', '.join(map(str, s))})" for n, s in shared))
     lines.append(f"imbalance (max/mean stage cost): {split.imbalance:.3f}; theoretical bubble (p-1)/(m+p-1): "
                  f"{bubble_fraction(pplan.pipe, p.microbatches):.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def format_symbolic(plan) -> str:
+    """Every inserted collective's bytes on the wire and time as formulas: shapes (b, s for the first input's
+    dims, d<size> otherwise), mesh sizes n_<axis>, and the link's alpha/beta."""
+    import sympy
+
+    from autoshard.cost_models.comm import collective_bytes_on_wire, time_expr
+
+    names: dict[int, sympy.Symbol] = {}
+    first = next((n for n in plan.graph_module.graph.nodes if n.op == "placeholder"
+                  and isinstance(n.meta.get("val"), torch.Tensor)), None)
+    if first is not None:
+        for letter, size in zip("bs", first.meta["val"].shape):
+            names.setdefault(int(size), sympy.Symbol(letter))
+
+    def sym(size: int):
+        return names.setdefault(int(size), sympy.Symbol(f"d{int(size)}"))
+
+    lines = ["collective formulas (bytes on the wire per rank; time = steps*alpha + bytes*beta):"]
+    for n in plan.graph_module.graph.nodes:
+        info = n.meta.get(M.COLLECTIVE)
+        if info is None:
+            continue
+        x = n.args[0]
+        val = x.meta["val"]
+        spec = info.src if info.kind != "all_gather" else info.dst
+        nbytes = sympy.Integer(val.element_size())
+        for d, size in enumerate(val.shape):
+            term = sym(size)
+            for axis, p in zip(plan.mesh.names, spec):
+                if getattr(p, "dim", None) == d and type(p).__name__ == "Shard":
+                    term = term / sympy.Symbol(f"n_{axis}")
+            nbytes = nbytes * term
+        kind = "all_reduce" if info.kind == "grad_all_reduce" else info.kind
+        if kind == "local_slice":
+            kind = "all_gather"  # its backward
+        for axis in info.axes:
+            nsym = sympy.Symbol(f"n_{axis}")
+            wire = sympy.simplify(collective_bytes_on_wire(kind, nbytes, nsym))
+            t = time_expr(kind, nbytes, nsym)
+            lines.append(f"  {n.name}: {info.kind} on {axis}: bytes {wire}; time {sympy.simplify(t)}")
     return "\n".join(lines) + "\n"

@@ -24,8 +24,6 @@ Solutions are exact (``mip_rel_gap = 0``) and deterministic.
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -33,88 +31,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx
+from autoshard.cost_models.memory import optimizer_state_bytes
+from autoshard.cost_models.plan_cost import _local_numel, grad_sync_time, op_time, redistribution_time
+from autoshard.cost_models.profile import HardwareProfile, load_profile
+from autoshard.passes.propagate import mark_requires_grad, node_strategies, seed_specs
 
 from autoshard import meta as M
-from autoshard import redistribute
 from autoshard.context import Context
-from autoshard.cost_models.comm import collective_time
-from autoshard.cost_models.compute import compute_time
-from autoshard.cost_models.memory import optimizer_state_bytes
-from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.errors import PlanError
 from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
 from autoshard.mesh import Mesh
-from autoshard.passes.propagate import mark_requires_grad, node_strategies, seed_specs
-from autoshard.placements import Replicate, Shard, Spec, format_spec, local_shape
-
-# ---------------------------------------------------------------------------------------------------------
-# Costs of one op, one redistribution, one gradient sync (seconds)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _local_numel(shape_, spec, mesh) -> int:
-    return math.prod(local_shape(shape_, spec, mesh))
-
-
-def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh) -> float:
-    """How many ways the op's work is split: the largest global/local size ratio among its operands."""
-    best = 1.0
-    vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
-    outs = strat.output_spec if isinstance(strat.output_spec[0], tuple) else (strat.output_spec,)
-    for v, spec in zip(vals, list(strat.input_specs) + list(outs)):
-        if spec is None or v.numel() == 0:
-            continue
-        best = max(best, v.numel() / max(1, _local_numel(v.shape, spec, mesh)))
-    return best
-
-
-def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
-    f = shard_factor(node, strat, mesh)
-    t = compute_time(node, profile, f)
-    if node.meta.get(M.REQUIRES_GRAD):
-        t += compute_time(node, profile, f, backward=True)
-    return t
-
-
-def _link(profile: HardwareProfile, mesh: Mesh, axis: str):
-    return profile.link_for(axis, mesh.index(axis), mesh)
-
-
-def redistribution_time(src: Spec, dst: Spec, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile
-                        ) -> float | None:
-    return _redistribution_time(src, dst, shape(x), itemsize(x), bool(x.meta.get(M.REQUIRES_GRAD)), mesh, profile)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _redistribution_time(src, dst, shp, size, rg, mesh, profile) -> float | None:
-    steps = redistribute.plan(src, dst, mesh)
-    if steps is None:
-        return None
-    total = 0.0
-    for st in steps:
-        n = mesh.axis_size(st.axis)
-        link = _link(profile, mesh, st.axis)
-        before = _local_numel(shp, st.before, mesh) * size
-        after = _local_numel(shp, st.after, mesh) * size
-        if st.kind == "all_reduce":
-            total += collective_time("all_reduce", before, n, link)
-        elif st.kind == "all_gather":
-            total += collective_time("all_gather", after, n, link)
-            # backward: a local slice
-        elif st.kind == "reduce_scatter":
-            total += collective_time("reduce_scatter", before, n, link)
-            total += rg * collective_time("all_gather", before, n, link)
-        elif st.kind == "all_to_all":
-            total += (1 + rg) * collective_time("all_to_all", before, n, link)
-        elif st.kind == "local_slice":
-            total += rg * collective_time("all_gather", before, n, link)
-    return total
-
-
-def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile) -> float:
-    nbytes = _local_numel(shape(x), spec, mesh) * itemsize(x)
-    return sum(collective_time("all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a)) for a in axes)
-
+from autoshard.placements import Replicate, Shard, Spec, format_spec
+from autoshard.progress import slow_step
 
 # ---------------------------------------------------------------------------------------------------------
 # Repeated layers
@@ -358,6 +286,7 @@ def _producer_options(u, cu, canon, index, decisions, term: ValueTerm) -> None:
 # Evaluating an assignment (the same objective the ILP minimises; used by tests and the explanations)
 # ---------------------------------------------------------------------------------------------------------
 INFEASIBLE = float("inf")
+_DISP = bool(__import__("os").environ.get("AUTOSHARD_SOLVER_LOG"))
 
 
 def term_cost(term: ValueTerm, choice: list[int]) -> float:
@@ -433,23 +362,34 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
             y = {}
             for d, k, spec in term.out:
                 y.setdefault(spec, []).append(offsets[d] + k)
-        consumers = {d for users in term.needs.values() for d, _ in users}
-        if term.fixed is None and len(consumers) == 1 and not term.outputs and _single_position(term):
-            # One consumer: the tight "marginal" formulation (exact LP on tree-shaped parts of the graph):
-            # e[o, i] >= 0, sum_i e[o, i] = y[o], sum_o e[o, i] = z[i] = sum of the consumer's options needing i.
-            needs = sorted(term.needs, key=format_spec)
-            evars: dict = {}
-            for o in y:
+        consumers = sorted({d for users in term.needs.values() for d, _ in users})
+        if term.fixed is None and consumers and _single_position(term):
+            # The tight "marginal" formulation (its LP is exact on tree-shaped parts of the graph): per consumer c,
+            # e[c, o, i] >= 0 with sum_i e[c, o, i] = y[o] and sum_o e[c, o, i] = z[c, i] (the consumer's options
+            # that need spec i); a redistribution o -> i is bought once, w[o, i] >= e[c, o, i] for every c.
+            bought: dict = {}
+            for c in consumers:
+                needs = sorted({i for i, users in term.needs.items() if any(d == c for d, _ in users)}, key=format_spec)
+                evars: dict = {}
+                for o in y:
+                    for i in needs:
+                        pc = term.pair_cost[(o, i)]
+                        if pc is None:
+                            continue
+                        if len(consumers) == 1:
+                            evars[(o, i)] = new_var(m * pc)
+                            continue
+                        evars[(o, i)] = new_var(0.0)
+                        if pc > 0:
+                            if (o, i) not in bought:
+                                bought[(o, i)] = new_var(m * pc)
+                            constraint([(bought[(o, i)], 1.0), (evars[(o, i)], -1.0)], 0.0, np.inf)
+                for o, ys in y.items():
+                    constraint([(evars[(o, i)], 1.0) for i in needs if (o, i) in evars] + [(v, -1.0) for v in ys],
+                               0.0, 0.0)
                 for i in needs:
-                    c = term.pair_cost[(o, i)]
-                    if c is not None:
-                        evars[(o, i)] = new_var(m * c)
-            for o, ys in y.items():
-                constraint([(evars[(o, i)], 1.0) for i in needs if (o, i) in evars] + [(v, -1.0) for v in ys],
-                           0.0, 0.0)
-            for i in needs:
-                constraint([(evars[(o, i)], 1.0) for o in y if (o, i) in evars]
-                           + [(offsets[d] + k, -1.0) for d, k in term.needs[i]], 0.0, 0.0)
+                    constraint([(evars[(o, i)], 1.0) for o in y if (o, i) in evars]
+                               + [(offsets[d] + k, -1.0) for d, k in term.needs[i] if d == c], 0.0, 0.0)
             needs_items = []
         else:
             needs_items = sorted(term.needs.items(), key=lambda kv: format_spec(kv[0]))
@@ -503,7 +443,7 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
     upper = np.ones(nvar)
     res = milp(np.array(cost), constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
                bounds=Bounds(np.zeros(nvar), upper),
-               options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True})
+               options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True, "disp": _DISP})
     if res.x is None:
         limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
         raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
@@ -535,7 +475,8 @@ class PlanSearch:
         seed_specs(gm, ctx)
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers)
         t1 = time.perf_counter()
-        choice = solve(problem)
+        with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
+            choice = solve(problem)
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice)
         explain(problem, choice, ctx)
@@ -561,7 +502,7 @@ class PlanSearch:
 
 
 def _single_position(term: ValueTerm) -> bool:
-    """Every option of the one consumer needs exactly one spec (it reads the value at one position)."""
+    """Every consumer option needs exactly one spec of the value (no consumer reads it at two positions)."""
     seen = {}
     for i, users in term.needs.items():
         for d, k in users:

@@ -136,3 +136,25 @@ def test_search_is_deterministic():
     b = autoshard.compile(model, mesh, args, planner="search").plan
     assert a.format() == b.format()
     assert a.code(1) == b.code(1)
+
+
+def test_plan_cost_of_a_searched_plan_equals_the_search_objective_and_explains():
+    model, args = _meta_gpt(hidden=256, layers=2, batch=2, seq=64)
+    plan = autoshard.compile(model, autoshard.Mesh(data=2, model=2), args, planner="search",
+                             profile="gpu-8x-nvlink").plan
+    report = plan.context.report["plan_search"]
+    assert plan.cost().step_time == pytest.approx(report["step_time"], rel=1e-12)
+    text = plan.format()
+    assert "estimated step time" in text and "binding constraint" in text
+    # each op lists its strategy and the best rejected alternative with its cost
+    row = next(line for line in text.splitlines() if line.startswith("linear "))
+    assert "us" in row
+
+
+def test_cli_plan_symbolic(capsys):
+    from autoshard.cli import main
+
+    assert main(["plan", "examples.models:gpt", "--mesh", "model=2", "--factory-arg", "layers=1", "--megatron",
+                 "--symbolic"]) == 0
+    out = capsys.readouterr().out
+    assert "collective formulas" in out and "n_model" in out and "all_reduce" in out

@@ -1,0 +1,128 @@
+"""Costs of a plan in seconds and bytes: one op under a strategy, one redistribution, one gradient sync, and the
+whole annotated graph (:func:`plan_cost`). The exact search (``passes/plan_search.py``) minimises the same
+quantities, so ``plan_cost`` of a searched plan equals the search's objective.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from autoshard.cost_models.comm import collective_time
+from autoshard.cost_models.compute import compute_time
+from autoshard.cost_models.memory import optimizer_state_bytes
+from autoshard.cost_models.profile import HardwareProfile
+
+from autoshard import meta as M
+from autoshard import redistribute
+from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
+from autoshard.mesh import Mesh
+from autoshard.placements import Spec, local_shape
+
+
+def _local_numel(shape_, spec, mesh) -> int:
+    return math.prod(local_shape(shape_, spec, mesh))
+
+
+def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh) -> float:
+    """How many ways the op's work is split: the largest global/local size ratio among its operands."""
+    best = 1.0
+    vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
+    outs = strat.output_spec if isinstance(strat.output_spec[0], tuple) else (strat.output_spec,)
+    for v, spec in zip(vals, list(strat.input_specs) + list(outs)):
+        if spec is None or v.numel() == 0:
+            continue
+        best = max(best, v.numel() / max(1, _local_numel(v.shape, spec, mesh)))
+    return best
+
+
+def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
+    f = shard_factor(node, strat, mesh)
+    t = compute_time(node, profile, f)
+    if node.meta.get(M.REQUIRES_GRAD):
+        t += compute_time(node, profile, f, backward=True)
+    return t
+
+
+def _link(profile: HardwareProfile, mesh: Mesh, axis: str):
+    return profile.link_for(axis, mesh.index(axis), mesh)
+
+
+def redistribution_time(src: Spec, dst: Spec, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile
+                        ) -> float | None:
+    return _redistribution_time(src, dst, shape(x), itemsize(x), bool(x.meta.get(M.REQUIRES_GRAD)), mesh, profile)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _redistribution_time(src, dst, shp, size, rg, mesh, profile) -> float | None:
+    steps = redistribute.plan(src, dst, mesh)
+    if steps is None:
+        return None
+    total = 0.0
+    for st in steps:
+        n = mesh.axis_size(st.axis)
+        link = _link(profile, mesh, st.axis)
+        before = _local_numel(shp, st.before, mesh) * size
+        after = _local_numel(shp, st.after, mesh) * size
+        if st.kind == "all_reduce":
+            total += collective_time("all_reduce", before, n, link)
+        elif st.kind == "all_gather":
+            total += collective_time("all_gather", after, n, link)
+            # backward: a local slice
+        elif st.kind == "reduce_scatter":
+            total += collective_time("reduce_scatter", before, n, link)
+            total += rg * collective_time("all_gather", before, n, link)
+        elif st.kind == "all_to_all":
+            total += (1 + rg) * collective_time("all_to_all", before, n, link)
+        elif st.kind == "local_slice":
+            total += rg * collective_time("all_gather", before, n, link)
+    return total
+
+
+def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile) -> float:
+    nbytes = _local_numel(shape(x), spec, mesh) * itemsize(x)
+    return sum(collective_time("all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a)) for a in axes)
+
+
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    step_time: float  # seconds: compute + communication, forward + backward, no overlap
+    compute_time: float
+    comm_time: float
+    memory_per_rank: float  # bytes: parameters, gradients, optimizer state, saved activations
+    parameter_bytes: float  # bytes of this rank's parameter shards
+    comm_bytes: dict  # mesh axis -> bytes each rank sends per step (forward + backward)
+
+
+def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, optimizer: str = "adam") -> PlanCost:
+    """Evaluate an annotated global graph (after propagation and collective insertion)."""
+    compute = comm = memory = params = 0.0
+    comm_bytes = {name: 0.0 for name in mesh.names}
+    for n in gm.graph.nodes:
+        info = n.meta.get(M.COLLECTIVE)
+        if info is not None:
+            x = n.args[0]
+            if info.kind == "grad_all_reduce":
+                comm += grad_sync_time(info.src, info.axes, x, mesh, profile)
+            else:
+                comm += redistribution_time(info.src, info.dst, x, mesh, profile) or 0.0
+            for axis in info.axes:
+                comm_bytes[axis] += (info.bytes_forward + info.bytes_backward) / len(info.axes)
+            continue
+        if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
+            b = _local_numel(shape(n), n.meta[M.SPEC], mesh) * itemsize(n)
+            params += b
+            memory += b if not n.meta.get(M.REQUIRES_GRAD) else 2 * b + optimizer_state_bytes(b, optimizer)
+        elif n.op == "call_function" and M.STRATEGY in n.meta and not is_getitem(n):
+            strat = n.meta[M.STRATEGY]
+            compute += op_time(n, strat, mesh, profile)
+            if n.meta.get(M.REQUIRES_GRAD):
+                outs = strat.output_spec if isinstance(strat.output_spec[0], tuple) else (strat.output_spec,)
+                for v, spec in zip(out_vals(n), outs):
+                    memory += _local_numel(v.shape, spec, mesh) * v.element_size()
+    return PlanCost(compute + comm, compute, comm, memory, params, comm_bytes)
