@@ -158,3 +158,21 @@ def test_cli_plan_symbolic(capsys):
                  "--symbolic"]) == 0
     out = capsys.readouterr().out
     assert "collective formulas" in out and "n_model" in out and "all_reduce" in out
+
+
+def test_meta_device_model_plans_without_weights_and_materialises_one_rank():
+    model_meta, args = _meta_gpt(hidden=128, layers=2, batch=2, seq=32)
+    mesh = autoshard.Mesh(model=2)
+    plan = autoshard.compile(model_meta, mesh, args, planner="search", profile="gpu-8x-nvlink").plan
+    assert plan.cost().step_time > 0
+    assert "def forward" in plan.code(1)
+    meta_module = plan.rank_module(1)
+    assert all(p.is_meta for p in meta_module.parameters())  # nothing materialised
+    torch.manual_seed(0)
+    real = models.GPT(vocab=1024, hidden=128, heads=16, layers=2, seq=32)
+    module = plan.rank_module(1, weights=real)  # only rank 1's shards are copied from the real weights
+    specs = plan.param_specs()
+    for name, p in module.named_parameters():
+        full = real.get_parameter(name)
+        assert not p.is_meta
+        torch.testing.assert_close(p, autoshard.placements.shard_tensor(full, specs[name], mesh, 1))
