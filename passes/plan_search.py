@@ -399,8 +399,8 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
             if all(c == 0 for c in costs.values()):
                 continue
             rv = new_var(0.0)
-            for d, k in users:
-                constraint([(rv, 1.0), (offsets[d] + k, -1.0)], 0.0, np.inf)
+            for d, ks in _by_decision(users).items():  # a consumer's options exclude each other: sum them
+                constraint([(rv, 1.0)] + [(offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
             for o, ys in y.items():
                 c = costs[o]
                 if c == 0:
@@ -430,8 +430,8 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
                     cost[v] += m * c
         for key, users in sorted(term.syncs.items(), key=lambda kv: (format_spec(kv[0][0]), kv[0][1])):
             gv = new_var(m * term.sync_cost[key])
-            for d, k in users:
-                constraint([(gv, 1.0), (offsets[d] + k, -1.0)], 0.0, np.inf)
+            for d, ks in _by_decision(users).items():
+                constraint([(gv, 1.0)] + [(offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
 
     if problem.memory_limit is not None:
         entries = []
@@ -443,7 +443,7 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
     upper = np.ones(nvar)
     res = milp(np.array(cost), constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
                bounds=Bounds(np.zeros(nvar), upper),
-               options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True, "disp": _DISP})
+               options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": False, "disp": _DISP})
     if res.x is None:
         limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
         raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
@@ -499,6 +499,13 @@ class PlanSearch:
             "binding": _binding(problem, memory),
         }
         return gm
+
+
+def _by_decision(users) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d, k in users:
+        out.setdefault(d, []).append(k)
+    return out
 
 
 def _single_position(term: ValueTerm) -> bool:
