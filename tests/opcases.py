@@ -238,6 +238,7 @@ CASES: list[OpCase] = [
     case("unsqueeze", aten.unsqueeze.default, lambda m, a: a.unsqueeze(1), f(4, 8)),
     case("squeeze_dim", aten.squeeze.dim, lambda m, a: a.squeeze(1), f(4, 1, 8)),
     case("expand", aten.expand.default, lambda m, a: a.expand(4, 6, 8), f(4, 1, 8)),
+    case("expand_new_dim", aten.expand.default, lambda m, a: a.expand(4, -1, 8), f(6, 8)),
     case("slice_partial", aten.slice.Tensor, lambda m, a: a[:, 2:6], f(4, 8)),
     case("slice_full", aten.slice.Tensor, lambda m, a: aten.slice.Tensor(a, 1, 0, 8), f(4, 8)),
     case("split", aten.split.Tensor, lambda m, a: a.split(4, dim=1), f(4, 8)),

@@ -231,6 +231,15 @@ def test_placement_that_is_not_a_placement():
     assert msg.endswith("has placement 42 on axis `model`, but placements are Shard(d), Replicate() or Partial().")
 
 
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "BUG: check_spec accepts Partial() in a parameter annotation; the parameter then holds its value on "
+    "coordinate 0 and zeros elsewhere while every rank computes its whole gradient, so training it is wrong by "
+    "the axis size. It should be refused like any other invalid placement"))
+def test_partial_annotation_on_a_parameter_is_refused():
+    with pytest.raises(PlanError, match=r"annotation 'up\.bias' .*Partial"):
+        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), plan={"up.bias": (Partial(),)})
+
+
 def test_placement_text_that_does_not_parse():
     with pytest.raises(PlanError, match=r"^placement text 'X\(1\)' is not one of R, P, S\(d\) \(or Replicate\(\), "
                                         r"Partial\(\), Shard\(d\)\)\.$"):

@@ -22,9 +22,17 @@ float inputs a different sharding, so the op is fed through all-to-all / all-gat
 them Partial on every axis, so they arrive through reduce-scatter / all-reduce (or stay Partial where the
 strategy takes them so).
 
+A Partial input is split into random summands across the coordinates of its Partial axes (not "whole value on
+coordinate 0, zeros elsewhere", under which every op with f(0) = 0 would look linear).
+
 Strategies that would need a *parameter* to be ``Partial`` are left out of the sweep (a Partial parameter's
-gradient is replicated on every rank while its value is split, so no optimizer step can be right); one strict
-xfail test shows the problem.
+gradient is replicated on every rank while its value is split, so no optimizer step can be right); strict xfail
+tests show the problem, once forced and once as the greedy planner chooses it for a hand-written bias add.
+Other compiler bugs found by the sweep are listed in :data:`KNOWN_BUGS`: their sweep entries are strict xfails,
+so a fix shows up as XPASS and the entry must go.
+
+The passes are the greedy pipeline (``autoshard.plan.PIPELINE``): the search planner would decide every other
+node too, and the rule under test is the one forced either way.
 """
 
 from __future__ import annotations
@@ -433,6 +441,36 @@ def test_partial_parameter_gradient():
     plan = build("linear_bias", "x2", strat, "default")
     assert any(_has_partial(spec) for spec in plan.param_specs().values())
     check("linear_bias", plan, f"linear_bias on x2, strategy {','.join(tokens(strat))} (free parameters)")
+
+
+class _RowParallelBias(torch.nn.Module):
+    """``x @ w + b`` written out (no linear/addmm), as many hand-written models do."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(8, 6, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(6, generator=g))
+
+    def forward(self, x):
+        return (x @ self.w + self.b).square().mean()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG: with w row-parallel (Shard(0) on `model`), x @ w is Partial and the greedy planner adds the free "
+    "parameter b with add's Partial strategy (cost 0: a free parameter takes any layout), so b becomes Partial "
+    "(whole on coordinate 0, zeros elsewhere) while every rank computes the whole gradient of b: the assembled "
+    "gradient of b is 2x the true one (the search planner keeps b replicated)"))
+def test_bias_added_to_row_parallel_matmul_is_not_partial():
+    import autoshard
+
+    model, x = _RowParallelBias(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    plan = autoshard.compile(model, Mesh(model=2), (x,), plan={"w": (Shard(0),)}, planner="greedy").plan
+    sim = plan.simulate((x,))
+    model(x).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(sim.grads[name], p.grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"grad of {name} ({format_spec(plan.param_specs()[name])}): {m}")
 
 
 def test_plan_simulate_agrees_with_the_sweep_runner():
