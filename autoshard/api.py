@@ -24,7 +24,8 @@ from autoshard.plan import Plan, build_plan
 def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
-            optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None) -> ShardedModule:
+            optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
+            bucket_cap_mb: float = 25.0, moe=None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -41,14 +42,36 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     ``pipeline=autoshard.Pipeline(microbatches=..., schedule=..., split=...)`` cuts the model into stages over the
     mesh's ``pipe`` axis and returns a :class:`autoshard.pipeline.PipelinedModule` (calling it runs one training
     step, forward and backward, and returns the loss); see :mod:`autoshard.pipeline`.
+
+    ``moe=autoshard.MoE(layers="blocks.*.mlp", every=2, num_experts=8, top_k=2, ...)`` rewrites the chosen dense
+    FFNs as capacity-bounded Mixture-of-Experts layers with experts sharded over ``expert_axis`` (see
+    :mod:`autoshard.moe`); their auxiliary losses train with the model's loss, and
+    ``autoshard.moe_losses(module)`` / ``autoshard.moe_stats(module)`` report them after each forward.
+
+    ``bucket_cap_mb``: data-parallel gradient all-reduces run like DDP's, in buckets of this many MiB launched
+    asynchronously as gradients become ready during backward (:mod:`autoshard.runtime.buckets`); 0 runs one
+    blocking all-reduce per parameter inside backward instead. The gradients are identical either way.
     """
     mesh = as_mesh(mesh)
     options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer)
+    if moe is not None:
+        options = _with_moe(options, moe)
     if pipeline is not None:
         from autoshard.pipeline import PipelinedModule
 
         return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout)
-    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout)
+    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb)
+
+
+def _with_moe(options: Options, moe) -> Options:
+    import dataclasses
+
+    from autoshard.moe import MoE
+
+    if not isinstance(moe, MoE):
+        raise PlanError(f"option moe is {type(moe).__name__}, but must be an autoshard.MoE(layers=..., "
+                        "num_experts=..., ...).")
+    return dataclasses.replace(options, moe=moe)
 
 
 def parse_bytes(value) -> float | None:
@@ -103,8 +126,13 @@ class ShardedModule(torch.nn.Module):
     """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``)."""
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, bucket_cap_mb: float = 25.0):
         super().__init__()
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
+            raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a number of MiB >= 0 (0 turns "
+                                 "gradient bucketing off).")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.bucketer = None
         self.mesh = mesh
         self.options = options
         self._source = (model,)  # a tuple keeps the unsharded model out of this module's parameters
@@ -171,7 +199,12 @@ class ShardedModule(torch.nn.Module):
             gargs, gkwargs = self._global_examples(args, kwargs)
             self.plan = build_plan(self._source[0], self.mesh, gargs, gkwargs, self.options)
         if self.local is None:
-            self.local = self.plan.rank_module(comm.rank)
+            local = self.plan.rank_module(comm.rank, bucket_grads=self.bucket_cap_mb > 0)
+            if self.bucket_cap_mb > 0:
+                from autoshard.runtime.buckets import GradBucketer
+
+                self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb)
+            self.local = local
             self._expected = self._expected_local_shapes()
         self._check_inputs(args, kwargs)
         from autoshard.runtime.comm import use

@@ -26,7 +26,9 @@ from autoshard import meta as M
 from autoshard.graph_utils import tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Partial, Shard, Spec, local_shape, shard_tensor
+from autoshard.runtime import collectives as runtime_collectives
 from autoshard.runtime import ops as runtime_ops
+from autoshard.runtime.buckets import GRAD_SYNC
 from autoshard.trace import fetch_attr
 
 aten = torch.ops.aten
@@ -128,6 +130,29 @@ def _replace(graph, new, fn, args) -> torch.fx.Node:
     return repl
 
 
+@localizer(aten.nll_loss_nd.default, aten.nll_loss.default)
+def _nll_loss(graph, new, old, mesh, rank):
+    spec = _out_spec(old)
+    axes = tuple(mesh.names[a] for a in _partial_axes(spec, mesh))
+    reduction = old.args[3] if len(old.args) > 3 else old.kwargs.get("reduction", 1)
+    if not axes or reduction != 1:
+        return new
+    a = list(new.args) + [None] * (5 - len(new.args))
+    weight = a[2] if a[2] is not None else new.kwargs.get("weight")
+    ignore = old.args[4] if len(old.args) > 4 else old.kwargs.get("ignore_index", -100)
+    return _replace(graph, new, runtime_ops.cross_entropy_partial_mean, (a[0], a[1], weight, ignore, 0.0, axes, True))
+
+
+@localizer(aten.unflatten.int)
+def _unflatten(graph, new, old, mesh, rank):
+    out = local_shape(old.meta["val"].shape, _out_spec(old), mesh)
+    ndim = old.args[0].meta["val"].dim()
+    dim = old.args[1] % ndim
+    sizes = list(out[dim: dim + len(old.args[2])])
+    new.args = (new.args[0], new.args[1], sizes) + tuple(new.args[3:])
+    return new
+
+
 @localizer(aten.cross_entropy_loss.default)
 def _cross_entropy(graph, new, old, mesh, rank):
     spec = _out_spec(old)
@@ -148,14 +173,25 @@ def _cross_entropy(graph, new, old, mesh, rank):
     return _replace(graph, new, runtime_ops.cross_entropy_partial_mean, (a[0], a[1], weight, ignore, smoothing, axes))
 
 
-def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.Module | None = None
-             ) -> torch.fx.GraphModule:
-    """Rank ``rank``'s GraphModule. ``weights`` holds the full parameters (default: ``gm`` itself)."""
+def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.Module | None = None,
+             bucket_grads: bool = False) -> torch.fx.GraphModule:
+    """Rank ``rank``'s GraphModule. ``weights`` holds the full parameters (default: ``gm`` itself).
+
+    ``bucket_grads``: leave out the ``grad_all_reduce`` of every parameter that feeds nothing else (its gradient
+    is then exactly the local gradient, all-reduced over the node's axes) and list those parameters instead in
+    ``module.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)`` in graph order, for
+    :class:`autoshard.runtime.buckets.GradBucketer` to all-reduce in buckets, overlapped with backward.
+    """
     weights = gm if weights is None else weights
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     attrs: dict[str, torch.Tensor] = {}
+    syncs: list[tuple[str, tuple[str, ...]]] = []
     for old in gm.graph.nodes:
+        if bucket_grads and _is_param_grad_sync(old):
+            env[old] = env[old.args[0]]
+            syncs.append((old.args[0].target, tuple(old.args[1])))
+            continue
         new = graph.node_copy(old, lambda n: env[n])
         new.meta = {k: v for k, v in old.meta.items() if k != "val"}
         if old.op == "get_attr":
@@ -169,7 +205,18 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
     for name in ("_in_spec", "_out_spec"):
         if hasattr(gm, name):
             setattr(out, name, getattr(gm, name))
+    if bucket_grads:
+        out.meta[GRAD_SYNC] = tuple(syncs)
     return out
+
+
+def _is_param_grad_sync(node: torch.fx.Node) -> bool:
+    """A parameter's data-parallel gradient sync: ``grad_all_reduce(get_attr)``, the parameter's only use."""
+    if node.op != "call_function" or node.target is not runtime_collectives.grad_all_reduce:
+        return False
+    src = node.args[0]
+    return (isinstance(src, torch.fx.Node) and src.op == "get_attr" and len(src.users) == 1
+            and isinstance(src.meta.get("val"), torch.Tensor))
 
 
 def _local_attr(full, spec: Spec | None, mesh: Mesh, rank: int):

@@ -29,11 +29,17 @@ PIPELINE = (Propagate(), InsertCollectives())
 
 
 def pipeline(options: Options) -> tuple:
-    """The passes for these options: the exact search first when the planner is 'search'."""
+    """The passes for these options: the exact search first when the planner is 'search'; the expert rewrite
+    before everything when MoE layers are asked for."""
+    passes = PIPELINE
     if options.planner == "search":
         search = PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
-        return (search, *PIPELINE)
-    return PIPELINE
+        passes = (search, *PIPELINE)
+    if getattr(options, "moe", None) is not None:
+        from autoshard.passes.expert_rewrite import ExpertRewrite
+
+        passes = (ExpertRewrite(), *passes)
+    return passes
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes=PIPELINE) -> torch.fx.GraphModule:
@@ -59,10 +65,15 @@ class Plan:
     model_name: str = "model"
 
     # ---- per-rank programs ------------------------------------------------------------------------------
-    def rank_module(self, rank: int, weights: torch.nn.Module | None = None) -> torch.fx.GraphModule:
-        """A plain GraphModule holding only ``rank``'s parameter shards (copied from the traced weights)."""
+    def rank_module(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False
+                    ) -> torch.fx.GraphModule:
+        """A plain GraphModule holding only ``rank``'s parameter shards (copied from the traced weights).
+
+        ``bucket_grads=True`` leaves the parameters' gradient all-reduces out of the program and lists them in
+        ``module.meta[autoshard.runtime.buckets.GRAD_SYNC]``: attach a
+        :class:`~autoshard.runtime.buckets.GradBucketer` to run them bucketed and overlapped with backward."""
         self.mesh._check_rank(rank)
-        return localize(self.graph_module, self.mesh, rank, weights)
+        return localize(self.graph_module, self.mesh, rank, weights, bucket_grads=bucket_grads)
 
     def code(self, rank: int = 0) -> str:
         """The generated Python source of ``rank``'s module."""

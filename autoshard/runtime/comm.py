@@ -34,7 +34,7 @@ import torch
 from autoshard.errors import AutoshardError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
 
-__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "current", "p2p_axis", "use"]
+__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "Handle", "current", "p2p_axis", "use"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 PHASES = ("forward", "backward")
@@ -157,6 +157,20 @@ class Communicator(abc.ABC):
         self._record("recv", p2p_axis(self.mesh, self.rank, src_rank), out, phase)
         return out
 
+    def all_reduce_async(self, t: torch.Tensor, axis: str, phase: str = "backward") -> Handle:
+        """Start a sum all-reduce of ``t`` over ``axis`` and return a :class:`Handle` whose ``wait()`` gives the
+        result. Every rank of the group must start its async collectives on that group in the same order (as with
+        the blocking ones). Used by the gradient bucketer (:mod:`autoshard.runtime.buckets`) to overlap gradient
+        sync with backward compute; ``t`` must not be modified before ``wait()``."""
+        axis, t = self._axis(axis), self._input(t, "all_reduce")
+        handle = self._all_reduce_async(t, axis)
+        self._record("all_reduce", axis, t, phase)
+        return handle
+
+    def _all_reduce_async(self, t: torch.Tensor, axis: str) -> Handle:
+        # Default: blocking, already complete (the simulator: its ranks are threads that meet at once anyway).
+        return Handle(self._all_reduce(t, axis))
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank of the mesh reaches the barrier."""
@@ -224,6 +238,23 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mesh={self.mesh}, rank={self.rank})"
+
+
+class Handle:
+    """An in-flight collective: ``wait()`` blocks until it completes and returns its result (idempotent)."""
+
+    def __init__(self, result: torch.Tensor, wait=None):
+        self._result = result
+        self._wait = wait
+
+    def wait(self) -> torch.Tensor:
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            wait()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._wait is None
 
 
 # ---- the current communicator of a thread -----------------------------------------------------------------

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from autoshard.errors import CollectiveTimeoutError, MeshError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.runtime.comm import Communicator
+from autoshard.runtime.comm import Communicator, Handle
 
 __all__ = ["NATIVE_OPS", "DistCommunicator"]
 
@@ -141,6 +141,18 @@ class DistCommunicator(Communicator):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
         return out
+
+    def _all_reduce_async(self, t, axis):
+        out = t.clone()
+        what = f"all_reduce on axis `{axis}`"
+        with self._guard(what, axis):
+            work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis], async_op=True)
+
+        def wait():
+            with self._guard(what, axis):
+                work.wait()
+
+        return Handle(out, wait)
 
     def _all_gather(self, t, axis, dim):
         n, group = self.mesh.axis_size(axis), self._groups[axis]

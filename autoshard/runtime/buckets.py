@@ -1,0 +1,165 @@
+"""Data-parallel gradient sync like DDP's: bucketed, and launched asynchronously while backward still runs.
+
+Without bucketing, every parameter's gradient sync is a ``grad_all_reduce`` node of the rank program (identity
+forward, blocking all-reduce backward): one collective per parameter, each one stalling backward. A rank module
+made with ``Plan.rank_module(rank, bucket_grads=True)`` leaves those nodes out and lists the parameters instead in
+``module.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)``; :class:`GradBucketer` then does the sync:
+
+* **Buckets** are fixed once, at construction: the parameters in reverse graph order (the order backward makes
+  their gradients ready, as DDP assumes with reverse registration order), grouped by (axes, dtype), cut into
+  buckets of at most ``bucket_cap_mb`` MiB (a parameter larger than the cap gets a bucket of its own).
+* **Hooks**: a tensor hook on every listed parameter (it runs when the parameter's gradient of this backward is
+  complete, just before it is accumulated into ``.grad``) copies the gradient into its bucket's flat buffer.
+  When a bucket is full it is launched with :meth:`Communicator.all_reduce_async` — buckets strictly in index
+  order, so every rank of a group issues the same collectives in the same order whatever the hook order.
+* **End of backward** (an autograd engine callback queued by the first hook): the buckets not yet launched are
+  launched, every handle is waited on, axes after the first are all-reduced in turn, and each ``.grad`` is set
+  to its slice of the reduced buffer (a view, like DDP's ``gradient_as_bucket_view``; a new buffer per backward).
+
+Identical to unbucketed sync: each element is summed over the same ranks in the same order (axes in the node's
+order), and a gradient that already existed (accumulation over micro-batches without ``zero_grad``) gets the
+reduced new gradient added exactly as ``AccumulateGrad`` would add it — the hook moves the old ``.grad`` aside
+before autograd accumulates, so the all-reduce only ever sees this backward's gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime.comm import Communicator, Handle, current
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_SYNC", "GradBucketer"]
+
+#: Key of ``GraphModule.meta`` under which codegen lists the parameters whose gradient sync was left out.
+GRAD_SYNC = "autoshard.grad_sync"
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+@dataclass
+class _Bucket:
+    axes: tuple[str, ...]
+    dtype: torch.dtype
+    names: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    # per backward
+    flat: torch.Tensor | None = None
+    ready: set[str] = field(default_factory=set)
+    handle: Handle | None = None
+
+
+class GradBucketer:
+    """Bucketed, overlapped gradient all-reduce for the parameters of ``module`` listed in ``syncs``.
+
+    ``syncs``: ``((parameter name, axes), ...)``, default ``module.meta[GRAD_SYNC]``. ``comm``: the communicator
+    (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB.
+    Call :meth:`remove` to take the hooks off again.
+    """
+
+    def __init__(self, module: torch.nn.Module, syncs=None, comm: Communicator | None = None,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+        if syncs is None:
+            meta = getattr(module, "meta", {})
+            if GRAD_SYNC not in meta:
+                raise AutoshardError("GradBucketer got a module without a gradient-sync list: make the rank module "
+                                     "with plan.rank_module(rank, bucket_grads=True), or pass syncs=.")
+            syncs = meta[GRAD_SYNC]
+        if not bucket_cap_mb > 0:
+            raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a positive number of MiB.")
+        self.comm = comm if comm is not None else current()
+        self.cap_bytes = int(bucket_cap_mb * 2**20)
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.buckets: list[_Bucket] = []
+        self._where: dict[str, tuple[int, int]] = {}  # name -> (bucket index, position in bucket)
+        open_: dict[tuple, int] = {}
+        for name, axes in reversed(tuple(syncs)):
+            p = module.get_parameter(name)
+            if not p.requires_grad or name in self.params:
+                continue
+            self.params[name] = p
+            key = (tuple(axes), p.dtype)
+            nbytes = p.numel() * p.element_size()
+            b = open_.get(key)
+            if b is None or (self.buckets[b].numel * p.element_size() + nbytes > self.cap_bytes
+                             and self.buckets[b].names):
+                b = open_[key] = len(self.buckets)
+                self.buckets.append(_Bucket(tuple(axes), p.dtype))
+            bucket = self.buckets[b]
+            self._where[name] = (b, len(bucket.names))
+            bucket.names.append(name)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += p.numel()
+        self._old: dict[str, torch.Tensor] = {}
+        self._next = 0  # index of the next bucket to launch
+        self._queued = False
+        self._hooks = [p.register_hook(self._hook(name)) for name, p in self.params.items()]
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---- during backward --------------------------------------------------------------------------------
+    def _hook(self, name: str):
+        def hook(grad: torch.Tensor):
+            self._on_grad(name, grad)
+            return grad
+
+        return hook
+
+    def _on_grad(self, name: str, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        p = self.params[name]
+        if p.grad is not None:  # accumulation: keep the old gradient out of this backward's all-reduce
+            self._old[name] = p.grad
+            p.grad = None
+        b, i = self._where[name]
+        bucket = self.buckets[b]
+        if bucket.flat is None:
+            bucket.flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=grad.device)
+        off = bucket.offsets[i]
+        bucket.flat[off:off + p.numel()].copy_(grad.reshape(-1))
+        bucket.ready.add(name)
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
+                self.buckets[self._next].names):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.handle = self.comm.all_reduce_async(bucket.flat, bucket.axes[0], phase="backward")
+
+    def _finish(self) -> None:
+        try:
+            for bucket in self.buckets[self._next:]:
+                if bucket.ready:  # a bucket no gradient reached this time is skipped (on every rank alike)
+                    self._launch(bucket)
+            for bucket in self.buckets:
+                if bucket.handle is None:
+                    continue
+                flat = bucket.handle.wait()
+                for axis in bucket.axes[1:]:
+                    flat = self.comm.all_reduce(flat, axis, phase="backward")
+                for name, off in zip(bucket.names, bucket.offsets):
+                    if name not in bucket.ready:
+                        continue
+                    p = self.params[name]
+                    g = flat[off:off + p.numel()].view(p.shape)
+                    old = self._old.pop(name, None)
+                    p.grad = g if old is None else old.add_(g)
+        finally:
+            for bucket in self.buckets:
+                bucket.flat, bucket.handle = None, None
+                bucket.ready = set()
+            self._old.clear()
+            self._next = 0
+            self._queued = False
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{len(b.names)} params/{b.numel * torch.empty((), dtype=b.dtype).element_size()} B "
+                          f"over {'+'.join(b.axes)}" for b in self.buckets)
+        return f"GradBucketer({len(self.buckets)} buckets: {sizes})"
