@@ -4,8 +4,9 @@ loss equals a single-process run of the same model, data and optimizer (to 1e-4)
     python examples/train_3d.py                   # 8 processes on 127.0.0.1, then the single-process run
     python examples/train_3d.py --steps 5 --schedule gpipe
 
-Each process compiles the same pipelined plan (deterministic), builds its stage with ``PipelineRunner`` (its
-stage of the pipeline, its data shard of each microbatch, its Megatron shard of the weights), and steps plain
+Each process compiles the same pipelined plan (``autoshard.compile(..., pipeline=autoshard.Pipeline(...))``, which
+is deterministic), runs its stage of the pipeline on its data shard of each microbatch with its Megatron shard of
+the weights (calling the module runs one forward+backward step and returns the loss), and steps plain
 ``torch.optim.SGD`` on the parameters it holds: the gradients it holds are exactly its shard of the full-batch
 gradient (the tied embedding/LM head copies on stages 0 and 1 get the same summed gradient, so they stay equal).
 """
@@ -32,22 +33,17 @@ def batches(steps: int, batch: int, seq: int, vocab: int):
 
 def _worker(rank, world_size, steps, batch, microbatches, schedule, lr):
     import autoshard
-    from autoshard.api import make_options
-    from autoshard.pipeline import Pipeline, PipelineRunner, build_pipeline_plan
-    from autoshard.runtime import DistCommunicator
     from examples import models
 
     model, args, _ = models.gpt(batch=batch, **SIZES)
     mesh = autoshard.Mesh(**MESH)
-    pplan = build_pipeline_plan(model, mesh, args, {}, make_options(models.megatron(mesh, "gpt"), "data", "error",
-                                                                     mesh, planner="greedy"),
-                                Pipeline(microbatches=microbatches, schedule=schedule))
-    runner = PipelineRunner(pplan, comm=DistCommunicator(mesh, timeout=120))
-    opt = torch.optim.SGD(list(runner.parameters()), lr=lr)
+    sm = autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"), planner="greedy", timeout=120,
+                           pipeline=autoshard.Pipeline(microbatches=microbatches, schedule=schedule))
+    opt = torch.optim.SGD(list(sm.parameters()), lr=lr)
     losses = []
     for ids, labels in batches(steps, batch, SIZES["seq"], SIZES["vocab"]):
         opt.zero_grad(set_to_none=True)
-        losses.append(float(runner.step(ids, labels)))
+        losses.append(float(sm(ids, labels)))  # one step: forward and backward over every microbatch
         opt.step()
     return losses
 
@@ -63,7 +59,7 @@ def single_process(steps: int, batch: int, lr: float) -> list[float]:
         loss = model(ids, labels)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 

@@ -7,10 +7,12 @@ leaves the graph unchanged and stores a :class:`StageSplit` in ``ctx.report["pip
 
 Formulation. Nodes fall in two kinds:
 
-* *recomputable*: no gradient flows through them and every input is an input of the model, a parameter or
-  another recomputable node (``arange`` positions, causal masks, rotary tables, views of the labels). Every stage
-  that reads one recomputes it, so they never cross a stage boundary (and integer tensors, which
-  ``torch.distributed.pipelining`` cannot send with a gradient, stay local);
+* *recomputable*: functions of the parameters alone (the data-axis gradient sync of a tied embedding, a bias
+  scaled for a Partial output, ``arange``), and values no gradient flows through whose inputs are inputs of the
+  model, parameters or other recomputable nodes (causal masks, rotary tables, views of the labels). Every stage
+  that reads one recomputes it, so they never cross a stage boundary (integer tensors, which
+  ``torch.distributed.pipelining`` cannot send with a gradient, stay local; a weight used by two stages is held
+  by both, its gradients summed after the backward);
 * the others, in graph order ``v_0 .. v_{N-1}`` (:func:`_analyse`). A cut at position ``i`` puts ``v_0..v_{i-1}``
   before it; the tensors *crossing* it are those produced before ``i`` and read at or after ``i``: besides the
   hidden state, a residual stream or any skip connection is simply one more crossing tensor, and a tensor
@@ -111,6 +113,7 @@ class Analysis:
     transfer: list[float]  # T(i) for i in 0..N (0 at both ends)
     units: list[str]
     mesh: Mesh
+    also: list[list[str]]  # per order position: units of the recomputed nodes it is the first to read
 
     @property
     def n(self) -> int:
@@ -165,9 +168,14 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile) -> Analysis:
 
     pipe_link = profile.link
     recomputable: set[torch.fx.Node] = set()
+    weights_only: set[torch.fx.Node] = set()  # functions of parameters alone (a grad sync of a tied weight)
     order: list[torch.fx.Node] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
+            continue
+        if all(x.op == "get_attr" or x in weights_only for x in node.all_input_nodes):
+            weights_only.add(node)
+            recomputable.add(node)
             continue
         leaves_ok = all(x.op in ("placeholder", "get_attr") or x in recomputable for x in node.all_input_nodes)
         if leaves_ok and not node.meta.get(M.REQUIRES_GRAD):
@@ -194,8 +202,20 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile) -> Analysis:
     node_cost = [compute_time(v, profile, _shard_factor(v, mesh)) + compute_time(v, profile, _shard_factor(v, mesh),
                                                                                 backward=True) for v in order]
     units = [unit_of(v) for v in order]
+    # A recomputed node (an embedding of positions, a mask) is priced and listed with its first reader, so
+    # embeddings and heads stay part of the balance and of the report.
+    also: list[list[str]] = [[] for _ in order]
+    first: dict[torch.fx.Node, int] = {}
+    for r in reversed([v for v in gm.graph.nodes if v in recomputable]):
+        uses = [pos[u] if u in pos else first.get(u, n) for u in r.users if u in pos or u in recomputable]
+        first[r] = min(uses, default=n)
+        if first[r] < n:
+            node_cost[first[r]] += compute_time(r, profile, _shard_factor(r, mesh)) + compute_time(
+                r, profile, _shard_factor(r, mesh), backward=True)
+            if unit_of(r):
+                also[first[r]].append(unit_of(r))
     candidates = [i for i in range(1, n) if units[i] != units[i - 1] and _cuttable(crossing[i])]
-    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh)
+    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh, also)
 
 
 def _cuttable(cross: list[torch.fx.Node]) -> bool:
@@ -304,7 +324,8 @@ def _describe(a: Analysis, cuts: list[int], manual: bool) -> StageSplit:
         info = [_local_bytes(v, a.mesh) for v in cross]
         bounds.append(Boundary(tuple(v.name for v in cross), tuple(s for s, _ in info),
                                tuple(v.meta["val"].dtype for v in cross), sum(b for _, b in info)))
-    modules = tuple(tuple(dict.fromkeys(u for u in a.units[s:e] if u)) for s, e in itertools.pairwise(edges))
+    modules = tuple(tuple(dict.fromkeys(u for i in range(s, e) for u in (*a.also[i], a.units[i]) if u))
+                    for s, e in itertools.pairwise(edges))
     return StageSplit(tuple(cuts), tuple(v.name for v in a.order), tuple(bounds), compute, transfer, modules, manual)
 
 
