@@ -52,6 +52,7 @@ class OpInfo:
     out_shapes: list[tuple[int, ...]]
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    out_dtypes: list[torch.dtype] = field(default_factory=list)
 
     def arg(self, i: int, name: str, default=None):
         if len(self.args) > i:
@@ -260,9 +261,16 @@ for _op in (aten.mul.Tensor,):
     RULES[_op] = pointwise("multi")
 RULES[aten.div.Tensor] = pointwise("multi", linear_inputs=(0,))
 for _op in (aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.alias.default, aten.clone.default,
-            aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
-            aten.detach.default, aten.lift_fresh_copy.default, aten.type_as.default):
+            aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default):
     RULES[_op] = pointwise("sum", linear_inputs=(0,))
+
+
+@register(aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default)
+def _cast(info: OpInfo) -> DimMap:
+    # A cast to a floating dtype is linear (a Partial sum stays one); to an integer or bool dtype it is not:
+    # int(x0) + int(x1) != int(x0 + x1).
+    floating = bool(info.out_dtypes) and (info.out_dtypes[0].is_floating_point or info.out_dtypes[0].is_complex)
+    return pointwise("sum" if floating else "none", linear_inputs=(0,))(info)
 for _op in (aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
             aten.exp.default, aten.log.default, aten.rsqrt.default, aten.sqrt.default, aten.cos.default,
             aten.sin.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.abs.default, aten.square.default,
@@ -336,9 +344,10 @@ def _slice(info: OpInfo) -> DimMap:
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 def _split(info: OpInfo) -> DimMap:
     n = len(info.in_shapes[0])
-    dim = _norm(info.arg(2 if info.args and len(info.args) > 2 else 99, "dim", 0), n)
+    unbind = len(info.out_shapes[0]) < n
+    dim = _norm(info.arg(1, "dim", 0) if unbind else info.arg(2, "dim", 0), n)
     labels = tuple(None if d == dim else f"d{d}" for d in range(n))
-    if len(info.out_shapes[0]) < n:  # unbind drops the dim
+    if unbind:  # unbind drops the dim
         outs = tuple(tuple(lab for d, lab in enumerate(labels) if d != dim) for _ in info.out_shapes)
     else:
         outs = tuple(labels for _ in info.out_shapes)
@@ -460,7 +469,15 @@ def _elementwise_loss(info: OpInfo) -> DimMap:
     return DimMap((labels, labels), (labels if reduction == 0 else (),))
 
 
-@register(aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default)
+@register(aten.nll_loss_nd.default, aten.nll_loss.default)
+def _nll_loss(info: OpInfo) -> DimMap:
+    # as cross-entropy, but the class dim stays whole (no vocab-parallel kernel for log-probabilities)
+    dm = _cross_entropy(info)
+    x_labels = tuple(None if lab == "c" else lab for lab in dm.inputs[0])
+    return DimMap((x_labels,) + dm.inputs[1:], dm.outputs, dm.linear, dm.linear_inputs, dm.bias, dm.replicate_only)
+
+
+@register(aten.cross_entropy_loss.default)
 def _cross_entropy(info: OpInfo) -> DimMap:
     x, t = info.in_shapes[:2]
     reduction = info.arg(3, "reduction", 1)
@@ -484,3 +501,44 @@ def rule_for(target) -> RuleFn | None:
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mixture of Experts graph ops (autoshard/moe.py, emitted by passes/expert_rewrite.py). The routing group "g"
+# is the only shardable label: tokens live sharded on groups, the expert buffer [E, G, C, h] on groups too,
+# and the expert matmuls (bmm/baddbmm) shard E — the redistribution between them is one all-to-all.
+# ---------------------------------------------------------------------------------------------------------
+from autoshard import moe as _moe  # noqa: E402
+
+
+def _g(shape, at: int = 0) -> Labels:
+    return tuple("g" if d == at else None for d in range(len(shape)))
+
+
+@register(_moe.route_groups)
+def _moe_route(info: OpInfo) -> DimMap:
+    return DimMap((_g(info.in_shapes[0]),), tuple(_g(s) for s in info.out_shapes))
+
+
+@register(_moe.dispatch_groups)
+def _moe_dispatch(info: OpInfo) -> DimMap:
+    return DimMap(tuple(_g(s) for s in info.in_shapes), (_g(info.out_shapes[0], 1),))
+
+
+@register(_moe.combine_groups)
+def _moe_combine(info: OpInfo) -> DimMap:
+    # linear in the expert outputs: a Partial y (row-parallel experts) is combined before it is reduced
+    ins = (_g(info.in_shapes[0], 1),) + tuple(_g(s) for s in info.in_shapes[1:])
+    return DimMap(ins, (_g(info.out_shapes[0]),), "multi", (0,))
+
+
+@register(_moe.first_fraction, _moe.routing_stats, _moe.aux_terms, _moe.attach)
+def _moe_grouped(info: OpInfo) -> DimMap:
+    # every input and output with a leading group dim carries "g"; [E]/stats vectors stay whole (a sharded group
+    # contracted away gives a Partial sum, as these ops' local values are shares of the global one)
+    def labels(s, leading: bool) -> Labels:
+        return _g(s) if leading else (None,) * len(s)
+
+    ins = tuple(None if s is None else labels(s, len(s) >= 2) for s in info.in_shapes)
+    outs = tuple(labels(s, len(s) >= 2) for s in info.out_shapes)
+    return DimMap(ins, outs)

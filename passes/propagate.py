@@ -34,7 +34,7 @@ from autoshard import redistribute, rules
 from autoshard.context import Context
 from autoshard.errors import PlanError, UnsupportedOpError, node_location
 from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
-from autoshard.placements import Replicate, Shard, check_spec, format_spec
+from autoshard.placements import Partial, Replicate, Shard, check_spec, format_spec
 from autoshard.strategies import strategies_for
 
 _MOVE_PARAMETER = 1e18  # bytes-equivalent price of redistributing a parameter: a last resort
@@ -103,6 +103,10 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
                             f"{[n.name for n in inputs]}.")
         for n in hits:
             n.meta[M.SPEC] = check_spec(spec, shape(n), mesh, f"annotation {pattern!r} on `{n.name}`")
+            if n.op == "get_attr" and any(isinstance(p, Partial) for p in n.meta[M.SPEC]):
+                raise PlanError(f"annotation {pattern!r} on `{n.name}` has Partial(), but a parameter cannot be "
+                                "Partial (every rank would hold a share of it and compute its whole gradient): use "
+                                "Shard(d) or Replicate().")
             fixed.add(n)
     for n in inputs:
         if n in fixed or not isinstance(n.meta.get("val"), torch.Tensor):
@@ -157,7 +161,7 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
     """Every strategy the rule table allows for ``node`` on ``ctx.mesh`` (the search space of one op)."""
     inputs = tensor_inputs(node)
     info = rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
-                        dict(node.kwargs))
+                        dict(node.kwargs), [v.dtype for v in out_vals(node)])
     rule = rules.rule_for(node.target)
     if rule is None:
         if ctx.options.on_unsupported != "replicate":
@@ -168,7 +172,12 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
             ctx.report["unsupported"].append(node.name)
             ctx.warn(f"{node_location(node)} has no sharding rule: it runs replicated (on_unsupported='replicate').")
         rule = rules.replicate_only
-    return strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
+    strategies = strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
+    # A parameter is never Partial: every rank would compute its whole gradient while holding a share of it.
+    params = [i for i, x in enumerate(inputs) if x.op == "get_attr"]
+    return [s for s in strategies
+            if not any(s.input_specs[i] is not None and any(isinstance(p, Partial) for p in s.input_specs[i])
+                       for i in params)]
 
 
 def _price(node, inputs, strat: M.Strategy, ctx: Context, paid: set[tuple]) -> float | None:

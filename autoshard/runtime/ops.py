@@ -9,15 +9,19 @@ from autoshard.runtime.comm import current
 
 
 def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                               ignore_index: int, label_smoothing: float, axes: tuple[str, ...]) -> torch.Tensor:
+                               ignore_index: int, label_smoothing: float, axes: tuple[str, ...],
+                               log_probs: bool = False) -> torch.Tensor:
     """This rank's share of a mean cross-entropy whose batch is sharded over ``axes``.
 
     The global mean divides the sum over *all* ranks' non-ignored targets by their global count, which no rank
     knows statically (ignore_index). Each rank returns ``local_sum / global_count``; summing the partial values
     over the ranks (the Partial→Replicate all-reduce that follows) gives exactly the single-device loss.
     """
-    total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
-                            label_smoothing=label_smoothing)
+    if log_probs:  # nll_loss: the inputs are already log-probabilities
+        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    else:
+        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                                label_smoothing=label_smoothing)
     with torch.no_grad():
         valid = target != ignore_index
         if weight is not None:
