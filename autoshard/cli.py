@@ -5,6 +5,7 @@
     $ autoshard show examples.models:mlp --mesh data=2 --json                       # the plan as JSON
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
     $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
+    $ autoshard show examples.models:gpt --mesh pipe=2,model=2 --megatron --pipeline microbatches=4,schedule=1f1b
     $ autoshard calibrate --world-size 2 -o calibrated.toml                         # measure alpha-beta
 
 ``show`` imports ``MODULE`` (the current directory is put on ``sys.path`` first, so ``examples.models`` works
@@ -81,6 +82,9 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--on-unsupported", choices=("error", "replicate"), default="error",
                       help="what to do with ops that have no sharding rule (default: error)")
     show.add_argument("--data-axis", default="data", help="mesh axis the batch is split over (default: data)")
+    show.add_argument("--pipeline", metavar="OPTIONS",
+                      help="pipeline over the mesh's pipe axis and print its stages, e.g. "
+                           "microbatches=4,schedule=1f1b,split=auto (split: auto or module paths joined by +)")
     show.add_argument("--planner", choices=("greedy", "search"), default=planner,
                       help=f"greedy propagation or the exact cost-model search (default: {planner})")
     show.add_argument("--profile", default="cpu-gloo",
@@ -130,7 +134,11 @@ def show(args: argparse.Namespace) -> int:
         annotations.update(load_plan(args.plan, mesh.names))
     sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
                            data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
-                           profile=args.profile, memory_limit=args.memory_limit)
+                           profile=args.profile, memory_limit=args.memory_limit,
+                           pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None)
+    if args.pipeline:  # the stages (or --rank's program of its stage)
+        sys.stdout.write(sm.code(args.rank) if args.code else sm.format())
+        return 0
     plan = sm.plan
     if args.code:
         sys.stdout.write(plan.code(args.rank))
