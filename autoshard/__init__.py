@@ -27,11 +27,13 @@ from autoshard.mesh import Mesh
 _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
          "Pipeline": "autoshard.pipeline",
+         "MoE": "autoshard.moe", "moe_losses": "autoshard.moe", "moe_stats": "autoshard.moe",
          "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint"}
 
 __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
-           "CollectiveTimeoutError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline"]
+           "CollectiveTimeoutError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
+           "MoE", "moe_losses", "moe_stats"]
 
 
 def __getattr__(name: str):

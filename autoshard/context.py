@@ -26,6 +26,7 @@ class Options:
     profile: Any = "cpu-gloo"  # hardware profile name, path or HardwareProfile
     memory_limit: float | None = None  # bytes per rank
     optimizer: str = "adam"  # for the optimizer-state term of the memory model
+    moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
 
 
 @dataclass

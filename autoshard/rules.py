@@ -532,7 +532,7 @@ def _moe_combine(info: OpInfo) -> DimMap:
     return DimMap(ins, (_g(info.out_shapes[0]),), "multi", (0,))
 
 
-@register(_moe.first_fraction, _moe.routing_stats, _moe.aux_terms, _moe.attach)
+@register(_moe.gate_groups, _moe.first_fraction, _moe.routing_stats, _moe.aux_terms, _moe.attach)
 def _moe_grouped(info: OpInfo) -> DimMap:
     # every input and output with a leading group dim carries "g"; [E]/stats vectors stay whole (a sharded group
     # contracted away gives a Partial sum, as these ops' local values are shares of the global one)

@@ -1,0 +1,350 @@
+"""Expert rewrite: chosen dense FFNs become capacity-bounded Mixture-of-Experts layers (GShard/Switch semantics).
+
+Runs first, on the traced graph, when ``autoshard.compile(..., moe=autoshard.MoE(...))`` is given. For each module
+path that :meth:`autoshard.moe.MoE.select` picks, :func:`match_ffn` checks that the nodes under that path form a
+dense FFN — one input ``x``; one or two ``aten.linear`` of ``x`` (two: gated, e.g. Llama's SwiGLU); only pointwise
+ops between them and the output projection (any activation written with them: GELU, tanh-GELU formulas, SiLU·up);
+one ``aten.linear`` producing the only value used outside — and :func:`emit_moe` replaces it by::
+
+    xg     = reshape(x, [G, T_g, h])                      # routing groups: group g = data rank g's tokens
+    logits = linear(xg.float(), router)                    # [G, T_g, E], float32 router
+    probs  = softmax(logits, -1)
+    ei, pos, keep = route_groups(logits, k, C)             # top-k, GShard positions, capacity C per group
+    gate   = gate_groups(probs, ei)                        # top-1: raw prob; top-2: renormalised
+    buf    = dispatch_groups(xg, ei, pos, keep, E, C)      # [E, G, C, h] scatter; experts sharded: all-to-all
+    up_i   = baddbmm(b_i, buf.view(E, G*C, h), w_i)        # every in-projection, batched over experts
+    hid    = <the dense FFN's pointwise ops, copied>       # activation (and gate * up)
+    y      = baddbmm(b2, hid, w2).view(E, G, C, h)          # back to the token layout: all-to-all
+    out    = combine_groups(y, ei, pos, gate, keep)        # [G, T_g, h] gather, gate-weighted, drops give 0
+    f      = first_fraction(ei, E, T)                      # global fraction of first choices (Partial sum)
+    terms  = aux_terms(probs, logits, f, E, T)             # [G, 2]: each group's share of lb and z
+    stats  = routing_stats(ei, keep, terms, E)             # recorded per forward (autoshard.moe_stats)
+    out    = attach(out, terms, stats, path, α, β, k)       # aux-loss gradients ride on the activation
+    result = reshape(out, x.shape)
+
+``G`` (routing groups) defaults to the size of ``expert_axis``, so under data parallelism each rank routes its
+own tokens with ``C = ceil(k·T_g/E·capacity_factor)`` (static) and the single-device graph routes the same groups.
+Expert parameters ``<path>.experts.{w1,b1,w3,b3,w2,b2}`` (stored ``[E, in, out]``; ``w3`` is the second
+in-projection of a gated FFN, in graph order) and ``<path>.router.weight`` ``[E, h]`` are new ``get_attr`` nodes;
+the expert ones are annotated ``Shard(0)`` on ``expert_axis`` (prepended to the user's annotations, which may
+override them, e.g. to split ``w1`` column-parallel over ``model`` too). Propagation then needs the buffer
+sharded on experts where the tokens were sharded on groups: one all-to-all before the experts and one after
+(their backwards are the inverse all-to-alls): four per layer per step.
+
+The rewrite builds new nodes in place with FakeTensor ``val``s from the graph's own fake mode and the FFN's
+``nn_module_stack``; it erases the dense FFN and its weight ``get_attr`` nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from autoshard import meta as M
+from autoshard import moe as moe_mod
+from autoshard.context import Context
+from autoshard.errors import PlanError
+from autoshard.placements import Replicate, Shard
+from autoshard.trace import fetch_attr
+
+aten = torch.ops.aten
+
+#: Ops allowed between the FFN's projections (the activation): pointwise, shape-preserving.
+POINTWISE = {
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.erf.default, aten.exp.default, aten.neg.default, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor,
+    aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar,
+    aten.square.default, aten.clone.default, aten.relu_.default, aten.gelu_.default, aten.silu_.default,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FFN:
+    path: str
+    x: torch.fx.Node
+    in_projs: tuple[torch.fx.Node, ...]  # aten.linear nodes of x, graph order
+    between: tuple[torch.fx.Node, ...]  # pointwise nodes, graph order
+    out_proj: torch.fx.Node  # aten.linear producing the FFN's result
+    nodes: tuple[torch.fx.Node, ...]  # every call_function node of the module
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRewrite:
+    name: str = "expert_rewrite"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        opts = getattr(ctx.options, "moe", None)
+        if opts is None:
+            return gm
+        mesh = ctx.mesh
+        n = mesh.axis_size(opts.expert_axis) if opts.expert_axis in mesh.names else 1
+        if opts.num_experts % n:
+            raise PlanError(f"MoE num_experts has {opts.num_experts}, but it must be divisible by the size {n} of "
+                            f"expert axis `{opts.expert_axis}`. Use a multiple of {n} experts.")
+        groups = opts.groups if opts.groups is not None else n
+        if groups % n:
+            raise PlanError(f"MoE groups has {groups}, but it must be a multiple of the size {n} of expert axis "
+                            f"`{opts.expert_axis}` (each rank routes whole groups).")
+        paths = module_paths(gm)
+        layers = []
+        annotations = []
+        gen = torch.Generator().manual_seed(opts.seed)
+        for path in opts.select(paths):
+            ffn = match_ffn(gm, path)
+            info = emit_moe(gm, ffn, opts, groups, gen)
+            layers.append(info)
+            if n > 1:
+                spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
+                annotations += [(name, spec) for name in info["expert_params"]]
+        gm.graph.lint()
+        gm.recompile()
+        if annotations:
+            ctx.options = dataclasses.replace(ctx.options, annotations=tuple(annotations) + ctx.options.annotations)
+        ctx.report[self.name] = {"layers": layers, "groups": groups, "expert_axis": opts.expert_axis}
+        return gm
+
+
+def module_paths(gm: torch.fx.GraphModule) -> list[str]:
+    """Every module path (and prefix) that owns a call_function node, in graph order."""
+    seen: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        parts = M.module_path(node).split(".")
+        for i in range(1, len(parts) + 1):
+            p = ".".join(parts[:i])
+            if p:
+                seen.setdefault(p, None)
+    return list(seen)
+
+
+def _under(node: torch.fx.Node, path: str) -> bool:
+    p = M.module_path(node)
+    return p == path or p.startswith(path + ".")
+
+
+def _not_ffn(path: str, actual: str) -> PlanError:
+    return PlanError(f"module `{path}` selected by MoE layers has {actual}, but an expert rewrite needs a dense FFN: "
+                     "linear → activation → linear, or gated (two linears of the input, an activation and a product, "
+                     "then a linear). Select only FFN modules (e.g. layers='blocks.*.mlp'), or list them explicitly.")
+
+
+def match_ffn(gm: torch.fx.GraphModule, path: str) -> FFN:
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _under(n, path)]
+    if not nodes:
+        raise _not_ffn(path, "no operations")
+    inside = set(nodes)
+    linears = [n for n in nodes if n.target == aten.linear.default]
+    escaping = [n for n in nodes if any(u not in inside for u in n.users)]
+    if len(escaping) != 1:
+        raise _not_ffn(path, f"{len(escaping)} values used outside it ({[e.name for e in escaping]})")
+    out_proj = escaping[0]
+    if out_proj.target != aten.linear.default:
+        raise _not_ffn(path, f"its result computed by {out_proj.target}, not a linear")
+    outside_inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
+    if len(outside_inputs) != 1:
+        raise _not_ffn(path, f"{len(outside_inputs)} inputs ({sorted(a.name for a in outside_inputs)})")
+    x = next(iter(outside_inputs))
+    in_projs = [n for n in linears if n is not out_proj and n.args[0] is x]
+    if not 1 <= len(in_projs) <= 2 or len(linears) != len(in_projs) + 1:
+        raise _not_ffn(path, f"{len(linears)} linears, {len(in_projs)} of them reading the input")
+    between = [n for n in nodes if n not in in_projs and n is not out_proj]
+    produced = set(in_projs) | set(between)
+    for n in between:
+        if n.target not in POINTWISE:
+            raise _not_ffn(path, f"op {n.target} (node `{n.name}`) between its projections")
+        for a in n.all_input_nodes:
+            if a not in produced:
+                raise _not_ffn(path, f"node `{n.name}` reading `{a.name}`, which is not computed from the "
+                                     "projections")
+    if out_proj.args[0] not in between:
+        raise _not_ffn(path, "no activation between its projections")
+    for lin in in_projs + [out_proj]:
+        if any(a.op != "get_attr" for a in lin.all_input_nodes if a is not lin.args[0]):
+            raise _not_ffn(path, f"linear `{lin.name}` whose weight is computed, not a parameter")
+    if len(in_projs) == 2:
+        shapes = {tuple(p.args[1].meta["val"].shape) for p in in_projs}
+        if len(shapes) != 1:
+            raise _not_ffn(path, f"gated projections of different shapes {sorted(shapes)}")
+    return FFN(path, x, tuple(in_projs), tuple(between), out_proj, tuple(nodes))
+
+
+class _Builder:
+    """Adds nodes before an anchor, each with a FakeTensor val and the FFN's module stack."""
+
+    def __init__(self, gm, anchor, fake_mode, stack, trace):
+        self.gm, self.graph, self.anchor, self.fake_mode = gm, gm.graph, anchor, fake_mode
+        self.stack, self.trace = stack, trace
+
+    def _meta(self, node, val):
+        node.meta["val"] = val
+        if self.stack is not None:
+            node.meta["nn_module_stack"] = dict(self.stack)
+        if self.trace:
+            node.meta["stack_trace"] = self.trace
+        return node
+
+    def call(self, target, *args, **kwargs):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, (args, kwargs))
+        with self.fake_mode:
+            val = target(*fa, **fk)
+        return self._meta(node, val)
+
+    def items(self, node, count):
+        out = []
+        for i in range(count):
+            with self.graph.inserting_before(self.anchor):
+                item = self.graph.call_function(operator.getitem, (node, i))
+            out.append(self._meta(item, node.meta["val"][i]))
+        return out
+
+    def copy(self, old, env):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.node_copy(old, lambda a: env[a])
+        fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a,
+                                 (node.args, node.kwargs))
+        with self.fake_mode:
+            val = old.target(*fa, **fk)
+        keep = {k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        node.meta = keep
+        node.meta["val"] = val
+        return node
+
+    def param(self, fqn: str, value: torch.Tensor):
+        _set_param(self.gm, fqn, torch.nn.Parameter(value, requires_grad=True))
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.get_attr(fqn)
+        node.meta["val"] = self.fake_mode.from_tensor(fetch_attr(self.gm, fqn), static_shapes=True)
+        node.meta[M.PARAM] = fqn
+        node.meta[M.ALIASES] = (fqn,)
+        return node
+
+
+def _set_param(gm: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
+    *parents, leaf = fqn.split(".")
+    mod = gm
+    for part in parents:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)
+
+
+def _stack_for(ffn: FFN):
+    stack = ffn.out_proj.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    kept = {k: v for k, v in stack.items()
+            if M._clean_path(v[0]) == ffn.path or ffn.path.startswith(M._clean_path(v[0]) + ".")}
+    return kept or None
+
+
+def _expert_weight(dense: torch.Tensor, experts: int, opts, gen: torch.Generator, fan_in: int) -> torch.Tensor:
+    """``dense`` (already ``[in, out]`` or ``[out]``) broadcast to every expert: upcycled (+ noise) or fresh."""
+    with torch.no_grad():
+        if opts.init == "upcycle":
+            w = dense.detach().unsqueeze(0).repeat(experts, *([1] * dense.dim())).clone()
+            if opts.noise:
+                std = float(dense.detach().float().std()) if dense.numel() > 1 else 1.0
+                w += (torch.randn(w.shape, generator=gen) * (opts.noise * std)).to(w.dtype)
+            return w
+        bound = 1.0 / math.sqrt(fan_in)
+        return ((torch.rand((experts, *dense.shape), generator=gen) * 2 - 1) * bound).to(dense.dtype)
+
+
+def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.Generator) -> dict:
+    x = ffn.x
+    xval = x.meta["val"]
+    shape = tuple(int(s) for s in xval.shape)
+    hidden = shape[-1]
+    tokens = math.prod(shape[:-1])
+    if len(shape) < 2 or shape[0] % groups:
+        raise PlanError(f"MoE layer `{ffn.path}` has input of shape {list(shape)}, but its leading (batch) dim must "
+                        f"be divisible by the {groups} routing groups (one per rank of expert axis "
+                        f"`{opts.expert_axis}`). Use a batch that is a multiple of {groups}.")
+    per_group = tokens // groups
+    E, k = opts.num_experts, opts.top_k
+    cap = moe_mod.capacity_of(per_group, opts)
+    b = _Builder(gm, ffn.out_proj, xval.fake_mode, _stack_for(ffn), ffn.out_proj.meta.get("stack_trace"))
+    path = ffn.path
+
+    # parameters
+    names = ["w1", "w3"][: len(ffn.in_projs)]
+    expert_params = []
+    w_in, b_in = [], []
+    for name, lin in zip(names, ffn.in_projs):
+        dense_w = fetch_attr(gm, lin.args[1].target)  # [f, h]
+        w_in.append(b.param(f"{path}.experts.{name}", _expert_weight(dense_w.t(), E, opts, gen, hidden)))
+        expert_params.append(f"{path}.experts.{name}")
+        if len(lin.args) > 2 and lin.args[2] is not None:
+            bname = "b" + name[1:]
+            dense_b = fetch_attr(gm, lin.args[2].target)
+            b_in.append(b.param(f"{path}.experts.{bname}", _expert_weight(dense_b, E, opts, gen, hidden)))
+            expert_params.append(f"{path}.experts.{bname}")
+        else:
+            b_in.append(None)
+    dense_w2 = fetch_attr(gm, ffn.out_proj.args[1].target)  # [h, f]
+    ffn_dim = dense_w2.shape[1]
+    w2 = b.param(f"{path}.experts.w2", _expert_weight(dense_w2.t(), E, opts, gen, ffn_dim))
+    expert_params.append(f"{path}.experts.w2")
+    b2 = None
+    if len(ffn.out_proj.args) > 2 and ffn.out_proj.args[2] is not None:
+        b2 = b.param(f"{path}.experts.b2", _expert_weight(fetch_attr(gm, ffn.out_proj.args[2].target), E, opts,
+                                                           gen, ffn_dim))
+        expert_params.append(f"{path}.experts.b2")
+    router = b.param(f"{path}.router.weight", torch.randn(E, hidden, generator=gen) * opts.router_std)
+
+    # routing
+    xg = b.call(aten.reshape.default, x, [groups, per_group, hidden])
+    xf = xg if xval.dtype == torch.float32 else b.call(aten._to_copy.default, xg, dtype=torch.float32)
+    logits = b.call(aten.linear.default, xf, router)
+    probs = b.call(aten.softmax.int, logits, -1)
+    routed = b.call(moe_mod.route_groups, logits, k, cap)
+    ei, pos, keep = b.items(routed, 3)
+    gate = b.call(moe_mod.gate_groups, probs, ei)
+
+    # experts
+    buf = b.call(moe_mod.dispatch_groups, xg, ei, pos, keep, E, cap)
+    flat = b.call(aten.reshape.default, buf, [E, groups * cap, hidden])
+
+    def project(inp, w, bias):
+        if bias is None:
+            return b.call(aten.bmm.default, inp, w)
+        return b.call(aten.baddbmm.default, b.call(aten.unsqueeze.default, bias, 1), inp, w)
+
+    env = {lin: project(flat, w, bias) for lin, w, bias in zip(ffn.in_projs, w_in, b_in)}
+    for old in ffn.between:
+        env[old] = b.copy(old, env)
+    down = project(env[ffn.out_proj.args[0]], w2, b2)
+    y = b.call(aten.reshape.default, down, [E, groups, cap, hidden])
+    out = b.call(moe_mod.combine_groups, y, ei, pos, gate, keep)
+
+    # losses and statistics
+    frac = b.call(moe_mod.first_fraction, ei, E, tokens)
+    terms = b.call(moe_mod.aux_terms, probs, logits, frac, E, tokens)
+    stats = b.call(moe_mod.routing_stats, ei, keep, terms, E)
+    out = b.call(moe_mod.attach, out, terms, stats, path, float(opts.aux_loss_weight), float(opts.z_loss_weight), k)
+    result = b.call(aten.reshape.default, out, list(shape))
+
+    ffn.out_proj.replace_all_uses_with(result)
+    dense_attrs = {a for n in ffn.nodes for a in n.all_input_nodes if a.op == "get_attr"}
+    for node in reversed(ffn.nodes):
+        gm.graph.erase_node(node)
+    for a in dense_attrs:
+        if not a.users:
+            gm.graph.erase_node(a)
+    itemsize = xval.element_size()
+    return {"path": path, "experts": E, "top_k": k, "groups": groups, "tokens_per_group": per_group,
+            "capacity": cap, "capacity_factor": opts.capacity_factor, "gated": len(ffn.in_projs) == 2,
+            "hidden": hidden, "ffn": ffn_dim, "buffer_bytes": E * groups * cap * hidden * itemsize,
+            "expert_params": expert_params, "router": f"{path}.router.weight", "init": opts.init}
+
+
+__all__ = ["ExpertRewrite", "match_ffn", "emit_moe", "module_paths"]

@@ -1,0 +1,267 @@
+"""Expert rewrite (passes/expert_rewrite.py) against an eager MoE oracle, in one process and in the simulator.
+
+The oracle is ``tests/moe/reference.py`` (python loops, written from the spec), applied per routing group: with
+``G`` groups (one per rank of the expert axis) the tokens ``x.reshape(G, -1, h)`` are routed group by group with
+``C = ceil(k·T_g/E·cf)``, exactly as each data rank routes its own tokens. The load-balancing loss uses global
+``f_i``, ``P_i`` (all tokens); the z-loss is the mean over all tokens. Reference gradients are those of
+``loss + α·lb + β·z``: the rewrite attaches the aux losses to the activation, so the model's own ``backward``
+must give them.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.errors import PlanError
+from autoshard.plan import loss_of
+from autoshard.runtime.collectives import collective_counts
+from autoshard.trace import fetch_attr
+from examples import models
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load("autoshard_tests_moe_reference", Path(__file__).resolve().parent / "moe" / "reference.py")
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class RefMoE(nn.Module):
+    """The eager oracle as a module at the FFN's path: same parameter names as the rewrite's."""
+
+    def __init__(self, plan, path: str, opts: autoshard.MoE, groups: int, activation: str):
+        super().__init__()
+        gm = plan.graph_module
+        self.experts = nn.Module()
+        for name in ("w1", "b1", "w3", "b3", "w2", "b2"):
+            try:
+                t = fetch_attr(gm, f"{path}.experts.{name}")
+            except AttributeError:
+                continue
+            self.experts.register_parameter(name, nn.Parameter(t.detach().clone()))
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(fetch_attr(gm, f"{path}.router.weight").detach().clone())
+        self.opts, self.groups, self.activation = opts, groups, activation
+        self.result = None
+
+    def forward(self, x):
+        e = self.experts
+        gated = hasattr(e, "w3")
+        w_in, b_in = (e.w3, getattr(e, "b3", None)) if gated else (e.w1, getattr(e, "b1", None))
+        w_gate = e.w1 if gated else None
+        xg = x.reshape(self.groups, -1, x.shape[-1])
+        results = [ref.reference_moe(xg[g], self.router.weight, w_in, b_in, e.w2, getattr(e, "b2", None),
+                                     top_k=self.opts.top_k, capacity_factor=self.opts.capacity_factor,
+                                     activation=self.activation, w_gate=w_gate) for g in range(self.groups)]
+        tokens = xg.shape[0] * xg.shape[1]
+        E = self.router.weight.shape[0]
+        logits = xg.reshape(tokens, -1).float() @ self.router.weight.float().t()
+        probs = torch.softmax(logits, dim=-1)
+        firsts = [c[0] for r in results for c in r.choices]
+        f = torch.tensor([firsts.count(i) / tokens for i in range(E)])
+        lb = E * (f * probs.mean(dim=0)).sum()
+        z = sum(r.z_loss for r in results) / self.groups
+        self.result = {"lb": lb, "z": z, "dropped": sum(not k for r in results for row in r.keep for k in row),
+                       "capacity": results[0].capacity}
+        return torch.stack([r.out for r in results]).reshape(x.shape)
+
+
+def reference_run(model, plan, path, opts, groups, args, activation="gelu"):
+    ref_model = copy.deepcopy(model)
+    parent, leaf = path.rsplit(".", 1)
+    moe = RefMoE(plan, path, opts, groups, activation)
+    setattr(ref_model.get_submodule(parent), leaf, moe)
+    main = loss_of(ref_model(*args))
+    total = main + opts.aux_loss_weight * moe.result["lb"] + opts.z_loss_weight * moe.result["z"]
+    total.backward()
+    grads = {n: p.grad for n, p in ref_model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return main.detach(), moe.result, grads
+
+
+def check_against_reference(mesh_axes, opts, batch=4, ann=None, factory="gpt", path="blocks.1.mlp", **kw):
+    model, args, _ = models.FACTORIES[factory](batch=batch, seq=8, layers=2, hidden=32, **kw)
+    mesh = autoshard.Mesh(**mesh_axes)
+    plan = autoshard.compile(model, mesh, args, moe=opts, plan=ann).plan
+    groups = plan.context.report["expert_rewrite"]["groups"]
+    main, result, grads = reference_run(model, plan, path, opts, groups, args)
+    sim = plan.simulate(args)
+    for rank, out in enumerate(sim.outputs):
+        torch.testing.assert_close(loss_of(out).detach(), main, rtol=RTOL, atol=ATOL)
+        losses = autoshard.moe_losses(plan, rank=rank)["layers"][path]
+        torch.testing.assert_close(losses["load_balancing"], opts.aux_loss_weight * result["lb"].detach(),
+                                   rtol=RTOL, atol=1e-7)
+        torch.testing.assert_close(losses["z"], opts.z_loss_weight * result["z"].detach(), rtol=RTOL, atol=1e-7)
+        assert autoshard.moe_stats(plan, rank=rank)[path]["dropped"] == result["dropped"]
+    assert set(sim.grads) == set(plan.param_specs()) & set(grads)
+    assert {f"{path}.experts.w1", f"{path}.experts.w2", f"{path}.router.weight"} <= set(sim.grads)
+    for name, g in sim.grads.items():
+        torch.testing.assert_close(g, grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+    return plan, sim, result
+
+
+OPTS = dict(layers="blocks.*.mlp", every=2, num_experts=4, top_k=2, capacity_factor=1.0, init="random",
+            router_std=0.5, aux_loss_weight=0.1, z_loss_weight=0.01)
+
+
+def test_single_rank_matches_reference_with_drops():
+    plan, sim, result = check_against_reference(dict(data=1), autoshard.MoE(**OPTS))
+    assert result["dropped"] > 0  # capacity_factor 1.0 with a skewed router drops tokens
+    layer = plan.context.report["expert_rewrite"]["layers"][0]
+    assert layer["path"] == "blocks.1.mlp" and layer["capacity"] == result["capacity"] == math.ceil(2 * 32 / 4)
+    assert not any(c for c in collective_counts(sim.logs[0]) if c[0] == "all_to_all")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_expert_parallel_matches_reference_and_runs_four_all_to_alls(n):
+    plan, sim, result = check_against_reference(dict(data=n), autoshard.MoE(**OPTS))
+    assert result["capacity"] == math.ceil(2 * (32 // n) / 4)
+    for log in sim.logs:  # one MoE layer: dispatch and combine forward, their inverses backward
+        assert collective_counts(log, "forward")[("all_to_all", "data")] == 2
+        assert collective_counts(log, "backward")[("all_to_all", "data")] == 2
+    specs = plan.param_specs()
+    assert specs["blocks.1.mlp.experts.w1"] == (autoshard.Shard(0),)
+    assert plan.rank_module(1).get_submodule("blocks.1.mlp.experts").w1.shape == (4 // n, 32, 128)
+
+
+def test_expert_parallel_composes_with_model_axis():
+    # experts on data, and each expert column/row-parallel over model (Megatron inside every expert)
+    S, R = autoshard.Shard, autoshard.Replicate
+    ann = {"blocks.1.mlp.experts.w1": (S(0), S(2)), "blocks.1.mlp.experts.b1": (S(0), S(1)),
+           "blocks.1.mlp.experts.w2": (S(0), S(1)), "blocks.1.mlp.experts.b2": (S(0), R())}
+    plan, sim, _ = check_against_reference(dict(data=2, model=2), autoshard.MoE(**OPTS), ann=ann)
+    assert plan.rank_module(3).get_submodule("blocks.1.mlp.experts").w1.shape == (2, 32, 64)
+    assert collective_counts(sim.logs[0], "forward")[("all_to_all", "data")] == 2
+
+
+def test_capacity_drops_counted_independently_and_none_with_large_factor():
+    model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=32)
+    for cf, expect_drops in ((0.5, True), (8.0, False)):
+        opts = autoshard.MoE(**{**OPTS, "capacity_factor": cf})
+        plan = autoshard.compile(model, autoshard.Mesh(data=2), args, moe=opts).plan
+        _, result, _ = reference_run(model, plan, "blocks.1.mlp", opts, 2, args)
+        plan.simulate(args, backward=False)
+        stats = autoshard.moe_stats(plan, rank=0)["blocks.1.mlp"]
+        assert stats["dropped"] == result["dropped"]
+        assert (stats["dropped"] > 0) == expect_drops
+        assert sum(stats["routed_per_expert"]) == 2 * 32
+        assert sum(stats["tokens_per_expert"]) == 2 * 32 - stats["dropped"]
+        assert stats["dropped_fraction"] == pytest.approx(stats["dropped"] / 64)
+
+
+class FFNModel(nn.Module):
+    def __init__(self, hidden=16, gated=False):
+        super().__init__()
+        self.gated = gated
+        if gated:
+            self.mlp = LlamaMLP(hidden)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.up_proj = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_upcycled_experts_reproduce_the_dense_ffn(gated):
+    torch.manual_seed(0)
+    model = FFNModel(gated=gated)
+    x = torch.randn(4, 8, 16)
+    dense = model(x).detach()
+    for k in (1, 2):
+        opts = autoshard.MoE(layers="mlp", num_experts=4, top_k=k, capacity_factor=100.0, init="upcycle",
+                             router_std=0.5)
+        plan = autoshard.compile(model, autoshard.Mesh(data=2), (x,), moe=opts).plan
+        sim = plan.simulate((x,), backward=False)
+        out = torch.cat([o.detach() for o in sim.outputs])  # batch shards stay local
+        if k == 2:  # renormalised top-2 gates sum to 1 and every expert is the dense FFN
+            torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)
+        else:  # Switch: the expert output scaled by the raw gate
+            router = fetch_attr(plan.graph_module, "mlp.router.weight")
+            gate = torch.softmax(x.float() @ router.t(), dim=-1).max(dim=-1).values
+            torch.testing.assert_close(out, gate[..., None] * dense, rtol=1e-5, atol=1e-6)
+
+
+def test_gated_ffn_expert_parallel_matches_reference():
+    torch.manual_seed(1)
+    model = FFNModel(hidden=16, gated=True)
+    x = torch.randn(4, 8, 16)
+    opts = autoshard.MoE(layers="mlp", num_experts=4, top_k=2, capacity_factor=1.0, init="upcycle", noise=0.5,
+                         router_std=0.5, aux_loss_weight=0.1, z_loss_weight=0.01)
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), (x,), moe=opts).plan
+    report = plan.context.report["expert_rewrite"]["layers"][0]
+    assert report["gated"] and report["expert_params"] == ["mlp.experts.w1", "mlp.experts.w3", "mlp.experts.w2"]
+
+    class Loss(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x).square().mean()
+
+    ref_model = Loss(copy.deepcopy(model))
+    moe = RefMoE(plan, "mlp", opts, 2, "silu")
+    ref_model.inner.mlp = moe
+    main = ref_model(x)
+    (main + opts.aux_loss_weight * moe.result["lb"] + opts.z_loss_weight * moe.result["z"]).backward()
+    sim = plan.simulate((x,), backward=False)
+    out = torch.cat([o.detach() for o in sim.outputs])
+    torch.testing.assert_close(out.square().mean(), main.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(autoshard.moe_losses(plan, rank=1)["layers"]["mlp"]["load_balancing"],
+                               0.1 * moe.result["lb"].detach(), rtol=RTOL, atol=1e-7)
+
+
+def test_selection_by_glob_every_and_list():
+    model, args, _ = models.gpt(batch=2, seq=8, layers=4, hidden=16)
+    rewrite = autoshard.MoE(layers="blocks.*.mlp", every=2, num_experts=2, top_k=1)
+    plan = autoshard.compile(model, autoshard.Mesh(data=1), args, moe=rewrite).plan
+    assert [entry["path"] for entry in plan.context.report["expert_rewrite"]["layers"]] == [
+        "blocks.1.mlp", "blocks.3.mlp"]
+    listed = autoshard.MoE(layers=["blocks.0.mlp", "blocks.2.mlp"], num_experts=2, top_k=1)
+    plan = autoshard.compile(model, autoshard.Mesh(data=1), args, moe=listed).plan
+    assert [entry["path"] for entry in plan.context.report["expert_rewrite"]["layers"]] == [
+        "blocks.0.mlp", "blocks.2.mlp"]
+    text = plan.format()
+    assert "MoE blocks.0.mlp" in text and "capacity" in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(layers="blocks.*.attn"), "is not a dense FFN|but an expert rewrite needs a dense FFN"),
+    (dict(num_experts=3), "divisible by the size 2 of expert axis"),
+    (dict(top_k=5, num_experts=4), "top_k has 5"),
+    (dict(capacity_factor=0.0), "capacity_factor has 0.0"),
+    (dict(capacity_factor=-1.0), "capacity_factor has -1.0"),
+    (dict(layers="nothing.*"), "matches no module"),
+])
+def test_bad_input_gives_clear_errors(kwargs, message):
+    model, args, _ = models.gpt(batch=2, seq=8, layers=1, hidden=16)
+    with pytest.raises(PlanError, match=message):
+        opts = autoshard.MoE(**{**dict(layers="blocks.*.mlp", num_experts=4, top_k=2), **kwargs})
+        autoshard.compile(model, autoshard.Mesh(data=2), args, moe=opts)
