@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from autoshard.passes.propagate import Propagate
 from torch import nn
 
 import autoshard
@@ -24,7 +25,6 @@ from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeE
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.placements import Partial, Replicate, Shard, parse_placement
 from autoshard.plan import loss_of, run_passes
-from autoshard.passes.propagate import Propagate
 from autoshard.rules import RULES
 from autoshard.runtime import SimWorld, spawn, use
 from autoshard.trace import trace
@@ -95,15 +95,18 @@ def _eager(model, x):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _assert_close(actual, expected, where: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+
+
 def _check_simulation(model, plan, x):
     ref_loss, ref_grads = _eager(model, x)
     sim = plan.simulate((x,))
     for rank, out in enumerate(sim.outputs):
-        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"loss on rank {rank}: {m}")
+        _assert_close(loss_of(out).detach(), ref_loss, f"loss on rank {rank}")
     assert set(sim.grads) == set(ref_grads)
     for name, g in sim.grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
+        _assert_close(g, ref_grads[name], f"grad {name}")
 
 
 def _line_of(func, text: str) -> int:
@@ -231,13 +234,13 @@ def test_placement_that_is_not_a_placement():
     assert msg.endswith("has placement 42 on axis `model`, but placements are Shard(d), Replicate() or Partial().")
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "BUG: check_spec accepts Partial() in a parameter annotation; the parameter then holds its value on "
-    "coordinate 0 and zeros elsewhere while every rank computes its whole gradient, so training it is wrong by "
-    "the axis size. It should be refused like any other invalid placement"))
 def test_partial_annotation_on_a_parameter_is_refused():
-    with pytest.raises(PlanError, match=r"annotation 'up\.bias' .*Partial"):
+    with pytest.raises(PlanError) as info:
         autoshard.compile(Mlp(), Mesh(model=2), (_x(),), plan={"up.bias": (Partial(),)})
+    msg = str(info.value)
+    assert msg.startswith("annotation 'up.bias' on `")
+    assert "has Partial(), but a parameter cannot be Partial" in msg
+    assert msg.endswith("use Shard(d) or Replicate().")
 
 
 def test_placement_text_that_does_not_parse():
@@ -378,9 +381,8 @@ def test_lazy_module_plan_before_first_call():
 def test_runtime_input_of_wrong_shape():
     sm = autoshard.compile(Mlp(), Mesh(data=2), (_x(8),))  # each rank is compiled for a local batch of 4
     world = SimWorld(Mesh(data=2), timeout=10)
-    with use(world.communicator(0)):
-        with pytest.raises(RuntimeShapeError) as info:
-            sm(_x(3))
+    with use(world.communicator(0)), pytest.raises(RuntimeShapeError) as info:
+        sm(_x(3))
     msg = str(info.value)
     assert msg.startswith("input `x` has local shape [3, 8], but the plan was compiled for [4, 8] on this rank.")
     assert "pad or batch to the compiled shape, or compile a new ShardedModule for the new shape" in msg

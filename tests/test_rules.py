@@ -25,11 +25,11 @@ strategy takes them so).
 A Partial input is split into random summands across the coordinates of its Partial axes (not "whole value on
 coordinate 0, zeros elsewhere", under which every op with f(0) = 0 would look linear).
 
-Strategies that would need a *parameter* to be ``Partial`` are left out of the sweep (a Partial parameter's
-gradient is replicated on every rank while its value is split, so no optimizer step can be right); strict xfail
-tests show the problem, once forced and once as the greedy planner chooses it for a hand-written bias add.
-Other compiler bugs found by the sweep are listed in :data:`KNOWN_BUGS`: their sweep entries are strict xfails,
-so a fix shows up as XPASS and the entry must go.
+No strategy may make a *parameter* ``Partial`` (its value would be split while every rank computes its whole
+gradient, so no optimizer step could be right): a test checks the candidate lists, and one checks the greedy
+planner on a hand-written bias add after a row-parallel matmul, where it used to happen. Compiler bugs the sweep
+finds are listed in :data:`KNOWN_BUGS`: their sweep entries are strict xfails, so a fix shows up as XPASS and the
+entry must go.
 
 The passes are the greedy pipeline (``autoshard.plan.PIPELINE``): the search planner would decide every other
 node too, and the rule under test is the one forced either way.
@@ -43,17 +43,17 @@ import itertools
 
 import pytest
 import torch
+from autoshard.passes.propagate import node_strategies
 
 from autoshard import meta as M
 from autoshard import rules
 from autoshard.context import Context, Options
 from autoshard.errors import PlanError
-from autoshard.graph_utils import out_vals, shape, tensor_inputs
+from autoshard.graph_utils import shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Partial, Replicate, Shard, assemble, format_spec, shard_tensor
 from autoshard.plan import Plan, run_passes
 from autoshard.runtime.sim import SimWorld
-from autoshard.strategies import strategies_for
 from autoshard.trace import trace
 from tests import opcases
 
@@ -85,22 +85,13 @@ def _node(gm, name: str):
     return next(n for n in gm.graph.nodes if n.name == name)
 
 
-def op_info(node) -> rules.OpInfo:
-    """The OpInfo of ``node``, built as ``passes/propagate.py`` builds it."""
-    inputs = tensor_inputs(node)
-    return rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
-                        dict(node.kwargs))
-
-
 @functools.cache
 def candidates(case_name: str, mesh_name: str):
-    """The node's distinct candidate strategies on the mesh, in rule order."""
+    """The node's distinct candidate strategies on the mesh, in rule order: exactly the list propagation and the
+    plan search choose from (``node_strategies``: ``rule(OpInfo)`` → ``strategies_for``)."""
     _, _, gm, node_name = traced(case_name)
-    node = _node(gm, node_name)
-    info = op_info(node)
-    dm = rules.rule_for(node.target)(info)
     out, seen = [], set()
-    for s in strategies_for(dm, info.in_shapes, info.out_shapes, MESHES[mesh_name]):
+    for s in node_strategies(_node(gm, node_name), Context(MESHES[mesh_name])):
         key = (s.input_specs, s.output_spec)
         if key not in seen:
             seen.add(key)
@@ -252,6 +243,10 @@ def _without_partial(spec):
     return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
 
 
+def assert_close(actual, expected, where: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}")
+
+
 def check(case_name: str, plan: Plan, what: str) -> None:
     mesh = plan.mesh
     _, args, _, _ = traced(case_name)
@@ -260,7 +255,7 @@ def check(case_name: str, plan: Plan, what: str) -> None:
     for rank, (outs, _, _) in enumerate(results):
         assert len(outs) == len(ref_outs)
         for i, (o, r) in enumerate(zip(outs, ref_outs)):
-            torch.testing.assert_close(o, r, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: output {i}, rank {rank}: {m}")
+            assert_close(o, r, f"{what}: output {i}, rank {rank}")
     specs = plan.param_specs()
     for name, ref in ref_pgrads.items():
         per_rank = [r[1].get(name) for r in results]
@@ -268,12 +263,10 @@ def check(case_name: str, plan: Plan, what: str) -> None:
             continue
         assert all(g is not None for g in per_rank), f"{what}: no gradient for parameter {name} on some rank"
         spec = specs[name]
-        torch.testing.assert_close(assemble(per_rank, spec, mesh), ref, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"{what}: grad of parameter {name} ({format_spec(spec)}): {m}")
+        assert_close(assemble(per_rank, spec, mesh), ref, f"{what}: grad of parameter {name} ({format_spec(spec)})")
         if not _has_partial(spec):
             for rank, g in enumerate(per_rank):
-                torch.testing.assert_close(g, shard_tensor(ref, spec, mesh, rank), rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"{what}: grad of {name} on rank {rank}: {m}")
+                assert_close(g, shard_tensor(ref, spec, mesh, rank), f"{what}: grad of {name} on rank {rank}")
     holders = [n for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
     for i, (ref, holder) in enumerate(zip(ref_igrads, holders)):
         if ref is None:
@@ -282,9 +275,8 @@ def check(case_name: str, plan: Plan, what: str) -> None:
         for rank, r in enumerate(results):
             g = r[2][i]
             assert g is not None, f"{what}: no gradient for input {holder.name} on rank {rank}"
-            torch.testing.assert_close(g, shard_tensor(ref, spec, mesh, rank), rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{what}: grad of input {holder.name} ({format_spec(spec)}) "
-                                                     f"on rank {rank}: {m}")
+            assert_close(g, shard_tensor(ref, spec, mesh, rank),
+                         f"{what}: grad of input {holder.name} ({format_spec(spec)}) on rank {rank}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -329,21 +321,10 @@ def _any_partial(strat):
 
 # Known compiler bugs: (case, predicate on the strategy, reason). Each marks those sweep entries strict-xfail.
 KNOWN_BUGS: list[tuple[str, object, str]] = [
-    *[(name, _any_partial,
-       "BUG: casts (to.dtype, _to_copy, to.dtype_layout, to.device, type_as) are registered pointwise('sum'), so a "
-       "Partial input flows through them, but a cast to an integer or bool dtype is not linear: "
-       "int(x0) + int(x1) != int(x0 + x1), bool(x0) + bool(x1) != bool(x0 + x1)")
-      for name in ("to_int", "to_bool", "type_as_int")],
-    ("unflatten", _any_axis("S[g1]"),
-     "BUG: unflatten.int keeps its global sizes argument in per-rank code (no localizer), so sharding the "
-     "unflattened dim fails: unflatten(1, [2, 4]) on a local dim of 4"),
-    ("unbind", _any_axis("S[d1]"),
-     "BUG: the split rule reads unbind.int's dim from args[2] (absent), so unbind(x, 1) is treated as unbind(x, 0): "
-     "it shards the unbound dim (S[d1]) and never offers dim 0"),
-    *[(name, _any_axis("S[n0]", "S[c]"),
-     "BUG: nll_loss_nd shares cross-entropy's rule but has no localizer: with the batch sharded the mean divides "
-     "by the local count (loss x n), and with the class dim sharded the local kernel sees out-of-range targets")
-      for name in ("nll_loss", "nll_loss_default")],
+    # Found by this sweep and fixed since (the cases stay as regression tests): add/sub with a scalar operand
+    # offered Partial; addmm labelled a 2-D bias as 1-D; unflatten kept global sizes in per-rank code; unbind read
+    # its dim from the wrong argument; nll_loss had no localizer (mean over a sharded batch, sharded classes);
+    # casts to int/bool let Partial through.
 ]
 
 
@@ -367,8 +348,6 @@ def sweep_entries():
             strats = candidates(c.name, mesh_name)
             keep = strats if mesh_name == "x2" else _cover_2d(strats)
             for strat in keep:
-                if _partial_parameter(c.name, strat):
-                    continue
                 for variant in variants(c.name, strat) if mesh_name == "x2" else _variants_2d(c.name, strat):
                     yield c.name, mesh_name, strats.index(strat), variant, strat
 
@@ -399,9 +378,13 @@ def test_strategy(case_name, mesh_name, idx, variant):
 # ---------------------------------------------------------------------------------------------------------
 # Coverage of the table
 # ---------------------------------------------------------------------------------------------------------
+def _op_name(op) -> str:
+    return str(op) if isinstance(op, torch._ops.OpOverload) else f"{op.__module__}.{op.__qualname__}"
+
+
 def uncovered_ops() -> list[str]:
     covered = {c.op for c in CASES}
-    return sorted(str(op) for op in rules.RULES if op not in covered)
+    return sorted(_op_name(op) for op in rules.RULES if op not in covered)
 
 
 def test_every_case_reaches_a_rule_with_strategies():
@@ -432,15 +415,15 @@ def test_coverage_report(capsys):
 # ---------------------------------------------------------------------------------------------------------
 # Parameters that a strategy would make Partial
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: strategies_for offers Partial strategies on parameter operands (linear's weight as P), and a free "
-    "parameter takes that layout: its value is split (whole on coordinate 0, zeros elsewhere) but every rank "
-    "computes the whole gradient, so the summed update is n times too large (assembled grad = n * true grad)"))
-def test_partial_parameter_gradient():
-    strat = next(s for s in candidates("linear_bias", "x2") if _partial_parameter("linear_bias", s))
-    plan = build("linear_bias", "x2", strat, "default")
-    assert any(_has_partial(spec) for spec in plan.param_specs().values())
-    check("linear_bias", plan, f"linear_bias on x2, strategy {','.join(tokens(strat))} (free parameters)")
+def test_no_strategy_makes_a_parameter_partial():
+    """A Partial parameter would hold a share of its value on each rank while each rank computes its whole
+    gradient (the summed update would be n times too large): no candidate strategy may ask for one."""
+    with_params = [c.name for c in CASES if c.params]
+    assert with_params
+    for case_name in with_params:
+        for mesh_name in MESHES:
+            bad = [tokens(s) for s in candidates(case_name, mesh_name) if _partial_parameter(case_name, s)]
+            assert not bad, f"{case_name} on {mesh_name}: strategies {bad} make a parameter Partial"
 
 
 class _RowParallelBias(torch.nn.Module):
@@ -456,21 +439,18 @@ class _RowParallelBias(torch.nn.Module):
         return (x @ self.w + self.b).square().mean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: with w row-parallel (Shard(0) on `model`), x @ w is Partial and the greedy planner adds the free "
-    "parameter b with add's Partial strategy (cost 0: a free parameter takes any layout), so b becomes Partial "
-    "(whole on coordinate 0, zeros elsewhere) while every rank computes the whole gradient of b: the assembled "
-    "gradient of b is 2x the true one (the search planner keeps b replicated)"))
 def test_bias_added_to_row_parallel_matmul_is_not_partial():
+    """With w row-parallel, x @ w is Partial; adding the free parameter b with add's Partial strategy used to cost
+    nothing to the greedy planner, making b Partial and its assembled gradient twice the true one."""
     import autoshard
 
     model, x = _RowParallelBias(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     plan = autoshard.compile(model, Mesh(model=2), (x,), plan={"w": (Shard(0),)}, planner="greedy").plan
+    assert not _has_partial(plan.param_specs()["b"])
     sim = plan.simulate((x,))
     model(x).backward()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(sim.grads[name], p.grad, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"grad of {name} ({format_spec(plan.param_specs()[name])}): {m}")
+        assert_close(sim.grads[name], p.grad, f"grad of {name} ({format_spec(plan.param_specs()[name])})")
 
 
 def test_plan_simulate_agrees_with_the_sweep_runner():
@@ -479,8 +459,6 @@ def test_plan_simulate_agrees_with_the_sweep_runner():
 
     model, args, _, _ = traced("linear_loss")
     for strat in candidates("linear_loss", "x2"):
-        if _partial_parameter("linear_loss", strat):
-            continue
         plan = build("linear_loss", "x2", strat, "matched")
         sim = plan.simulate(args)
         ref = copy.deepcopy(model)
