@@ -1,0 +1,293 @@
+"""The README's table "Errors autoshard detects", checked row by row.
+
+Every row of the table has an id, an error class, and a message excerpt in which ``…`` stands for the parts that
+vary (names, shapes). :data:`TRIGGERS` holds, per id, a function that makes the library detect that error in this
+process; the test runs it and checks the class and that the excerpt's pieces appear in the message, in order.
+Rows that need real processes (a peer dying under gloo) name the test that triggers them instead, and are checked
+here by that test's existence and by the excerpt's pieces appearing in the library's source. Rows and triggers
+must match one to one, so the table cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+from autoshard import errors
+from autoshard.placements import Partial, Replicate, Shard, parse_placement
+from examples import models
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SECTION = "## Errors autoshard detects"
+
+
+def rows() -> list[tuple[str, str, str, str]]:
+    """(id, error class, when, excerpt) of every row of the README table."""
+    text = README.read_text()
+    if SECTION not in text:
+        return []
+    body = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    out = []
+    for line in body.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if len(cells) != 4 or not cells[0].startswith("`") or cells[0] == "`id`":
+            continue
+        out.append(tuple(c.strip("`").replace("\\|", "|") if i < 2 else c.replace("\\|", "|")
+                         for i, c in enumerate(cells)))
+    return out
+
+
+def pieces(excerpt: str) -> list[str]:
+    text = excerpt.strip()
+    if text.startswith("`") and text.endswith("`"):
+        text = text[1:-1]
+    return [p for p in (s.strip() for s in text.split("…")) if p]
+
+
+# ---- models that trigger errors ---------------------------------------------------------------------------------
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return self.fc(x)
+        return -self.fc(x)
+
+
+class Flip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.flip(self.fc(x), dims=(0,)).sum()  # no sharding rule for flip
+
+
+class NoLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {"y": self.fc(x)}
+
+
+def _mlp():
+    return models.mlp()  # fc1 [64, 32], fc2 [32, 64]; inputs x, target [8, 32]
+
+
+def _compile(mesh, plan=None, model=None, **kw):
+    m, args, kwargs = _mlp()
+    return autoshard.compile(model or m, autoshard.Mesh(**mesh) if isinstance(mesh, dict) else mesh, args, kwargs,
+                             plan=plan, **kw)
+
+
+def _runtime_shape():
+    m, (x, t), _ = _mlp()
+    mesh = autoshard.Mesh(data=2)
+    world = autoshard.runtime.SimWorld(mesh, timeout=30)
+
+    def body(rank, comm):
+        sharded = autoshard.compile(m, mesh, (x, t), comm=comm)
+        return sharded(x[:4], t[:4]), sharded(x[:2], t[:2])  # the compiled local batch is 4, then 2
+
+    world.run(lambda r: body(r, world.communicator(r)))
+
+
+def _sim_timeout():
+    world = autoshard.runtime.SimWorld(autoshard.Mesh(x=2), timeout=0.5)
+
+    def body(rank):
+        if rank == 0:
+            autoshard.runtime.current().all_reduce(torch.ones(2), "x")
+
+    world.run(body)
+
+
+def _world_size_mismatch():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
+                                timeout=timedelta(seconds=30))
+        try:
+            autoshard.runtime.DistCommunicator(autoshard.Mesh(data=2, model=2))
+        finally:
+            dist.destroy_process_group()
+
+
+def _no_dist():
+    m, (x, t), _ = _mlp()
+    autoshard.compile(m, autoshard.Mesh(data=2), (x, t))(x[:4], t[:4])
+
+
+def _ckpt(fn):
+    def run():
+        with tempfile.TemporaryDirectory() as d:
+            fn(d)
+    return run
+
+
+def _ckpt_partial(d):
+    model = _mlp()[0]
+    autoshard.save(model, f"{d}/ck")
+    os.rename(f"{d}/ck", f"{d}/ck.tmp-1")
+    autoshard.load(model, f"{d}/ck")
+
+
+def _ckpt_no_marker(d):
+    model = _mlp()[0]
+    autoshard.save(model, f"{d}/ck")
+    os.remove(f"{d}/ck/autoshard.json")
+    autoshard.load(model, f"{d}/ck")
+
+
+def _ckpt_shape(d):
+    autoshard.save(_mlp()[0], f"{d}/ck")
+    autoshard.load(models.mlp(hidden=16)[0], f"{d}/ck")
+
+
+def _ckpt_missing(d):
+    autoshard.save(_mlp()[0], f"{d}/ck")
+    autoshard.load(nn.Sequential(nn.Linear(2, 2)), f"{d}/ck")
+
+
+def _ckpt_no_optim(d):
+    model = _mlp()[0]
+    autoshard.save(model, f"{d}/ck")
+    autoshard.load(model, f"{d}/ck", optimizer=torch.optim.Adam(model.parameters()))
+
+
+def _ckpt_optim_type(d):
+    model = _mlp()[0]
+    autoshard.save(model, f"{d}/ck", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    autoshard.load(model, f"{d}/ck", optimizer=torch.optim.Adam(model.parameters()))
+
+
+def _ckpt_foreign_param(d):
+    autoshard.save(_mlp()[0], f"{d}/ck", optimizer=torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=0.1))
+
+
+def _moe(**kw):
+    def run():
+        importlib.import_module("autoshard.moe")
+        autoshard.MoE(**kw)
+    return run
+
+
+def _pipeline(mesh, **kw):
+    return lambda: autoshard.Pipeline(**kw).check(autoshard.Mesh(**mesh))
+
+
+TRIGGERS = {
+    # model capture and ops
+    "model-not-module": lambda: autoshard.compile(lambda x: x, autoshard.Mesh(x=2), (torch.ones(2),)),
+    "untraceable-model": lambda: autoshard.compile(Branchy(), autoshard.Mesh(x=2), (torch.ones(4, 8),)),
+    "unsupported-op": lambda: autoshard.compile(Flip(), autoshard.Mesh(x=2), (torch.ones(4, 8),),
+                                                plan={"fc.weight": ("S(0)",)}),
+    # meshes
+    "mesh-no-axes": lambda: autoshard.Mesh(),
+    "mesh-axis-name": lambda: autoshard.Mesh({"2d": 2}),
+    "mesh-axis-twice": lambda: autoshard.Mesh({"data": 2}, data=2),
+    "mesh-axis-size": lambda: autoshard.Mesh(data=0),
+    "mesh-text": lambda: autoshard.Mesh.parse("data:2"),
+    "mesh-type": lambda: _compile([2, 2]),
+    "mesh-unknown-axis": lambda: autoshard.Mesh(data=2).index("model"),
+    "rank-outside-mesh": lambda: _compile(dict(data=2)).rank_module(2),
+    "world-size-mismatch": _world_size_mismatch,
+    "no-process-group": _no_dist,
+    # annotations and options
+    "annotation-not-tuple": lambda: _compile(dict(model=2), {"fc1.weight": "S(0)"}),
+    "annotation-length": lambda: _compile(dict(data=2, model=2), {"fc1.weight": ("S(0)",)}),
+    "annotation-placement": lambda: _compile(dict(model=2), {"fc1.weight": (3,)}),
+    "annotation-placement-text": lambda: parse_placement("Shard"),
+    "annotation-dim-range": lambda: _compile(dict(model=2), {"fc1.weight": (Shard(2),)}),
+    "annotation-dim-twice": lambda: _compile(dict(data=2, model=2), {"fc1.weight": (Shard(0), Shard(0))}),
+    "non-divisible-dim": lambda: _compile(dict(model=3), {"fc1.weight": (Shard(1),)}),
+    "annotation-matches-nothing": lambda: _compile(dict(model=2), {"fc9.weight": (Shard(0),)}),
+    "annotation-partial-param": lambda: _compile(dict(model=2), {"fc1.weight": (Partial(),)}),
+    "option-on-unsupported": lambda: _compile(dict(model=2), on_unsupported="skip"),
+    "option-data-axis": lambda: _compile(dict(model=2), data_axis=0),
+    "option-planner": lambda: _compile(dict(model=2), planner="best"),
+    "option-optimizer": lambda: _compile(dict(model=2), optimizer="lion"),
+    "option-memory-limit": lambda: _compile(dict(model=2), memory_limit="lots"),
+    "batch-not-divisible": lambda: autoshard.data_shard(torch.ones(3, 2), autoshard.Mesh(data=2), 0),
+    # MoE and pipeline options
+    "moe-num-experts": _moe(num_experts=0),
+    "moe-top-k": _moe(num_experts=4, top_k=5),
+    "moe-capacity-factor": _moe(capacity_factor=0.0),
+    "moe-init": _moe(init="zeros"),
+    "moe-option-type": lambda: _compile(dict(data=2), moe={"num_experts": 4}),
+    "pipeline-axis": _pipeline(dict(data=2)),
+    "pipeline-microbatches": _pipeline(dict(pipe=2), microbatches=0),
+    "pipeline-schedule": _pipeline(dict(pipe=2), microbatches=4, schedule="zigzag"),
+    "pipeline-too-few-microbatches": _pipeline(dict(pipe=4), microbatches=2, schedule="1f1b"),
+    # running
+    "runtime-shape": _runtime_shape,
+    "no-plan-yet": lambda: autoshard.compile(_mlp()[0], autoshard.Mesh(data=2)).show(),
+    "no-parameters-yet": lambda: list(autoshard.compile(_mlp()[0], autoshard.Mesh(data=2)).parameters()),
+    "no-loss": lambda: autoshard.compile(NoLoss(), autoshard.Mesh(x=2), (torch.ones(4, 8),)).plan.simulate(
+        (torch.ones(4, 8),)),
+    "collective-timeout": _sim_timeout,
+    "peer-died": "tests/test_faults.py::test_a_rank_dying_mid_step_makes_every_other_rank_fail_within_the_timeout",
+    "peer-hangs": "tests/test_faults.py::test_a_rank_hanging_mid_step_makes_every_other_rank_time_out",
+    # checkpoints
+    "checkpoint-missing": _ckpt(lambda d: autoshard.load(_mlp()[0], f"{d}/nothing")),
+    "checkpoint-partial": _ckpt(_ckpt_partial),
+    "checkpoint-no-marker": _ckpt(_ckpt_no_marker),
+    "checkpoint-shape": _ckpt(_ckpt_shape),
+    "checkpoint-missing-tensor": _ckpt(_ckpt_missing),
+    "checkpoint-no-optimizer": _ckpt(_ckpt_no_optim),
+    "checkpoint-optimizer-type": _ckpt(_ckpt_optim_type),
+    "checkpoint-foreign-param": _ckpt(_ckpt_foreign_param),
+    "checkpoint-target": _ckpt(lambda d: autoshard.save("model", f"{d}/ck")),
+    "checkpoint-save-interrupted":
+        "tests/test_faults.py::test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads",
+}
+
+
+def test_every_row_has_a_trigger_and_every_trigger_a_row():
+    assert SECTION in README.read_text(), f"README has no section {SECTION!r}"
+    ids = [r[0] for r in rows()]
+    assert len(ids) == len(set(ids)), "duplicate ids in the README table"
+    assert sorted(set(ids) - set(TRIGGERS)) == [], "README rows without a trigger"
+    assert sorted(set(TRIGGERS) - set(ids)) == [], "triggers without a README row"
+
+
+@pytest.mark.parametrize("row", rows(), ids=lambda r: r[0])
+def test_row(row):
+    rid, cls_name, _, excerpt = row
+    cls = getattr(errors, cls_name)
+    trigger = TRIGGERS[rid]
+    if isinstance(trigger, str):
+        path, name = trigger.split("::")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert callable(getattr(module, name, None)), f"{trigger} does not exist"
+        source = "".join(p.read_text() for p in (ROOT / "autoshard").rglob("*.py"))
+        for piece in pieces(excerpt):
+            # messages are f-strings split over lines: look for each word run of the piece
+            for run in re.split(r"\{[^}]*\}|…", piece):
+                assert all(w in source for w in run.split() if w), f"{rid}: {run!r} not in autoshard's source"
+        return
+    if rid.startswith("moe-"):
+        pytest.importorskip("autoshard.moe")
+    with pytest.raises(cls) as info:
+        trigger()
+    message = str(info.value)
+    at = 0
+    for piece in pieces(excerpt):
+        found = message.find(piece, at)
+        assert found >= 0, f"{rid}: {piece!r} not in (the rest of) {message!r}"
+        at = found + len(piece)
