@@ -90,6 +90,9 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--profile", default="cpu-gloo",
                       help="hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default cpu-gloo)")
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
+    show.add_argument("--moe", metavar="OPTIONS", default=None,
+                      help="rewrite FFNs as Mixture-of-Experts layers, e.g. layers=blocks.*.mlp,every=2,num_experts=8,"
+                           "top_k=2,capacity_factor=1.25 (see autoshard.MoE)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +138,8 @@ def show(args: argparse.Namespace) -> int:
     sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
                            data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
                            profile=args.profile, memory_limit=args.memory_limit,
-                           pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None)
+                           pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,
+                           moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None)
     if args.pipeline:  # the stages (or --rank's program of its stage)
         sys.stdout.write(sm.code(args.rank) if args.code else sm.format())
         return 0

@@ -26,6 +26,7 @@ them again. Their values (and routing statistics) are recorded on every forward 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import threading
@@ -91,6 +92,32 @@ class MoE:
         if self.groups is not None and (not isinstance(self.groups, int) or self.groups < 1):
             raise PlanError(f"MoE groups has {self.groups!r}, but must be None (one per expert-axis rank) or an "
                             "int >= 1.")
+
+    @classmethod
+    def parse(cls, text: str) -> MoE:
+        """``"layers=blocks.*.mlp,every=2,num_experts=8,top_k=2"`` → ``MoE(...)`` (the CLI's ``--moe``; an explicit
+        list of layers is joined by ``+``)."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        fields: dict = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = (s.strip() for s in part.partition("="))
+            if not sep or key not in types:
+                raise PlanError(f"MoE options {text!r} have the part {part!r}, but each part is KEY=VALUE with KEY "
+                                f"one of {', '.join(types)}.")
+            if key == "layers":
+                fields[key] = tuple(value.split("+")) if "+" in value else value
+            elif key in ("every", "num_experts", "top_k", "seed", "groups"):
+                if not value.lstrip("-").isdigit():
+                    raise PlanError(f"MoE option {key} is {value!r}, but must be an integer.")
+                fields[key] = int(value)
+            elif key in ("capacity_factor", "aux_loss_weight", "z_loss_weight", "noise", "router_std"):
+                try:
+                    fields[key] = float(value)
+                except ValueError:
+                    raise PlanError(f"MoE option {key} is {value!r}, but must be a number.") from None
+            else:
+                fields[key] = value
+        return cls(**fields)
 
     def select(self, paths: list[str]) -> list[str]:
         """The module paths (from ``paths``, in graph order) this option rewrites."""

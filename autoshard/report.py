@@ -55,6 +55,9 @@ def format_plan(plan) -> str:
     lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in table]
     lines.append(format_summary(plan))
+    moe = format_moe(plan)
+    if moe:
+        lines.append(moe)
     return "\n".join(lines) + "\n"
 
 
@@ -104,6 +107,9 @@ def show_plan(plan, console=None) -> None:
         table.add_row(*(escape(c) for c in cells), style=style)
     console.print(table)
     console.print(format_summary(plan), markup=False)
+    moe = format_moe(plan)
+    if moe:
+        console.print(moe, markup=False, style="bold cyan", soft_wrap=True)
 
 
 def format_stages(pplan) -> str:
@@ -180,3 +186,35 @@ def format_symbolic(plan) -> str:
             t = time_expr(kind, nbytes, nsym)
             lines.append(f"  {n.name}: {info.kind} on {axis}: bytes {wire}; time {sympy.simplify(t)}")
     return "\n".join(lines) + "\n"
+
+
+def format_moe(plan) -> str:
+    """One line per MoE layer of the expert rewrite: experts and where they live, routing groups, capacity, the
+    dispatch buffer and the all-to-all volume per step (empty text when the plan has no MoE layer)."""
+    info = plan.context.report.get("expert_rewrite")
+    if not info or not info["layers"]:
+        return ""
+    axis = info["expert_axis"]
+    n = plan.mesh.axis_size(axis) if axis in plan.mesh.names else 1
+    lines = []
+    for layer in info["layers"]:
+        path = layer["path"]
+        mine = [(name, c) for name, c in plan.collectives() if c.kind == "all_to_all"
+                and _node_path(plan, name).startswith(path)]
+        fwd = sum(c.bytes_forward for _, c in mine)
+        bwd = sum(c.bytes_backward for _, c in mine)
+        e, g, cap, h = layer["experts"], layer["groups"], layer["capacity"], layer["hidden"]
+        lines.append(
+            f"MoE {path}: {e} experts{' (gated)' if layer['gated'] else ''}, top-{layer['top_k']}, "
+            f"{e // n} per rank on `{axis}`; {g} routing groups x {layer['tokens_per_group']} tokens; capacity "
+            f"{cap} per expert per group (factor {layer['capacity_factor']}); dispatch buffer [{e}, {g}, {cap}, {h}] "
+            f"({layer['buffer_bytes']} bytes); all-to-all: {len(mine)} forward + {len(mine)} backward, "
+            f"{fwd}/{bwd} bytes per rank fwd/bwd")
+    return "\n".join(lines)
+
+
+def _node_path(plan, name: str) -> str:
+    for n in plan.graph_module.graph.nodes:
+        if n.name == name:
+            return M.module_path(n)
+    return ""

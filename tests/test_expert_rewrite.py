@@ -265,3 +265,16 @@ def test_bad_input_gives_clear_errors(kwargs, message):
     with pytest.raises(PlanError, match=message):
         opts = autoshard.MoE(**{**dict(layers="blocks.*.mlp", num_experts=4, top_k=2), **kwargs})
         autoshard.compile(model, autoshard.Mesh(data=2), args, moe=opts)
+
+
+def test_cli_show_marks_moe_layers(capsys):
+    from autoshard.cli import main
+
+    code = main(["show", "examples.models:gpt", "--mesh", "data=2", "--factory-arg", "layers=2",
+                 "--factory-arg", "hidden=32", "--moe", "layers=blocks.*.mlp,every=2,num_experts=4,top_k=2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("MoE blocks.1.mlp"))
+    assert "capacity 20 per expert per group" in line and "2 per rank on `data`" in line
+    assert "all-to-all: 2 forward + 2 backward" in line
+    assert main(["show", "examples.models:gpt", "--mesh", "data=2", "--moe", "layers=blocks.*.mlp,top_k=x"]) == 2
