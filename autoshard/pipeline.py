@@ -160,12 +160,16 @@ class PipelinePlan:
         return [c + self.pipe * j for j in range(self.pipeline.stages_per_rank)]
 
     # ---- programs -----------------------------------------------------------------------------------------
-    def stage_module(self, stage: int, rank: int) -> torch.fx.GraphModule:
-        """Rank ``rank``'s program of stage ``stage`` (its shard of the stage's parameters)."""
+    def stage_module(self, stage: int, rank: int, bucket_grads: bool = False) -> torch.fx.GraphModule:
+        """Rank ``rank``'s program of stage ``stage`` (its shard of the stage's parameters). ``bucket_grads``: leave
+        the parameters' data-parallel gradient sync out of the program (listed in ``module.meta``) for the runner
+        to do once per step."""
         from autoshard.codegen import localize
 
         self.mesh._check_rank(rank)
-        return localize(self.stages[stage].gm, self.submesh, self.sub_rank(rank))
+        if not bucket_grads:
+            return localize(self.stages[stage].gm, self.submesh, self.sub_rank(rank))
+        return localize(self.stages[stage].gm, self.submesh, self.sub_rank(rank), bucket_grads=True)
 
     def code(self, rank: int = 0, stage: int | None = None) -> str:
         stage = self.stages_of(rank)[0] if stage is None else stage
@@ -352,9 +356,12 @@ class PipelineRunner:
     """This process's part of a pipelined plan: its stage module(s), ``PipelineStage``(s) and the schedule.
 
     ``step(*args, target=None, **kwargs)`` runs one forward+backward over the whole (global) batch and returns the
-    loss on every rank; gradients are left in ``parameters()`` (summed over the stages for tied weights)."""
+    loss on every rank; gradients are left in ``parameters()`` (summed over the stages for tied weights).
+    ``sync_once`` (default): the parameters' data-parallel gradient all-reduce runs once per step, after the last
+    microbatch's backward (:func:`autoshard.runtime.pipeline.sync_grads_once`), not once per microbatch."""
 
-    def __init__(self, pplan: PipelinePlan, rank: int | None = None, comm=None, timeout: float = 300.0):
+    def __init__(self, pplan: PipelinePlan, rank: int | None = None, comm=None, timeout: float = 300.0,
+                 sync_once: bool = True):
         import torch.distributed as dist
 
         from autoshard.plan import loss_of
@@ -369,13 +376,14 @@ class PipelineRunner:
             comm = DistCommunicator(pplan.mesh, timeout=timeout)
         self.comm = comm
         self.plan = pplan
+        self.sync_once = sync_once
         self.rank = comm.rank if rank is None else rank
         self.group = comm.process_group(pplan.pipeline.axis)
         p = pplan.pipeline
         self.modules: list = []
         stages = []
         for s in pplan.stages_of(self.rank):
-            module = rt.StageModule(pplan.stage_module(s, self.rank), pplan.stages[s].inputs)
+            module = rt.StageModule(pplan.stage_module(s, self.rank, bucket_grads=sync_once), pplan.stages[s].inputs)
             self.modules.append(module)
             stages.append(rt.make_stage(module, s, pplan.num_stages, pplan.act_meta(s, self.rank, "acts"),
                                         pplan.act_meta(s, self.rank, "outputs"), self.group))
@@ -415,6 +423,8 @@ class PipelineRunner:
                 self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
             else:
                 self.schedule.step(return_outputs=False, **inputs)
+            if self.sync_once:
+                rt.sync_grads_once(self.modules, self.comm)
             rt.sum_shared_grads(self.modules, self.shared, self.group)
         last = (self.plan.num_stages - 1) % self.plan.pipe
         return rt.broadcast_loss(losses, self.is_last, last, self.group)

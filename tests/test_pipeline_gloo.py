@@ -44,8 +44,10 @@ def _worker(rank, world_size, mesh_axes, cases, stages_per_rank):
         _, args, kwargs, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
         for schedule in [s for n, s in cases if n == name]:
             runner = PipelineRunner(_with_schedule(pplan, schedule), comm=comm)
+            comm.log.clear()
             loss = runner.step(*args, **kwargs)
-            out[(name, schedule)] = (loss, runner.grads())
+            syncs = sum(1 for r in comm.log if (r.kind, r.axis, r.phase) == ("all_reduce", "data", "backward"))
+            out[(name, schedule)] = (loss, runner.grads(), syncs)
     return out
 
 
@@ -58,6 +60,8 @@ def _check(mesh_axes: dict, cases, stages_per_rank: int = 1):
         for schedule in [s for n, s in cases if n == name]:
             for rank in range(mesh.size):
                 torch.testing.assert_close(results[rank][(name, schedule)][0], ref_loss, rtol=1e-5, atol=1e-6)
+            # the data-parallel gradient sync runs once per step (one flat all-reduce), not once per microbatch
+            assert all(results[r][(name, schedule)][2] <= 1 for r in range(mesh.size))
             grads = pplan.assemble_grads([results[r][(name, schedule)][1] for r in range(mesh.size)])
             missing = sorted(set(pplan.param_specs()) - set(grads))
             assert not [m for m in missing if m in ref_grads], missing

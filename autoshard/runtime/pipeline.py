@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
 
-__all__ = ["SCHEDULES", "StageModule", "broadcast_loss", "build_schedule", "make_stage", "sum_shared_grads"]
+__all__ = ["SCHEDULES", "StageModule", "broadcast_loss", "build_schedule", "make_stage", "sum_shared_grads", "sync_grads_once"]
 
 
 def _schedules() -> dict[str, tuple[type, type]]:
@@ -102,6 +102,37 @@ def sum_shared_grads(modules: Sequence[StageModule], shared: Sequence[tuple[str,
                 p.grad = total.clone()
             else:
                 p.grad.copy_(total)
+
+
+def sync_grads_once(modules: Sequence[StageModule], comm) -> None:
+    """The data-parallel gradient sync, once per step instead of once per microbatch.
+
+    Stage programs generated with ``bucket_grads=True`` leave out the ``grad_all_reduce`` of each parameter and
+    list it in ``module.meta[GRAD_SYNC]`` as ``(name, axes)``. After the schedule has run every microbatch's
+    backward, the accumulated gradients of those parameters are all-reduced here over their axes, flattened into
+    one buffer per (axes, dtype): the same sums as per-microbatch syncs (summation is linear), with ``m`` times
+    fewer collectives. Every rank of a group lists the same parameters in the same order (same stage program).
+    """
+    from autoshard.runtime.buckets import GRAD_SYNC
+
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for m in modules:
+        for name, axes in getattr(m.inner, "meta", {}).get(GRAD_SYNC, ()):
+            p = _param(m.inner, name)
+            if p is not None:
+                groups.setdefault((tuple(axes), p.dtype), []).append(p)
+    for (axes, _), params in groups.items():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        for axis in axes:
+            flat = comm.all_reduce(flat, axis, phase="backward")
+        offset = 0
+        for p in params:
+            g = flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
 
 
 def _param(module: torch.nn.Module, fqn: str):
