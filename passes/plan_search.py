@@ -16,10 +16,11 @@ Formulation (an integer linear program solved by HiGHS through ``scipy.optimize.
 * memory: ``Σ y[param, o]·(parameter + gradient + optimizer state bytes) + Σ x·saved activation bytes ≤ limit``.
 
 Repeated layers (same module structure, same shapes: ``blocks.0``, ``blocks.1``, ...) share their decision
-variables: node ``n`` of every copy maps to node ``n`` of the first copy (:func:`find_layers`), and the costs of all
-copies add up on the shared variables; terms of values are grouped by (canonical value, canonical consumers), with
-the number of copies as multiplicity. The program's size is then independent of the depth.
-Solutions are exact (``mip_rel_gap = 0``) and deterministic.
+variables: node ``n`` of every interior copy maps to node ``n`` of the second copy (:func:`find_layers`; the first
+and last copies, which meet the prologue and epilogue, stay free), and the costs of all copies add up on the shared
+variables; terms of values are grouped by (canonical value, canonical consumers), with the number of copies as
+multiplicity. The program's size is then independent of the depth. Solutions are exact (``mip_rel_gap = 0``) over
+that space — every strategy of every op, interior copies of a layer choosing alike — and deterministic.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def find_layers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
         groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(node)
     canon: dict[torch.fx.Node, torch.fx.Node] = {}
     for prefix, copies in groups.items():
-        indices = sorted(copies)
+        # The first and last copies meet the prologue and epilogue and may want other layouts: they stay free;
+        # the interior copies share the variables of the second copy.
+        indices = sorted(copies)[1:-1]
         if len(indices) < 2:
             continue
         first = copies[indices[0]]
@@ -239,10 +242,14 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
             d = index[_canon(canon, c)]
             for k, s in enumerate(decisions[d].options):
                 i = s.input_specs[pos]
-                term.needs.setdefault(i, []).append((d, k))
+                users = term.needs.setdefault(i, [])
+                if (d, k) not in users:  # copies of a tied layer read a shared value through the same variables
+                    users.append((d, k))
                 axes = tuple(s.grad_sync[pos]) if s.grad_sync else ()
                 if axes and u.meta.get(M.REQUIRES_GRAD):
-                    term.syncs.setdefault((i, axes), []).append((d, k))
+                    users = term.syncs.setdefault((i, axes), [])
+                    if (d, k) not in users:
+                        users.append((d, k))
         outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
         for o in outs:
             targets = set(term.needs) | {output_spec_for(o, keep) for keep in term.outputs}
@@ -443,7 +450,8 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
 
     a = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
     upper = np.ones(nvar)
-    res = milp(np.array(cost), constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
+    # HiGHS also stops at an absolute gap of 1e-6: in seconds that hides real differences, so solve in nanoseconds.
+    res = milp(np.array(cost) * 1e9, constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
                bounds=Bounds(np.zeros(nvar), upper),
                options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": False, "disp": _DISP})
     if res.x is None:

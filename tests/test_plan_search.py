@@ -52,7 +52,7 @@ def test_search_equals_brute_force_optimum(mesh, batch):
 
 def test_tied_layers_reach_the_untied_optimum():
     torch.manual_seed(0)
-    model, args, _ = models.gpt(batch=2, seq=8, layers=3, hidden=32, heads=2, vocab=32)
+    model, args, _ = models.gpt(batch=2, seq=8, layers=5, hidden=32, heads=2, vocab=32)
     mesh = autoshard.Mesh(model=2)
     tied = _problem(model, args, mesh, tie=True)
     untied = _problem(model, args, mesh, tie=False)
@@ -176,3 +176,17 @@ def test_meta_device_model_plans_without_weights_and_materialises_one_rank():
         full = real.get_parameter(name)
         assert not p.is_meta
         torch.testing.assert_close(p, autoshard.placements.shard_tensor(full, specs[name], mesh, 1))
+
+
+def test_value_shared_by_tied_layers_is_feasible_and_equals_untied():
+    # Hugging Face GPT-2's attention mask is made once and read by every layer's attention
+    model, _, kwargs = models.hf_gpt2(layers=4)
+    mesh = autoshard.Mesh(data=2, model=2)
+    gm = trace(model, (), kwargs)
+    ctx = Context(mesh, Options())
+    mark_requires_grad(gm)
+    seed_specs(gm, ctx)
+    profile = load_profile("cpu-gloo")
+    tied = build_problem(gm, ctx, profile, None, "adam", True)
+    untied = build_problem(gm, ctx, profile, None, "adam", False)
+    assert evaluate(tied, solve(tied))[0] == pytest.approx(evaluate(untied, solve(untied))[0], rel=1e-9)
