@@ -41,7 +41,7 @@ from autoshard import meta as M
 from autoshard.context import Context, Options
 from autoshard.errors import MeshError, PlanError
 from autoshard.mesh import Mesh
-from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
+from autoshard.placements import Replicate, Shard, assemble, local_shape, shard_tensor
 
 __all__ = [
     "Pipeline",
@@ -389,8 +389,13 @@ class PipelineRunner:
                                         pplan.act_meta(s, self.rank, "outputs"), self.group))
         self.is_last = pplan.num_stages - 1 in pplan.stages_of(self.rank)
         out_spec = getattr(pplan.plan.graph_module, "_out_spec", None)
-        self.schedule = rt.build_schedule(stages, p.schedule, p.microbatches,
-                                          rt.model_loss(out_spec, p.loss_fn, loss_of))
+        loss_fn = rt.model_loss(out_spec, p.loss_fn, loss_of)
+        # A user loss_fn sees this rank's rows of a batch-sharded output: its mean over them, divided by the data
+        # axis size, summed over the data axis (the gradient sync and the reported loss) is the global mean.
+        self.data_axis, self.loss_shards = _output_data_shards(pplan) if p.loss_fn is not None else (None, 1)
+        if self.loss_shards > 1:
+            loss_fn = _scaled(loss_fn, self.loss_shards)
+        self.schedule = rt.build_schedule(stages, p.schedule, p.microbatches, loss_fn)
         specs = pplan.param_specs()
         self.shared = [(fqn, tuple(local_shape(_val(pplan, fqn).shape, specs[fqn], pplan.submesh)),
                         _val(pplan, fqn).dtype) for fqn, _ in pplan.shared_params()]
@@ -411,7 +416,8 @@ class PipelineRunner:
         inputs = self.plan.shard_batch(self.rank, args, kwargs)
         inputs = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         if target is not None:
-            spec = self.plan.plan.graph_module.graph.find_nodes(op="placeholder")[0].meta[M.SPEC]
+            sub = self.plan.submesh
+            spec = tuple(Shard(0) if n == self.data_axis else Replicate() for n in sub.names)
             target = self.plan.shard_microbatches(target, spec, self.rank)
         if target is None and self.is_last:
             # The schedule wants a target on the last stage even when the model computes its own loss.
@@ -427,10 +433,35 @@ class PipelineRunner:
                 rt.sync_grads_once(self.modules, self.comm)
             rt.sum_shared_grads(self.modules, self.shared, self.group)
         last = (self.plan.num_stages - 1) % self.plan.pipe
-        return rt.broadcast_loss(losses, self.is_last, last, self.group)
+        loss = rt.broadcast_loss(losses, self.is_last, last, self.group)
+        if self.loss_shards > 1:
+            loss = self.comm.all_reduce(loss.reshape(1), self.data_axis).reshape(())
+        return loss
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad for n, p in self.named_parameters() if p.grad is not None}
+
+
+def _output_data_shards(pplan: PipelinePlan) -> tuple[str | None, int]:
+    """(data axis, its size) when the model's first output leaves the plan sharded on dim 0 over the data axis."""
+    axis = pplan.plan.context.options.data_axis
+    out = next(n for n in pplan.plan.graph_module.graph.nodes if n.op == "output")
+    first = next((x for x in pytree.tree_leaves(out.args) if isinstance(x, torch.fx.Node)), None)
+    if first is None or axis not in pplan.submesh.names:
+        return None, 1
+    want = out.meta.get(M.STRATEGY)
+    spec = want.input_specs[0] if want is not None and want.input_specs else first.meta.get(M.SPEC)
+    p = spec[pplan.submesh.index(axis)] if spec else None
+    if isinstance(p, Shard) and p.dim == 0:
+        return axis, pplan.submesh.axis_size(axis)
+    return None, 1
+
+
+def _scaled(fn: Callable, n: int) -> Callable:
+    def scaled(output, target):
+        return fn(output, target) / n
+
+    return scaled
 
 
 def _val(pplan: PipelinePlan, fqn: str) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A compute-heavy chain of ``layers`` square linears (tanh between, MSE loss) is compiled with
 ``autoshard.Pipeline`` on ``Mesh(pipe=p)`` and run for ``repeats`` timed steps (forward + backward, after one
-warm-up) in ``p`` gloo processes; each step time is the median over repeats of the slowest rank. The reference is
+warm-up) in ``p`` gloo processes; each step time is the fastest of the repeats (the least disturbed by other
+work on the machine) of the slowest rank. The reference is
 the same model in one process running the same ``m`` microbatches one after the other (gradient accumulation):
 ``T1``. With ``p`` equal stages the ideal pipelined step is ``T1 / p``; what is left is the bubble plus the
 transfers, so the *measured* bubble is ``1 - (T1 / p) / T_step``, printed next to the theoretical
@@ -19,7 +20,6 @@ the largest useful setting, and noise from other work shows up as extra bubble.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -67,7 +67,7 @@ def _worker(rank, world_size, hidden, layers, batch, microbatches, schedule, rep
             times.append(time.perf_counter() - t)
         for p in runner.parameters():
             p.grad = None
-    return statistics.median(times), pplan.split.imbalance
+    return min(times), pplan.split.imbalance
 
 
 def single_process(hidden: int, layers: int, batch: int, microbatches: int, repeats: int) -> float:
@@ -81,7 +81,7 @@ def single_process(hidden: int, layers: int, batch: int, microbatches: int, repe
         if i:
             times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return min(times)
 
 
 def run(stages=(1, 2), microbatches=(1, 2, 4, 8), hidden=512, layers=8, batch=64, repeats=5,
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
         a.hidden, a.layers, a.batch, a.repeats, a.microbatches = 64, 4, 8, 2, [1, 4]
     rows = run(tuple(a.stages), tuple(a.microbatches), a.hidden, a.layers, a.batch, a.repeats, a.schedule)
     print(f"pipeline bench: Chain(hidden={a.hidden}, layers={a.layers}), batch {a.batch}, schedule {a.schedule}, "
-          f"gloo on CPU, median of {a.repeats} steps")
+          f"gloo on CPU, best of {a.repeats} steps")
     print(format_rows(rows))
 
 

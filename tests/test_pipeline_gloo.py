@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import autoshard
 from autoshard.api import make_options
@@ -23,13 +25,49 @@ NAMES = ("gpt", "hf_gpt2", "hf_llama")
 SCHEDULES = ("gpipe", "1f1b")
 
 
+class Regressor(nn.Module):
+    """Returns its output, not a loss: the pipeline applies the user's loss_fn on the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def user_loss(output, target):
+    return F.mse_loss(output, target)
+
+
+def _regressor():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return Regressor(), (torch.randn(8, 16, generator=g),), {}, torch.randn(8, 16, generator=g)
+
+
 def _plan(name: str, mesh_axes: dict, microbatches: int = 4, stages_per_rank: int = 1):
-    model, args, kwargs = models.FACTORIES[name](**SMALL)
     mesh = autoshard.Mesh(**mesh_axes)
-    ann = models.megatron(mesh, name)
+    if name == "regressor":
+        model, args, kwargs, target = _regressor()
+        ann, loss_fn = {}, user_loss
+    else:
+        model, args, kwargs = models.FACTORIES[name](**SMALL)
+        ann, loss_fn, target = models.megatron(mesh, name), None, None
     pplan = build_pipeline_plan(model, mesh, args, kwargs, make_options(ann, "data", "error", mesh),
-                                Pipeline(microbatches=microbatches, stages_per_rank=stages_per_rank))
-    return model, args, kwargs, pplan
+                                Pipeline(microbatches=microbatches, stages_per_rank=stages_per_rank,
+                                         loss_fn=loss_fn))
+    return model, args, kwargs, target, pplan
+
+
+def _reference(model, args, kwargs, target):
+    if target is None:
+        return reference(model, args, kwargs)
+    loss = user_loss(model(*args, **kwargs), target)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _with_schedule(pplan, schedule: str):
@@ -41,11 +79,11 @@ def _worker(rank, world_size, mesh_axes, cases, stages_per_rank):
     comm = DistCommunicator(autoshard.Mesh(**mesh_axes), timeout=120)
     out = {}
     for name in dict.fromkeys(n for n, _ in cases):
-        _, args, kwargs, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
+        _, args, kwargs, target, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
         for schedule in [s for n, s in cases if n == name]:
             runner = PipelineRunner(_with_schedule(pplan, schedule), comm=comm)
             comm.log.clear()
-            loss = runner.step(*args, **kwargs)
+            loss = runner.step(*args, target=target, **kwargs)
             syncs = sum(1 for r in comm.log if (r.kind, r.axis, r.phase) == ("all_reduce", "data", "backward"))
             out[(name, schedule)] = (loss, runner.grads(), syncs)
     return out
@@ -55,8 +93,8 @@ def _check(mesh_axes: dict, cases, stages_per_rank: int = 1):
     mesh = autoshard.Mesh(**mesh_axes)
     results = spawn(_worker, mesh.size, mesh_axes, cases, stages_per_rank, timeout=400, start_method="forkserver")
     for name in dict.fromkeys(n for n, _ in cases):
-        model, args, kwargs, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
-        ref_loss, ref_grads = reference(model, args, kwargs)
+        model, args, kwargs, target, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
+        ref_loss, ref_grads = _reference(model, args, kwargs, target)
         for schedule in [s for n, s in cases if n == name]:
             for rank in range(mesh.size):
                 torch.testing.assert_close(results[rank][(name, schedule)][0], ref_loss, rtol=1e-5, atol=1e-6)
@@ -85,7 +123,8 @@ def test_pipe2_model2_gloo_matches_single_device():
 
 @pytest.mark.gloo
 def test_pipe2_data2_gloo_matches_single_device():
-    _check({"pipe": 2, "data": 2}, ALL)
+    # the regressor returns its output; the user's loss_fn runs on the last stage over batch-sharded outputs
+    _check({"pipe": 2, "data": 2}, [*ALL, ("regressor", "1f1b")])
 
 
 @pytest.mark.gloo
