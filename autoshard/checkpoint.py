@@ -159,8 +159,16 @@ def _alias_groups(model: torch.nn.Module) -> list[tuple[str, ...]]:
 def _local_module(sharded) -> torch.fx.GraphModule:
     """The rank module of a ShardedModule, made now when it has a plan but has not run yet."""
     if sharded.local is None:
+        # What ShardedModule.forward does on its first call, short of running it.
         comm = sharded.communicator()
-        sharded.local = sharded.plan.rank_module(comm.rank)
+        bucket = getattr(sharded, "bucket_cap_mb", 0) > 0
+        local = sharded.plan.rank_module(comm.rank, bucket_grads=True) if bucket else \
+            sharded.plan.rank_module(comm.rank)
+        if bucket:
+            from autoshard.runtime.buckets import GradBucketer
+
+            sharded.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=sharded.bucket_cap_mb)
+        sharded.local = local
         sharded._expected = sharded._expected_local_shapes()
     return sharded.local
 
@@ -173,7 +181,7 @@ def full_state_dict(target) -> dict[str, torch.Tensor]:
     view = _View(target)
     values = _gather_all(view)
     by_alias = {a: values[g[-1]] for g in view.groups for a in g}
-    return {k: by_alias[k] for k in view.source.state_dict().keys() if k in by_alias}
+    return {k: by_alias[k] for k in view.source.state_dict() if k in by_alias}
 
 
 def _gather_all(view: _View) -> dict[str, torch.Tensor]:

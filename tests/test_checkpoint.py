@@ -13,6 +13,7 @@ import copy
 import inspect
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def assert_state_close(got: dict, want: dict, steps: int) -> None:
     assert list(got) == list(want)
     for k, v in want.items():
         tol = 2 * LR * steps if k.endswith("attn.k.bias") else 1e-5
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=tol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def resume(module, path: str):
@@ -115,7 +116,7 @@ def test_train_save_reshard_resume_equals_uninterrupted_run(tmp_path):
     assert worst <= 1e-5, (losses_resumed, losses_ref)
 
     # the saved checkpoint: per-rank shards with global metadata, committed
-    marker = json.load(open(os.path.join(path, MARKER)))
+    marker = json.loads(Path(path, MARKER).read_text())
     assert marker["mesh"] == [["data", 2], ["model", 2]]
     assert marker["tensors"]["head.weight"]["aliases"] == ["wte.weight", "head.weight"]
     from torch.distributed.checkpoint import FileSystemReader
@@ -221,7 +222,7 @@ def test_full_state_dict_of_hf_gpt2_goes_back_to_save_pretrained(tmp_path):
     opt.step()
     assert list(full) == list(ref.state_dict())
     for k, v in ref.state_dict().items():
-        torch.testing.assert_close(full[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(full[k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     fresh = GPT2LMHeadModel(model.config)
     fresh.load_state_dict(full, strict=True)
     fresh.save_pretrained(tmp_path / "hf")

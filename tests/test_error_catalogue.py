@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import autoshard
 from autoshard import errors
-from autoshard.placements import Partial, Replicate, Shard, parse_placement
+from autoshard.placements import Partial, Shard, parse_placement
 from examples import models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,35 +204,35 @@ TRIGGERS = {
     "mesh-text": lambda: autoshard.Mesh.parse("data:2"),
     "mesh-type": lambda: _compile([2, 2]),
     "mesh-unknown-axis": lambda: autoshard.Mesh(data=2).index("model"),
-    "rank-outside-mesh": lambda: _compile(dict(data=2)).rank_module(2),
+    "rank-outside-mesh": lambda: _compile({"data": 2}).rank_module(2),
     "world-size-mismatch": _world_size_mismatch,
     "no-process-group": _no_dist,
     # annotations and options
-    "annotation-not-tuple": lambda: _compile(dict(model=2), {"fc1.weight": "S(0)"}),
-    "annotation-length": lambda: _compile(dict(data=2, model=2), {"fc1.weight": ("S(0)",)}),
-    "annotation-placement": lambda: _compile(dict(model=2), {"fc1.weight": (3,)}),
+    "annotation-not-tuple": lambda: _compile({"model": 2}, {"fc1.weight": "S(0)"}),
+    "annotation-length": lambda: _compile({"data": 2, "model": 2}, {"fc1.weight": ("S(0)",)}),
+    "annotation-placement": lambda: _compile({"model": 2}, {"fc1.weight": (3,)}),
     "annotation-placement-text": lambda: parse_placement("Shard"),
-    "annotation-dim-range": lambda: _compile(dict(model=2), {"fc1.weight": (Shard(2),)}),
-    "annotation-dim-twice": lambda: _compile(dict(data=2, model=2), {"fc1.weight": (Shard(0), Shard(0))}),
-    "non-divisible-dim": lambda: _compile(dict(model=3), {"fc1.weight": (Shard(1),)}),
-    "annotation-matches-nothing": lambda: _compile(dict(model=2), {"fc9.weight": (Shard(0),)}),
-    "annotation-partial-param": lambda: _compile(dict(model=2), {"fc1.weight": (Partial(),)}),
-    "option-on-unsupported": lambda: _compile(dict(model=2), on_unsupported="skip"),
-    "option-data-axis": lambda: _compile(dict(model=2), data_axis=0),
-    "option-planner": lambda: _compile(dict(model=2), planner="best"),
-    "option-optimizer": lambda: _compile(dict(model=2), optimizer="lion"),
-    "option-memory-limit": lambda: _compile(dict(model=2), memory_limit="lots"),
+    "annotation-dim-range": lambda: _compile({"model": 2}, {"fc1.weight": (Shard(2),)}),
+    "annotation-dim-twice": lambda: _compile({"data": 2, "model": 2}, {"fc1.weight": (Shard(0), Shard(0))}),
+    "non-divisible-dim": lambda: _compile({"model": 3}, {"fc1.weight": (Shard(1),)}),
+    "annotation-matches-nothing": lambda: _compile({"model": 2}, {"fc9.weight": (Shard(0),)}),
+    "annotation-partial-param": lambda: _compile({"model": 2}, {"fc1.weight": (Partial(),)}),
+    "option-on-unsupported": lambda: _compile({"model": 2}, on_unsupported="skip"),
+    "option-data-axis": lambda: _compile({"model": 2}, data_axis=0),
+    "option-planner": lambda: _compile({"model": 2}, planner="best"),
+    "option-optimizer": lambda: _compile({"model": 2}, optimizer="lion"),
+    "option-memory-limit": lambda: _compile({"model": 2}, memory_limit="lots"),
     "batch-not-divisible": lambda: autoshard.data_shard(torch.ones(3, 2), autoshard.Mesh(data=2), 0),
     # MoE and pipeline options
     "moe-num-experts": _moe(num_experts=0),
     "moe-top-k": _moe(num_experts=4, top_k=5),
     "moe-capacity-factor": _moe(capacity_factor=0.0),
     "moe-init": _moe(init="zeros"),
-    "moe-option-type": lambda: _compile(dict(data=2), moe={"num_experts": 4}),
-    "pipeline-axis": _pipeline(dict(data=2)),
-    "pipeline-microbatches": _pipeline(dict(pipe=2), microbatches=0),
-    "pipeline-schedule": _pipeline(dict(pipe=2), microbatches=4, schedule="zigzag"),
-    "pipeline-too-few-microbatches": _pipeline(dict(pipe=4), microbatches=2, schedule="1f1b"),
+    "moe-option-type": lambda: _compile({"data": 2}, moe={"num_experts": 4}),
+    "pipeline-axis": _pipeline({"data": 2}),
+    "pipeline-microbatches": _pipeline({"pipe": 2}, microbatches=0),
+    "pipeline-schedule": _pipeline({"pipe": 2}, microbatches=4, schedule="zigzag"),
+    "pipeline-too-few-microbatches": _pipeline({"pipe": 4}, microbatches=2, schedule="1f1b"),
     # running
     "runtime-shape": _runtime_shape,
     "no-plan-yet": lambda: autoshard.compile(_mlp()[0], autoshard.Mesh(data=2)).show(),

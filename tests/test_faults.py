@@ -16,6 +16,7 @@ import re
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.gloo
 
 TIMEOUT = 6.0  # seconds: the communicator timeout the sharded model is compiled with
 PG_TIMEOUT = 60.0  # the default group's: much longer, so the compile option is what must bound the wait
-MESH = dict(data=2, model=2)
+MESH = {"data": 2, "model": 2}
 
 
 def _child(fn, rank, world, port, out, args):
@@ -72,7 +73,7 @@ def launch(fn, world: int, out: str, *args, deadline: float = 120.0) -> tuple[di
         for r in range(world):
             name = os.path.join(out, f"rank{r}.json")
             if os.path.exists(name):
-                reports[r] = tuple(json.load(open(name)))
+                reports[r] = tuple(json.loads(Path(name).read_text()))
         return {r: p.exitcode for r, p in enumerate(procs)}, reports
     finally:
         for p in procs:
@@ -137,7 +138,7 @@ def hangs_mid_step(rank: int, world: int, stamp: str):
 
 
 def _check_survivors(codes, reports, stamp, culprit_code, expect):
-    failed_at = float(open(stamp).read())
+    failed_at = float(Path(stamp).read_text())
     assert codes[3] == culprit_code, (codes, reports)
     for rank in (0, 1, 2):
         assert codes[rank] not in (0, None), (rank, codes, reports)
@@ -198,7 +199,7 @@ def _steps_more(sharded, opt, rank):
 def test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads(tmp_path):
     path, stamp = str(tmp_path / "ckpt"), str(tmp_path / "failed_at")
     codes, reports = launch(dies_while_saving, 4, str(tmp_path), path, stamp, deadline=PG_TIMEOUT + 60)
-    failed_at = float(open(stamp).read())
+    failed_at = float(Path(stamp).read_text())
     assert codes[1] == 19
     for rank in (0, 2, 3):
         assert codes[rank] not in (0, None), (rank, codes, reports)
