@@ -245,11 +245,12 @@ _RECORDS: dict[int, dict[str, dict]] = {}
 
 
 def _current_rank() -> int:
-    try:
-        from autoshard.runtime.comm import current
+    from autoshard.errors import AutoshardError
+    from autoshard.runtime.comm import current
 
+    try:
         return current().rank
-    except Exception:
+    except AutoshardError:  # no communicator: one process, rank 0
         return 0
 
 
@@ -261,11 +262,11 @@ def _record(layer: str, stats: Tensor, alpha: float, beta: float, top_k: int) ->
     entry = {
         "load_balancing": alpha * lb, "z": beta * z, "total": alpha * lb + beta * z,
         "load_balancing_raw": lb, "z_raw": z,
-        "tokens_per_expert": [int(round(v)) for v in kept.tolist()],
-        "routed_per_expert": [int(round(v)) for v in routed.tolist()],
-        "dropped": int(round(choices - float(kept.sum()))),
+        "tokens_per_expert": [round(v) for v in kept.tolist()],
+        "routed_per_expert": [round(v) for v in routed.tolist()],
+        "dropped": round(choices - float(kept.sum())),
         "dropped_fraction": (choices - float(kept.sum())) / choices if choices else 0.0,
-        "tokens": int(round(choices / top_k)),
+        "tokens": round(choices / top_k),
     }
     with _LOCK:
         _RECORDS.setdefault(_current_rank(), {})[layer] = entry

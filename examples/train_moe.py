@@ -21,12 +21,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import autoshard  # noqa: E402
-from examples import models  # noqa: E402
+import autoshard
+from examples import models
 
-MESH = dict(data=4)
-MOE = dict(layers="blocks.*.mlp", every=2, num_experts=8, top_k=2, capacity_factor=1.25, aux_loss_weight=0.01,
-           z_loss_weight=1e-3, init="upcycle", noise=0.1, router_std=0.1)
+MESH = {"data": 4}
+MOE = {"layers": "blocks.*.mlp", "every": 2, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25, "aux_loss_weight": 0.01,
+           "z_loss_weight": 1e-3, "init": "upcycle", "noise": 0.1, "router_std": 0.1}
 
 
 def batches(steps: int, batch: int, seq: int, vocab: int):

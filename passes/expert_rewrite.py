@@ -347,4 +347,4 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
             "expert_params": expert_params, "router": f"{path}.router.weight", "init": opts.init}
 
 
-__all__ = ["ExpertRewrite", "match_ffn", "emit_moe", "module_paths"]
+__all__ = ["ExpertRewrite", "emit_moe", "match_ffn", "module_paths"]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import autoshard
 from autoshard.errors import PlanError
@@ -111,16 +111,16 @@ def check_against_reference(mesh_axes, opts, batch=4, ann=None, factory="gpt", p
     assert set(sim.grads) == set(plan.param_specs()) & set(grads)
     assert {f"{path}.experts.w1", f"{path}.experts.w2", f"{path}.router.weight"} <= set(sim.grads)
     for name, g in sim.grads.items():
-        torch.testing.assert_close(g, grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(g, grads[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"grad {name}: {m}")
     return plan, sim, result
 
 
-OPTS = dict(layers="blocks.*.mlp", every=2, num_experts=4, top_k=2, capacity_factor=1.0, init="random",
-            router_std=0.5, aux_loss_weight=0.1, z_loss_weight=0.01)
+OPTS = {"layers": "blocks.*.mlp", "every": 2, "num_experts": 4, "top_k": 2, "capacity_factor": 1.0, "init": "random",
+            "router_std": 0.5, "aux_loss_weight": 0.1, "z_loss_weight": 0.01}
 
 
 def test_single_rank_matches_reference_with_drops():
-    plan, sim, result = check_against_reference(dict(data=1), autoshard.MoE(**OPTS))
+    plan, sim, result = check_against_reference({"data": 1}, autoshard.MoE(**OPTS))
     assert result["dropped"] > 0  # capacity_factor 1.0 with a skewed router drops tokens
     layer = plan.context.report["expert_rewrite"]["layers"][0]
     assert layer["path"] == "blocks.1.mlp" and layer["capacity"] == result["capacity"] == math.ceil(2 * 32 / 4)
@@ -129,7 +129,7 @@ def test_single_rank_matches_reference_with_drops():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_expert_parallel_matches_reference_and_runs_four_all_to_alls(n):
-    plan, sim, result = check_against_reference(dict(data=n), autoshard.MoE(**OPTS))
+    plan, sim, result = check_against_reference({"data": n}, autoshard.MoE(**OPTS))
     assert result["capacity"] == math.ceil(2 * (32 // n) / 4)
     for log in sim.logs:  # one MoE layer: dispatch and combine forward, their inverses backward
         assert collective_counts(log, "forward")[("all_to_all", "data")] == 2
@@ -144,7 +144,7 @@ def test_expert_parallel_composes_with_model_axis():
     S, R = autoshard.Shard, autoshard.Replicate
     ann = {"blocks.1.mlp.experts.w1": (S(0), S(2)), "blocks.1.mlp.experts.b1": (S(0), S(1)),
            "blocks.1.mlp.experts.w2": (S(0), S(1)), "blocks.1.mlp.experts.b2": (S(0), R())}
-    plan, sim, _ = check_against_reference(dict(data=2, model=2), autoshard.MoE(**OPTS), ann=ann)
+    plan, sim, _ = check_against_reference({"data": 2, "model": 2}, autoshard.MoE(**OPTS), ann=ann)
     assert plan.rank_module(3).get_submodule("blocks.1.mlp.experts").w1.shape == (2, 32, 64)
     assert collective_counts(sim.logs[0], "forward")[("all_to_all", "data")] == 2
 
@@ -253,17 +253,17 @@ def test_selection_by_glob_every_and_list():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(layers="blocks.*.attn"), "is not a dense FFN|but an expert rewrite needs a dense FFN"),
-    (dict(num_experts=3), "divisible by the size 2 of expert axis"),
-    (dict(top_k=5, num_experts=4), "top_k has 5"),
-    (dict(capacity_factor=0.0), "capacity_factor has 0.0"),
-    (dict(capacity_factor=-1.0), "capacity_factor has -1.0"),
-    (dict(layers="nothing.*"), "matches no module"),
+    ({"layers": "blocks.*.attn"}, "is not a dense FFN|but an expert rewrite needs a dense FFN"),
+    ({"num_experts": 3}, "divisible by the size 2 of expert axis"),
+    ({"top_k": 5, "num_experts": 4}, "top_k has 5"),
+    ({"capacity_factor": 0.0}, "capacity_factor has 0.0"),
+    ({"capacity_factor": -1.0}, "capacity_factor has -1.0"),
+    ({"layers": "nothing.*"}, "matches no module"),
 ])
 def test_bad_input_gives_clear_errors(kwargs, message):
     model, args, _ = models.gpt(batch=2, seq=8, layers=1, hidden=16)
     with pytest.raises(PlanError, match=message):
-        opts = autoshard.MoE(**{**dict(layers="blocks.*.mlp", num_experts=4, top_k=2), **kwargs})
+        opts = autoshard.MoE(**{"layers": "blocks.*.mlp", "num_experts": 4, "top_k": 2, **kwargs})
         autoshard.compile(model, autoshard.Mesh(data=2), args, moe=opts)
 
 
@@ -278,3 +278,19 @@ def test_cli_show_marks_moe_layers(capsys):
     assert "capacity 20 per expert per group" in line and "2 per rank on `data`" in line
     assert "all-to-all: 2 forward + 2 backward" in line
     assert main(["show", "examples.models:gpt", "--mesh", "data=2", "--moe", "layers=blocks.*.mlp,top_k=x"]) == 2
+
+
+def test_router_runs_in_float32_in_a_bf16_model():
+    torch.manual_seed(0)
+    model = FFNModel(hidden=16).to(torch.bfloat16)
+    x = torch.randn(4, 8, 16, dtype=torch.bfloat16)
+    opts = autoshard.MoE(layers="mlp", num_experts=4, top_k=2, capacity_factor=100.0, router_std=0.5)
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), (x,), moe=opts).plan
+    gm = plan.graph_module
+    assert fetch_attr(gm, "mlp.router.weight").dtype == torch.float32
+    assert fetch_attr(gm, "mlp.experts.w1").dtype == torch.bfloat16
+    logits = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert logits.meta["val"].dtype == torch.float32
+    out = torch.cat([o.detach() for o in plan.simulate((x,), backward=False).outputs])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), model(x).float(), rtol=2e-2, atol=2e-2)  # upcycled, top-2, no drops

@@ -15,7 +15,7 @@ from autoshard.runtime.collectives import collective_counts
 from examples import models
 from tests.test_expert_rewrite import OPTS, reference_run
 
-MESH = dict(data=4)
+MESH = {"data": 4}
 PATH = "blocks.1.mlp"
 
 
@@ -57,6 +57,6 @@ def test_expert_parallel_moe_on_gloo_matches_reference():
         if fqn not in grads:
             continue
         real = assemble([results[r][1][fqn] for r in range(4)], spec, plan.mesh)
-        torch.testing.assert_close(real, grads[fqn], rtol=1e-4, atol=1e-5, msg=lambda m: f"{fqn}: {m}")
+        torch.testing.assert_close(real, grads[fqn], rtol=1e-4, atol=1e-5, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
         checked += 1
     assert checked >= 20 and f"{PATH}.experts.w1" in grads
