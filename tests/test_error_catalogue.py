@@ -252,6 +252,8 @@ TRIGGERS = {
     "checkpoint-optimizer-type": _ckpt(_ckpt_optim_type),
     "checkpoint-foreign-param": _ckpt(_ckpt_foreign_param),
     "checkpoint-target": _ckpt(lambda d: autoshard.save("model", f"{d}/ck")),
+    "checkpoint-comm-mesh": lambda: autoshard.full_state_dict(
+        _compile({"model": 2}, comm=autoshard.runtime.SimWorld(autoshard.Mesh(x=2)).communicator(0))),
     "checkpoint-save-interrupted":
         "tests/test_faults.py::test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads",
 }

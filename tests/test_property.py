@@ -130,8 +130,9 @@ def programs(draw):
     ops = []
     cur = list(in_shape)
     for _ in range(draw(st.integers(1, 7))):
-        kinds = ["linear", "linear_bias", "matmul", "mul", "add", "div", "scalar", "gelu", "tanh", "transpose",
-                 "softmax"]
+        kinds = ["linear", "linear_bias", "matmul", "mul", "add", "div", "scalar", "gelu", "tanh", "softmax"]
+        if len(cur) >= 2:
+            kinds.append("transpose")
         if len(cur) >= 3:
             kinds += ["merge", "gram"]
         if len(cur) <= 3 and cur[-1] % 2 == 0:
