@@ -20,11 +20,21 @@ How it is built (:func:`build_pipeline_plan`):
    ``PipelineStage`` and runs ``ScheduleGPipe``/``Schedule1F1B`` (or the looped/interleaved ones when it holds
    several stages) over the process group of its pipe axis. Stage ``s`` lives on pipe coordinate ``s % pipe``.
 
+Gradients. Inside a stage, the plan's collectives on the data/model axes run per microbatch as usual, except the
+parameters' data-parallel all-reduce, which the runner does once per step after the last microbatch's backward
+(one flat all-reduce per axes, :func:`autoshard.runtime.pipeline.sync_grads_once`). A parameter read by several
+stages (a tied embedding and LM head) is held by each of them; after the backward its gradients are summed over
+the pipe group (:func:`autoshard.runtime.pipeline.sum_shared_grads`), so every copy gets the full gradient and
+stays equal to the others under any elementwise optimizer.
+
 Loss scaling. Each microbatch's loss is the model's own loss on that microbatch (a mean over its rows, already
 averaged over the data axis by the plan); the schedule sums the microbatch gradients and divides by
 ``microbatches``. The result equals the full-batch gradient exactly when the model's loss is a mean and the
 microbatches are equal-sized (which :class:`Pipeline` enforces: ``microbatches`` must divide the batch); the
-step's reported loss is the mean of the microbatch losses. A loss with ``reduction="sum"`` or ignored labels
+step's reported loss is the mean of the microbatch losses. A user ``loss_fn`` (applied on the last stage to
+the model's output and the microbatch's ``target``) sees only this rank's rows when the output is sharded on the
+data axis: it is divided by the data axis size, so that the data-axis gradient sum, and the reported loss summed
+over the data axis, give the global mean. A loss with ``reduction="sum"`` or ignored labels
 (``ignore_index``) unevenly spread over microbatches does not have this property.
 """
 
