@@ -2,9 +2,11 @@
 
 Runs first, on the traced graph, when ``autoshard.compile(..., moe=autoshard.MoE(...))`` is given. For each module
 path that :meth:`autoshard.moe.MoE.select` picks, :func:`match_ffn` checks that the nodes under that path form a
-dense FFN — one input ``x``; one or two ``aten.linear`` of ``x`` (two: gated, e.g. Llama's SwiGLU); only pointwise
+dense FFN — one input ``x``; one or two projections of ``x`` (two: gated, e.g. Llama's SwiGLU); only pointwise
 ops between them and the output projection (any activation written with them: GELU, tanh-GELU formulas, SiLU·up);
-one ``aten.linear`` producing the only value used outside — and :func:`emit_moe` replaces it by::
+one projection producing the only value used outside. Projections are ``aten.linear`` or, for GPT-2's Conv1D,
+``aten.addmm`` between flattening views; views and p=0 dropout are looked through. :func:`emit_moe` replaces it
+by::
 
     xg     = reshape(x, [G, T_g, h])                      # routing groups: group g = data rank g's tokens
     logits = linear(xg.float(), router)                    # [G, T_g, E], float32 router
@@ -67,12 +69,30 @@ POINTWISE = {
 class FFN:
     path: str
     x: torch.fx.Node
-    in_projs: tuple[torch.fx.Node, ...]  # aten.linear nodes of x, graph order
+    in_projs: tuple[torch.fx.Node, ...]  # projections of x (aten.linear, or addmm for Conv1D), graph order
     between: tuple[torch.fx.Node, ...]  # pointwise nodes, graph order
-    out_proj: torch.fx.Node  # aten.linear producing the FFN's result
+    out_proj: torch.fx.Node  # the projection producing the FFN's result
+    result: torch.fx.Node  # the value used outside (out_proj, or a view/no-op dropout of it)
     nodes: tuple[torch.fx.Node, ...]  # every call_function node of the module
+    identity: dict  # view / no-op dropout node -> the node it passes through
 
 
+#: Ops the matcher looks through: flattening views around a projection (GPT-2's Conv1D) and p=0 dropout.
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default}
+
+
+def projection_weights(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, bool] | None:
+    """(weight, bias, stored [out, in]) of a projection node: ``aten.linear`` or ``aten.addmm`` (Conv1D)."""
+    if node.target == aten.linear.default:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return node.args[1], bias, True
+    if node.target == aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        return node.args[2], node.args[0], False
+    return None
+
+
+def _projection_input(node: torch.fx.Node) -> torch.fx.Node:
+    return node.args[0] if node.target == aten.linear.default else node.args[1]
 @dataclasses.dataclass(frozen=True)
 class ExpertRewrite:
     name: str = "expert_rewrite"
@@ -139,39 +159,60 @@ def match_ffn(gm: torch.fx.GraphModule, path: str) -> FFN:
     if not nodes:
         raise _not_ffn(path, "no operations")
     inside = set(nodes)
-    linears = [n for n in nodes if n.target == aten.linear.default]
+    identity: dict = {}
+    for n in nodes:
+        if n.target in _VIEWS:
+            identity[n] = n.args[0]
+        elif n.target == aten.dropout.default:
+            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+            if p and train:
+                raise _not_ffn(path, f"dropout with p={p} (node `{n.name}`); only p=0 (or eval) dropout")
+            identity[n] = n.args[0]
+
+    def src(a):
+        while a in identity:
+            a = identity[a]
+        return a
+
     escaping = [n for n in nodes if any(u not in inside for u in n.users)]
     if len(escaping) != 1:
         raise _not_ffn(path, f"{len(escaping)} values used outside it ({[e.name for e in escaping]})")
-    out_proj = escaping[0]
-    if out_proj.target != aten.linear.default:
-        raise _not_ffn(path, f"its result computed by {out_proj.target}, not a linear")
+    result = escaping[0]
+    out_proj = src(result)
+    if out_proj not in inside or projection_weights(out_proj) is None:
+        raise _not_ffn(path, f"its result computed by {getattr(out_proj, 'target', out_proj)}, not a linear")
     outside_inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
     if len(outside_inputs) != 1:
         raise _not_ffn(path, f"{len(outside_inputs)} inputs ({sorted(a.name for a in outside_inputs)})")
     x = next(iter(outside_inputs))
-    in_projs = [n for n in linears if n is not out_proj and n.args[0] is x]
-    if not 1 <= len(in_projs) <= 2 or len(linears) != len(in_projs) + 1:
-        raise _not_ffn(path, f"{len(linears)} linears, {len(in_projs)} of them reading the input")
-    between = [n for n in nodes if n not in in_projs and n is not out_proj]
+    projs = [n for n in nodes if n not in identity and projection_weights(n) is not None]
+    in_projs = [n for n in projs if n is not out_proj and src(_projection_input(n)) is x]
+    if not 1 <= len(in_projs) <= 2 or len(projs) != len(in_projs) + 1:
+        raise _not_ffn(path, f"{len(projs)} linears, {len(in_projs)} of them reading the input")
+    between = [n for n in nodes if n not in projs and n not in identity]
     produced = set(in_projs) | set(between)
     for n in between:
         if n.target not in POINTWISE:
             raise _not_ffn(path, f"op {n.target} (node `{n.name}`) between its projections")
         for a in n.all_input_nodes:
-            if a not in produced:
+            if src(a) not in produced:
                 raise _not_ffn(path, f"node `{n.name}` reading `{a.name}`, which is not computed from the "
                                      "projections")
-    if out_proj.args[0] not in between:
+    if src(_projection_input(out_proj)) not in between:
         raise _not_ffn(path, "no activation between its projections")
-    for lin in in_projs + [out_proj]:
-        if any(a.op != "get_attr" for a in lin.all_input_nodes if a is not lin.args[0]):
+    for lin in [*in_projs, out_proj]:
+        weight, bias, _ = projection_weights(lin)
+        if any(not isinstance(t, torch.fx.Node) or t.op != "get_attr" for t in (weight, bias) if t is not None):
             raise _not_ffn(path, f"linear `{lin.name}` whose weight is computed, not a parameter")
     if len(in_projs) == 2:
-        shapes = {tuple(p.args[1].meta["val"].shape) for p in in_projs}
+        shapes = {tuple(p.meta["val"].shape) for p in in_projs}
         if len(shapes) != 1:
             raise _not_ffn(path, f"gated projections of different shapes {sorted(shapes)}")
-    return FFN(path, x, tuple(in_projs), tuple(between), out_proj, tuple(nodes))
+    if tuple(result.meta["val"].shape) != tuple(x.meta["val"].shape):
+        raise _not_ffn(path, f"output shape {list(result.meta['val'].shape)} unlike its input's "
+                             f"{list(x.meta['val'].shape)}")
+    return FFN(path, x, tuple(in_projs), tuple(between), out_proj, result, tuple(nodes), identity)
 
 
 class _Builder:
@@ -205,9 +246,9 @@ class _Builder:
             out.append(self._meta(item, node.meta["val"][i]))
         return out
 
-    def copy(self, old, env):
+    def copy(self, old, env, src=lambda a: a):
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.node_copy(old, lambda a: env[a])
+            node = self.graph.node_copy(old, lambda a: env[src(a)])
         fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a,
                                  (node.args, node.kwargs))
         with self.fake_mode:
@@ -272,32 +313,35 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     per_group = tokens // groups
     E, k = opts.num_experts, opts.top_k
     cap = moe_mod.capacity_of(per_group, opts)
-    b = _Builder(gm, ffn.out_proj, xval.fake_mode, _stack_for(ffn), ffn.out_proj.meta.get("stack_trace"))
+    b = _Builder(gm, ffn.result, xval.fake_mode, _stack_for(ffn), ffn.out_proj.meta.get("stack_trace"))
     path = ffn.path
 
     # parameters
     names = ["w1", "w3"][: len(ffn.in_projs)]
     expert_params = []
     w_in, b_in = [], []
+    def dense(lin):  # (weight as [in, out], bias or None) of a dense projection
+        weight, bias, out_in = projection_weights(lin)
+        w = fetch_attr(gm, weight.target)
+        return (w.t() if out_in else w), (None if bias is None else fetch_attr(gm, bias.target))
+
     for name, lin in zip(names, ffn.in_projs):
-        dense_w = fetch_attr(gm, lin.args[1].target)  # [f, h]
-        w_in.append(b.param(f"{path}.experts.{name}", _expert_weight(dense_w.t(), E, opts, gen, hidden)))
+        dense_w, dense_b = dense(lin)  # [h, f]
+        w_in.append(b.param(f"{path}.experts.{name}", _expert_weight(dense_w, E, opts, gen, hidden)))
         expert_params.append(f"{path}.experts.{name}")
-        if len(lin.args) > 2 and lin.args[2] is not None:
+        if dense_b is not None:
             bname = "b" + name[1:]
-            dense_b = fetch_attr(gm, lin.args[2].target)
             b_in.append(b.param(f"{path}.experts.{bname}", _expert_weight(dense_b, E, opts, gen, hidden)))
             expert_params.append(f"{path}.experts.{bname}")
         else:
             b_in.append(None)
-    dense_w2 = fetch_attr(gm, ffn.out_proj.args[1].target)  # [h, f]
-    ffn_dim = dense_w2.shape[1]
-    w2 = b.param(f"{path}.experts.w2", _expert_weight(dense_w2.t(), E, opts, gen, ffn_dim))
+    dense_w2, dense_b2 = dense(ffn.out_proj)  # [f, h]
+    ffn_dim = dense_w2.shape[0]
+    w2 = b.param(f"{path}.experts.w2", _expert_weight(dense_w2, E, opts, gen, ffn_dim))
     expert_params.append(f"{path}.experts.w2")
     b2 = None
-    if len(ffn.out_proj.args) > 2 and ffn.out_proj.args[2] is not None:
-        b2 = b.param(f"{path}.experts.b2", _expert_weight(fetch_attr(gm, ffn.out_proj.args[2].target), E, opts,
-                                                           gen, ffn_dim))
+    if dense_b2 is not None:
+        b2 = b.param(f"{path}.experts.b2", _expert_weight(dense_b2, E, opts, gen, ffn_dim))
         expert_params.append(f"{path}.experts.b2")
     router = b.param(f"{path}.router.weight", torch.randn(E, hidden, generator=gen) * opts.router_std)
 
@@ -319,10 +363,15 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
             return b.call(aten.bmm.default, inp, w)
         return b.call(aten.baddbmm.default, b.call(aten.unsqueeze.default, bias, 1), inp, w)
 
+    def src(a):
+        while a in ffn.identity:
+            a = ffn.identity[a]
+        return a
+
     env = {lin: project(flat, w, bias) for lin, w, bias in zip(ffn.in_projs, w_in, b_in)}
     for old in ffn.between:
-        env[old] = b.copy(old, env)
-    down = project(env[ffn.out_proj.args[0]], w2, b2)
+        env[old] = b.copy(old, env, src)
+    down = project(env[src(_projection_input(ffn.out_proj))], w2, b2)
     y = b.call(aten.reshape.default, down, [E, groups, cap, hidden])
     out = b.call(moe_mod.combine_groups, y, ei, pos, gate, keep)
 
@@ -333,7 +382,7 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     out = b.call(moe_mod.attach, out, terms, stats, path, float(opts.aux_loss_weight), float(opts.z_loss_weight), k)
     result = b.call(aten.reshape.default, out, list(shape))
 
-    ffn.out_proj.replace_all_uses_with(result)
+    ffn.result.replace_all_uses_with(result)
     dense_attrs = {a for n in ffn.nodes for a in n.all_input_nodes if a.op == "get_attr"}
     for node in reversed(ffn.nodes):
         gm.graph.erase_node(node)
@@ -347,4 +396,4 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
             "expert_params": expert_params, "router": f"{path}.router.weight", "init": opts.init}
 
 
-__all__ = ["ExpertRewrite", "emit_moe", "match_ffn", "module_paths"]
+__all__ = ["ExpertRewrite", "emit_moe", "match_ffn", "module_paths", "projection_weights"]

@@ -294,3 +294,16 @@ def test_router_runs_in_float32_in_a_bf16_model():
     out = torch.cat([o.detach() for o in plan.simulate((x,), backward=False).outputs])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), model(x).float(), rtol=2e-2, atol=2e-2)  # upcycled, top-2, no drops
+
+
+@pytest.mark.parametrize("name, layers", [("hf_gpt2", "transformer.h.*.mlp"), ("hf_llama", "model.layers.*.mlp")])
+def test_hugging_face_ffns_upcycle_to_the_dense_model(name, layers):
+    # GPT-2's Conv1D FFN (view → addmm → view, tanh-GELU formula, p=0 dropout) and Llama's SwiGLU
+    model, args, kwargs = models.FACTORIES[name](layers=1, batch=4, seq=8, hidden=32)
+    opts = autoshard.MoE(layers=layers, num_experts=4, top_k=2, capacity_factor=100.0, router_std=0.5)
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs, moe=opts).plan
+    assert len(plan.context.report["expert_rewrite"]["layers"]) == 1
+    sim = plan.simulate(args, kwargs, backward=False)
+    with torch.no_grad():
+        dense = loss_of(model(*args, **kwargs))
+    torch.testing.assert_close(loss_of(sim.outputs[0]).detach(), dense, rtol=1e-5, atol=1e-6)
