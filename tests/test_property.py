@@ -198,7 +198,9 @@ def check(mesh_axes, in_shape, ops, plan, final_mean=False) -> None:
     model = Chain(in_shape, list(ops), final_mean)
     x = torch.randn(*in_shape, generator=torch.Generator().manual_seed(1))
     mesh = autoshard.Mesh(**mesh_axes)
-    fast = {"planner": "greedy"} if "planner" in inspect.signature(autoshard.compile).parameters else {}
+    # the greedy planner (fast); AUTOSHARD_PROPERTY_PLANNER=search explores the exact search's plans instead
+    planner = os.environ.get("AUTOSHARD_PROPERTY_PLANNER", "greedy")
+    fast = {"planner": planner} if "planner" in inspect.signature(autoshard.compile).parameters else {}
     compiled = autoshard.compile(model, mesh, (x,), plan=dict(plan), **fast).plan
     loss, h = model(x)
     backward = loss.requires_grad  # False for a chain without parameters
