@@ -12,10 +12,12 @@ Phases, all from the same compile:
 
 Cases: GPT (examples.models.GPT; vocab 50304, hidden 768, 12 heads, seq 1024, batch 8) with 12, 24, 48, 96 layers
 on Mesh(data=4, model=8), and a Llama-3-8B-shaped ``LlamaForCausalLM`` (32 layers, hidden 4096, intermediate
-14336, 32 heads, 8 kv heads, vocab 128256, seq 1024) on Mesh(data=8, model=8). Every case runs in its own child
-process (one at a time) after a warm-up compile of a small 2-layer GPT in that process, so one case's caches and
-torch.export's first-call imports do not flatter or penalise another; a case that runs past ``--case-timeout``
-is killed and reported as such.
+14336, 32 heads, 8 kv heads, vocab 128256, seq 1024) on Mesh(data=8, model=8). Every run is its own child
+process (one at a time) that first compiles a small 2-layer GPT as a warm-up, so one case's caches and
+torch.export's first-call imports do not flatter or penalise another. Each case runs ``--repeats`` times (3),
+round-robin over the cases so that load drift on a shared machine hits every case alike; the table shows the run
+with the median total (its phases) and every run's total. A run past ``--case-timeout`` is killed and reported as
+such, and a case that fails or times out is not run again.
 
     python bench/compile_time.py                  # the full table (minutes on a small machine)
     python bench/compile_time.py --max-layers 48  # skip GPT cases deeper than 48 layers (reported as skipped)
@@ -187,13 +189,8 @@ def _child(key: str) -> None:
     print(json.dumps(measure(Case.from_key(key))))
 
 
-def skipped(case: Case, max_layers: int) -> dict:
-    return {
-        "model": case.model,
-        "layers": case.layers,
-        "mesh": case.mesh_text,
-        "status": f"skipped (--max-layers {max_layers})",
-    }
+def skipped(case: Case, why: str) -> dict:
+    return {"model": case.model, "layers": case.layers, "mesh": case.mesh_text, "status": f"skipped ({why})"}
 
 
 # ---- output -------------------------------------------------------------------------------------------------
@@ -202,7 +199,7 @@ HEADERS = ["model", "layers", "mesh", "trace s", "search build s", "solve s", "r
 
 def headers(rows: list[dict]) -> list[str]:
     base = ratio_base(rows)
-    return [*HEADERS, f"ratio to {base['layers'] if base else '?'} layers"]
+    return [*HEADERS, f"ratio to {base['layers'] if base else '?'} layers", "totals of all runs s"]
 
 
 def ratio_base(rows: list[dict]) -> dict | None:
@@ -217,7 +214,7 @@ def table_cells(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
         if r["status"] != "ok":
-            out.append([r["model"], str(r["layers"]), r["mesh"], r["status"], *[""] * 6])
+            out.append([r["model"], str(r["layers"]), r["mesh"], r["status"], *[""] * 7])
             continue
         ratio = f"{r['total_s'] / base['total_s']:.2f}x" if base else "-"
         out.append(
@@ -227,6 +224,7 @@ def table_cells(rows: list[dict]) -> list[list[str]]:
                 r["mesh"],
                 *(f"{r[k]:.2f}" for k in ("trace_s", "build_s", "solve_s", "rest_s", "codegen_s", "total_s")),
                 ratio,
+                " ".join(f"{t:.2f}" for t in r["totals"]) or "-",
             ]
         )
     return out
@@ -272,9 +270,10 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
 def title(quick: bool) -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     where = (
-        "in this process, after one warm-up compile"
+        "one run each, in this process, after one warm-up compile"
         if quick
-        else "each case in its own process after a warm-up compile"
+        else "each run in its own process after a warm-up compile there; cases interleaved; the run with the median "
+        "total is shown"
     )
     return (
         f"autoshard.compile(planner='search', profile='gpu-8x-nvlink') + code(0), meta device, batch 8; "
@@ -326,6 +325,37 @@ def _print(rows: list[dict], quick: bool) -> None:
     console.print(goal_table)
 
 
+def run_full(opts) -> list[dict]:
+    """Every case ``opts.repeats`` times, round-robin (so load drift hits every case alike); per case the run with
+    the median total, with every total kept. A case that fails or times out is not run again."""
+    runs: dict[Case, list[dict]] = {}
+    final: dict[Case, dict] = {}
+    for case in FULL:
+        if case.model == "gpt" and case.layers > opts.max_layers:
+            final[case] = skipped(case, f"--max-layers {opts.max_layers}")
+        elif case.model != "gpt" and opts.no_llama:
+            final[case] = skipped(case, "--no-llama")
+    for repeat in range(opts.repeats):
+        for case in FULL:
+            if case in final:
+                continue
+            row = run_isolated(case, opts.case_timeout)
+            took = f"{row['total_s']:.2f} s" if row["status"] == "ok" else row["status"]
+            print(f"  run {repeat + 1}/{opts.repeats} {case.model} {case.layers} layers: {took}", file=sys.stderr)
+            if row["status"] != "ok":
+                final[case] = row
+                continue
+            runs.setdefault(case, []).append(row)
+    rows = []
+    for case in FULL:
+        if case in final:
+            rows.append(final[case])
+            continue
+        done = sorted(runs[case], key=lambda r: r["total_s"])
+        rows.append({**done[(len(done) - 1) // 2], "totals": [r["total_s"] for r in runs[case]]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 and 4 layers of a small GPT, in-process (smoke test)")
@@ -337,6 +367,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=600.0,
         help="seconds a case may run (its own process) before it is killed and reported (600)",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per case, interleaved across cases; the median is shown (3)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.child:
@@ -344,28 +377,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     if opts.quick:
         measure(WARMUP)
-        rows = [measure(case) for case in QUICK]
+        rows = [{**measure(case), "totals": []} for case in QUICK]
     else:
-        rows = []
-        for case in FULL:
-            if case.model == "gpt" and case.layers > opts.max_layers:
-                rows.append(skipped(case, opts.max_layers))
-            elif case.model != "gpt" and opts.no_llama:
-                rows.append(
-                    {
-                        "model": case.model,
-                        "layers": case.layers,
-                        "mesh": case.mesh_text,
-                        "status": "skipped (--no-llama)",
-                    }
-                )
-            else:
-                rows.append(run_isolated(case, opts.case_timeout))
-                print(
-                    f"  measured {case.model} {case.layers} layers: {rows[-1].get('total_s', rows[-1]['status'])}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        rows = run_full(opts)
     _print(rows, opts.quick)
     return rows
 
