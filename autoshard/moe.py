@@ -155,28 +155,41 @@ def gate_groups(probs: Tensor, expert_index: Tensor) -> Tensor:
     return chosen if expert_index.shape[-1] == 1 else chosen / chosen.sum(dim=-1, keepdim=True)
 
 
+def _flat_slots(expert_index: Tensor, position: Tensor, keep: Tensor, experts: int, capacity: int,
+                fill: int) -> Tensor:
+    """Row of each choice in the buffer ``[E, G, C, h]`` seen as ``[E·G·C, h]``; ``fill`` for dropped choices."""
+    groups = expert_index.shape[0]
+    group = torch.arange(groups, device=expert_index.device).view(groups, 1, 1)
+    row = expert_index * (groups * capacity) + group * capacity + position
+    return torch.where(keep, row, fill)
+
+
 def dispatch_groups(x: Tensor, expert_index: Tensor, position: Tensor, keep: Tensor, num_experts: int,
                     capacity: int) -> Tensor:
-    """Scatter tokens ``x[G, T, h]`` into the expert buffer ``[E, G, C, h]`` (unfilled slots zero)."""
+    """Scatter tokens ``x[G, T, h]`` into the expert buffer ``[E, G, C, h]`` (unfilled slots zero).
+
+    One row copy per kept choice (``index_put_`` into distinct rows, whose backward is a gather); dropped choices
+    go to a trash row that is sliced off. ``O(T·k·h)`` work, no ``[T, E, C]`` tensor, no transpose copy."""
     groups, tokens, hidden = x.shape
-    trash = num_experts * capacity
-    slot = torch.where(keep, expert_index * capacity + position, trash)  # [G, T, k]
-    buf = x.new_zeros(groups, trash + 1, hidden)
-    rows = torch.arange(groups, device=x.device).view(groups, 1).expand(groups, tokens)
-    for c in range(slot.shape[2]):  # distinct slots per choice: a plain index_put, whose backward is a gather
-        buf.index_put_((rows, slot[:, :, c]), x)
-    return buf[:, :trash].reshape(groups, num_experts, capacity, hidden).transpose(0, 1).contiguous()
+    trash = num_experts * groups * capacity
+    rows = _flat_slots(expert_index, position, keep, num_experts, capacity, trash)
+    buf = x.new_zeros(trash + 1, hidden)
+    flat_x = x.reshape(groups * tokens, hidden)
+    for c in range(rows.shape[2]):
+        buf.index_put_((rows[:, :, c].reshape(-1),), flat_x)
+    return buf[:trash].view(num_experts, groups, capacity, hidden)
 
 
 def combine_groups(y: Tensor, expert_index: Tensor, position: Tensor, gate: Tensor, keep: Tensor) -> Tensor:
-    """Gather ``y[E, G, C, h]`` back to tokens ``[G, T, h]``: ``Σ_c keep·gate·y[e, g, position]``."""
+    """Gather ``y[E, G, C, h]`` back to tokens ``[G, T, h]``: ``Σ_c keep·gate·y[e, g, position]`` (index select)."""
     experts, groups, cap, hidden = y.shape
-    flat = y.transpose(0, 1).reshape(groups, experts * cap, hidden)
-    slot = torch.where(keep, expert_index * cap + position, 0)
+    tokens = expert_index.shape[1]
+    flat = y.reshape(experts * groups * cap, hidden)
+    rows = _flat_slots(expert_index, position, keep, experts, cap, 0)  # dropped: any row, weight 0 below
     weight = (gate * keep).to(y.dtype)
     out = None
-    for c in range(slot.shape[2]):
-        picked = torch.gather(flat, 1, slot[:, :, c, None].expand(groups, slot.shape[1], hidden))
+    for c in range(rows.shape[2]):
+        picked = flat.index_select(0, rows[:, :, c].reshape(-1)).view(groups, tokens, hidden)
         term = weight[:, :, c, None] * picked
         out = term if out is None else out + term
     return out

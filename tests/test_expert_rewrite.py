@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
+from autoshard import meta as M
 from autoshard.errors import PlanError
 from autoshard.plan import loss_of
 from autoshard.runtime.collectives import collective_counts
@@ -307,3 +308,20 @@ def test_hugging_face_ffns_upcycle_to_the_dense_model(name, layers):
     with torch.no_grad():
         dense = loss_of(model(*args, **kwargs))
     torch.testing.assert_close(loss_of(sim.outputs[0]).detach(), dense, rtol=1e-5, atol=1e-6)
+
+
+def test_no_tokens_by_experts_by_capacity_tensor():
+    # index dispatch: nothing shaped like GShard's one-hot [T, E, C] mask; the buffer is [E, G, C, h]
+    model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=32)
+    opts = autoshard.MoE(**{**OPTS, "num_experts": 8, "capacity_factor": 3.0})
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), args, moe=opts).plan
+    layer = plan.context.report["expert_rewrite"]["layers"][0]
+    sizes = {layer["tokens_per_group"], 8, layer["capacity"]}
+    assert len(sizes) == 3  # 16 tokens, 8 experts, capacity 12: distinguishable
+    shapes = []
+    for n in plan.graph_module.graph.nodes:
+        if n.op == "call_function" and M.module_path(n).startswith("blocks.1.mlp"):
+            vals = n.meta["val"] if isinstance(n.meta["val"], tuple) else (n.meta["val"],)
+            shapes += [tuple(v.shape) for v in vals]
+    assert (8, 2, layer["capacity"], 32) in shapes
+    assert not [s for s in shapes if sizes <= set(s)]
