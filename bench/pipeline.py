@@ -5,7 +5,8 @@ A compute-heavy chain of ``layers`` square linears (tanh between, MSE loss) is c
 warm-up) in ``p`` gloo processes; each step time is the fastest of the repeats (the least disturbed by other
 work on the machine) of the slowest rank. The reference is
 the same model in one process running the same ``m`` microbatches one after the other (gradient accumulation):
-``T1``. With ``p`` equal stages the ideal pipelined step is ``T1 / p``; what is left is the bubble plus the
+``T1``, timed by every pipeline process between its pipelined steps (so under the same load; rows with ``p=1``
+time it alone). With ``p`` equal stages the ideal pipelined step is ``T1 / p``; what is left is the bubble plus the
 transfers, so the *measured* bubble is ``1 - (T1 / p) / T_step``, printed next to the theoretical
 ``(p - 1) / (m + p - 1)`` of GPipe/1F1B.
 
@@ -57,7 +58,7 @@ def _worker(rank, world_size, hidden, layers, batch, microbatches, schedule, rep
     pplan = build_pipeline_plan(model, mesh, args, {}, make_options(None, "data", "error", mesh),
                                 Pipeline(microbatches=microbatches, schedule=schedule))
     runner = PipelineRunner(pplan, comm=DistCommunicator(mesh, timeout=120))
-    times = []
+    times, singles = [], []
     for i in range(repeats + 1):
         dist.barrier()
         t = time.perf_counter()
@@ -67,21 +68,25 @@ def _worker(rank, world_size, hidden, layers, batch, microbatches, schedule, rep
             times.append(time.perf_counter() - t)
         for p in runner.parameters():
             p.grad = None
-    return min(times), pplan.split.imbalance
+        # the one-process reference, timed in the same rounds (same load on the machine): every rank at once
+        dist.barrier()
+        singles.append(_accumulate(model, args, microbatches))
+    return min(times), pplan.split.imbalance, min(singles[1:])
+
+
+def _accumulate(model, args, microbatches: int) -> float:
+    x, y = args
+    t = time.perf_counter()
+    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+        (model(xm, ym) / microbatches).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
 
 
 def single_process(hidden: int, layers: int, batch: int, microbatches: int, repeats: int) -> float:
     torch.set_num_threads(1)
-    model, (x, y) = _model(hidden, layers, batch)
-    times = []
-    for i in range(repeats + 1):
-        t = time.perf_counter()
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            (model(xm, ym) / microbatches).backward()
-        if i:
-            times.append(time.perf_counter() - t)
-        model.zero_grad(set_to_none=True)
-    return min(times)
+    model, args = _model(hidden, layers, batch)
+    return min(_accumulate(model, args, microbatches) for _ in range(repeats + 1))
 
 
 def run(stages=(1, 2), microbatches=(1, 2, 4, 8), hidden=512, layers=8, batch=64, repeats=5,
@@ -91,14 +96,14 @@ def run(stages=(1, 2), microbatches=(1, 2, 4, 8), hidden=512, layers=8, batch=64
 
     rows = []
     for m in microbatches:
-        t1 = single_process(hidden, layers, batch, m, repeats)
         for p in stages:
             if p == 1:
-                step, imbalance = t1, 1.0
+                t1 = step = single_process(hidden, layers, batch, m, repeats)
+                imbalance = 1.0
             else:
                 out = spawn(_worker, p, hidden, layers, batch, m, schedule if m >= p else "gpipe", repeats,
                             timeout=300)
-                step, imbalance = max(o[0] for o in out), out[0][1]
+                step, imbalance, t1 = max(o[0] for o in out), out[0][1], min(o[2] for o in out)
             measured = 1 - (t1 / p) / step
             rows.append({"p": p, "m": m, "step_ms": step * 1e3, "ideal_ms": t1 / p * 1e3, "measured": measured,
                              "theory": bubble_fraction(p, m), "imbalance": imbalance})
