@@ -16,8 +16,9 @@ on Mesh(data=4, model=8), and a Llama-3-8B-shaped ``LlamaForCausalLM`` (32 layer
 process (one at a time) that first compiles a small 2-layer GPT as a warm-up, so one case's caches and
 torch.export's first-call imports do not flatter or penalise another. Each case runs ``--repeats`` times (3),
 round-robin over the cases so that load drift on a shared machine hits every case alike; the table shows the run
-with the median total (its phases) and every run's total. A run past ``--case-timeout`` is killed and reported as
-such, and a case that fails or times out is not run again.
+with the median total (the lower middle one for an even count) and every run's total. A run whose process
+(imports and warm-up included) goes past ``--case-timeout`` is killed and reported as such, and a case that
+fails or times out is not run again.
 
     python bench/compile_time.py                  # the full table (minutes on a small machine)
     python bench/compile_time.py --max-layers 48  # skip GPT cases deeper than 48 layers (reported as skipped)
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--case-timeout",
         type=float,
         default=600.0,
-        help="seconds a case may run (its own process) before it is killed and reported (600)",
+        help="seconds one run's process may take (imports and warm-up included) before it is killed (600)",
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs per case, interleaved across cases; the median is shown (3)"
