@@ -17,17 +17,20 @@ gives byte-identical code.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
 import torch.fx
 
 from autoshard import meta as M
+from autoshard.errors import UnsupportedOpError, node_location
 from autoshard.graph_utils import tensor_inputs
 from autoshard.mesh import Mesh
-from autoshard.placements import Partial, Shard, Spec, local_shape, shard_tensor
+from autoshard.placements import Partial, Shard, Spec, local_shape, shard_offsets, shard_tensor
 from autoshard.runtime import collectives as runtime_collectives
 from autoshard.runtime import ops as runtime_ops
+from autoshard.runtime import sequence as runtime_sequence
 from autoshard.runtime.buckets import GRAD_SYNC
 from autoshard.trace import fetch_attr
 
@@ -143,6 +146,27 @@ def _nll_loss(graph, new, old, mesh, rank):
     return _replace(graph, new, runtime_ops.cross_entropy_partial_mean, (a[0], a[1], weight, ignore, 0.0, axes, True))
 
 
+@localizer(aten.dropout.default)
+def _dropout(graph, new, old, mesh, rank):
+    # Per-process RNG would give replicated copies different masks: use one global mask, sliced per rank.
+    val = old.meta["val"]
+    spec = _out_spec(old)
+    seed = zlib.crc32(old.name.encode())
+    offsets = list(shard_offsets(val.shape, spec, mesh, rank))
+    return _replace(graph, new, runtime_ops.dropout,
+                    (new.args[0], new.args[1], new.args[2], list(val.shape), offsets, seed))
+
+
+@localizer(aten.native_dropout.default)
+def _native_dropout(graph, new, old, mesh, rank):
+    p, train = old.args[1], old.args[2] if len(old.args) > 2 else True
+    if train and p:
+        raise UnsupportedOpError(f"{node_location(old)} is native_dropout with p={p} in training mode; autoshard "
+                                 "reproduces dropout masks across ranks only for aten.dropout. Use "
+                                 "torch.nn.functional.dropout (or nn.Dropout), or p=0.")
+    return new
+
+
 @localizer(aten.unflatten.int)
 def _unflatten(graph, new, old, mesh, rank):
     out = local_shape(old.meta["val"].shape, _out_spec(old), mesh)
@@ -192,6 +216,15 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
             env[old] = env[old.args[0]]
             syncs.append((old.args[0].target, tuple(old.args[1])))
             continue
+        if _is_gather_then_sync(old):
+            # all_gather + grad_all_reduce on the same axis: one op whose backward is a reduce-scatter
+            gathered = env[old.args[0]]
+            with graph.inserting_after(gathered):
+                fused = graph.call_function(runtime_sequence.all_gather_sync, (*gathered.args, tuple(old.args[1])))
+            fused.meta = {k: v for k, v in old.meta.items() if k != "val"}
+            graph.erase_node(gathered)
+            env[old.args[0]] = env[old] = fused
+            continue
         new = graph.node_copy(old, lambda n: env[n])
         new.meta = {k: v for k, v in old.meta.items() if k != "val"}
         if old.op == "get_attr":
@@ -208,6 +241,16 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
     if bucket_grads:
         out.meta[GRAD_SYNC] = tuple(syncs)
     return out
+
+
+def _is_gather_then_sync(node: torch.fx.Node) -> bool:
+    """``grad_all_reduce(all_gather(x, axis, dim), axes)`` with ``axis`` in ``axes``, the gather used only there."""
+    if node.op != "call_function" or node.target is not runtime_collectives.grad_all_reduce:
+        return False
+    src = node.args[0]
+    return (isinstance(src, torch.fx.Node) and src.op == "call_function"
+            and src.target is runtime_collectives.all_gather and len(src.users) == 1
+            and src.args[1] in tuple(node.args[1]))
 
 
 def _is_param_grad_sync(node: torch.fx.Node) -> bool:

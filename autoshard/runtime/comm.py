@@ -83,6 +83,9 @@ class Communicator(abc.ABC):
         self.log: list[CollectiveRecord] = []
         self.recording = True
         self._coords = self.mesh.coords(rank)
+        #: How many random ops (dropout) this rank has run: every rank runs the same program, so the count is the
+        #: same on all ranks and seeds their generators alike (runtime.ops.dropout).
+        self.random_calls = 0
 
     # ---- coordinates ------------------------------------------------------------------------------------
     def axis_index(self, axis: str | int) -> int:

@@ -98,3 +98,23 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
                                  vocab_axis: str, batch_axes: tuple[str, ...]) -> torch.Tensor:
     return _VocabParallelCrossEntropy.apply(logits, target, ignore_index, reduction, vocab_axis, tuple(batch_axes),
                                             current())
+
+
+def dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int], offsets: list[int], seed: int
+            ) -> torch.Tensor:
+    """Dropout whose mask is one global mask, sliced: identical on ranks that hold the same elements (a replicated
+    tensor stays replicated) and different across shards, whatever the per-process RNG state.
+
+    The mask of call ``c`` of this rank's program comes from a generator seeded with ``seed`` (fixed per graph
+    node at codegen) and ``c`` (the communicator's count of random calls, equal on every rank).
+    """
+    if not train or p == 0:
+        return x.clone()
+    comm = current()
+    call = comm.random_calls
+    comm.random_calls += 1
+    g = torch.Generator(device=x.device).manual_seed((seed * 1_000_003 + call) % (2**63 - 1))
+    keep = torch.rand(global_shape, generator=g, device=x.device) >= p
+    for d, (start, size) in enumerate(zip(offsets, x.shape)):
+        keep = keep.narrow(d, start, size)
+    return x * keep.to(x.dtype) / (1.0 - p)
