@@ -118,9 +118,9 @@ def format_stages(pplan) -> str:
     from autoshard.pipeline import bubble_fraction
 
     split, p = pplan.split, pplan.pipeline
-    lines = [f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
-             f"({'manual' if split.manual else 'auto'} split), schedule {p.schedule}, {p.microbatches} microbatches "
-             f"of {pplan.batch // p.microbatches} rows; stages run on {pplan.submesh} inside"]
+    lines = [(f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
+              f"({'manual' if split.manual else 'auto'} split), schedule {p.schedule}, {p.microbatches} microbatches "
+              f"of {pplan.batch // p.microbatches} rows; stages run on {pplan.submesh} inside")]
     cols = ["stage", "ranks", "time/mb (ms)", "compute", "transfer", "memory (MiB)", "modules"]
     rows = []
     for s, cost in enumerate(split.costs):
