@@ -25,7 +25,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
-            bucket_cap_mb: float = 25.0, moe=None) -> ShardedModule:
+            bucket_cap_mb: float = 25.0, moe=None, sequence_parallel: bool = False) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -51,9 +51,15 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     ``bucket_cap_mb``: data-parallel gradient all-reduces run like DDP's, in buckets of this many MiB launched
     asynchronously as gradients become ready during backward (:mod:`autoshard.runtime.buckets`); 0 runs one
     blocking all-reduce per parameter inside backward instead. The gradients are identical either way.
+
+    ``sequence_parallel=True`` (greedy planner): at equal communication prefer sharded activations, so norms and
+    residuals between tensor-parallel layers run sharded along the sequence on the model axis (Megatron-SP:
+    reduce-scatter + all-gather in place of each all-reduce, less activation memory per rank). Annotate the
+    input's sequence dim, e.g. ``plan={"x": (Replicate(), Shard(1))}``, to start the model in that layout.
     """
     mesh = as_mesh(mesh)
-    options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer)
+    options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer,
+                           sequence_parallel)
     if moe is not None:
         options = _with_moe(options, moe)
     if pipeline is not None:
@@ -90,7 +96,8 @@ def parse_bytes(value) -> float | None:
 
 
 def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "greedy",
-                 profile="cpu-gloo", memory_limit=None, optimizer: str = "adam") -> Options:
+                 profile="cpu-gloo", memory_limit=None, optimizer: str = "adam",
+                 sequence_parallel: bool = False) -> Options:
     if planner not in ("search", "greedy"):
         raise PlanError(f"option planner is {planner!r}, but must be 'search' or 'greedy'.")
     if optimizer not in ("adam", "adamw", "sgd", "sgd_momentum"):
@@ -106,7 +113,8 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner:
                             f"mesh axis {list(mesh.names)}, e.g. (Replicate(), Shard(0)).")
         annotations.append((pattern, tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)))
     return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported,
-                   planner=planner, profile=profile, memory_limit=parse_bytes(memory_limit), optimizer=optimizer)
+                   planner=planner, profile=profile, memory_limit=parse_bytes(memory_limit), optimizer=optimizer,
+                   sequence_parallel=bool(sequence_parallel))
 
 
 def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Tensor:

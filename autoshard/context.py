@@ -26,6 +26,9 @@ class Options:
     profile: Any = "cpu-gloo"  # hardware profile name, path or HardwareProfile
     memory_limit: float | None = None  # bytes per rank
     optimizer: str = "adam"  # for the optimizer-state term of the memory model
+    #: greedy planner: among strategies of equal communication, prefer the output with fewer replicated axes
+    #: (norms, residuals, dropout sharded along the sequence: Megatron's sequence parallelism)
+    sequence_parallel: bool = False
     moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
 
 

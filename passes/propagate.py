@@ -142,7 +142,11 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
         specs = ", ".join(f"`{x.name}` {format_spec(x.meta.get(M.SPEC))}" for x in inputs)
         raise PlanError(f"{node_location(node)} has inputs {specs}, but no strategy of its rule accepts them. "
                         "Check the annotations feeding this op.")
-    scored.sort(key=lambda cs: cs[0])
+    if ctx.options.sequence_parallel:
+        # Sequence parallelism: at equal bytes, keep activations sharded (less activation memory per rank).
+        scored.sort(key=lambda cs: (cs[0], _replicated_axes(cs[1].output_spec)))
+    else:
+        scored.sort(key=lambda cs: cs[0])
     best_cost, best = scored[0]
     alt = next(((c, s) for c, s in scored[1:] if s.output_spec != best.output_spec), None)
     for x, spec, sync in zip(inputs, best.input_specs, best.grad_sync):
@@ -155,6 +159,11 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
     searched = ctx.report.get("decisions", {}).get(node.name)
     node.meta[M.DECISION] = searched or M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
                                                    "fewest bytes communicated")
+
+
+def _replicated_axes(spec) -> int:
+    specs = spec if spec and isinstance(spec[0], tuple) else (spec,)
+    return sum(isinstance(p, Replicate) for s in specs for p in (s or ()))
 
 
 def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
