@@ -130,3 +130,12 @@ def test_pipe2_data2_gloo_matches_single_device():
 @pytest.mark.gloo
 def test_interleaved_two_stages_per_rank_gloo_matches_single_device():
     _check({"pipe": 2}, [("gpt", "interleaved"), ("gpt", "gpipe")], stages_per_rank=2)
+
+
+@pytest.mark.gloo
+def test_train_3d_example_matches_one_process(capsys):
+    # pipe=2 x data=2 x model=2: 8 processes; the example itself runs 20 steps, 2 keep the suite short
+    from examples.train_3d import main
+
+    assert main(["--steps", "2"]) == 0
+    assert "-> OK" in capsys.readouterr().out
