@@ -9,8 +9,9 @@ made with ``Plan.rank_module(rank, bucket_grads=True)`` leaves those nodes out a
   their gradients ready, as DDP assumes with reverse registration order), grouped by (axes, dtype), cut into
   buckets of at most ``bucket_cap_mb`` MiB (a parameter larger than the cap gets a bucket of its own).
 * **Hooks**: a tensor hook on every listed parameter (it runs when the parameter's gradient of this backward is
-  complete, just before it is accumulated into ``.grad``) copies the gradient into its bucket's flat buffer.
-  When a bucket is full it is launched with :meth:`Communicator.all_reduce_async` — buckets strictly in index
+  complete, just before it is accumulated into ``.grad``) copies the gradient into its bucket's flat buffer; a
+  post-accumulate hook then drops the ``.grad`` autograd stored, so each gradient is held once, in its bucket.
+  When a bucket is full it is launched with :meth:`Communicator.all_reduce_async` (in place) — buckets strictly in index
   order, so every rank of a group issues the same collectives in the same order whatever the hook order.
 * **End of backward** (an autograd engine callback queued by the first hook): the buckets not yet launched are
   launched, every handle is waited on, axes after the first are all-reduced in turn, and each ``.grad`` is set
@@ -96,6 +97,9 @@ class GradBucketer:
         self._next = 0  # index of the next bucket to launch
         self._queued = False
         self._hooks = [p.register_hook(self._hook(name)) for name, p in self.params.items()]
+        # the gradient now lives in its bucket: drop the copy autograd accumulated (memory as with DDP's
+        # gradient_as_bucket_view)
+        self._hooks += [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.params.values()]
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -121,7 +125,7 @@ class GradBucketer:
         b, i = self._where[name]
         bucket = self.buckets[b]
         if bucket.flat is None:
-            bucket.flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=grad.device)
+            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=grad.device)
         off = bucket.offsets[i]
         bucket.flat[off:off + p.numel()].copy_(grad.reshape(-1))
         bucket.ready.add(name)
@@ -137,6 +141,9 @@ class GradBucketer:
         try:
             for bucket in self.buckets[self._next:]:
                 if bucket.ready:  # a bucket no gradient reached this time is skipped (on every rank alike)
+                    for name, off in zip(bucket.names, bucket.offsets):
+                        if name not in bucket.ready:
+                            bucket.flat[off:off + self.params[name].numel()].zero_()
                     self._launch(bucket)
             for bucket in self.buckets:
                 if bucket.handle is None:
@@ -163,3 +170,7 @@ class GradBucketer:
         sizes = ", ".join(f"{len(b.names)} params/{b.numel * torch.empty((), dtype=b.dtype).element_size()} B "
                           f"over {'+'.join(b.axes)}" for b in self.buckets)
         return f"GradBucketer({len(self.buckets)} buckets: {sizes})"
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None

@@ -164,7 +164,8 @@ class Communicator(abc.ABC):
         """Start a sum all-reduce of ``t`` over ``axis`` and return a :class:`Handle` whose ``wait()`` gives the
         result. Every rank of the group must start its async collectives on that group in the same order (as with
         the blocking ones). Used by the gradient bucketer (:mod:`autoshard.runtime.buckets`) to overlap gradient
-        sync with backward compute; ``t`` must not be modified before ``wait()``."""
+        sync with backward compute. The caller hands ``t`` over: it may be reduced in place, and must not be read
+        or modified before ``wait()``."""
         axis, t = self._axis(axis), self._input(t, "all_reduce")
         handle = self._all_reduce_async(t, axis)
         self._record("all_reduce", axis, t, phase)

@@ -1,0 +1,312 @@
+"""Runtime speed of autoshard's per-rank programs next to DTensor (tensor parallel) and DDP (data parallel).
+
+Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model, the same data and the same
+2-rank mesh, forward + backward steps (gradients set to None before each; no optimizer) of:
+
+* tensor parallel, ``Mesh(model=2)``, Megatron plan (column-parallel q/k/v and first MLP linear, row-parallel
+  output projections; embeddings and LM head replicated):
+  - **autoshard**: ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer``, as ``ShardedModule`` runs
+    it (plain tensors, direct collectives; the few parameter gradient syncs, here the row-parallel biases, bucketed);
+  - **DTensor**: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` and ``PrepareModuleInput`` on
+    the attention and MLP inputs (the torchtitan layout: one input all-reduce in backward per sub-block);
+* data parallel, ``Mesh(data=2)``:
+  - **autoshard**: ``rank_module(rank, bucket_grads=True)`` + :class:`~autoshard.runtime.buckets.GradBucketer`
+    (25 MiB buckets, async, overlapped), and the unbucketed program (one blocking all-reduce per parameter);
+  - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``.
+
+Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved (one step of each system in turn, the
+order rotating) and the reported step time is the median over repetitions of the slower rank's time, so load
+from other work on the machine hits every system alike; ratios are what to read, absolute times are noisy.
+Per-rank peak memory is measured in one extra, untimed step per system with
+``torch.distributed._tools.mem_tracker.MemTracker`` (parameters, gradients, activations, temporaries). Bytes are
+autoshard's own collective log (``CollectiveRecord``: each rank's input bytes per collective) for one step,
+next to the analytic Megatron count (2 all-reduces of b·s·h per layer forward and 2 backward) and, for data
+parallel, the parameter bytes that DDP all-reduces; DTensor's collectives are counted with ``CommDebugMode``.
+
+    python bench/runtime.py               # the README table (a few minutes on 2 cores)
+    python bench/runtime.py --quick       # small shapes, few repetitions: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SIZES = {
+    "full": dict(mlp=dict(batch=64, hidden=512), block=dict(batch=8, seq=128, hidden=256, heads=8),
+                 gpt4=dict(batch=8, seq=64, hidden=256, heads=8, vocab=1024, layers=4), reps=15),
+    "quick": dict(mlp=dict(batch=8, hidden=64), block=dict(batch=2, seq=16, hidden=64, heads=4),
+                  gpt4=dict(batch=2, seq=16, hidden=64, heads=4, vocab=128, layers=4), reps=3),
+}
+
+
+class BlockLoss(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        from examples.models import Block
+
+        self.block = Block(hidden, heads)
+
+    def forward(self, x):
+        return self.block(x).pow(2).mean()
+
+
+def _case(name: str, size: dict):
+    """(model, args, autoshard Megatron annotations on the model axis, DTensor plan, analytic (fwd, bwd, numel))."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    from examples import models
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+
+    def block_plan(prefix):
+        prep = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=False)
+        return {f"{prefix}attn": prep, f"{prefix}attn.q": ColwiseParallel(), f"{prefix}attn.k": ColwiseParallel(),
+                f"{prefix}attn.v": ColwiseParallel(), f"{prefix}attn.out": RowwiseParallel(),
+                f"{prefix}mlp": prep, f"{prefix}mlp.0": ColwiseParallel(), f"{prefix}mlp.2": RowwiseParallel()}
+
+    def block_ann(prefix):
+        return {k.replace("blocks.*.", prefix): v for k, v in models.MEGATRON["gpt"].items() if k.startswith("blocks")}
+
+    if name == "mlp":
+        b, h = size["batch"], size["hidden"]
+        model = models.MLP(h, 4 * h)
+        args = (torch.randn(b, h, generator=g), torch.randn(b, h, generator=g))
+        # the input needs no gradient, so no backward all-reduce: 1 forward all-reduce of b·h
+        return model, args, models.MEGATRON["mlp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, (1, 0, b * h)
+    if name == "block":
+        b, s, h = size["batch"], size["seq"], size["hidden"]
+        model = BlockLoss(h, size["heads"])
+        args = (torch.randn(b, s, h, generator=g),)
+        return model, args, block_ann("block."), block_plan("block."), (2, 2, b * s * h)
+    b, s, h, layers = size["batch"], size["seq"], size["hidden"], size["layers"]
+    model = models.GPT(size["vocab"], h, size["heads"], layers, s)
+    ids = torch.randint(0, size["vocab"], (b, s), generator=g)
+    labels = torch.randint(0, size["vocab"], (b, s), generator=g)
+    plan = {}
+    for i in range(layers):
+        plan.update(block_plan(f"blocks.{i}."))
+    return model, (ids, labels), block_ann("blocks.*."), plan, (2 * layers, 2 * layers, b * s * h)
+
+
+def _local_heads_forward(self, x):
+    # DTensor's ColwiseParallel hands out local shards: the attention works on its local heads (as in torchtitan).
+    b, s, _ = x.shape
+    q, k, v = (p(x).view(b, s, self.local_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _step(fn, params):
+    for p in params:
+        p.grad = None
+    loss = fn()
+    loss.backward()
+    return loss
+
+
+def _peak_bytes(fn, params, modules) -> int | None:
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        mt = MemTracker()
+        mt.track_external(*modules)
+        with mt:
+            _step(fn, params)
+        snap = mt.get_tracker_snapshot("peak")
+        return int(sum(v.get("Total", 0) for v in snap.values()))
+    except Exception:  # noqa: BLE001 - a tracker failure must not lose the timings
+        return None
+
+
+def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
+    import copy
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    import autoshard
+    from autoshard.plan import loss_of
+    from autoshard.runtime import DistCommunicator, use
+    from autoshard.runtime.buckets import GradBucketer
+
+    sizes = SIZES["quick" if quick else "full"]
+    reps = reps or sizes["reps"]
+    tp_mesh, dp_mesh = autoshard.Mesh(model=2), autoshard.Mesh(data=2)
+    tp_comm, dp_comm = DistCommunicator(tp_mesh, timeout=300), DistCommunicator(dp_mesh, timeout=300)
+    device_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("model",))
+    out = {}
+    for name in cases:
+        model, args, ann, dt_plan, analytic = _case(name, sizes[name])
+        systems = {}
+        # ---- tensor parallel ----
+        tp_plan = autoshard.compile(model, tp_mesh, args, plan={k: (v,) for k, v in ann.items()}).plan
+        tp_mod = tp_plan.rank_module(rank, bucket_grads=True)  # as ShardedModule runs it (bucket_cap_mb=25)
+        GradBucketer(tp_mod, comm=tp_comm, bucket_cap_mb=25)
+        tp_args, _ = tp_plan.shard_inputs(rank, args)
+
+        def as_tp(m=tp_mod, a=tp_args):
+            with use(tp_comm):
+                return loss_of(m(*a))
+
+        systems["tp/autoshard"] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
+        dt_model = copy.deepcopy(model)
+        for m in dt_model.modules():
+            if hasattr(m, "heads") and hasattr(m, "q"):
+                m.local_heads = m.heads // 2
+                m.forward = types.MethodType(_local_heads_forward, m)
+        parallelize_module(dt_model, device_mesh, dt_plan)
+
+        def dt_tp(m=dt_model, a=args):
+            return m(*a)
+
+        systems["tp/DTensor"] = (dt_tp, list(dt_model.parameters()), [dt_model], None)
+        # ---- data parallel ----
+        dp_plan = autoshard.compile(model, dp_mesh, args).plan
+        dp_args, _ = dp_plan.shard_inputs(rank, args)
+        dp_mod = dp_plan.rank_module(rank, bucket_grads=True)
+        GradBucketer(dp_mod, comm=dp_comm, bucket_cap_mb=25)
+        dp_plain = dp_plan.rank_module(rank)
+
+        def as_dp(m=dp_mod, a=dp_args):
+            with use(dp_comm):
+                return loss_of(m(*a))
+
+        def as_dp_plain(m=dp_plain, a=dp_args):
+            with use(dp_comm):
+                return loss_of(m(*a))
+
+        ddp = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=25)
+
+        def ddp_step(m=ddp, a=dp_args):
+            return m(*a)
+
+        systems["dp/autoshard"] = (as_dp, list(dp_mod.parameters()), [dp_mod], dp_comm)
+        systems["dp/autoshard-unbucketed"] = (as_dp_plain, list(dp_plain.parameters()), [dp_plain], dp_comm)
+        systems["dp/DDP"] = (ddp_step, list(ddp.parameters()), [ddp], None)
+
+        # warm-up, losses, bytes and collective counts of one step
+        info = {}
+        for key, (fn, params, mods, comm) in systems.items():
+            _step(fn, params)
+            if comm is not None:
+                comm.log.clear()
+            with CommDebugMode() as cdm:
+                loss = _step(fn, params)
+            rec = {"loss": float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())}
+            if comm is not None:
+                rec["bytes"] = sum(r.nbytes for r in comm.log)
+                rec["act_bytes"] = sum(r.nbytes for r in comm.log if r.numel == analytic[2])
+                rec["n_coll"] = len(comm.log)
+            else:  # DTensor's collectives (CommDebugMode sees DTensor dispatch, not DDP's reducer)
+                rec["n_coll"] = cdm.get_total_counts() if key.startswith("tp/") else "-"
+            rec["peak"] = _peak_bytes(fn, params, mods)
+            info[key] = rec
+        times = {k: [] for k in systems}
+        keys = list(systems)
+        for rep in range(reps):
+            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
+            for key in order:
+                fn, params = systems[key][0], systems[key][1]
+                dist.barrier()
+                t0 = time.perf_counter()
+                _step(fn, params)
+                times[key].append(time.perf_counter() - t0)
+        for key in systems:
+            info[key]["times"] = times[key]
+        info["analytic"] = analytic
+        info["params"] = sum(p.numel() for p in model.parameters())
+        out[name] = info
+    return out
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def report(results, cases) -> str:
+    lines = []
+    rows = [("case", "system", "step (ms)", "ratio", "peak mem/rank", "bytes/rank/step", "analytic bytes",
+             "collectives/step")]
+    for name in cases:
+        per_rank = [r[name] for r in results]
+        fwd, bwd, numel = per_rank[0]["analytic"]
+        params = per_rank[0]["params"]
+
+        def med(key):
+            steps = list(zip(*(pr[key]["times"] for pr in per_rank)))
+            return statistics.median(max(s) for s in steps) * 1e3
+
+        for group, base in (("tp", "tp/DTensor"), ("dp", "dp/DDP")):
+            keys = [k for k in per_rank[0] if k.startswith(group + "/")]
+            t_base = med(base)
+            for key in keys:
+                rec = per_rank[0][key]
+                t = med(key)
+                if group == "tp":
+                    analytic = (fwd + bwd) * numel * 4
+                else:
+                    analytic = params * 4  # DDP all-reduces every gradient once
+                bytes_ = rec.get("bytes")
+                if bytes_ is not None and group == "tp":
+                    extra = bytes_ - rec["act_bytes"]
+                    b_txt = f"{_fmt_bytes(rec['act_bytes'])} + {_fmt_bytes(extra)} bias"
+                else:
+                    b_txt = _fmt_bytes(bytes_) if bytes_ is not None else "-"
+                peak = max((pr[key]["peak"] or 0) for pr in per_rank) or None
+                rows.append((name, key, f"{t:.1f}", f"{t / t_base:.2f}", _fmt_bytes(peak), b_txt,
+                             _fmt_bytes(analytic), str(rec["n_coll"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+        if i == 0:
+            lines.append("| " + " | ".join("-" * w for w in widths) + " |")
+    losses = []
+    for name in cases:
+        rec = results[0][name]
+        losses.append(f"{name}: " + ", ".join(f"{k} {rec[k]['loss']:.6f}" for k in rec if "/" in k))
+    return ("\n".join(lines) + "\n\nlosses (rank 0; DDP's is its local half-batch loss, the others the global "
+            "batch's): " + "; ".join(losses))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes and 3 repetitions (a smoke run)")
+    parser.add_argument("--cases", nargs="+", default=["mlp", "block", "gpt4"], choices=["mlp", "block", "gpt4"])
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system (default 15, quick 3)")
+    a = parser.parse_args(argv)
+    if a.reps:
+        SIZES["quick" if a.quick else "full"]["reps"] = a.reps
+    from autoshard.runtime import spawn
+
+    t0 = time.time()
+    results = spawn(_worker, 2, a.quick, tuple(a.cases), a.reps, timeout=1800)
+    sizes = SIZES["quick" if a.quick else "full"]
+    print(f"2 gloo processes, 1 thread each; median of {sizes['reps']} interleaved steps (slower rank); "
+          f"ratio = step time / DTensor's (tp) or DDP's (dp); sizes {({k: v for k, v in sizes.items() if k != 'reps'})}")
+    print(report(results, a.cases))
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
