@@ -82,8 +82,9 @@ def mark_requires_grad(gm: torch.fx.GraphModule) -> None:
         elif node.op == "call_function":
             vals = out_vals(node)
             floating = any(v.dtype.is_floating_point or v.dtype.is_complex for v in vals)
+            # all_input_nodes, not tensor_inputs: a getitem reads a multi-output node whose value is a tuple
             node.meta[M.REQUIRES_GRAD] = floating and any(
-                x.meta.get(M.REQUIRES_GRAD, False) for x in tensor_inputs(node))
+                x.meta.get(M.REQUIRES_GRAD, False) for x in node.all_input_nodes)
 
 
 def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
