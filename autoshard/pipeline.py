@@ -130,9 +130,10 @@ class Pipeline:
                             f"multiple of the pipe size {mesh.axis_size(self.axis)}.")
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The idle fraction of GPipe and 1F1B with equal stages: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of GPipe and 1F1B with ``stages`` equal ranks: (p - 1) / (m + p - 1); interleaved 1F1B
+    with ``virtual`` stages per rank: (p - 1) / (v·m + p - 1)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def format_stages(pplan) -> str:
     lines = [(f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
               f"({'manual' if split.manual else 'auto'} split), schedule {p.schedule}, {p.microbatches} microbatches "
               f"of {pplan.batch // p.microbatches} rows; stages run on {pplan.submesh} inside")]
-    cols = ["stage", "ranks", "time/mb (ms)", "compute", "transfer", "memory (MiB)", "modules"]
+    cols = ["stage", "ranks", "time/mb (ms)", "compute+comm", "transfer", "memory (MiB)", "modules"]
     rows = []
     for s, cost in enumerate(split.costs):
         ranks = [r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)]
@@ -140,8 +140,13 @@ def format_stages(pplan) -> str:
     if shared:
         lines.append("shared parameters (gradients summed over their stages): "
                      + ", ".join(f"{n} (stages {', '.join(map(str, s))})" for n, s in shared))
-    lines.append(f"imbalance (max/mean stage cost): {split.imbalance:.3f}; theoretical bubble (p-1)/(m+p-1): "
-                 f"{bubble_fraction(pplan.pipe, p.microbatches):.3f}")
+    v = p.stages_per_rank if p.schedule == "interleaved" else 1
+    bubble = bubble_fraction(pplan.pipe, p.microbatches, v)
+    formula = "(p-1)/(v*m+p-1)" if v > 1 else "(p-1)/(m+p-1)"
+    per_rank = [sum(split.costs[s] for s in pplan.stages_of(r)) for r in range(pplan.mesh.size)]
+    step = max(per_rank) * p.microbatches / (1 - bubble)
+    lines.append(f"imbalance (max/mean stage cost): {split.imbalance:.3f}; theoretical bubble {formula}: "
+                 f"{bubble:.3f}; estimated step: {step * 1e3:.3f} ms")
     return "\n".join(lines) + "\n"
 
 

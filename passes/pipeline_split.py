@@ -20,9 +20,9 @@ Formulation. Nodes fall in two kinds:
 
 Cut candidates are the positions where the module *unit* changes (the path up to the first numbered
 component, ``transformer.h.3``, else the innermost module path) and every crossing value is a floating tensor.
-A stage ``[a, b)`` costs, per microbatch, ``C(a, b) = Σ (fwd + bwd roofline time of its nodes)
-+ T(a) + T(b)``, where ``T(i)`` sends the crossing tensors forward and their gradients back over the pipe link
-(``2 · (α · count + β · bytes)``, zero at the ends). Embeddings, the LM head and the loss are nodes like any
+A stage ``[a, b)`` costs, per microbatch, ``C(a, b) = Σ (fwd + bwd roofline time of its nodes, or the
+alpha-beta time of the data/model-axis collectives among them) + T(a) + T(b)``, where ``T(i)`` sends the crossing
+tensors forward and their gradients back over the pipe link (``2 · (α · count + β · bytes)``, zero at the ends). Embeddings, the LM head and the loss are nodes like any
 other, so they are part of the balance. The split minimises ``max_k C(stage k)`` (then the total transfer) by
 dynamic programming over the candidates (:func:`_best_cuts`): ``D[k][j] = min_{i<j} max(D[k-1][i], C(c_i, c_j))``,
 exact for this chain of cut points. Manual cut points (module paths, each starting a stage) replace the search
@@ -163,10 +163,46 @@ def _shard_factor(node: torch.fx.Node, mesh: Mesh) -> float:
     return max(val.numel() / local, 1.0) if local else 1.0
 
 
-def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile) -> Analysis:
+#: Per collective kind: the kind its backward runs (``None``: no communication), as in runtime.collectives.
+_BACKWARD_KIND = {"all_reduce": None, "all_gather": None, "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+                  "local_slice": "all_gather", "grad_all_reduce": "all_reduce"}
+
+
+def _collective_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
+    """Forward + backward seconds of an inserted collective (``b``: the larger of its local in/out buffers)."""
+    from autoshard.cost_models.comm import collective_time
+
+    info = node.meta[M.COLLECTIVE]
+    src = node.all_input_nodes[0] if node.all_input_nodes else node
+    b = max(_local_bytes(src, mesh)[1], _local_bytes(node, mesh)[1])
+    total = 0.0
+    for axis in info.axes:
+        n, link = mesh.axis_size(axis), profile.link_for(axis, mesh=mesh)
+        if info.kind not in ("grad_all_reduce", "local_slice"):
+            total += collective_time(info.kind, b, n, link)
+        back = _BACKWARD_KIND.get(info.kind)
+        if back and node.meta.get(M.REQUIRES_GRAD):
+            total += collective_time(back, b, n, link)
+    return total
+
+
+def _node_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
+    """Seconds of one node per microbatch: forward + backward roofline, plus its communication if a collective."""
     from autoshard.cost_models.compute import compute_time
 
-    pipe_link = profile.link
+    if M.COLLECTIVE in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
+        src = node.all_input_nodes[0] if node.all_input_nodes else None
+        if node.meta[M.COLLECTIVE].kind == "grad_all_reduce" and src is not None and src.op == "get_attr":
+            return 0.0  # a parameter's gradient sync runs once per step, not per microbatch
+        return _collective_time(node, mesh, profile)
+    f = _shard_factor(node, mesh)
+    return compute_time(node, profile, f) + compute_time(node, profile, f, backward=True)
+
+
+def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None) -> Analysis:
+    """The cut-point problem of ``gm`` planned over ``mesh`` (the non-pipe axes), priced by ``profile``; stage
+    transfers go over ``pipe_link`` (default: the profile's link)."""
+    pipe_link = pipe_link or profile.link
     recomputable: set[torch.fx.Node] = set()
     weights_only: set[torch.fx.Node] = set()  # functions of parameters alone (a grad sync of a tied weight)
     order: list[torch.fx.Node] = []
@@ -199,8 +235,7 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile) -> Analysis:
     for i, cross in enumerate(crossing):
         nbytes = sum(_local_bytes(v, mesh)[1] for v in cross if isinstance(v.meta.get("val"), torch.Tensor))
         transfer.append(2 * (pipe_link.alpha * len(cross) + pipe_link.beta * nbytes) if cross else 0.0)
-    node_cost = [compute_time(v, profile, _shard_factor(v, mesh)) + compute_time(v, profile, _shard_factor(v, mesh),
-                                                                                backward=True) for v in order]
+    node_cost = [_node_time(v, mesh, profile) for v in order]
     units = [unit_of(v) for v in order]
     # A recomputed node (an embedding of positions, a mask) is priced and listed with its first reader, so
     # embeddings and heads stay part of the balance and of the report.
@@ -210,8 +245,7 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile) -> Analysis:
         uses = [pos[u] if u in pos else first.get(u, n) for u in r.users if u in pos or u in recomputable]
         first[r] = min(uses, default=n)
         if first[r] < n:
-            node_cost[first[r]] += compute_time(r, profile, _shard_factor(r, mesh)) + compute_time(
-                r, profile, _shard_factor(r, mesh), backward=True)
+            node_cost[first[r]] += _node_time(r, mesh, profile)
             if unit_of(r):
                 also[first[r]].append(unit_of(r))
     candidates = [i for i in range(1, n) if units[i] != units[i - 1] and _cuttable(crossing[i])]
@@ -291,9 +325,7 @@ def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto",
     from autoshard.cost_models.profile import HardwareProfile, load_profile
 
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-    if isinstance(prof, HardwareProfile):
-        prof = _with_link(prof, pipe_axis)
-    a = analyse(gm, mesh, prof)
+    a = analyse(gm, mesh, prof, prof.link_for(pipe_axis))
     if stages < 1:
         raise PlanError(f"pipeline has {stages} stages, but needs at least 1.")
     if split != "auto":
@@ -305,12 +337,6 @@ def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto",
                             "layers.")
         cuts = _best_cuts(a, stages)
     return _describe(a, cuts, split != "auto")
-
-
-def _with_link(prof, pipe_axis: str):
-    from dataclasses import replace
-
-    return replace(prof, link=prof.link_for(pipe_axis))
 
 
 def _describe(a: Analysis, cuts: list[int], manual: bool) -> StageSplit:

@@ -144,6 +144,7 @@ def test_report_lists_stages_boundaries_imbalance_and_bubble():
 def test_bubble_fraction():
     assert bubble_fraction(1, 8) == 0
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(2, 4, virtual=2) == pytest.approx(1 / 9)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------
