@@ -165,6 +165,18 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
                 return loss_of(m(*a))
 
         systems["tp/autoshard"] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
+        if name == "block":  # sequence parallelism: the block's input and residual sharded along the sequence
+            sp_plan = autoshard.compile(model, tp_mesh, args, plan={**{k: (v,) for k, v in ann.items()},
+                                                                    "x": ("S(1)",)}, sequence_parallel=True).plan
+            sp_mod = sp_plan.rank_module(rank, bucket_grads=True)
+            GradBucketer(sp_mod, comm=tp_comm, bucket_cap_mb=25)
+            sp_args, _ = sp_plan.shard_inputs(rank, args)
+
+            def as_sp(m=sp_mod, a=sp_args):
+                with use(tp_comm):
+                    return loss_of(m(*a))
+
+            systems["tp/autoshard-SP"] = (as_sp, list(sp_mod.parameters()), [sp_mod], tp_comm)
         dt_model = copy.deepcopy(model)
         for m in dt_model.modules():
             if hasattr(m, "heads") and hasattr(m, "q"):
@@ -212,6 +224,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             if comm is not None:
                 rec["bytes"] = sum(r.nbytes for r in comm.log)
                 rec["act_bytes"] = sum(r.nbytes for r in comm.log if r.numel == analytic[2])
+                rec["wire"] = _wire_bytes(comm.log, 2)
                 rec["n_coll"] = len(comm.log)
             else:  # DTensor's collectives (CommDebugMode sees DTensor dispatch, not DDP's reducer)
                 rec["n_coll"] = cdm.get_total_counts() if key.startswith("tp/") else "-"
@@ -235,6 +248,13 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     return out
 
 
+def _wire_bytes(log, n: int) -> float:
+    """Bytes each rank sends under ring algorithms: all-reduce 2(n-1)/n of its input, reduce-scatter (n-1)/n,
+    all-gather (n-1) (its input is the shard)."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1}
+    return sum(factor.get(r.kind, 1) * r.nbytes for r in log)
+
+
 def _fmt_bytes(n) -> str:
     if n is None:
         return "n/a"
@@ -247,7 +267,7 @@ def _fmt_bytes(n) -> str:
 def report(results, cases) -> str:
     lines = []
     rows = [("case", "system", "step (ms)", "ratio", "peak mem/rank", "bytes/rank/step", "analytic bytes",
-             "collectives/step")]
+             "wire bytes (analytic)", "collectives/step")]
     for name in cases:
         per_rank = [r[name] for r in results]
         fwd, bwd, numel = per_rank[0]["analytic"]
@@ -268,14 +288,18 @@ def report(results, cases) -> str:
                 else:
                     analytic = params * 4  # DDP all-reduces every gradient once
                 bytes_ = rec.get("bytes")
-                if bytes_ is not None and group == "tp":
+                if key.endswith("-SP"):
+                    b_txt = _fmt_bytes(bytes_)
+                elif bytes_ is not None and group == "tp":
                     extra = bytes_ - rec["act_bytes"]
                     b_txt = f"{_fmt_bytes(rec['act_bytes'])} + {_fmt_bytes(extra)} bias"
                 else:
                     b_txt = _fmt_bytes(bytes_) if bytes_ is not None else "-"
                 peak = max((pr[key]["peak"] or 0) for pr in per_rank) or None
+                wire_analytic = analytic  # Megatron and DDP only all-reduce: 2(n-1)/n = 1 for n=2
+                wire = _fmt_bytes(rec["wire"]) if "wire" in rec else "-"
                 rows.append((name, key, f"{t:.1f}", f"{t / t_base:.2f}", _fmt_bytes(peak), b_txt,
-                             _fmt_bytes(analytic), str(rec["n_coll"])))
+                             _fmt_bytes(analytic), f"{wire} ({_fmt_bytes(wire_analytic)})", str(rec["n_coll"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
         lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
