@@ -67,6 +67,10 @@ def assert_state_close(got: dict, want: dict, steps: int) -> None:
     Adam normalises to steps of up to ``lr``: runs that sum in another order (another mesh) drift by up to
     ``2·lr·steps`` there, and only there."""
     assert list(got) == list(want)
+    diffs = {k: (got[k] - v).abs().max().item() for k, v in want.items() if v.numel()}
+    worst = max((d, k) for k, d in diffs.items() if not k.endswith("attn.k.bias"))
+    print(f"state_dict: max |diff| {worst[0]:.2e} ({worst[1]}); attn.k.bias "
+          f"{max((d for k, d in diffs.items() if k.endswith('attn.k.bias')), default=0):.2e}")
     for k, v in want.items():
         tol = 2 * LR * steps if k.endswith("attn.k.bias") else 1e-5
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
