@@ -129,3 +129,38 @@ def test_sequence_parallel_gpt_on_data_and_model_axes_equals_single_device():
     for name, g in ref_grads.items():
         if name in sim.grads:
             torch.testing.assert_close(sim.grads[name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_search_shards_norms_along_the_sequence_when_activation_memory_binds():
+    from autoshard import meta as M
+    from autoshard.placements import Shard
+
+    # GPU-sized activations (at the tiny shapes above latency dominates and the search shards the hidden dim)
+    torch.manual_seed(0)
+    block = models.Block(256, 8)
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return self.block(x).pow(2).mean()
+
+    model, x, mesh, profile = Big(), torch.randn(8, 128, 256), autoshard.Mesh(model=2), "gpu-8x-nvlink"
+    ann = {**ANN, "x": ("S(1)",)}
+    megatron = autoshard.compile(model, mesh, (x,), plan=ANN).plan
+    sp = autoshard.compile(model, mesh, (x,), plan=ann, sequence_parallel=True).plan
+    limit = sp.cost(profile).memory_per_rank * 1.01
+    assert limit < megatron.cost(profile).memory_per_rank
+    searched = autoshard.compile(model, mesh, (x,), plan=ann, planner="search", profile=profile,
+                                 memory_limit=limit).plan
+    assert searched.cost(profile).memory_per_rank <= limit
+    norms = [n for n in searched.graph_module.graph.nodes if n.op == "call_function"
+             and "layer_norm" in str(n.target)]
+    assert any(n.meta[M.SPEC][0] == Shard(1) for n in norms)  # a norm runs on half the sequence
+    ref_loss, ref_grads = reference(model, (x,), {})
+    sim = searched.simulate((x,))
+    torch.testing.assert_close(loss_of(sim.outputs[0]), ref_loss, rtol=1e-5, atol=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(sim.grads[name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
