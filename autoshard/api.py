@@ -199,6 +199,9 @@ class ShardedModule(torch.nn.Module):
             from autoshard.runtime.dist import DistCommunicator
 
             self._comm = DistCommunicator(self.mesh, timeout=self._timeout)
+        if self._comm.mesh != self.mesh:
+            raise MeshError(f"the communicator runs on mesh {self._comm.mesh}, but this module was compiled for mesh "
+                            f"{self.mesh}: compile for the mesh you run on (or run on the mesh you compiled for).")
         return self._comm
 
     def forward(self, *args, **kwargs):
