@@ -36,9 +36,15 @@ __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate
            "MoE", "moe_losses", "moe_stats"]
 
 
+_SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "rules", "strategies",
+               "trace", "report", "cli", "passes", "cost_models", "moe", "moe_ops", "pipeline", "checkpoint"}
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"autoshard.{name}")
     raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
