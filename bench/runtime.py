@@ -39,10 +39,18 @@ import torch.nn.functional as F
 from torch import nn
 
 SIZES = {
-    "full": dict(mlp=dict(batch=64, hidden=512), block=dict(batch=8, seq=128, hidden=256, heads=8),
-                 gpt4=dict(batch=8, seq=64, hidden=256, heads=8, vocab=1024, layers=4), reps=15),
-    "quick": dict(mlp=dict(batch=8, hidden=64), block=dict(batch=2, seq=16, hidden=64, heads=4),
-                  gpt4=dict(batch=2, seq=16, hidden=64, heads=4, vocab=128, layers=4), reps=3),
+    "full": {
+        "mlp": {"batch": 64, "hidden": 512},
+        "block": {"batch": 8, "seq": 128, "hidden": 256, "heads": 8},
+        "gpt4": {"batch": 8, "seq": 64, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4},
+        "reps": 15,
+    },
+    "quick": {
+        "mlp": {"batch": 8, "hidden": 64},
+        "block": {"batch": 2, "seq": 16, "hidden": 64, "heads": 4},
+        "gpt4": {"batch": 2, "seq": 16, "hidden": 64, "heads": 4, "vocab": 128, "layers": 4},
+        "reps": 3,
+    },
 }
 
 
@@ -68,11 +76,19 @@ def _case(name: str, size: dict):
     g = torch.Generator().manual_seed(1)
 
     def block_plan(prefix):
-        prep = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                  use_local_output=False)
-        return {f"{prefix}attn": prep, f"{prefix}attn.q": ColwiseParallel(), f"{prefix}attn.k": ColwiseParallel(),
-                f"{prefix}attn.v": ColwiseParallel(), f"{prefix}attn.out": RowwiseParallel(),
-                f"{prefix}mlp": prep, f"{prefix}mlp.0": ColwiseParallel(), f"{prefix}mlp.2": RowwiseParallel()}
+        prep = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+        return {
+            f"{prefix}attn": prep,
+            f"{prefix}attn.q": ColwiseParallel(),
+            f"{prefix}attn.k": ColwiseParallel(),
+            f"{prefix}attn.v": ColwiseParallel(),
+            f"{prefix}attn.out": RowwiseParallel(),
+            f"{prefix}mlp": prep,
+            f"{prefix}mlp.0": ColwiseParallel(),
+            f"{prefix}mlp.2": RowwiseParallel(),
+        }
 
     def block_ann(prefix):
         return {k.replace("blocks.*.", prefix): v for k, v in models.MEGATRON["gpt"].items() if k.startswith("blocks")}
@@ -166,8 +182,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
 
         systems["tp/autoshard"] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
         if name == "block":  # sequence parallelism: the block's input and residual sharded along the sequence
-            sp_plan = autoshard.compile(model, tp_mesh, args, plan={**{k: (v,) for k, v in ann.items()},
-                                                                    "x": ("S(1)",)}, sequence_parallel=True).plan
+            sp_plan = autoshard.compile(
+                model, tp_mesh, args, plan={**{k: (v,) for k, v in ann.items()}, "x": ("S(1)",)}, sequence_parallel=True
+            ).plan
             sp_mod = sp_plan.rank_module(rank, bucket_grads=True)
             GradBucketer(sp_mod, comm=tp_comm, bucket_cap_mb=25)
             sp_args, _ = sp_plan.shard_inputs(rank, args)
@@ -233,7 +250,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         times = {k: [] for k in systems}
         keys = list(systems)
         for rep in range(reps):
-            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
+            order = keys[rep % len(keys) :] + keys[: rep % len(keys)]
             for key in order:
                 fn, params = systems[key][0], systems[key][1]
                 dist.barrier()
@@ -266,14 +283,25 @@ def _fmt_bytes(n) -> str:
 
 def report(results, cases) -> str:
     lines = []
-    rows = [("case", "system", "step (ms)", "ratio", "peak mem/rank", "bytes/rank/step", "analytic bytes",
-             "wire bytes (analytic)", "collectives/step")]
+    rows = [
+        (
+            "case",
+            "system",
+            "step (ms)",
+            "ratio",
+            "peak mem/rank",
+            "bytes/rank/step",
+            "analytic bytes",
+            "wire bytes (analytic)",
+            "collectives/step",
+        )
+    ]
     for name in cases:
         per_rank = [r[name] for r in results]
         fwd, bwd, numel = per_rank[0]["analytic"]
         params = per_rank[0]["params"]
 
-        def med(key):
+        def med(key, per_rank=per_rank):
             steps = list(zip(*(pr[key]["times"] for pr in per_rank)))
             return statistics.median(max(s) for s in steps) * 1e3
 
@@ -298,8 +326,19 @@ def report(results, cases) -> str:
                 peak = max((pr[key]["peak"] or 0) for pr in per_rank) or None
                 wire_analytic = analytic  # Megatron and DDP only all-reduce: 2(n-1)/n = 1 for n=2
                 wire = _fmt_bytes(rec["wire"]) if "wire" in rec else "-"
-                rows.append((name, key, f"{t:.1f}", f"{t / t_base:.2f}", _fmt_bytes(peak), b_txt,
-                             _fmt_bytes(analytic), f"{wire} ({_fmt_bytes(wire_analytic)})", str(rec["n_coll"])))
+                rows.append(
+                    (
+                        name,
+                        key,
+                        f"{t:.1f}",
+                        f"{t / t_base:.2f}",
+                        _fmt_bytes(peak),
+                        b_txt,
+                        _fmt_bytes(analytic),
+                        f"{wire} ({_fmt_bytes(wire_analytic)})",
+                        str(rec["n_coll"]),
+                    )
+                )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
         lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
@@ -309,8 +348,10 @@ def report(results, cases) -> str:
     for name in cases:
         rec = results[0][name]
         losses.append(f"{name}: " + ", ".join(f"{k} {rec[k]['loss']:.6f}" for k in rec if "/" in k))
-    return ("\n".join(lines) + "\n\nlosses (rank 0; DDP's is its local half-batch loss, the others the global "
-            "batch's): " + "; ".join(losses))
+    return (
+        "\n".join(lines) + "\n\nlosses (rank 0; DDP's is its local half-batch loss, the others the global "
+        "batch's): " + "; ".join(losses)
+    )
 
 
 def main(argv=None) -> None:
@@ -326,8 +367,10 @@ def main(argv=None) -> None:
     t0 = time.time()
     results = spawn(_worker, 2, a.quick, tuple(a.cases), a.reps, timeout=1800)
     sizes = SIZES["quick" if a.quick else "full"]
-    print(f"2 gloo processes, 1 thread each; median of {sizes['reps']} interleaved steps (slower rank); "
-          f"ratio = step time / DTensor's (tp) or DDP's (dp); sizes {({k: v for k, v in sizes.items() if k != 'reps'})}")
+    print(
+        f"2 gloo processes, 1 thread each; median of {sizes['reps']} interleaved steps (slower rank); "
+        f"ratio = step time / DTensor's (tp) or DDP's (dp); sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
+    )
     print(report(results, a.cases))
     print(f"\n({time.time() - t0:.0f} s)")
 

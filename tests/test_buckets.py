@@ -90,7 +90,7 @@ def test_bucketer_needs_a_sync_list():
         world.run(lambda r: GradBucketer(plan.rank_module(r, bucket_grads=True), bucket_cap_mb=0))
 
 
-MESH = dict(data=2, model=2)
+MESH = {"data": 2, "model": 2}
 
 
 def _gloo_worker(rank, world_size):
@@ -99,14 +99,18 @@ def _gloo_worker(rank, world_size):
     for cap in (0, 25, 0.01):
         model, args, kwargs = models.gpt(layers=1)
         mesh = autoshard.Mesh(**MESH)
-        sm = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), comm=comm,
-                               bucket_cap_mb=cap)
+        sm = autoshard.compile(
+            model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), comm=comm, bucket_cap_mb=cap
+        )
         a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
         comm.log.clear()
         for _ in range(2):
             sm(*a).backward()
-        out[cap] = ({n: p.grad.clone() for n, p in sm.local.named_parameters()},
-                    collective_counts(comm.log, "backward"), sm.bucketer is not None)
+        out[cap] = (
+            {n: p.grad.clone() for n, p in sm.local.named_parameters()},
+            collective_counts(comm.log, "backward"),
+            sm.bucketer is not None,
+        )
     return out
 
 
@@ -120,5 +124,7 @@ def test_sharded_module_buckets_by_default_on_gloo_and_equals_unbucketed():
             got, counts, bucketed = results[rank][cap]
             assert bucketed
             for name, g in ref.items():
-                torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{cap} {name}: {m}")
+                torch.testing.assert_close(
+                    got[name], g, rtol=1e-6, atol=1e-7, msg=lambda m, c=cap, n=name: f"{c} {n}: {m}"
+                )
             assert sum(counts.values()) < sum(ref_counts.values())

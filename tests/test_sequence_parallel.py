@@ -67,7 +67,7 @@ def test_sequence_parallel_block_equals_single_device(plans):
         torch.testing.assert_close(loss_of(out), ref_loss, rtol=1e-5, atol=1e-6)
     assert ref_grads.keys() <= sim.grads.keys()
     for name, g in ref_grads.items():
-        torch.testing.assert_close(sim.grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(sim.grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_sequence_parallel_replaces_each_all_reduce_by_reduce_scatter_and_all_gather(plans):
@@ -119,8 +119,7 @@ def test_sequence_parallel_reduces_activation_memory_per_rank(plans):
 def test_sequence_parallel_gpt_on_data_and_model_axes_equals_single_device():
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
-                             sequence_parallel=True).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), sequence_parallel=True).plan
     assert "reduce_scatter" in plan.code(0)
     ref_loss, ref_grads = reference(model, args, kwargs)
     sim = plan.simulate(args, kwargs)
@@ -128,7 +127,7 @@ def test_sequence_parallel_gpt_on_data_and_model_axes_equals_single_device():
         torch.testing.assert_close(loss_of(out), ref_loss, rtol=1e-5, atol=1e-6)
     for name, g in ref_grads.items():
         if name in sim.grads:
-            torch.testing.assert_close(sim.grads[name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(sim.grads[name], g, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_search_shards_norms_along_the_sequence_when_activation_memory_binds():
@@ -153,14 +152,14 @@ def test_search_shards_norms_along_the_sequence_when_activation_memory_binds():
     sp = autoshard.compile(model, mesh, (x,), plan=ann, sequence_parallel=True).plan
     limit = sp.cost(profile).memory_per_rank * 1.01
     assert limit < megatron.cost(profile).memory_per_rank
-    searched = autoshard.compile(model, mesh, (x,), plan=ann, planner="search", profile=profile,
-                                 memory_limit=limit).plan
+    searched = autoshard.compile(
+        model, mesh, (x,), plan=ann, planner="search", profile=profile, memory_limit=limit
+    ).plan
     assert searched.cost(profile).memory_per_rank <= limit
-    norms = [n for n in searched.graph_module.graph.nodes if n.op == "call_function"
-             and "layer_norm" in str(n.target)]
+    norms = [n for n in searched.graph_module.graph.nodes if n.op == "call_function" and "layer_norm" in str(n.target)]
     assert any(n.meta[M.SPEC][0] == Shard(1) for n in norms)  # a norm runs on half the sequence
     ref_loss, ref_grads = reference(model, (x,), {})
     sim = searched.simulate((x,))
     torch.testing.assert_close(loss_of(sim.outputs[0]), ref_loss, rtol=1e-5, atol=1e-6)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(sim.grads[name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(sim.grads[name], g, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

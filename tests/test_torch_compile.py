@@ -19,6 +19,7 @@ from examples import models
 
 def _run(plan, args, kwargs, compiled, bucket: bool = False):
     """``compiled``: False (eager) or the torch.compile backend."""
+
     def body(rank):
         module = plan.rank_module(rank, bucket_grads=bucket)
         if bucket:
@@ -42,7 +43,7 @@ def _check(ref, got, bucket_log_may_differ=False):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
         assert r_ref[1].keys() == r_got[1].keys()
         for name, g in r_ref[1].items():
-            torch.testing.assert_close(r_got[1][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(r_got[1][name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         if not bucket_log_may_differ:
             assert r_got[2] == r_ref[2]  # the same collectives, in the same order, as eager
 
@@ -85,5 +86,6 @@ def test_compiled_megatron_block_equals_eager():
 def test_compiled_rank_module_with_bucketed_gradients_equals_eager():
     model, args, kwargs = models.mlp()
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
-    _check(_run(plan, args, kwargs, False), _run(plan, args, kwargs, "aot_eager", bucket=True),
-           bucket_log_may_differ=True)
+    _check(
+        _run(plan, args, kwargs, False), _run(plan, args, kwargs, "aot_eager", bucket=True), bucket_log_may_differ=True
+    )

@@ -60,13 +60,20 @@ class GradBucketer:
     Call :meth:`remove` to take the hooks off again.
     """
 
-    def __init__(self, module: torch.nn.Module, syncs=None, comm: Communicator | None = None,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        syncs=None,
+        comm: Communicator | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ):
         if syncs is None:
             meta = getattr(module, "meta", {})
             if GRAD_SYNC not in meta:
-                raise AutoshardError("GradBucketer got a module without a gradient-sync list: make the rank module "
-                                     "with plan.rank_module(rank, bucket_grads=True), or pass syncs=.")
+                raise AutoshardError(
+                    "GradBucketer got a module without a gradient-sync list: make the rank module "
+                    "with plan.rank_module(rank, bucket_grads=True), or pass syncs=."
+                )
             syncs = meta[GRAD_SYNC]
         if not bucket_cap_mb > 0:
             raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a positive number of MiB.")
@@ -84,8 +91,9 @@ class GradBucketer:
             key = (tuple(axes), p.dtype)
             nbytes = p.numel() * p.element_size()
             b = open_.get(key)
-            if b is None or (self.buckets[b].numel * p.element_size() + nbytes > self.cap_bytes
-                             and self.buckets[b].names):
+            if b is None or (
+                self.buckets[b].numel * p.element_size() + nbytes > self.cap_bytes and self.buckets[b].names
+            ):
                 b = open_[key] = len(self.buckets)
                 self.buckets.append(_Bucket(tuple(axes), p.dtype))
             bucket = self.buckets[b]
@@ -127,10 +135,11 @@ class GradBucketer:
         if bucket.flat is None:
             bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=grad.device)
         off = bucket.offsets[i]
-        bucket.flat[off:off + p.numel()].copy_(grad.reshape(-1))
+        bucket.flat[off : off + p.numel()].copy_(grad.reshape(-1))
         bucket.ready.add(name)
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
-                self.buckets[self._next].names):
+            self.buckets[self._next].names
+        ):
             self._launch(self.buckets[self._next])
             self._next += 1
 
@@ -139,11 +148,11 @@ class GradBucketer:
 
     def _finish(self) -> None:
         try:
-            for bucket in self.buckets[self._next:]:
+            for bucket in self.buckets[self._next :]:
                 if bucket.ready:  # a bucket no gradient reached this time is skipped (on every rank alike)
                     for name, off in zip(bucket.names, bucket.offsets):
                         if name not in bucket.ready:
-                            bucket.flat[off:off + self.params[name].numel()].zero_()
+                            bucket.flat[off : off + self.params[name].numel()].zero_()
                     self._launch(bucket)
             for bucket in self.buckets:
                 if bucket.handle is None:
@@ -155,7 +164,7 @@ class GradBucketer:
                     if name not in bucket.ready:
                         continue
                     p = self.params[name]
-                    g = flat[off:off + p.numel()].view(p.shape)
+                    g = flat[off : off + p.numel()].view(p.shape)
                     old = self._old.pop(name, None)
                     p.grad = g if old is None else old.add_(g)
         finally:
@@ -167,8 +176,10 @@ class GradBucketer:
             self._queued = False
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{len(b.names)} params/{b.numel * torch.empty((), dtype=b.dtype).element_size()} B "
-                          f"over {'+'.join(b.axes)}" for b in self.buckets)
+        sizes = ", ".join(
+            f"{len(b.names)} params/{b.numel * torch.empty((), dtype=b.dtype).element_size()} B over {'+'.join(b.axes)}"
+            for b in self.buckets
+        )
         return f"GradBucketer({len(self.buckets)} buckets: {sizes})"
 
 

@@ -33,7 +33,7 @@ class _AllGatherSync(torch.autograd.Function):
         for a in ctx.axes[:k]:
             grad = comm.all_reduce(grad, a, phase="backward")
         grad = comm.reduce_scatter(grad, axis, ctx.dim, phase="backward")
-        for a in ctx.axes[k + 1:]:
+        for a in ctx.axes[k + 1 :]:
             grad = comm.all_reduce(grad, a, phase="backward")
         return grad, None, None, None, None
 
