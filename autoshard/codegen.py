@@ -149,6 +149,9 @@ def _nll_loss(graph, new, old, mesh, rank):
 @localizer(aten.dropout.default)
 def _dropout(graph, new, old, mesh, rank):
     # Per-process RNG would give replicated copies different masks: use one global mask, sliced per rank.
+    p, train = old.args[1], old.args[2]
+    if not train or p == 0:
+        return new  # no randomness: the op is the identity
     val = old.meta["val"]
     spec = _out_spec(old)
     seed = zlib.crc32(old.name.encode())
