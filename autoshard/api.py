@@ -200,7 +200,7 @@ class ShardedModule(torch.nn.Module):
 
             self._comm = DistCommunicator(self.mesh, timeout=self._timeout)
         if self._comm.mesh != self.mesh:
-            raise MeshError(f"the communicator runs on mesh {self._comm.mesh}, but this module was compiled for mesh "
+            raise MeshError(f"the ShardedModule's communicator runs on {self._comm.mesh}, but its plan is for "
                             f"{self.mesh}: compile for the mesh you run on (or run on the mesh you compiled for).")
         return self._comm
 

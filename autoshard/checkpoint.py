@@ -37,7 +37,7 @@ import uuid
 
 import torch
 
-from autoshard.errors import CheckpointError, MeshError
+from autoshard.errors import CheckpointError
 from autoshard.placements import Replicate, Shard, Spec, format_spec, shard_tensor
 
 __all__ = ["MARKER", "full_state_dict", "load", "save"]
@@ -86,12 +86,8 @@ class _View:
         from autoshard.trace import fetch_attr
 
         plan = sharded._need_plan()
-        self.comm = sharded.communicator()
+        self.comm = sharded.communicator()  # refuses a communicator of another mesh
         self.mesh, self.source = plan.mesh, sharded._source[0]
-        if self.comm.mesh != self.mesh:
-            raise MeshError(f"the ShardedModule's communicator runs on {self.comm.mesh}, but its plan is for "
-                            f"{self.mesh}: give compile(comm=...) a communicator of the same mesh (one SimWorld "
-                            "per mesh).")
         local = _local_module(sharded)
         persistent = set(self.source.state_dict().keys())
         self.local, self.specs, self.shapes, self.groups, self.params = {}, {}, {}, [], {}
