@@ -96,8 +96,9 @@ def _elementwise_loss(graph, new, old, mesh, rank):
 
 @localizer(aten.linear.default, aten.addmm.default, aten.baddbmm.default)
 def _bias_once(graph, new, old, mesh, rank):
-    # A bias added to a Partial output would be summed once per rank: keep it on coordinate 0 of every partial
-    # axis, zero elsewhere (multiplied, not dropped, so every rank's backward runs the same collectives).
+    # A bias added to a Partial output would be summed once per rank: add it on coordinate 0 of every partial
+    # axis only. Its gradient passes straight through on every rank (the output's gradient is whole everywhere),
+    # so no rank needs a backward all-reduce for it (see strategies.py: bias inputs of Partial outputs).
     axes = _partial_axes(_out_spec(old), mesh)
     bias_pos = 2 if old.target == aten.linear.default else 0
     if not axes or len(new.args) <= bias_pos or new.args[bias_pos] is None:
@@ -105,7 +106,7 @@ def _bias_once(graph, new, old, mesh, rank):
     coords = mesh.coords(rank)
     keep = all(coords[mesh.names[a]] == 0 for a in axes)
     with graph.inserting_before(new):
-        scaled = graph.call_function(aten.mul.Tensor, (new.args[bias_pos], 1.0 if keep else 0.0))
+        scaled = graph.call_function(runtime_ops.bias_once, (new.args[bias_pos], keep))
     args = list(new.args)
     args[bias_pos] = scaled
     new.args = tuple(args)

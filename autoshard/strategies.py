@@ -87,9 +87,13 @@ def _strategy(dm: DimMap, combo, in_shapes, mesh: Mesh) -> Strategy:
     outputs = tuple(tuple(placement(labels, o, "out", 0) for o in combo) for labels in dm.outputs)
     output_spec = outputs[0] if len(outputs) == 1 else outputs
     out_replicated = [all(isinstance(o[a], Replicate) for o in outputs) for a in range(mesh.ndim)]
+    out_partial = [any(isinstance(o[a], Partial) for o in outputs) for a in range(mesh.ndim)]
+    # A replicated bias added to a Partial output gets its whole gradient on every rank (codegen adds it once in
+    # forward but passes the gradient straight through), so it needs no backward all-reduce on that axis.
     grad_sync = tuple(
         () if spec is None else tuple(mesh.names[a] for a in range(mesh.ndim)
-                                      if isinstance(spec[a], Replicate) and not out_replicated[a])
-        for spec in input_specs)
+                                      if isinstance(spec[a], Replicate) and not out_replicated[a]
+                                      and not (i in dm.bias and out_partial[a]))
+        for i, spec in enumerate(input_specs))
     note = ",".join("R" if o[0] == "R" else (f"S[{o[1]}]" if o[0] == "S" else "P") for o in combo)
     return Strategy(tuple(input_specs), output_spec, grad_sync, note)

@@ -118,3 +118,20 @@ def dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int], off
     for d, (start, size) in enumerate(zip(offsets, x.shape)):
         keep = keep.narrow(d, start, size)
     return x * keep.to(x.dtype) / (1.0 - p)
+
+
+class _BiasOnce(torch.autograd.Function):
+    """Forward: the bias on one rank of a Partial sum, zero on the others. Backward: the whole gradient on every
+    rank (the gradient of a Partial output is complete everywhere), so the bias needs no all-reduce."""
+
+    @staticmethod
+    def forward(ctx, bias, keep):
+        return bias.clone() if keep else torch.zeros_like(bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def bias_once(bias: torch.Tensor, keep: bool) -> torch.Tensor:
+    return _BiasOnce.apply(bias, keep)

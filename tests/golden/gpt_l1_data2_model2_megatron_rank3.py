@@ -50,9 +50,9 @@ def forward(self, ids, labels):
     transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
     reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32]);  transpose_3 = None
     grad_all_reduce_11 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_out_weight, ('data',));  blocks_0_attn_out_weight = None
-    grad_all_reduce_12 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_out_bias, ('data', 'model'));  blocks_0_attn_out_bias = None
-    mul_tensor = torch.ops.aten.mul.Tensor(grad_all_reduce_12, 0.0);  grad_all_reduce_12 = None
-    linear_3 = torch.ops.aten.linear.default(reshape, grad_all_reduce_11, mul_tensor);  reshape = grad_all_reduce_11 = mul_tensor = None
+    grad_all_reduce_12 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_out_bias, ('data',));  blocks_0_attn_out_bias = None
+    bias_once = autoshard_runtime_ops_bias_once(grad_all_reduce_12, False);  grad_all_reduce_12 = None
+    linear_3 = torch.ops.aten.linear.default(reshape, grad_all_reduce_11, bias_once);  reshape = grad_all_reduce_11 = bias_once = None
     add_1 = torch.ops.aten.add.Tensor(add, linear_3);  add = linear_3 = None
     all_reduce_1 = autoshard_runtime_collectives_all_reduce(add_1, 'model')
     grad_all_reduce_13 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_ln2_weight, ('data',));  blocks_0_ln2_weight = None
@@ -64,9 +64,9 @@ def forward(self, ids, labels):
     linear_4 = torch.ops.aten.linear.default(grad_all_reduce_15, grad_all_reduce_16, grad_all_reduce_17);  grad_all_reduce_15 = grad_all_reduce_16 = grad_all_reduce_17 = None
     gelu = torch.ops.aten.gelu.default(linear_4);  linear_4 = None
     grad_all_reduce_18 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_2_weight, ('data',));  blocks_0_mlp_2_weight = None
-    grad_all_reduce_19 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_2_bias, ('data', 'model'));  blocks_0_mlp_2_bias = None
-    mul_tensor_1 = torch.ops.aten.mul.Tensor(grad_all_reduce_19, 0.0);  grad_all_reduce_19 = None
-    linear_5 = torch.ops.aten.linear.default(gelu, grad_all_reduce_18, mul_tensor_1);  gelu = grad_all_reduce_18 = mul_tensor_1 = None
+    grad_all_reduce_19 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_2_bias, ('data',));  blocks_0_mlp_2_bias = None
+    bias_once_1 = autoshard_runtime_ops_bias_once(grad_all_reduce_19, False);  grad_all_reduce_19 = None
+    linear_5 = torch.ops.aten.linear.default(gelu, grad_all_reduce_18, bias_once_1);  gelu = grad_all_reduce_18 = bias_once_1 = None
     add_2 = torch.ops.aten.add.Tensor(add_1, linear_5);  add_1 = linear_5 = None
     all_reduce_2 = autoshard_runtime_collectives_all_reduce(add_2, 'model');  add_2 = None
     grad_all_reduce_20 = autoshard_runtime_collectives_grad_all_reduce(ln_f_weight, ('data',));  ln_f_weight = None

@@ -80,18 +80,17 @@ def forward(self, input_ids, labels):
     transpose_3 = torch.ops.aten.transpose.int(reshape, 1, 2);  reshape = None
     reshape_1 = torch.ops.aten.reshape.default(transpose_3, [4, 16, 64]);  transpose_3 = None
     view_6 = torch.ops.aten.view.default(reshape_1, [64, 64]);  reshape_1 = None
-    grad_all_reduce_1 = autoshard_runtime_collectives_grad_all_reduce(transformer_h_0_attn_c_proj_bias, ('model',));  transformer_h_0_attn_c_proj_bias = None
     local_slice = autoshard_runtime_collectives_local_slice(view_6, 'model', 1);  view_6 = None
-    mul_tensor = torch.ops.aten.mul.Tensor(grad_all_reduce_1, 1.0);  grad_all_reduce_1 = None
-    addmm_1 = torch.ops.aten.addmm.default(mul_tensor, local_slice, transformer_h_0_attn_c_proj_weight);  mul_tensor = local_slice = transformer_h_0_attn_c_proj_weight = None
+    bias_once = autoshard_runtime_ops_bias_once(transformer_h_0_attn_c_proj_bias, True);  transformer_h_0_attn_c_proj_bias = None
+    addmm_1 = torch.ops.aten.addmm.default(bias_once, local_slice, transformer_h_0_attn_c_proj_weight);  bias_once = local_slice = transformer_h_0_attn_c_proj_weight = None
     view_7 = torch.ops.aten.view.default(addmm_1, [4, 16, 64]);  addmm_1 = None
     all_reduce_1 = autoshard_runtime_collectives_all_reduce(view_7, 'model');  view_7 = None
     dropout_1 = torch.ops.aten.dropout.default(all_reduce_1, 0.0, True);  all_reduce_1 = None
     add_4 = torch.ops.aten.add.Tensor(dropout_1, dropout);  dropout_1 = dropout = None
     layer_norm_1 = torch.ops.aten.layer_norm.default(add_4, [64], transformer_h_0_ln_2_weight, transformer_h_0_ln_2_bias, 1e-05, False);  transformer_h_0_ln_2_weight = transformer_h_0_ln_2_bias = None
     view_8 = torch.ops.aten.view.default(layer_norm_1, [64, 64]);  layer_norm_1 = None
-    grad_all_reduce_2 = autoshard_runtime_collectives_grad_all_reduce(view_8, ('model',));  view_8 = None
-    addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, grad_all_reduce_2, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = grad_all_reduce_2 = transformer_h_0_mlp_c_fc_weight = None
+    grad_all_reduce_1 = autoshard_runtime_collectives_grad_all_reduce(view_8, ('model',));  view_8 = None
+    addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, grad_all_reduce_1, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = grad_all_reduce_1 = transformer_h_0_mlp_c_fc_weight = None
     view_9 = torch.ops.aten.view.default(addmm_2, [4, 16, 128]);  addmm_2 = None
     mul = torch.ops.aten.mul.Tensor(view_9, 0.5)
     pow_1 = torch.ops.aten.pow.Tensor_Scalar(view_9, 3.0)
@@ -102,9 +101,8 @@ def forward(self, input_ids, labels):
     add_6 = torch.ops.aten.add.Tensor(tanh, 1.0);  tanh = None
     mul_3 = torch.ops.aten.mul.Tensor(mul, add_6);  mul = add_6 = None
     view_10 = torch.ops.aten.view.default(mul_3, [64, 128]);  mul_3 = None
-    grad_all_reduce_3 = autoshard_runtime_collectives_grad_all_reduce(transformer_h_0_mlp_c_proj_bias, ('model',));  transformer_h_0_mlp_c_proj_bias = None
-    mul_tensor_1 = torch.ops.aten.mul.Tensor(grad_all_reduce_3, 1.0);  grad_all_reduce_3 = None
-    addmm_3 = torch.ops.aten.addmm.default(mul_tensor_1, view_10, transformer_h_0_mlp_c_proj_weight);  mul_tensor_1 = view_10 = transformer_h_0_mlp_c_proj_weight = None
+    bias_once_1 = autoshard_runtime_ops_bias_once(transformer_h_0_mlp_c_proj_bias, True);  transformer_h_0_mlp_c_proj_bias = None
+    addmm_3 = torch.ops.aten.addmm.default(bias_once_1, view_10, transformer_h_0_mlp_c_proj_weight);  bias_once_1 = view_10 = transformer_h_0_mlp_c_proj_weight = None
     view_11 = torch.ops.aten.view.default(addmm_3, [4, 16, 64]);  addmm_3 = None
     all_reduce_2 = autoshard_runtime_collectives_all_reduce(view_11, 'model');  view_11 = None
     dropout_2 = torch.ops.aten.dropout.default(all_reduce_2, 0.0, True);  all_reduce_2 = None
@@ -112,8 +110,8 @@ def forward(self, input_ids, labels):
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7, [64], transformer_ln_f_weight, transformer_ln_f_bias, 1e-05, False);  add_7 = transformer_ln_f_weight = transformer_ln_f_bias = None
     view_12 = torch.ops.aten.view.default(layer_norm_2, [4, 16, 64]);  layer_norm_2 = None
     alias = torch.ops.aten.alias.default(view_12);  view_12 = None
-    grad_all_reduce_4 = autoshard_runtime_collectives_grad_all_reduce(alias, ('model',));  alias = None
-    linear = torch.ops.aten.linear.default(grad_all_reduce_4, lm_head_weight);  grad_all_reduce_4 = lm_head_weight = None
+    grad_all_reduce_2 = autoshard_runtime_collectives_grad_all_reduce(alias, ('model',));  alias = None
+    linear = torch.ops.aten.linear.default(grad_all_reduce_2, lm_head_weight);  grad_all_reduce_2 = lm_head_weight = None
     to_3 = torch.ops.aten.to.dtype(linear, torch.float32);  linear = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None

@@ -6,9 +6,8 @@ def forward(self, x, target):
     fc2_bias = self.fc2.bias
     linear = torch.ops.aten.linear.default(x, fc1_weight, fc1_bias);  x = fc1_weight = fc1_bias = None
     gelu = torch.ops.aten.gelu.default(linear);  linear = None
-    grad_all_reduce = autoshard_runtime_collectives_grad_all_reduce(fc2_bias, ('model',));  fc2_bias = None
-    mul_tensor = torch.ops.aten.mul.Tensor(grad_all_reduce, 0.0);  grad_all_reduce = None
-    linear_1 = torch.ops.aten.linear.default(gelu, fc2_weight, mul_tensor);  gelu = fc2_weight = mul_tensor = None
+    bias_once = autoshard_runtime_ops_bias_once(fc2_bias, False);  fc2_bias = None
+    linear_1 = torch.ops.aten.linear.default(gelu, fc2_weight, bias_once);  gelu = fc2_weight = bias_once = None
     all_reduce = autoshard_runtime_collectives_all_reduce(linear_1, 'model');  linear_1 = None
     broadcast_tensors = torch.ops.aten.broadcast_tensors.default([all_reduce, target]);  all_reduce = target = None
     getitem = broadcast_tensors[0]
