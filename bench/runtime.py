@@ -31,12 +31,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script (and in spawned workers): make `examples` importable
+    sys.path.insert(0, str(_ROOT))
 
 SIZES = {
     "full": {
