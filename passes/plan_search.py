@@ -42,7 +42,7 @@ from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
 from autoshard.mesh import Mesh
-from autoshard.placements import Partial, Replicate, Shard, Spec, format_spec
+from autoshard.placements import Replicate, Shard, Spec, format_spec
 from autoshard.progress import slow_step
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,9 +193,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
             continue
         for pos, x in enumerate(tensor_inputs(n)):
             if x.op == "get_attr" and x.meta.get(M.SPEC) is None:
-                for s in decisions[index[n]].options:
-                    if any(isinstance(p, Partial) for p in s.input_specs[pos]):
-                        continue  # node_strategies never asks for a Partial parameter; be explicit
+                for s in decisions[index[n]].options:  # never Partial: node_strategies keeps parameters whole
                     lst = wanted.setdefault(_canon(canon, x), [])
                     if s.input_specs[pos] not in lst:
                         lst.append(s.input_specs[pos])
