@@ -146,6 +146,25 @@ MEGATRON = {
 }
 
 
+class BlockLoss(nn.Module):
+    """One GPT block whose output's mean square is the loss: the unit the Megatron communication counts are about."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.block = Block(hidden, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x).pow(2).mean()
+
+
+def gpt_block(batch: int = 2, seq: int = 8, hidden: int = 32, heads: int = 4, seed: int = 0):
+    """``(model, (x,), {}, megatron_plan_on_model_axis)`` for a single GPT block."""
+    torch.manual_seed(seed)
+    model = BlockLoss(hidden, heads)
+    plan = {k.replace("blocks.*.", "block."): (v,) for k, v in MEGATRON["gpt"].items() if k.startswith("blocks")}
+    return model, (torch.randn(batch, seq, hidden, requires_grad=True),), {}, plan
+
+
 def megatron(mesh, name: str, model_axis: str = "model") -> dict:
     """The Megatron plan of factory ``name`` on ``mesh``: the placements above on ``model_axis``, R elsewhere."""
     if model_axis not in mesh.names:

@@ -10,7 +10,6 @@ CheckpointError.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 from pathlib import Path
@@ -23,6 +22,7 @@ from autoshard.checkpoint import MARKER
 from autoshard.errors import CheckpointError
 from autoshard.runtime import SimWorld, spawn
 from examples import models
+from examples.checkpoint_reshard import train
 
 LR = 3e-3
 BATCH, SEQ, VOCAB = 8, 16, 128
@@ -42,23 +42,7 @@ def new_model(seed: int = 0):
 
 
 def compile_gpt(model, mesh, comm=None, **kw):
-    fast = {"planner": "greedy"} if "planner" in inspect.signature(autoshard.compile).parameters else {}
-    return autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm, **fast, **kw)
-
-
-def train(module, mesh, rank: int, data, opt=None):
-    """Adam steps of a ShardedModule (``mesh`` given) or of a plain module (``mesh`` None); returns losses, opt."""
-    losses = []
-    for ids, labels in data:
-        if mesh is not None:
-            ids, labels = autoshard.data_shard(ids, mesh, rank), autoshard.data_shard(labels, mesh, rank)
-        loss = module(ids, labels)
-        opt = opt or torch.optim.Adam(module.parameters(), lr=LR)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, opt
+    return autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm, planner="greedy", **kw)
 
 
 def assert_state_close(got: dict, want: dict, steps: int) -> None:
@@ -208,10 +192,9 @@ def test_full_state_dict_of_hf_gpt2_goes_back_to_save_pretrained(tmp_path):
     model, args, kwargs = models.hf_gpt2(layers=1)
     mesh = autoshard.Mesh(data=2, model=2)
     ann = models.megatron(mesh, "hf_gpt2")
-    fast = {"planner": "greedy"} if "planner" in inspect.signature(autoshard.compile).parameters else {}
 
     def body(rank, comm):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, comm=comm, **fast)
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, comm=comm, planner="greedy")
         a, k = sharded.plan.shard_inputs(rank, args, kwargs)
         out = sharded(*a, **k)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)

@@ -40,27 +40,10 @@ def test_megatron_parameter_bytes_are_half_plus_replicated(name):
         assert local == expected  # exact: every non-replicated parameter is split in two
 
 
-def _block_case(n: int):
-    torch.manual_seed(0)
-    b, s, h, heads = 2, 8, 32, 4
-    block = models.Block(h, heads)
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return self.block(x).pow(2).mean()
-
-    ann = {k.replace("blocks.*.", "block."): (v,) for k, v in models.MEGATRON["gpt"].items() if k.startswith("blocks")}
-    x = torch.randn(b, s, h, requires_grad=True)
-    return Wrapped(), x, ann, b * s * h
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_gpt_block_runs_two_all_reduces_forward_and_two_backward(n):
-    model, x, ann, bsh = _block_case(n)
+    model, (x,), _, ann = models.gpt_block()
+    bsh = x.numel()
     mesh = autoshard.Mesh(model=n)
     plan = autoshard.compile(model, mesh, (x,), plan=ann).plan
     sim = plan.simulate((x,), {})

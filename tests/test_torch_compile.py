@@ -66,20 +66,9 @@ def test_inductor_compiled_megatron_mlp_equals_eager():
 # inductor's C++ builds (minutes on a shared 2-core machine). Each simulated rank compiles its own module (the
 # guards see different parameters), so the cases keep to 2 ranks.
 def test_compiled_megatron_block_equals_eager():
-    torch.manual_seed(0)
-    block = models.Block(32, 4)
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return self.block(x).pow(2).mean()
-
-    ann = {k.replace("blocks.*.", "block."): (v,) for k, v in models.MEGATRON["gpt"].items() if k.startswith("blocks")}
-    x = torch.randn(2, 8, 32)
-    plan = autoshard.compile(Wrapped(), autoshard.Mesh(model=2), (x,), plan=ann).plan
+    model, (x,), _, ann = models.gpt_block()
+    x = x.detach()
+    plan = autoshard.compile(model, autoshard.Mesh(model=2), (x,), plan=ann).plan
     _check(_run(plan, (x,), {}, False), _run(plan, (x,), {}, "aot_eager"))
 
 
