@@ -449,9 +449,15 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
     a = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
     upper = np.ones(nvar)
     # HiGHS also stops at an absolute gap of 1e-6: in seconds that hides real differences, so solve in nanoseconds.
-    res = milp(np.array(cost) * 1e9, constraints=LinearConstraint(a, lo, hi), integrality=np.array(integer),
-               bounds=Bounds(np.zeros(nvar), upper),
-               options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": False, "disp": _DISP})
+    c, cons, bounds = np.array(cost) * 1e9, LinearConstraint(a, lo, hi), Bounds(np.zeros(nvar), upper)
+    integer = np.array(integer)
+    # The LP relaxation first: the marginal formulation is usually tight, and an integral LP optimum is an optimum of
+    # the integer program (it is feasible there, and no integer point beats the relaxation). Otherwise branch.
+    res = milp(c, constraints=cons, integrality=np.zeros_like(integer), bounds=bounds,
+               options={"time_limit": time_limit, "presolve": False, "disp": _DISP})
+    if res.x is None or not _integral(res.x[integer == 1]):
+        res = milp(c, constraints=cons, integrality=integer, bounds=bounds,
+                   options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": False, "disp": _DISP})
     if res.x is None:
         limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
         raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
@@ -499,6 +505,8 @@ class PlanSearch:
             if n.op == "get_attr":
                 n.meta[M.SPEC] = option
             else:
+                if n.name not in ctx.forced:  # forced before the search: propagation still checks it
+                    ctx.searched.add(n.name)
                 ctx.forced[n.name] = option
         ctx.report[self.name] = {
             "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
@@ -507,6 +515,10 @@ class PlanSearch:
             "binding": _binding(problem, memory),
         }
         return gm
+
+
+def _integral(values: np.ndarray, tol: float = 1e-9) -> bool:
+    return bool(np.all(np.minimum(np.abs(values), np.abs(values - 1.0)) <= tol))
 
 
 def _by_decision(users) -> dict[int, list[int]]:

@@ -128,8 +128,11 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
 
 def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: set[tuple]) -> None:
     inputs = tensor_inputs(node)
-    candidates = node_strategies(node, ctx)
-    if node.name in ctx.forced:
+    if node.name in ctx.searched:  # one of this node's (or its tied twin's) own rule options
+        candidates = [ctx.forced[node.name]]
+    else:
+        candidates = node_strategies(node, ctx)
+    if node.name in ctx.forced and node.name not in ctx.searched:
         if ctx.forced[node.name] not in candidates:
             raise PlanError(f"{node_location(node)} was given strategy {ctx.forced[node.name]}, but its rule does "
                             "not allow it.")
