@@ -15,6 +15,7 @@ local_slice ↔ all_gather).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,8 +33,15 @@ class Step:
 
 
 def plan(src: Spec, dst: Spec, mesh: Mesh) -> list[Step] | None:
+    """The collectives that turn ``src`` into ``dst`` on ``mesh`` (None: impossible, e.g. to Partial)."""
+    steps = _plan(tuple(src), tuple(dst), mesh)
+    return None if steps is None else list(steps)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _plan(src: Spec, dst: Spec, mesh: Mesh) -> tuple[Step, ...] | None:
     if src == dst:
-        return []
+        return ()
     cur = list(src)
     steps: list[Step] = []
 
@@ -68,7 +76,7 @@ def plan(src: Spec, dst: Spec, mesh: Mesh) -> list[Step] | None:
             push("local_slice", a, (t.dim,), t)
     if tuple(cur) != tuple(dst):
         return None
-    return steps
+    return tuple(steps)
 
 
 def _local_numel(shape, spec: Spec, mesh: Mesh) -> int:

@@ -17,18 +17,56 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from autoshard import layer_reuse
 from autoshard import meta as M
 from autoshard.errors import TraceError
+from autoshard.layer_reuse import find_groups
 
+#: ``gm.meta`` key: container path -> [traced layer index, copied layer indices...] (see autoshard.layer_reuse)
+REUSED_LAYERS = "autoshard.reused_layers"
 _DROP_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
-def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> torch.fx.GraphModule:
-    """Export ``model(*args, **kwargs)`` to a GraphModule with static shapes, FQN-named get_attrs and module paths."""
+def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
+          reuse_layers: bool = True) -> torch.fx.GraphModule:
+    """Export ``model(*args, **kwargs)`` to a GraphModule with static shapes, FQN-named get_attrs and module paths.
+
+    With ``reuse_layers`` (default), a list of identical layers is traced once and copied (see
+    :mod:`autoshard.layer_reuse`); the graph is the same as exporting every layer.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
+    if reuse_layers:
+        try:
+            return _finish(_export_reusing_layers(model, args, kwargs), model)
+        except Exception:  # _CannotReuse: layers that differ, or a structure the copy does not handle; or export
+            pass  # failed inside the reuse machinery: export every layer (which reports a real failure)
+    return _finish(_export(model, args, kwargs), model)
+
+
+def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
+    groups = find_groups(model)
+    if not groups:
+        raise layer_reuse._CannotReuse("no repeated layers")
+    for attempt in range(2):
+        with layer_reuse.reuse_layers(model, groups):
+            gm = _export(model, args, kwargs)
+        wrong = layer_reuse.verify(groups)
+        if not wrong:
+            break
+        if attempt == 1:
+            raise layer_reuse._CannotReuse("copied layers differ from their first layer")
+        groups = layer_reuse.without(groups, wrong)  # export again, tracing the layers that differ
+        if not groups:
+            raise layer_reuse._CannotReuse("no layer can be copied")
+    layer_reuse.expand_layer_calls(gm, groups)
+    gm.meta[REUSED_LAYERS] = {g.prefix: [g.first, *g.stubbed] for g in groups if g.stubbed}
+    return gm
+
+
+def _export(model, args, kwargs) -> torch.fx.GraphModule:
     name = type(model).__name__
     try:
         ep = torch.export.export(model, args, kwargs, strict=False)
@@ -40,14 +78,16 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) 
             "tensor values, .item()), pass every input as a tensor argument, and for Hugging Face models set "
             "use_cache=False. See torch.export's error above for the exact line."
         ) from e
-    gm = ep.module()
+    return ep.module()
+
+
+def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphModule:
     _clean(gm)
     _annotate_params(gm, model)
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr", "call_function") and "val" not in node.meta:
-            if node.op == "get_attr":
-                node.meta["val"] = _fetch(gm, node.target)
-    gm.recompile()
+        if node.op == "get_attr" and "val" not in node.meta:
+            node.meta["val"] = _fetch(gm, node.target)
+    _renumber(gm)  # assigning the new graph recompiles the module
     return gm
 
 
@@ -63,6 +103,30 @@ def _clean(gm: torch.fx.GraphModule) -> None:
             delattr(gm, name)
     g.eliminate_dead_code()
     g.lint()
+
+
+def _renumber(gm: torch.fx.GraphModule) -> None:
+    """Name every op from its target and position (``linear``, ``linear_1``, ...): the same names whether layers
+    were traced or copied, and whatever nodes export created and dropped on the way."""
+    old = gm.graph
+    new = torch.fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls, tracer_extras=old._tracer_extras)
+    new._codegen = old._codegen
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in old.nodes:
+        keep = n.op in ("placeholder", "get_attr", "output")
+        copy = new.create_node(n.op, n.target, torch.fx.map_arg(n.args, env.__getitem__),
+                               torch.fx.map_arg(n.kwargs, env.__getitem__), name=n.name if keep else _op_name(n),
+                               type_expr=n.type)
+        copy.meta = n.meta
+        env[n] = copy
+    gm.graph = new
+
+
+def _op_name(n: torch.fx.Node) -> str | None:
+    """The base name torch.export gives an op's node: ``linear`` for ``aten.linear.default``."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._opname.strip("_") or None
+    return getattr(n.target, "__name__", None)
 
 
 def _annotate_params(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:

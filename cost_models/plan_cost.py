@@ -53,11 +53,11 @@ def _link(profile: HardwareProfile, mesh: Mesh, axis: str):
 
 def redistribution_time(src: Spec, dst: Spec, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile
                         ) -> float | None:
-    return _redistribution_time(src, dst, shape(x), itemsize(x), bool(x.meta.get(M.REQUIRES_GRAD)), mesh, profile)
+    return redistribution_time_of(src, dst, shape(x), itemsize(x), bool(x.meta.get(M.REQUIRES_GRAD)), mesh, profile)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _redistribution_time(src, dst, shp, size, rg, mesh, profile) -> float | None:
+def redistribution_time_of(src, dst, shp, size, rg, mesh, profile) -> float | None:
     steps = redistribute.plan(src, dst, mesh)
     if steps is None:
         return None

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.fx
 from autoshard.cost_models.memory import optimizer_state_bytes
-from autoshard.cost_models.plan_cost import _local_numel, grad_sync_time, op_time, redistribution_time
+from autoshard.cost_models.plan_cost import _local_numel, redistribution_time_of, grad_sync_time, op_time
 from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.passes.propagate import mark_requires_grad, node_strategies, seed_specs
 
@@ -229,6 +229,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
 
     out_req = _output_requirements(gm, ctx)
     terms: list[ValueTerm] = []
+    pair_costs: dict = {}  # (src, dst, (shape, itemsize, requires_grad)) -> seconds: many values share a shape
     for (cu, _), members in groups.items():
         u = members[0]
         term = ValueTerm(cu, len(members), [], None, {}, {}, [], {}, {})
@@ -249,10 +250,14 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                     if (d, k) not in users:
                         users.append((d, k))
         outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
+        value = (shape(u), itemsize(u), bool(u.meta.get(M.REQUIRES_GRAD)))
         for o in outs:
             targets = set(term.needs) | {output_spec_for(o, keep) for keep in term.outputs}
             for i in targets:
-                term.pair_cost[(o, i)] = redistribution_time(o, i, u, mesh, profile)
+                key = (o, i, value)
+                if key not in pair_costs:
+                    pair_costs[key] = redistribution_time_of(o, i, *value, mesh, profile)
+                term.pair_cost[(o, i)] = pair_costs[key]
         for (i, axes) in term.syncs:
             term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
         terms.append(term)
@@ -374,28 +379,36 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
             # The tight "marginal" formulation (its LP is exact on tree-shaped parts of the graph): per consumer c,
             # e[c, o, i] >= 0 with sum_i e[c, o, i] = y[o] and sum_o e[c, o, i] = z[c, i] (the consumer's options
             # that need spec i); a redistribution o -> i is bought once, w[o, i] >= e[c, o, i] for every c.
-            bought: dict = {}
+            ylist = list(y.items())
+            needed_by: dict = {}  # consumer -> specs it may need
+            for i, users in term.needs.items():
+                for d, _ in users:
+                    needed_by.setdefault(d, set()).add(i)
+            spec_id: dict = {}
+            bought: dict = {}  # (producer spec index, needed spec id) -> variable
             for c in consumers:
-                needs = sorted({i for i, users in term.needs.items() if any(d == c for d, _ in users)}, key=format_spec)
-                evars: dict = {}
-                for o in y:
-                    for i in needs:
+                needs = sorted(needed_by[c], key=format_spec)
+                ids = [spec_id.setdefault(i, len(spec_id)) for i in needs]
+                evars: dict = {}  # (producer spec index, needs index) -> variable
+                for oi, (o, _) in enumerate(ylist):
+                    for ii, i in enumerate(needs):
                         pc = term.pair_cost[(o, i)]
                         if pc is None:
                             continue
                         if len(consumers) == 1:
-                            evars[(o, i)] = new_var(m * pc)
+                            evars[(oi, ii)] = new_var(m * pc)
                             continue
-                        evars[(o, i)] = new_var(0.0)
+                        ev = evars[(oi, ii)] = new_var(0.0)
                         if pc > 0:
-                            if (o, i) not in bought:
-                                bought[(o, i)] = new_var(m * pc)
-                            constraint([(bought[(o, i)], 1.0), (evars[(o, i)], -1.0)], 0.0, np.inf)
-                for o, ys in y.items():
-                    constraint([(evars[(o, i)], 1.0) for i in needs if (o, i) in evars] + [(v, -1.0) for v in ys],
-                               0.0, 0.0)
-                for i in needs:
-                    constraint([(evars[(o, i)], 1.0) for o in y if (o, i) in evars]
+                            bv = bought.get((oi, ids[ii]))
+                            if bv is None:
+                                bv = bought[(oi, ids[ii])] = new_var(m * pc)
+                            constraint([(bv, 1.0), (ev, -1.0)], 0.0, np.inf)
+                for oi, (o, ys) in enumerate(ylist):
+                    constraint([(evars[(oi, ii)], 1.0) for ii in range(len(needs)) if (oi, ii) in evars]
+                               + [(v, -1.0) for v in ys], 0.0, 0.0)
+                for ii, i in enumerate(needs):
+                    constraint([(evars[(oi, ii)], 1.0) for oi in range(len(ylist)) if (oi, ii) in evars]
                                + [(offsets[d] + k, -1.0) for d, k in term.needs[i] if d == c], 0.0, 0.0)
             needs_items = []
         else:

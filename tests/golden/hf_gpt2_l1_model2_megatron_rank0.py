@@ -32,27 +32,27 @@ def forward(self, input_ids, labels):
     cumsum = torch.ops.aten.cumsum.default(ne, -1);  ne = None
     expand_1 = torch.ops.aten.expand.default(unsqueeze, [4, 16]);  unsqueeze = None
     arange_1 = torch.ops.aten.arange.default(4, device = device(type='cpu'), pin_memory = False)
+    arange_2 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    add_2 = torch.ops.aten.add.Tensor(arange_2, 0);  arange_2 = None
     arange_3 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    add_2 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
-    arange_4 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    add_3 = torch.ops.aten.add.Tensor(arange_4, 0);  arange_4 = None
+    add_3 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
     unsqueeze_1 = torch.ops.aten.unsqueeze.default(arange_1, 1);  arange_1 = None
     unsqueeze_2 = torch.ops.aten.unsqueeze.default(unsqueeze_1, 2);  unsqueeze_1 = None
     unsqueeze_3 = torch.ops.aten.unsqueeze.default(unsqueeze_2, 3);  unsqueeze_2 = None
-    unsqueeze_7 = torch.ops.aten.unsqueeze.default(add_2, 0);  add_2 = None
+    unsqueeze_4 = torch.ops.aten.unsqueeze.default(add_2, 0);  add_2 = None
+    unsqueeze_5 = torch.ops.aten.unsqueeze.default(unsqueeze_4, 1);  unsqueeze_4 = None
+    unsqueeze_6 = torch.ops.aten.unsqueeze.default(unsqueeze_5, 3);  unsqueeze_5 = None
+    unsqueeze_7 = torch.ops.aten.unsqueeze.default(add_3, 0);  add_3 = None
     unsqueeze_8 = torch.ops.aten.unsqueeze.default(unsqueeze_7, 1);  unsqueeze_7 = None
-    unsqueeze_9 = torch.ops.aten.unsqueeze.default(unsqueeze_8, 3);  unsqueeze_8 = None
-    unsqueeze_10 = torch.ops.aten.unsqueeze.default(add_3, 0);  add_3 = None
-    unsqueeze_11 = torch.ops.aten.unsqueeze.default(unsqueeze_10, 1);  unsqueeze_10 = None
-    unsqueeze_12 = torch.ops.aten.unsqueeze.default(unsqueeze_11, 2);  unsqueeze_11 = None
-    new_ones = torch.ops.aten.new_ones.default(unsqueeze_9, [], dtype = torch.bool, pin_memory = False)
-    index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])
-    index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = None
+    unsqueeze_9 = torch.ops.aten.unsqueeze.default(unsqueeze_8, 2);  unsqueeze_8 = None
+    new_ones = torch.ops.aten.new_ones.default(unsqueeze_6, [], dtype = torch.bool, pin_memory = False)
+    index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_6])
+    index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  expand_1 = None
     le = torch.ops.aten.le.Tensor(index_1, index);  index_1 = index = None
     to_1 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
     and_1 = torch.ops.aten.__and__.Tensor(new_ones, to_1);  new_ones = to_1 = None
-    index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None
-    index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = unsqueeze_3 = unsqueeze_12 = None
+    index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_6]);  unsqueeze_6 = None
+    index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  cumsum = unsqueeze_3 = unsqueeze_9 = None
     eq = torch.ops.aten.eq.Tensor(index_2, index_3);  index_2 = index_3 = None
     to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None

@@ -25,33 +25,33 @@ def forward(self, input_ids, labels):
     cumsum = torch.ops.aten.cumsum.default(ne, -1);  ne = None
     expand_1 = torch.ops.aten.expand.default(unsqueeze, [4, 16])
     arange_1 = torch.ops.aten.arange.default(4, device = device(type='cpu'), pin_memory = False)
+    arange_2 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    add_1 = torch.ops.aten.add.Tensor(arange_2, 0);  arange_2 = None
     arange_3 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    add_1 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
-    arange_4 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
-    add_2 = torch.ops.aten.add.Tensor(arange_4, 0);  arange_4 = None
+    add_2 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
     unsqueeze_1 = torch.ops.aten.unsqueeze.default(arange_1, 1);  arange_1 = None
     unsqueeze_2 = torch.ops.aten.unsqueeze.default(unsqueeze_1, 2);  unsqueeze_1 = None
     unsqueeze_3 = torch.ops.aten.unsqueeze.default(unsqueeze_2, 3);  unsqueeze_2 = None
-    unsqueeze_7 = torch.ops.aten.unsqueeze.default(add_1, 0);  add_1 = None
+    unsqueeze_4 = torch.ops.aten.unsqueeze.default(add_1, 0);  add_1 = None
+    unsqueeze_5 = torch.ops.aten.unsqueeze.default(unsqueeze_4, 1);  unsqueeze_4 = None
+    unsqueeze_6 = torch.ops.aten.unsqueeze.default(unsqueeze_5, 3);  unsqueeze_5 = None
+    unsqueeze_7 = torch.ops.aten.unsqueeze.default(add_2, 0);  add_2 = None
     unsqueeze_8 = torch.ops.aten.unsqueeze.default(unsqueeze_7, 1);  unsqueeze_7 = None
-    unsqueeze_9 = torch.ops.aten.unsqueeze.default(unsqueeze_8, 3);  unsqueeze_8 = None
-    unsqueeze_10 = torch.ops.aten.unsqueeze.default(add_2, 0);  add_2 = None
-    unsqueeze_11 = torch.ops.aten.unsqueeze.default(unsqueeze_10, 1);  unsqueeze_10 = None
-    unsqueeze_12 = torch.ops.aten.unsqueeze.default(unsqueeze_11, 2);  unsqueeze_11 = None
-    new_ones = torch.ops.aten.new_ones.default(unsqueeze_9, [], dtype = torch.bool, pin_memory = False)
-    index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])
-    index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = None
+    unsqueeze_9 = torch.ops.aten.unsqueeze.default(unsqueeze_8, 2);  unsqueeze_8 = None
+    new_ones = torch.ops.aten.new_ones.default(unsqueeze_6, [], dtype = torch.bool, pin_memory = False)
+    index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_6])
+    index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  expand_1 = None
     le = torch.ops.aten.le.Tensor(index_1, index);  index_1 = index = None
     to = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
     and_1 = torch.ops.aten.__and__.Tensor(new_ones, to);  new_ones = to = None
-    index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None
-    index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = unsqueeze_3 = unsqueeze_12 = None
+    index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_6]);  unsqueeze_6 = None
+    index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  cumsum = unsqueeze_3 = unsqueeze_9 = None
     eq = torch.ops.aten.eq.Tensor(index_2, index_3);  index_2 = index_3 = None
     to_1 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_1);  and_1 = to_1 = None
     expand_2 = torch.ops.aten.expand.default(and_2, [4, 1, 16, 16]);  and_2 = None
-    unsqueeze_13 = torch.ops.aten.unsqueeze.default(unsqueeze, 2);  unsqueeze = None
-    to_2 = torch.ops.aten.to.dtype(unsqueeze_13, torch.float32);  unsqueeze_13 = None
+    unsqueeze_10 = torch.ops.aten.unsqueeze.default(unsqueeze, 2);  unsqueeze = None
+    to_2 = torch.ops.aten.to.dtype(unsqueeze_10, torch.float32);  unsqueeze_10 = None
     to_3 = torch.ops.aten.to.device(model_rotary_emb_inv_freq, device(type='cpu'), torch.float32);  model_rotary_emb_inv_freq = None
     mul = torch.ops.aten.mul.Tensor(to_2, to_3);  to_2 = to_3 = None
     cat = torch.ops.aten.cat.default([mul, mul], -1);  mul = None
@@ -80,27 +80,27 @@ def forward(self, input_ids, labels):
     linear_2 = torch.ops.aten.linear.default(grad_all_reduce, model_layers_0_self_attn_v_proj_weight);  grad_all_reduce = model_layers_0_self_attn_v_proj_weight = None
     view_2 = torch.ops.aten.view.default(linear_2, [4, 16, 1, 16]);  linear_2 = None
     transpose_2 = torch.ops.aten.transpose.int(view_2, 1, 2);  view_2 = None
-    unsqueeze_14 = torch.ops.aten.unsqueeze.default(to_4, 1);  to_4 = None
-    unsqueeze_15 = torch.ops.aten.unsqueeze.default(to_5, 1);  to_5 = None
-    mul_5 = torch.ops.aten.mul.Tensor(transpose, unsqueeze_14)
+    unsqueeze_11 = torch.ops.aten.unsqueeze.default(to_4, 1);  to_4 = None
+    unsqueeze_12 = torch.ops.aten.unsqueeze.default(to_5, 1);  to_5 = None
+    mul_5 = torch.ops.aten.mul.Tensor(transpose, unsqueeze_11)
     slice_2 = torch.ops.aten.slice.Tensor(transpose, 3, 0, 8)
     slice_3 = torch.ops.aten.slice.Tensor(transpose, 3, 8, 9223372036854775807);  transpose = None
     neg = torch.ops.aten.neg.default(slice_3);  slice_3 = None
     cat_1 = torch.ops.aten.cat.default([neg, slice_2], -1);  neg = slice_2 = None
-    mul_6 = torch.ops.aten.mul.Tensor(cat_1, unsqueeze_15);  cat_1 = None
+    mul_6 = torch.ops.aten.mul.Tensor(cat_1, unsqueeze_12);  cat_1 = None
     add_4 = torch.ops.aten.add.Tensor(mul_5, mul_6);  mul_5 = mul_6 = None
-    mul_7 = torch.ops.aten.mul.Tensor(transpose_1, unsqueeze_14);  unsqueeze_14 = None
+    mul_7 = torch.ops.aten.mul.Tensor(transpose_1, unsqueeze_11);  unsqueeze_11 = None
     slice_4 = torch.ops.aten.slice.Tensor(transpose_1, 3, 0, 8)
     slice_5 = torch.ops.aten.slice.Tensor(transpose_1, 3, 8, 9223372036854775807);  transpose_1 = None
     neg_1 = torch.ops.aten.neg.default(slice_5);  slice_5 = None
     cat_2 = torch.ops.aten.cat.default([neg_1, slice_4], -1);  neg_1 = slice_4 = None
-    mul_8 = torch.ops.aten.mul.Tensor(cat_2, unsqueeze_15);  cat_2 = unsqueeze_15 = None
+    mul_8 = torch.ops.aten.mul.Tensor(cat_2, unsqueeze_12);  cat_2 = unsqueeze_12 = None
     add_5 = torch.ops.aten.add.Tensor(mul_7, mul_8);  mul_7 = mul_8 = None
-    unsqueeze_16 = torch.ops.aten.unsqueeze.default(add_5, 2);  add_5 = None
-    expand_3 = torch.ops.aten.expand.default(unsqueeze_16, [4, 1, 2, 16, 16]);  unsqueeze_16 = None
+    unsqueeze_13 = torch.ops.aten.unsqueeze.default(add_5, 2);  add_5 = None
+    expand_3 = torch.ops.aten.expand.default(unsqueeze_13, [4, 1, 2, 16, 16]);  unsqueeze_13 = None
     reshape = torch.ops.aten.reshape.default(expand_3, [4, 2, 16, 16]);  expand_3 = None
-    unsqueeze_17 = torch.ops.aten.unsqueeze.default(transpose_2, 2);  transpose_2 = None
-    expand_4 = torch.ops.aten.expand.default(unsqueeze_17, [4, 1, 2, 16, 16]);  unsqueeze_17 = None
+    unsqueeze_14 = torch.ops.aten.unsqueeze.default(transpose_2, 2);  transpose_2 = None
+    expand_4 = torch.ops.aten.expand.default(unsqueeze_14, [4, 1, 2, 16, 16]);  unsqueeze_14 = None
     reshape_1 = torch.ops.aten.reshape.default(expand_4, [4, 2, 16, 16]);  expand_4 = None
     scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(add_4, reshape, reshape_1, expand_2, scale = 0.25);  add_4 = reshape = reshape_1 = expand_2 = None
     reshape_2 = torch.ops.aten.reshape.default(scaled_dot_product_attention, [4, 2, 16, 16]);  scaled_dot_product_attention = None
