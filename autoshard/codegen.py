@@ -17,6 +17,7 @@ gives byte-identical code.
 from __future__ import annotations
 
 import math
+import operator
 import zlib
 from collections.abc import Callable
 
@@ -208,7 +209,9 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
     ``bucket_grads``: leave out the ``grad_all_reduce`` of every parameter that feeds nothing else (its gradient
     is then exactly the local gradient, all-reduced over the node's axes) and list those parameters instead in
     ``module.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)`` in graph order, for
-    :class:`autoshard.runtime.buckets.GradBucketer` to all-reduce in buckets, overlapped with backward.
+    :class:`autoshard.runtime.buckets.GradBucketer` to all-reduce in buckets, overlapped with backward; and start
+    the all-reduces of returned values (the loss) asynchronously (``all_reduce_output``: waited when read, or by
+    the bucketer at the end of backward).
     """
     weights = gm if weights is None else weights
     graph = torch.fx.Graph()
@@ -231,11 +234,14 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
             continue
         new = graph.node_copy(old, lambda n: env[n])
         new.meta = {k: v for k, v in old.meta.items() if k != "val"}
+        if bucket_grads and _is_output_all_reduce(old):
+            new.target = runtime_collectives.all_reduce_output  # waited by the bucketer or when read
         if old.op == "get_attr":
             attrs[old.target] = _local_attr(fetch_attr(weights, old.target), old.meta.get(M.SPEC), mesh, rank)
         elif old.op == "call_function" and old.target in LOCALIZERS:
             new = LOCALIZERS[old.target](graph, new, old, mesh, rank)
         env[old] = new
+    _fuse_linears_grad_all_reduce(graph)
     graph._codegen = gm.graph._codegen  # the pytree calling convention; never mutated
     graph.lint()
     out = torch.fx.GraphModule(attrs, graph, class_name=f"Rank{rank}Module")
@@ -255,6 +261,48 @@ def _is_gather_then_sync(node: torch.fx.Node) -> bool:
     return (isinstance(src, torch.fx.Node) and src.op == "call_function"
             and src.target is runtime_collectives.all_gather and len(src.users) == 1
             and src.args[1] in tuple(node.args[1]))
+
+
+def _fuse_linears_grad_all_reduce(graph: torch.fx.Graph) -> None:
+    """``grad_all_reduce(x)`` read only by linears (column-parallel q/k/v, fc1) becomes one
+    ``linears_grad_all_reduce`` whose backward overlaps the input gradient's all-reduce with the weight gradients."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not runtime_collectives.grad_all_reduce:
+            continue
+        users = sorted(node.users, key=lambda u: order.get(u, len(order)))
+        if not users or not all(_is_linear_of(u, node) for u in users):
+            continue
+        params = [p for u in users for p in (u.args[1], u.args[2] if len(u.args) > 2 else None)]
+        first = users[0]
+        late = [p for p in params if isinstance(p, torch.fx.Node) and order[p] > order[first]]
+        if any(p.op != "call_function" or any(order.get(a, len(order)) > order[first] for a in p.all_input_nodes)
+               for p in late):
+            continue  # a weight computed from values made after the first linear: leave the graph as it is
+        for p in late:  # a weight's own sync (grad_all_reduce of a parameter): move it up, before the linears
+            first.prepend(p)
+        with graph.inserting_before(first):
+            fused = graph.call_function(runtime_collectives.linears_grad_all_reduce,
+                                        (node.args[0], node.args[1], *params))
+            fused.meta = dict(node.meta)
+            for i, u in enumerate(users):
+                item = graph.call_function(operator.getitem, (fused, i))
+                item.meta = dict(u.meta)
+                u.replace_all_uses_with(item)
+        for u in users:
+            graph.erase_node(u)
+        graph.erase_node(node)
+
+
+def _is_linear_of(user: torch.fx.Node, x: torch.fx.Node) -> bool:
+    return (user.op == "call_function" and user.target is torch.ops.aten.linear.default and user.args[0] is x
+            and x not in user.args[1:] and not user.kwargs)
+
+
+def _is_output_all_reduce(node: torch.fx.Node) -> bool:
+    """An ``all_reduce`` whose result only leaves the program (the data-parallel loss)."""
+    return (node.op == "call_function" and node.target is runtime_collectives.all_reduce and bool(node.users)
+            and all(u.op == "output" for u in node.users))
 
 
 def _is_param_grad_sync(node: torch.fx.Node) -> bool:

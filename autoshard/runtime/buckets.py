@@ -6,8 +6,10 @@ made with ``Plan.rank_module(rank, bucket_grads=True)`` leaves those nodes out a
 ``module.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)``; :class:`GradBucketer` then does the sync:
 
 * **Buckets** are fixed once, at construction: the parameters in reverse graph order (the order backward makes
-  their gradients ready, as DDP assumes with reverse registration order), grouped by (axes, dtype), cut into
-  buckets of at most ``bucket_cap_mb`` MiB (a parameter larger than the cap gets a bucket of its own).
+  their gradients ready, as DDP assumes with reverse registration order), grouped by (axes, dtype), and cut as DDP
+  cuts them: a bucket closes as soon as it holds at least its limit — ``first_bucket_mb`` (1 MiB, DDP's
+  ``_DEFAULT_FIRST_BUCKET_BYTES``) for the first bucket of each group, so the first all-reduce starts early in
+  backward and overlaps the rest of it, then ``bucket_cap_mb``.
 * **Hooks**: a tensor hook on every listed parameter (it runs when the parameter's gradient of this backward is
   complete, just before it is accumulated into ``.grad``) copies the gradient into its bucket's flat buffer; a
   post-accumulate hook then drops the ``.grad`` autograd stored, so each gradient is held once, in its bucket.
@@ -32,17 +34,19 @@ import torch
 from autoshard.errors import AutoshardError
 from autoshard.runtime.comm import Communicator, Handle, current
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_SYNC", "GradBucketer"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "GRAD_SYNC", "GradBucketer"]
 
 #: Key of ``GraphModule.meta`` under which codegen lists the parameters whose gradient sync was left out.
 GRAD_SYNC = "autoshard.grad_sync"
 DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
 @dataclass
 class _Bucket:
     axes: tuple[str, ...]
     dtype: torch.dtype
+    limit: int  # bytes: the bucket closes once it holds at least this many
     names: list[str] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
@@ -56,7 +60,8 @@ class GradBucketer:
     """Bucketed, overlapped gradient all-reduce for the parameters of ``module`` listed in ``syncs``.
 
     ``syncs``: ``((parameter name, axes), ...)``, default ``module.meta[GRAD_SYNC]``. ``comm``: the communicator
-    (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB.
+    (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB;
+    ``first_bucket_mb``: size of the first bucket of each axis set (as DDP's first bucket).
     Call :meth:`remove` to take the hooks off again.
     """
 
@@ -66,6 +71,7 @@ class GradBucketer:
         syncs=None,
         comm: Communicator | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
     ):
         if syncs is None:
             meta = getattr(module, "meta", {})
@@ -75,32 +81,34 @@ class GradBucketer:
                     "with plan.rank_module(rank, bucket_grads=True), or pass syncs=."
                 )
             syncs = meta[GRAD_SYNC]
-        if not bucket_cap_mb > 0:
-            raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a positive number of MiB.")
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+            if not value > 0:
+                raise AutoshardError(f"{name} is {value!r}, but must be a positive number of MiB.")
         self.comm = comm if comm is not None else current()
         self.cap_bytes = int(bucket_cap_mb * 2**20)
+        first_bytes = min(self.cap_bytes, int(first_bucket_mb * 2**20))
         self.params: dict[str, torch.nn.Parameter] = {}
         self.buckets: list[_Bucket] = []
         self._where: dict[str, tuple[int, int]] = {}  # name -> (bucket index, position in bucket)
-        open_: dict[tuple, int] = {}
+        open_: dict[tuple, int | None] = {}  # (axes, dtype) -> index of its open bucket (None: closed)
         for name, axes in reversed(tuple(syncs)):
             p = module.get_parameter(name)
             if not p.requires_grad or name in self.params:
                 continue
             self.params[name] = p
             key = (tuple(axes), p.dtype)
-            nbytes = p.numel() * p.element_size()
             b = open_.get(key)
-            if b is None or (
-                self.buckets[b].numel * p.element_size() + nbytes > self.cap_bytes and self.buckets[b].names
-            ):
+            if b is None:
+                limit = first_bytes if key not in open_ else self.cap_bytes
                 b = open_[key] = len(self.buckets)
-                self.buckets.append(_Bucket(tuple(axes), p.dtype))
+                self.buckets.append(_Bucket(tuple(axes), p.dtype, limit=limit))
             bucket = self.buckets[b]
             self._where[name] = (b, len(bucket.names))
             bucket.names.append(name)
             bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
+            if bucket.numel * p.element_size() >= bucket.limit:
+                open_[key] = None
         self._old: dict[str, torch.Tensor] = {}
         self._next = 0  # index of the next bucket to launch
         self._queued = False
@@ -167,6 +175,7 @@ class GradBucketer:
                     g = flat[off : off + p.numel()].view(p.shape)
                     old = self._old.pop(name, None)
                     p.grad = g if old is None else old.add_(g)
+            self.comm.wait_pending()  # the loss's all-reduce, started in forward (runtime.pending)
         finally:
             for bucket in self.buckets:
                 bucket.flat, bucket.handle = None, None

@@ -35,13 +35,16 @@ from torch.autograd.function import once_differentiable
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.comm import PHASES, CollectiveRecord, Communicator, current
+from autoshard.runtime.pending import PendingTensor
 
 __all__ = [
     "all_gather",
     "all_reduce",
+    "all_reduce_output",
     "all_to_all",
     "collective_counts",
     "grad_all_reduce",
+    "linears_grad_all_reduce",
     "local_slice",
     "reduce_scatter",
 ]
@@ -52,6 +55,22 @@ def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Te
     dim = comm._dim(t, dim, "local_slice", axis, divisible=True)
     size = t.shape[dim] // comm.axis_size(axis)
     return t.narrow(dim, comm.axis_index(axis) * size, size)
+
+
+class _AllReduceOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str):
+        buffer = x.detach().clone()
+        handle = comm.all_reduce_async(buffer, axis, phase="forward")
+        if handle.is_completed():  # the simulator's collectives complete at once
+            return handle.wait()
+        comm.pending.append(handle)
+        return PendingTensor(buffer, handle)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -78,6 +97,42 @@ class _GradAllReduce(torch.autograd.Function):
         for axis in ctx.axes:
             grad = ctx.comm.all_reduce(grad, axis, phase="backward")
         return grad, None, None
+
+
+class _LinearsGradAllReduce(torch.autograd.Function):
+    """``linear(grad_all_reduce(x, axes), w_i, b_i)`` for every i, with an overlapped backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axes: tuple[str, ...], *params):
+        ctx.comm, ctx.axes, ctx.k = comm, axes, len(params) // 2
+        weights, biases = params[0::2], params[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        grads = [torch.zeros(x.shape[:-1] + w.shape[:1], dtype=x.dtype, device=x.device) if g is None else g
+                 for g, w in zip(grads, weights)]
+        # the input gradient first, its all-reduce started, then the weight gradients while it travels
+        gx = None
+        for g, w in zip(grads, weights):
+            part = g.matmul(w)
+            gx = part if gx is None else gx.add_(part)
+        handle = ctx.comm.all_reduce_async(gx, ctx.axes[0], phase="backward") if ctx.needs_input_grad[0] else None
+        out = []
+        x2 = x.reshape(-1, x.shape[-1])
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            g2 = g.reshape(-1, g.shape[-1])
+            out.append(g2.t().matmul(x2) if ctx.needs_input_grad[3 + 2 * i] else None)
+            out.append(g2.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] else None)
+        if handle is not None:
+            gx = handle.wait()
+            for axis in ctx.axes[1:]:
+                gx = ctx.comm.all_reduce(gx, axis, phase="backward")
+        return (gx, None, None, *out)
 
 
 class _AllGather(torch.autograd.Function):
@@ -142,6 +197,17 @@ def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _AllReduce.apply(_tensor(x, "all_reduce"), comm, comm._axis(axis))
 
 
+def all_reduce_output(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """``all_reduce`` of a value the program returns (the loss): started asynchronously, waited when the value is
+    read or when the gradient bucketer finishes backward (:mod:`autoshard.runtime.pending`). Backward: identity."""
+    comm = current()
+    x = _tensor(x, "all_reduce")
+    if torch.compiler.is_compiling():
+        return _AllReduce.apply(x, comm, comm._axis(axis))
+    comm.wait_pending()  # at most one step's outputs in flight
+    return _AllReduceOutput.apply(x, comm, comm._axis(axis))
+
+
 def grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
     """Identity forward; backward sums the gradient over each axis of ``axes`` in order (Megatron's *f*)."""
     comm = current()
@@ -149,6 +215,18 @@ def grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         axes = (axes,)
     axes = tuple(comm._axis(a) for a in axes)
     return _GradAllReduce.apply(_tensor(x, "grad_all_reduce"), comm, axes)
+
+
+def linears_grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...], *params) -> tuple[torch.Tensor, ...]:
+    """``linear(grad_all_reduce(x, axes), w_i, b_i)`` for each ``(w_i, b_i)`` in ``params`` (flat pairs, ``b_i``
+    may be None): the same values and gradients, but backward starts the input gradient's all-reduce before it
+    computes the weight gradients, so the collective overlaps them (Megatron's asynchronous column-parallel
+    all-reduce). Codegen uses it where every consumer of a ``grad_all_reduce`` is such a linear."""
+    comm = current()
+    if isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(comm._axis(a) for a in axes)
+    return _LinearsGradAllReduce.apply(_tensor(x, "linears_grad_all_reduce"), comm, axes, *params)
 
 
 def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -86,6 +86,9 @@ class Communicator(abc.ABC):
         #: How many random ops (dropout) this rank has run: every rank runs the same program, so the count is the
         #: same on all ranks and seeds their generators alike (runtime.ops.dropout).
         self.random_calls = 0
+        #: Collectives started for values the program returned (runtime.collectives.all_reduce_output), not yet
+        #: waited for; each keeps its buffer alive until then.
+        self.pending: list[Handle] = []
 
     # ---- coordinates ------------------------------------------------------------------------------------
     def axis_index(self, axis: str | int) -> int:
@@ -174,6 +177,11 @@ class Communicator(abc.ABC):
     def _all_reduce_async(self, t: torch.Tensor, axis: str) -> Handle:
         # Default: blocking, already complete (the simulator: its ranks are threads that meet at once anyway).
         return Handle(self._all_reduce(t, axis))
+
+    def wait_pending(self) -> None:
+        """Wait for every collective in :attr:`pending`."""
+        while self.pending:
+            self.pending.pop(0).wait()
 
     @abc.abstractmethod
     def barrier(self) -> None:

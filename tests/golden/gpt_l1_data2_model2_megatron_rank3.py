@@ -30,21 +30,21 @@ def forward(self, ids, labels):
     grad_all_reduce_2 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_ln1_weight, ('data',));  blocks_0_ln1_weight = None
     grad_all_reduce_3 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_ln1_bias, ('data',));  blocks_0_ln1_bias = None
     layer_norm = torch.ops.aten.layer_norm.default(all_reduce, [64], grad_all_reduce_2, grad_all_reduce_3, 1e-05, False);  all_reduce = grad_all_reduce_2 = grad_all_reduce_3 = None
-    grad_all_reduce_4 = autoshard_runtime_collectives_grad_all_reduce(layer_norm, ('model',));  layer_norm = None
     grad_all_reduce_5 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_q_weight, ('data',));  blocks_0_attn_q_weight = None
     grad_all_reduce_6 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_q_bias, ('data',));  blocks_0_attn_q_bias = None
-    linear = torch.ops.aten.linear.default(grad_all_reduce_4, grad_all_reduce_5, grad_all_reduce_6);  grad_all_reduce_5 = grad_all_reduce_6 = None
-    view = torch.ops.aten.view.default(linear, [2, 16, 2, 16]);  linear = None
-    transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
     grad_all_reduce_7 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_k_weight, ('data',));  blocks_0_attn_k_weight = None
     grad_all_reduce_8 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_k_bias, ('data',));  blocks_0_attn_k_bias = None
-    linear_1 = torch.ops.aten.linear.default(grad_all_reduce_4, grad_all_reduce_7, grad_all_reduce_8);  grad_all_reduce_7 = grad_all_reduce_8 = None
-    view_1 = torch.ops.aten.view.default(linear_1, [2, 16, 2, 16]);  linear_1 = None
-    transpose_1 = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
     grad_all_reduce_9 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_v_weight, ('data',));  blocks_0_attn_v_weight = None
     grad_all_reduce_10 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_attn_v_bias, ('data',));  blocks_0_attn_v_bias = None
-    linear_2 = torch.ops.aten.linear.default(grad_all_reduce_4, grad_all_reduce_9, grad_all_reduce_10);  grad_all_reduce_4 = grad_all_reduce_9 = grad_all_reduce_10 = None
-    view_2 = torch.ops.aten.view.default(linear_2, [2, 16, 2, 16]);  linear_2 = None
+    linears_grad_all_reduce = autoshard_runtime_collectives_linears_grad_all_reduce(layer_norm, ('model',), grad_all_reduce_5, grad_all_reduce_6, grad_all_reduce_7, grad_all_reduce_8, grad_all_reduce_9, grad_all_reduce_10);  layer_norm = grad_all_reduce_5 = grad_all_reduce_6 = grad_all_reduce_7 = grad_all_reduce_8 = grad_all_reduce_9 = grad_all_reduce_10 = None
+    getitem = linears_grad_all_reduce[0]
+    getitem_1 = linears_grad_all_reduce[1]
+    getitem_2 = linears_grad_all_reduce[2];  linears_grad_all_reduce = None
+    view = torch.ops.aten.view.default(getitem, [2, 16, 2, 16]);  getitem = None
+    transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
+    view_1 = torch.ops.aten.view.default(getitem_1, [2, 16, 2, 16]);  getitem_1 = None
+    transpose_1 = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
+    view_2 = torch.ops.aten.view.default(getitem_2, [2, 16, 2, 16]);  getitem_2 = None
     transpose_2 = torch.ops.aten.transpose.int(view_2, 1, 2);  view_2 = None
     scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default(transpose, transpose_1, transpose_2, None, 0.0, True);  transpose = transpose_1 = transpose_2 = None
     transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2);  scaled_dot_product_attention = None
@@ -58,11 +58,11 @@ def forward(self, ids, labels):
     grad_all_reduce_13 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_ln2_weight, ('data',));  blocks_0_ln2_weight = None
     grad_all_reduce_14 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_ln2_bias, ('data',));  blocks_0_ln2_bias = None
     layer_norm_1 = torch.ops.aten.layer_norm.default(all_reduce_1, [64], grad_all_reduce_13, grad_all_reduce_14, 1e-05, False);  all_reduce_1 = grad_all_reduce_13 = grad_all_reduce_14 = None
-    grad_all_reduce_15 = autoshard_runtime_collectives_grad_all_reduce(layer_norm_1, ('model',));  layer_norm_1 = None
     grad_all_reduce_16 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_0_weight, ('data',));  blocks_0_mlp_0_weight = None
     grad_all_reduce_17 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_0_bias, ('data',));  blocks_0_mlp_0_bias = None
-    linear_4 = torch.ops.aten.linear.default(grad_all_reduce_15, grad_all_reduce_16, grad_all_reduce_17);  grad_all_reduce_15 = grad_all_reduce_16 = grad_all_reduce_17 = None
-    gelu = torch.ops.aten.gelu.default(linear_4);  linear_4 = None
+    linears_grad_all_reduce_1 = autoshard_runtime_collectives_linears_grad_all_reduce(layer_norm_1, ('model',), grad_all_reduce_16, grad_all_reduce_17);  layer_norm_1 = grad_all_reduce_16 = grad_all_reduce_17 = None
+    getitem_3 = linears_grad_all_reduce_1[0];  linears_grad_all_reduce_1 = None
+    gelu = torch.ops.aten.gelu.default(getitem_3);  getitem_3 = None
     grad_all_reduce_18 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_2_weight, ('data',));  blocks_0_mlp_2_weight = None
     grad_all_reduce_19 = autoshard_runtime_collectives_grad_all_reduce(blocks_0_mlp_2_bias, ('data',));  blocks_0_mlp_2_bias = None
     bias_once_1 = autoshard_runtime_ops_bias_once(grad_all_reduce_19, False);  grad_all_reduce_19 = None
@@ -72,9 +72,9 @@ def forward(self, ids, labels):
     grad_all_reduce_20 = autoshard_runtime_collectives_grad_all_reduce(ln_f_weight, ('data',));  ln_f_weight = None
     grad_all_reduce_21 = autoshard_runtime_collectives_grad_all_reduce(ln_f_bias, ('data',));  ln_f_bias = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(all_reduce_2, [64], grad_all_reduce_20, grad_all_reduce_21, 1e-05, False);  all_reduce_2 = grad_all_reduce_20 = grad_all_reduce_21 = None
-    grad_all_reduce_22 = autoshard_runtime_collectives_grad_all_reduce(layer_norm_2, ('model',));  layer_norm_2 = None
-    linear_6 = torch.ops.aten.linear.default(grad_all_reduce_22, grad_all_reduce);  grad_all_reduce_22 = grad_all_reduce = None
-    view_3 = torch.ops.aten.view.default(linear_6, [32, 64]);  linear_6 = None
+    linears_grad_all_reduce_2 = autoshard_runtime_collectives_linears_grad_all_reduce(layer_norm_2, ('model',), grad_all_reduce, None);  layer_norm_2 = grad_all_reduce = None
+    getitem_4 = linears_grad_all_reduce_2[0];  linears_grad_all_reduce_2 = None
+    view_3 = torch.ops.aten.view.default(getitem_4, [32, 64]);  getitem_4 = None
     view_4 = torch.ops.aten.view.default(labels, [32]);  labels = None
     vocab_parallel_cross_entropy = autoshard_runtime_ops_vocab_parallel_cross_entropy(view_3, view_4, -100, 1, 'model', ('data',));  view_3 = view_4 = None
     all_reduce_3 = autoshard_runtime_collectives_all_reduce(vocab_parallel_cross_entropy, 'data');  vocab_parallel_cross_entropy = None

@@ -110,9 +110,9 @@ def forward(self, input_ids, labels):
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7, [64], transformer_ln_f_weight, transformer_ln_f_bias, 1e-05, False);  add_7 = transformer_ln_f_weight = transformer_ln_f_bias = None
     view_12 = torch.ops.aten.view.default(layer_norm_2, [4, 16, 64]);  layer_norm_2 = None
     alias = torch.ops.aten.alias.default(view_12);  view_12 = None
-    grad_all_reduce_2 = autoshard_runtime_collectives_grad_all_reduce(alias, ('model',));  alias = None
-    linear = torch.ops.aten.linear.default(grad_all_reduce_2, lm_head_weight);  grad_all_reduce_2 = lm_head_weight = None
-    to_3 = torch.ops.aten.to.dtype(linear, torch.float32);  linear = None
+    linears_grad_all_reduce = autoshard_runtime_collectives_linears_grad_all_reduce(alias, ('model',), lm_head_weight, None);  alias = lm_head_weight = None
+    getitem_3 = linears_grad_all_reduce[0];  linears_grad_all_reduce = None
+    to_3 = torch.ops.aten.to.dtype(getitem_3, torch.float32);  getitem_3 = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None

@@ -70,15 +70,15 @@ def forward(self, input_ids, labels):
     mul_3 = torch.ops.aten.mul.Tensor(all_reduce, rsqrt);  all_reduce = rsqrt = None
     to_7 = torch.ops.aten.to.dtype(mul_3, torch.float32);  mul_3 = None
     mul_4 = torch.ops.aten.mul.Tensor(model_layers_0_input_layernorm_weight, to_7);  model_layers_0_input_layernorm_weight = to_7 = None
-    grad_all_reduce = autoshard_runtime_collectives_grad_all_reduce(mul_4, ('model',));  mul_4 = None
-    linear = torch.ops.aten.linear.default(grad_all_reduce, model_layers_0_self_attn_q_proj_weight);  model_layers_0_self_attn_q_proj_weight = None
-    view = torch.ops.aten.view.default(linear, [4, 16, 2, 16]);  linear = None
+    linears_grad_all_reduce = autoshard_runtime_collectives_linears_grad_all_reduce(mul_4, ('model',), model_layers_0_self_attn_q_proj_weight, None, model_layers_0_self_attn_k_proj_weight, None, model_layers_0_self_attn_v_proj_weight, None);  mul_4 = model_layers_0_self_attn_q_proj_weight = model_layers_0_self_attn_k_proj_weight = model_layers_0_self_attn_v_proj_weight = None
+    getitem = linears_grad_all_reduce[0]
+    getitem_1 = linears_grad_all_reduce[1]
+    getitem_2 = linears_grad_all_reduce[2];  linears_grad_all_reduce = None
+    view = torch.ops.aten.view.default(getitem, [4, 16, 2, 16]);  getitem = None
     transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
-    linear_1 = torch.ops.aten.linear.default(grad_all_reduce, model_layers_0_self_attn_k_proj_weight);  model_layers_0_self_attn_k_proj_weight = None
-    view_1 = torch.ops.aten.view.default(linear_1, [4, 16, 1, 16]);  linear_1 = None
+    view_1 = torch.ops.aten.view.default(getitem_1, [4, 16, 1, 16]);  getitem_1 = None
     transpose_1 = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
-    linear_2 = torch.ops.aten.linear.default(grad_all_reduce, model_layers_0_self_attn_v_proj_weight);  grad_all_reduce = model_layers_0_self_attn_v_proj_weight = None
-    view_2 = torch.ops.aten.view.default(linear_2, [4, 16, 1, 16]);  linear_2 = None
+    view_2 = torch.ops.aten.view.default(getitem_2, [4, 16, 1, 16]);  getitem_2 = None
     transpose_2 = torch.ops.aten.transpose.int(view_2, 1, 2);  view_2 = None
     unsqueeze_11 = torch.ops.aten.unsqueeze.default(to_4, 1);  to_4 = None
     unsqueeze_12 = torch.ops.aten.unsqueeze.default(to_5, 1);  to_5 = None
@@ -117,11 +117,11 @@ def forward(self, input_ids, labels):
     mul_9 = torch.ops.aten.mul.Tensor(all_reduce_1, rsqrt_1);  all_reduce_1 = rsqrt_1 = None
     to_9 = torch.ops.aten.to.dtype(mul_9, torch.float32);  mul_9 = None
     mul_10 = torch.ops.aten.mul.Tensor(model_layers_0_post_attention_layernorm_weight, to_9);  model_layers_0_post_attention_layernorm_weight = to_9 = None
-    grad_all_reduce_1 = autoshard_runtime_collectives_grad_all_reduce(mul_10, ('model',));  mul_10 = None
-    linear_4 = torch.ops.aten.linear.default(grad_all_reduce_1, model_layers_0_mlp_gate_proj_weight);  model_layers_0_mlp_gate_proj_weight = None
-    silu = torch.ops.aten.silu.default(linear_4);  linear_4 = None
-    linear_5 = torch.ops.aten.linear.default(grad_all_reduce_1, model_layers_0_mlp_up_proj_weight);  grad_all_reduce_1 = model_layers_0_mlp_up_proj_weight = None
-    mul_11 = torch.ops.aten.mul.Tensor(silu, linear_5);  silu = linear_5 = None
+    linears_grad_all_reduce_1 = autoshard_runtime_collectives_linears_grad_all_reduce(mul_10, ('model',), model_layers_0_mlp_gate_proj_weight, None, model_layers_0_mlp_up_proj_weight, None);  mul_10 = model_layers_0_mlp_gate_proj_weight = model_layers_0_mlp_up_proj_weight = None
+    getitem_3 = linears_grad_all_reduce_1[0]
+    getitem_4 = linears_grad_all_reduce_1[1];  linears_grad_all_reduce_1 = None
+    silu = torch.ops.aten.silu.default(getitem_3);  getitem_3 = None
+    mul_11 = torch.ops.aten.mul.Tensor(silu, getitem_4);  silu = getitem_4 = None
     linear_6 = torch.ops.aten.linear.default(mul_11, model_layers_0_mlp_down_proj_weight);  mul_11 = model_layers_0_mlp_down_proj_weight = None
     add_8 = torch.ops.aten.add.Tensor(to_8, linear_6);  to_8 = linear_6 = None
     to_10 = torch.ops.aten.to.dtype(add_8, torch.float32);  add_8 = None
@@ -134,9 +134,9 @@ def forward(self, input_ids, labels):
     to_11 = torch.ops.aten.to.dtype(mul_12, torch.float32);  mul_12 = None
     mul_13 = torch.ops.aten.mul.Tensor(model_norm_weight, to_11);  model_norm_weight = to_11 = None
     alias = torch.ops.aten.alias.default(mul_13);  mul_13 = None
-    grad_all_reduce_2 = autoshard_runtime_collectives_grad_all_reduce(alias, ('model',));  alias = None
-    linear_7 = torch.ops.aten.linear.default(grad_all_reduce_2, lm_head_weight);  grad_all_reduce_2 = lm_head_weight = None
-    to_12 = torch.ops.aten.to.dtype(linear_7, torch.float32);  linear_7 = None
+    linears_grad_all_reduce_2 = autoshard_runtime_collectives_linears_grad_all_reduce(alias, ('model',), lm_head_weight, None);  alias = lm_head_weight = None
+    getitem_5 = linears_grad_all_reduce_2[0];  linears_grad_all_reduce_2 = None
+    to_12 = torch.ops.aten.to.dtype(getitem_5, torch.float32);  getitem_5 = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_6 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_6);  slice_6 = None
