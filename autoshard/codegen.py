@@ -223,6 +223,12 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
             env[old] = env[old.args[0]]
             syncs.append((old.args[0].target, tuple(old.args[1])))
             continue
+        if bucket_grads and _is_lookup_grad_sync(old):
+            # a replicated lookup of a parameter (position embeddings): all-reducing the rows' gradients is
+            # all-reducing the parameter's (the lookup is linear in it, the rows distinct), so it joins the buckets
+            env[old] = env[old.args[0]]
+            syncs.append((old.args[0].args[0].target, tuple(old.args[1])))
+            continue
         if _is_gather_then_sync(old):
             # all_gather + grad_all_reduce on the same axis: one op whose backward is a reduce-scatter
             gathered = env[old.args[0]]
@@ -303,6 +309,24 @@ def _is_output_all_reduce(node: torch.fx.Node) -> bool:
     """An ``all_reduce`` whose result only leaves the program (the data-parallel loss)."""
     return (node.op == "call_function" and node.target is runtime_collectives.all_reduce and bool(node.users)
             and all(u.op == "output" for u in node.users))
+
+
+def _is_lookup_grad_sync(node: torch.fx.Node) -> bool:
+    """``grad_all_reduce(embedding(param, arange(...)))``: the parameter used only there, the ids distinct constants
+    (so each row's gradient is the lookup's gradient at one position, and syncing either is the same sum)."""
+    if node.op != "call_function" or node.target is not runtime_collectives.grad_all_reduce:
+        return False
+    src = node.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.op == "call_function"
+            and src.target is torch.ops.aten.embedding.default and len(src.users) == 1):
+        return False
+    weight, ids = src.args[0], src.args[1]
+    return (isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and len(weight.users) == 1
+            and isinstance(weight.meta.get("val"), torch.Tensor) and isinstance(ids, torch.fx.Node)
+            and ids.op == "call_function" and ids.target in _ARANGES)
+
+
+_ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
 def _is_param_grad_sync(node: torch.fx.Node) -> bool:

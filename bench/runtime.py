@@ -11,12 +11,14 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
     the attention and MLP inputs (the torchtitan layout: one input all-reduce in backward per sub-block);
 * data parallel, ``Mesh(data=2)``:
   - **autoshard**: ``rank_module(rank, bucket_grads=True)`` + :class:`~autoshard.runtime.buckets.GradBucketer`
-    (25 MiB buckets, async, overlapped), and the unbucketed program (one blocking all-reduce per parameter);
+    (a 1 MiB first bucket then 25 MiB buckets as DDP, async, overlapped; the loss all-reduce left in flight), and
+    the unbucketed program (one blocking all-reduce per parameter);
   - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``.
 
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved (one step of each system in turn, the
 order rotating) and the reported step time is the median over repetitions of the slower rank's time, so load
-from other work on the machine hits every system alike; ratios are what to read, absolute times are noisy.
+from other work on the machine hits every system alike; the ratio is the median over repetitions of the
+per-repetition ratio to the baseline (paired: drift in machine speed cancels); absolute times are noisy.
 Per-rank peak memory is measured in one extra, untimed step per system with
 ``torch.distributed._tools.mem_tracker.MemTracker`` (parameters, gradients, activations, temporaries). Bytes are
 autoshard's own collective log (``CollectiveRecord``: each rank's input bytes per collective) for one step,
@@ -49,7 +51,7 @@ SIZES = {
         "mlp": {"batch": 64, "hidden": 512},
         "block": {"batch": 8, "seq": 128, "hidden": 256, "heads": 8},
         "gpt4": {"batch": 8, "seq": 64, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4},
-        "reps": 15,
+        "reps": 40,
     },
     "quick": {
         "mlp": {"batch": 8, "hidden": 64},
@@ -307,13 +309,18 @@ def report(results, cases) -> str:
         fwd, bwd, numel = per_rank[0]["analytic"]
         params = per_rank[0]["params"]
 
-        def med(key, per_rank=per_rank):
-            steps = list(zip(*(pr[key]["times"] for pr in per_rank)))
-            return statistics.median(max(s) for s in steps) * 1e3
+        def slower(key, per_rank=per_rank):
+            return [max(s) for s in zip(*(pr[key]["times"] for pr in per_rank))]
+
+        def med(key):
+            return statistics.median(slower(key)) * 1e3
+
+        def paired_ratio(key, base):
+            # the systems of one repetition run back to back: their ratio cancels the machine's slow drift
+            return statistics.median(t / b for t, b in zip(slower(key), slower(base)))
 
         for group, base in (("tp", "tp/DTensor"), ("dp", "dp/DDP")):
             keys = [k for k in per_rank[0] if k.startswith(group + "/")]
-            t_base = med(base)
             for key in keys:
                 rec = per_rank[0][key]
                 t = med(key)
@@ -337,7 +344,7 @@ def report(results, cases) -> str:
                         name,
                         key,
                         f"{t:.1f}",
-                        f"{t / t_base:.2f}",
+                        f"{paired_ratio(key, base):.2f}",
                         _fmt_bytes(peak),
                         b_txt,
                         _fmt_bytes(analytic),
@@ -364,7 +371,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and 3 repetitions (a smoke run)")
     parser.add_argument("--cases", nargs="+", default=["mlp", "block", "gpt4"], choices=["mlp", "block", "gpt4"])
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system (default 15, quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system (default 40, quick 3)")
     a = parser.parse_args(argv)
     if a.reps:
         SIZES["quick" if a.quick else "full"]["reps"] = a.reps
@@ -374,8 +381,8 @@ def main(argv=None) -> None:
     results = spawn(_worker, 2, a.quick, tuple(a.cases), a.reps, timeout=1800)
     sizes = SIZES["quick" if a.quick else "full"]
     print(
-        f"2 gloo processes, 1 thread each; median of {sizes['reps']} interleaved steps (slower rank); "
-        f"ratio = step time / DTensor's (tp) or DDP's (dp); sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
+        f"2 gloo processes, 1 thread each; step = median of {sizes['reps']} interleaved steps (slower rank); "
+        f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition); sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
     )
     print(report(results, a.cases))
     print(f"\n({time.time() - t0:.0f} s)")

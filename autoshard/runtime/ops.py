@@ -17,20 +17,25 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     knows statically (ignore_index). Each rank returns ``local_sum / global_count``; summing the partial values
     over the ranks (the Partial→Replicate all-reduce that follows) gives exactly the single-device loss.
     """
-    if log_probs:  # nll_loss: the inputs are already log-probabilities
-        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
-    else:
-        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
-                                label_smoothing=label_smoothing)
+    comm = current()
     with torch.no_grad():
         valid = target != ignore_index
         if weight is not None:
             count = weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(logits.dtype)
         else:
             count = valid.sum().to(logits.dtype)
-        comm = current()
-        for axis in axes:
-            count = comm.all_reduce(count.reshape(1), axis).reshape(())
+        # the count's all-reduce travels while this rank computes its loss sum
+        handle = comm.all_reduce_async(count.reshape(1), axes[0], phase="forward") if axes else None
+    if log_probs:  # nll_loss: the inputs are already log-probabilities
+        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    else:
+        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                                label_smoothing=label_smoothing)
+    if handle is not None:
+        count = handle.wait()
+        for axis in axes[1:]:
+            count = comm.all_reduce(count, axis)
+        count = count.reshape(())
     return total / count
 
 
