@@ -240,8 +240,17 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
             continue
         new = graph.node_copy(old, lambda n: env[n])
         new.meta = {k: v for k, v in old.meta.items() if k != "val"}
-        if bucket_grads and _is_output_all_reduce(old):
+        if bucket_grads and _is_output_mean_loss(old, env):
+            # all_reduce(cross_entropy_partial_mean(...)) returned: one deferred all-reduce of [sum, count]
+            ce = env[old.args[0]]
+            logits, target, weight, ignore, smoothing, _, *log_probs = ce.args
+            new.target = runtime_ops.cross_entropy_mean_output
+            new.args = (logits, target, weight, ignore, smoothing, old.args[1], *log_probs)
+            graph.erase_node(ce)
+        elif bucket_grads and _is_output_all_reduce(old):
             new.target = runtime_collectives.all_reduce_output  # waited by the bucketer or when read
+        elif _reduces_a_dead_matmul(old):
+            new.target = runtime_collectives.all_reduce_  # in place: no output buffer
         if old.op == "get_attr":
             attrs[old.target] = _local_attr(fetch_attr(weights, old.target), old.meta.get(M.SPEC), mesh, rank)
         elif old.op == "call_function" and old.target in LOCALIZERS:
@@ -303,6 +312,32 @@ def _fuse_linears_grad_all_reduce(graph: torch.fx.Graph) -> None:
 def _is_linear_of(user: torch.fx.Node, x: torch.fx.Node) -> bool:
     return (user.op == "call_function" and user.target is torch.ops.aten.linear.default and user.args[0] is x
             and x not in user.args[1:] and not user.kwargs)
+
+
+# ops whose backward keeps their inputs, not their result (so the result may be overwritten)
+_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor,
+            torch.ops.aten.sub.Tensor}
+
+
+def _reduces_a_dead_matmul(node: torch.fx.Node) -> bool:
+    """``all_reduce(y)`` where ``y`` is a matmul's (or sum's) result, which its backward does not keep, read only
+    here: the row-parallel linear's Partial output (plus the residual), summed in place."""
+    if node.op != "call_function" or node.target is not runtime_collectives.all_reduce:
+        return False
+    src = node.args[0]
+    return (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in _MATMULS
+            and len(src.users) == 1)
+
+
+def _is_output_mean_loss(node: torch.fx.Node, env: dict) -> bool:
+    """A returned ``all_reduce(x, axis)`` whose localized ``x`` is ``cross_entropy_partial_mean(..., (axis,))`` read
+    only there (the data-parallel loss)."""
+    if not _is_output_all_reduce(node) or len(node.args[0].users) != 1:
+        return False
+    src = env[node.args[0]]
+    return (src.op == "call_function" and src.target is runtime_ops.cross_entropy_partial_mean
+            and tuple(src.args[5]) == (node.args[1],))
 
 
 def _is_output_all_reduce(node: torch.fx.Node) -> bool:

@@ -132,3 +132,35 @@ def test_sharded_module_buckets_by_default_on_gloo_and_equals_unbucketed():
                     got[name], g, rtol=1e-6, atol=1e-7, msg=lambda m, c=cap, n=name: f"{c} {n}: {m}"
                 )
             assert sum(counts.values()) < sum(ref_counts.values())
+
+
+def test_bucket_buffer_is_reused_only_when_nothing_else_holds_it():
+    model, args, kwargs = models.mlp()
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
+
+    def body(rank):
+        module = plan.rank_module(rank, bucket_grads=True)
+        GradBucketer(module)
+        a, k = plan.shard_inputs(rank, args, kwargs)
+        p = next(module.parameters())
+        loss_of(module(*a, **k)).backward()
+        first = p.grad.untyped_storage().data_ptr()
+        kept = p.grad  # the user still holds last step's gradient: its buffer must not be overwritten
+        kept_value = kept.clone()
+        for q in module.parameters():
+            q.grad = None
+        loss_of(module(*a, **k)).backward()
+        second = p.grad.untyped_storage().data_ptr()
+        held_intact = torch.equal(kept, kept_value)
+        del kept
+        for q in module.parameters():
+            q.grad = None  # now nothing holds the second buffer: the third backward reuses it
+        loss_of(module(*a, **k)).backward()
+        third = p.grad.untyped_storage().data_ptr()
+        return first != second, held_intact, second == third, p.grad.clone()
+
+    got = SimWorld(plan.mesh).run(body)
+    ref = _run(plan, args, kwargs, None, steps=1)
+    for rank, (fresh, intact, reused, grad) in enumerate(got):
+        assert fresh and intact and reused
+        assert torch.equal(grad, next(iter(ref[rank][0].values())))

@@ -54,6 +54,10 @@ class _Bucket:
     flat: torch.Tensor | None = None
     ready: set[str] = field(default_factory=set)
     handle: Handle | None = None
+    # the buffer of the last backward (its slices became the .grad views) and its storage's user count when only
+    # the bucket held it
+    spare: torch.Tensor | None = None
+    spare_users: int = 0
 
 
 class GradBucketer:
@@ -141,7 +145,7 @@ class GradBucketer:
         b, i = self._where[name]
         bucket = self.buckets[b]
         if bucket.flat is None:
-            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=grad.device)
+            bucket.flat = self._buffer(bucket, grad.device)
         off = bucket.offsets[i]
         bucket.flat[off : off + p.numel()].copy_(grad.reshape(-1))
         bucket.ready.add(name)
@@ -150,6 +154,18 @@ class GradBucketer:
         ):
             self._launch(self.buckets[self._next])
             self._next += 1
+
+    @staticmethod
+    def _buffer(bucket: _Bucket, device) -> torch.Tensor:
+        """The flat buffer for this backward: last step's again when nothing but the bucket holds it any more (the
+        gradients were set to None, as ``zero_grad()`` does), else a new one — a fresh large tensor costs page
+        faults on every step; reusing it is what DDP's persistent buckets do."""
+        spare = bucket.spare
+        if spare is not None and spare.device == device and _storage_users(spare) == bucket.spare_users:
+            return spare
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+        bucket.spare, bucket.spare_users = flat, _storage_users(flat)
+        return flat
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.handle = self.comm.all_reduce_async(bucket.flat, bucket.axes[0], phase="backward")
@@ -190,6 +206,11 @@ class GradBucketer:
             for b in self.buckets
         )
         return f"GradBucketer({len(self.buckets)} buckets: {sizes})"
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (views such as the .grad slices included)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _drop_grad(p: torch.Tensor) -> None:

@@ -40,6 +40,7 @@ from autoshard.runtime.pending import PendingTensor
 __all__ = [
     "all_gather",
     "all_reduce",
+    "all_reduce_",
     "all_reduce_output",
     "all_to_all",
     "collective_counts",
@@ -55,6 +56,19 @@ def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Te
     dim = comm._dim(t, dim, "local_slice", axis, divisible=True)
     size = t.shape[dim] // comm.axis_size(axis)
     return t.narrow(dim, comm.axis_index(axis) * size, size)
+
+
+class _AllReduceInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, axis: str):
+        comm.all_reduce_(x, axis)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 class _AllReduceOutput(torch.autograd.Function):
@@ -195,6 +209,16 @@ def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Partial → Replicate on ``axis``: sum over the group. Backward: identity."""
     comm = current()
     return _AllReduce.apply(_tensor(x, "all_reduce"), comm, comm._axis(axis))
+
+
+def all_reduce_(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """``all_reduce`` written into ``x`` itself (codegen uses it where ``x`` is a matmul's result read only here): no
+    output buffer to allocate. Falls back to ``all_reduce`` for leaves, views and non-contiguous tensors."""
+    comm = current()
+    x = _tensor(x, "all_reduce")
+    if x.is_leaf or x._base is not None or not x.is_contiguous() or torch.compiler.is_compiling():
+        return _AllReduce.apply(x, comm, comm._axis(axis))
+    return _AllReduceInPlace.apply(x, comm, comm._axis(axis))
 
 
 def all_reduce_output(x: torch.Tensor, axis: str) -> torch.Tensor:

@@ -110,6 +110,19 @@ class Communicator(abc.ABC):
         self._record("all_reduce", axis, t, phase)
         return out
 
+    def all_reduce_(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
+        """Sum of ``t`` over the group along ``axis``, written into ``t`` (contiguous); returns ``t``. Saves the
+        output buffer: a fresh large tensor costs page faults that can exceed the collective itself."""
+        axis = self._axis(axis)
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+            raise AutoshardError(f"all_reduce_ on rank {self.rank} needs a contiguous torch.Tensor.")
+        self._all_reduce_inplace(t.detach(), axis)
+        self._record("all_reduce", axis, t, phase)
+        return t
+
+    def _all_reduce_inplace(self, t: torch.Tensor, axis: str) -> None:
+        t.copy_(self._all_reduce(t, axis))
+
     def all_gather(self, t: torch.Tensor, axis: str, dim: int, phase: str = "forward") -> torch.Tensor:
         """Concatenation along ``dim`` of every group member's ``t``, in axis-coordinate order."""
         axis, t = self._axis(axis), self._input(t, "all_gather")
@@ -175,8 +188,10 @@ class Communicator(abc.ABC):
         return handle
 
     def _all_reduce_async(self, t: torch.Tensor, axis: str) -> Handle:
-        # Default: blocking, already complete (the simulator: its ranks are threads that meet at once anyway).
-        return Handle(self._all_reduce(t, axis))
+        # Default: blocking, already complete (the simulator: its ranks are threads that meet at once anyway), and
+        # in place, as the real backends do it.
+        self._all_reduce_inplace(t, axis)
+        return Handle(t)
 
     def wait_pending(self) -> None:
         """Wait for every collective in :attr:`pending`."""

@@ -142,6 +142,10 @@ class DistCommunicator(Communicator):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
         return out
 
+    def _all_reduce_inplace(self, t, axis):
+        with self._guard(f"all_reduce on axis `{axis}`", axis):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
+
     def _all_reduce_async(self, t, axis):
         out = t  # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket)
         what = f"all_reduce on axis `{axis}`"

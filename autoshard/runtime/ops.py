@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.runtime.comm import current
+from autoshard.runtime.pending import PendingTensor
 
 
 def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -37,6 +38,48 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
             count = comm.all_reduce(count, axis)
         count = count.reshape(())
     return total / count
+
+
+class _MeanOutput(torch.autograd.Function):
+    """``(Σ_ranks total) / (Σ_ranks count)`` from one async all-reduce of ``[total, count]``; backward needs only the
+    global count (``d/d total = 1 / count``), which has long arrived by then."""
+
+    @staticmethod
+    def forward(ctx, total, count, comm, axis):
+        buffer = torch.stack([total.detach(), count.to(total.dtype)])
+        handle = comm.all_reduce_async(buffer, axis, phase="forward")
+        ctx.handle = handle
+        if handle.is_completed():  # the simulator
+            summed = handle.wait()
+            return summed[0] / summed[1]
+        comm.pending.append(handle)
+        return PendingTensor(total.detach(), handle, finish=lambda summed: summed[0] / summed[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.handle.wait()[1], None, None, None
+
+
+def cross_entropy_mean_output(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                              ignore_index: int, label_smoothing: float, axis: str,
+                              log_probs: bool = False) -> torch.Tensor:
+    """The global mean cross-entropy (or nll) of a batch sharded over ``axis``, returned by the program: one
+    all-reduce of ``[local sum, local count]``, left in flight (a :class:`~autoshard.runtime.pending.PendingTensor`
+    waited when read or by the gradient bucketer) instead of a blocking count all-reduce and an output all-reduce.
+    Codegen uses it for ``all_reduce(cross_entropy_partial_mean(...))`` when that is a returned value."""
+    comm = current()
+    with torch.no_grad():
+        valid = target != ignore_index
+        if weight is not None:
+            count = weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(logits.dtype)
+        else:
+            count = valid.sum().to(logits.dtype)
+    if log_probs:
+        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    else:
+        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                                label_smoothing=label_smoothing)
+    return _MeanOutput.apply(total, count, comm, comm._axis(axis))
 
 
 def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, offset: int, padding_idx: int = -1) -> torch.Tensor:

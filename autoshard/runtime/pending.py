@@ -29,15 +29,20 @@ class PendingTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, buffer: torch.Tensor, handle: Handle):
-        out = torch.Tensor._make_wrapper_subclass(cls, buffer.shape, strides=buffer.stride(), dtype=buffer.dtype,
-                                                  device=buffer.device, requires_grad=False)
-        out._buffer, out._handle = buffer, handle
+    def __new__(cls, like: torch.Tensor, handle: Handle, finish=None):
+        """``like``: a tensor with the result's shape, dtype and device (its values are never read);
+        ``finish``: what turns the collective's result into the value (default: the result itself)."""
+        out = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                  device=like.device, requires_grad=False)
+        out._buffer, out._handle, out._finish, out._value = like, handle, finish, None
         return out
 
     def wait(self) -> torch.Tensor:
-        """The collective's result, as a plain tensor (waits once)."""
-        return self._handle.wait()
+        """The value, as a plain tensor (waits for the collective once)."""
+        if self._value is None:
+            result = self._handle.wait()
+            self._value = result if self._finish is None else self._finish(result)
+        return self._value
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -68,7 +68,7 @@ def forward(self, ids, labels):
     bias_once_1 = autoshard_runtime_ops_bias_once(grad_all_reduce_19, False);  grad_all_reduce_19 = None
     linear_5 = torch.ops.aten.linear.default(gelu, grad_all_reduce_18, bias_once_1);  gelu = grad_all_reduce_18 = bias_once_1 = None
     add_2 = torch.ops.aten.add.Tensor(add_1, linear_5);  add_1 = linear_5 = None
-    all_reduce_2 = autoshard_runtime_collectives_all_reduce(add_2, 'model');  add_2 = None
+    all_reduce_2 = autoshard_runtime_collectives_all_reduce_(add_2, 'model');  add_2 = None
     grad_all_reduce_20 = autoshard_runtime_collectives_grad_all_reduce(ln_f_weight, ('data',));  ln_f_weight = None
     grad_all_reduce_21 = autoshard_runtime_collectives_grad_all_reduce(ln_f_bias, ('data',));  ln_f_bias = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(all_reduce_2, [64], grad_all_reduce_20, grad_all_reduce_21, 1e-05, False);  all_reduce_2 = grad_all_reduce_20 = grad_all_reduce_21 = None

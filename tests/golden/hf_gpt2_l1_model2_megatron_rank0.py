@@ -57,7 +57,7 @@ def forward(self, input_ids, labels):
     to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None
     expand_2 = torch.ops.aten.expand.default(and_2, [4, 1, 16, 16]);  and_2 = None
-    all_reduce = autoshard_runtime_collectives_all_reduce(add_1, 'model');  add_1 = None
+    all_reduce = autoshard_runtime_collectives_all_reduce_(add_1, 'model');  add_1 = None
     dropout = torch.ops.aten.dropout.default(all_reduce, 0.0, True);  all_reduce = None
     layer_norm = torch.ops.aten.layer_norm.default(dropout, [64], transformer_h_0_ln_1_weight, transformer_h_0_ln_1_bias, 1e-05, False);  transformer_h_0_ln_1_weight = transformer_h_0_ln_1_bias = None
     view_1 = torch.ops.aten.view.default(layer_norm, [64, 64]);  layer_norm = None
