@@ -59,11 +59,13 @@ def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Te
 
 
 class _AllReduceInPlace(torch.autograd.Function):
+    # The sum is written into x's memory and x is returned as a view. Not marked dirty: codegen only uses this
+    # where x is read by nothing else and its producer's backward does not keep it (a matmul or add), so no
+    # autograd-saved value changes; were one saved, autograd's version check would raise, never compute wrong.
     @staticmethod
     def forward(ctx, x, comm: Communicator, axis: str):
-        comm.all_reduce_(x, axis)
-        ctx.mark_dirty(x)
-        return x
+        comm.all_reduce_(x.detach(), axis)
+        return x.view_as(x)
 
     @staticmethod
     @once_differentiable
@@ -130,17 +132,20 @@ class _LinearsGradAllReduce(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grads = [torch.zeros(x.shape[:-1] + w.shape[:1], dtype=x.dtype, device=x.device) if g is None else g
                  for g, w in zip(grads, weights)]
-        # the input gradient first, its all-reduce started, then the weight gradients while it travels
-        gx = None
-        for g, w in zip(grads, weights):
-            part = g.matmul(w)
-            gx = part if gx is None else gx.add_(part)
-        handle = ctx.comm.all_reduce_async(gx, ctx.axes[0], phase="backward") if ctx.needs_input_grad[0] else None
+        # the input gradient first (accumulated in one buffer by addmm_), its all-reduce started, then the weight
+        # gradients while it travels
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        gx = handle = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.mm(g2s[0], weights[0])
+            for g2, w in zip(g2s[1:], weights[1:]):
+                gx.addmm_(g2, w)
+            gx = gx.view(x.shape)
+            handle = ctx.comm.all_reduce_async(gx, ctx.axes[0], phase="backward")
         out = []
         x2 = x.reshape(-1, x.shape[-1])
-        for i, (g, w) in enumerate(zip(grads, weights)):
-            g2 = g.reshape(-1, g.shape[-1])
-            out.append(g2.t().matmul(x2) if ctx.needs_input_grad[3 + 2 * i] else None)
+        for i, g2 in enumerate(g2s):
+            out.append(g2.t().mm(x2) if ctx.needs_input_grad[3 + 2 * i] else None)
             out.append(g2.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] else None)
         if handle is not None:
             gx = handle.wait()
@@ -213,10 +218,10 @@ def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 def all_reduce_(x: torch.Tensor, axis: str) -> torch.Tensor:
     """``all_reduce`` written into ``x`` itself (codegen uses it where ``x`` is a matmul's result read only here): no
-    output buffer to allocate. Falls back to ``all_reduce`` for leaves, views and non-contiguous tensors."""
+    output buffer to allocate. Falls back to ``all_reduce`` for leaves and non-contiguous tensors."""
     comm = current()
     x = _tensor(x, "all_reduce")
-    if x.is_leaf or x._base is not None or not x.is_contiguous() or torch.compiler.is_compiling():
+    if x.is_leaf or not x.is_contiguous() or torch.compiler.is_compiling():
         return _AllReduce.apply(x, comm, comm._axis(axis))
     return _AllReduceInPlace.apply(x, comm, comm._axis(axis))
 
