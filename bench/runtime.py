@@ -18,7 +18,8 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved (one step of each system in turn, the
 order rotating) and the reported step time is the median over repetitions of the slower rank's time, so load
 from other work on the machine hits every system alike; the ratio is the median over repetitions of the
-per-repetition ratio to the baseline (paired: drift in machine speed cancels); absolute times are noisy.
+per-repetition ratio to the baseline (paired: drift in machine speed cancels), with a 95% bootstrap interval of
+that median; absolute times are noisy.
 Per-rank peak memory is measured in one extra, untimed step per system with
 ``torch.distributed._tools.mem_tracker.MemTracker`` (parameters, gradients, activations, temporaries). Bytes are
 autoshard's own collective log (``CollectiveRecord``: each rank's input bytes per collective) for one step,
@@ -51,7 +52,7 @@ SIZES = {
         "mlp": {"batch": 64, "hidden": 512},
         "block": {"batch": 8, "seq": 128, "hidden": 256, "heads": 8},
         "gpt4": {"batch": 8, "seq": 64, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4},
-        "reps": 40,
+        "reps": 60,
     },
     "quick": {
         "mlp": {"batch": 8, "hidden": 64},
@@ -273,6 +274,15 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     return out
 
 
+def _bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``values`` (fixed seed: the same data gives the same interval)."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
+    return medians[int(0.025 * reps)], medians[int(0.975 * reps) - 1]
+
+
 def _wire_bytes(log, n: int) -> float:
     """Bytes each rank sends under ring algorithms: all-reduce 2(n-1)/n of its input, reduce-scatter (n-1)/n,
     all-gather (n-1) (its input is the shard)."""
@@ -296,7 +306,7 @@ def report(results, cases) -> str:
             "case",
             "system",
             "step (ms)",
-            "ratio",
+            "ratio [95% CI]",
             "peak mem/rank",
             "bytes/rank/step",
             "analytic bytes",
@@ -317,7 +327,8 @@ def report(results, cases) -> str:
 
         def paired_ratio(key, base):
             # the systems of one repetition run back to back: their ratio cancels the machine's slow drift
-            return statistics.median(t / b for t, b in zip(slower(key), slower(base)))
+            ratios = [t / b for t, b in zip(slower(key), slower(base))]
+            return statistics.median(ratios), _bootstrap_ci(ratios)
 
         for group, base in (("tp", "tp/DTensor"), ("dp", "dp/DDP")):
             keys = [k for k in per_rank[0] if k.startswith(group + "/")]
@@ -344,7 +355,7 @@ def report(results, cases) -> str:
                         name,
                         key,
                         f"{t:.1f}",
-                        f"{paired_ratio(key, base):.2f}",
+                        "{:.2f} [{:.2f}, {:.2f}]".format(paired_ratio(key, base)[0], *paired_ratio(key, base)[1]),
                         _fmt_bytes(peak),
                         b_txt,
                         _fmt_bytes(analytic),
@@ -371,7 +382,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and 3 repetitions (a smoke run)")
     parser.add_argument("--cases", nargs="+", default=["mlp", "block", "gpt4"], choices=["mlp", "block", "gpt4"])
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system (default 40, quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system (default 60, quick 3)")
     a = parser.parse_args(argv)
     if a.reps:
         SIZES["quick" if a.quick else "full"]["reps"] = a.reps
@@ -382,7 +393,7 @@ def main(argv=None) -> None:
     sizes = SIZES["quick" if a.quick else "full"]
     print(
         f"2 gloo processes, 1 thread each; step = median of {sizes['reps']} interleaved steps (slower rank); "
-        f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition); sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
+        f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition), with a 95% bootstrap interval of that median; sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
     )
     print(report(results, a.cases))
     print(f"\n({time.time() - t0:.0f} s)")
