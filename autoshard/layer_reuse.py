@@ -35,6 +35,14 @@ class _CannotReuse(Exception):
     """The layers cannot be copied safely: export the whole model instead."""
 
 
+class LayerMismatch(_CannotReuse):
+    """Copy ``index`` of ``group`` is called with inputs unlike its first layer's."""
+
+    def __init__(self, group, index: str):
+        super().__init__(f"{group.prefix}.{index} is called with other inputs than {group.prefix}.{group.first}")
+        self.group, self.index = group, index
+
+
 # ---- marker ops (present only between export and expand_layer_calls) ------------------------------------------
 _TENSOR = object()  # placeholder of a tensor among a layer's flattened non-tensor inputs
 _OUTPUTS: dict[str, list[tuple]] = {}  # layer key -> output (shape, stride, dtype, device) of the first layer
@@ -155,6 +163,7 @@ class reuse_layers:
     def __init__(self, model: torch.nn.Module, groups: list[LayerGroup]):
         self.model, self.groups = model, groups
         self.patched: list[torch.nn.Module] = []
+        self.hidden: list[tuple[dict, dict]] = []
 
     def __enter__(self):
         for gi, g in enumerate(self.groups):
@@ -162,9 +171,16 @@ class reuse_layers:
             self._patch(first, self._traced(gi, g, first.forward))
             for i in g.copies:
                 self._patch(g.modules[i], self._stub(gi, g, i, g.modules[i].forward))
+                # export fakifies and lifts every parameter it sees (~1 ms each): the copies' own are added after
+                for sub in g.modules[i].modules():
+                    for table in (sub._parameters, sub._buffers):
+                        self.hidden.append((table, dict(table)))
+                        table.clear()
         return self
 
     def __exit__(self, *exc):
+        for table, saved in self.hidden:
+            table.update(saved)
         for m in self.patched:
             del m.forward
         for g in self.groups:
@@ -204,8 +220,8 @@ class reuse_layers:
             same = (g.calls == 1 and spec == g.in_spec
                     and [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat] == g.in_consts
                     and [_tensor_meta(x) for x in tensors] == g.in_meta)
-            if not same:
-                return forward(*args, **kwargs)  # traced as usual
+            if not same:  # its parameters are hidden: it cannot be traced now; start the group here instead
+                raise LayerMismatch(g, i)
             key = _key(g, i)
             _OUTPUTS[key] = g.out_meta
             g.stubbed.append(i)
@@ -225,6 +241,19 @@ def verify(groups: list[LayerGroup]) -> list[tuple[LayerGroup, str]]:
             if ref is None or _fingerprint(g.modules[i], g.in_spec, g.in_consts, g.in_meta) != ref:
                 wrong.append((g, i))
     return wrong
+
+
+def starting_at(groups: list[LayerGroup], group: LayerGroup, index: str) -> list[LayerGroup]:
+    """Fresh groups for another export, ``group`` now led by its copy ``index`` (the layers before it are traced
+    as usual: typically the first layer, whose input differs from the others')."""
+    out = []
+    for g in groups:
+        first, copies = g.first, list(g.copies)
+        if g is group:
+            first, copies = index, copies[copies.index(index) + 1:]
+        if copies:
+            out.append(LayerGroup(g.prefix, first, copies, {i: g.modules[i] for i in [first, *copies]}))
+    return out
 
 
 def without(groups: list[LayerGroup], wrong: list[tuple[LayerGroup, str]]) -> list[LayerGroup]:
@@ -301,8 +330,9 @@ def _fingerprint(layer: torch.nn.Module, spec, consts: list, metas: list):
 
 
 # ---- after export -----------------------------------------------------------------------------------------------
-def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup]) -> None:
-    """Replace every ``layer_call`` by a copy of its group's first layer; drop the markers."""
+def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup], model: torch.nn.Module) -> None:
+    """Replace every ``layer_call`` by a copy of its group's first layer; drop the markers. The copies' parameters
+    (hidden from export) are taken from ``model`` and registered on ``gm`` under their own names."""
     g = gm.graph
     inputs: dict[str, dict[int, torch.fx.Node]] = {}
     outputs: dict[str, dict[int, torch.fx.Node]] = {}
@@ -315,6 +345,7 @@ def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup]) -> No
         elif n.target is _CALL:
             calls.append(n)
     attrs = {str(n.target): n for n in g.nodes if n.op == "get_attr"}
+    anchor = next(n for n in g.nodes if n.op != "placeholder")  # new get_attrs go before it
     by_key = {_key(gr, i): (gr, i) for gr in groups for i in gr.copies}
     regions = {}
     for gr in groups:
@@ -335,7 +366,7 @@ def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup]) -> No
                         if target.startswith(old + "."):
                             target = new + target[len(old):]
                             if target not in attrs:
-                                raise _CannotReuse(f"no get_attr for {target}")
+                                attrs[target] = _get_attr(gm, target, model, anchor)
                             return attrs[target]
                         raise _CannotReuse(f"{node.name} reads {target}, which is not the layer's own")
                     raise _CannotReuse(f"{node.name} reads {a.name} from outside its layer")
@@ -356,6 +387,29 @@ def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup]) -> No
             for marker in nodes.values():
                 marker.replace_all_uses_with(marker.args[0])
                 g.erase_node(marker)
+
+
+def _get_attr(gm: torch.fx.GraphModule, target: str, model: torch.nn.Module, before: torch.fx.Node) -> torch.fx.Node:
+    """A get_attr node for ``model``'s tensor at ``target``, registered on ``gm`` (parameter or buffer alike)."""
+    *path, name = target.split(".")
+    owner = model.get_submodule(".".join(path))
+    tensor = owner._parameters.get(name)
+    is_param = tensor is not None
+    if not is_param:
+        tensor = owner._buffers.get(name)
+    if tensor is None:
+        raise _CannotReuse(f"{target} is neither a parameter nor a buffer of the model")
+    mod = gm
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    if is_param:
+        mod.register_parameter(name, tensor)
+    else:
+        mod.register_buffer(name, tensor, persistent=name not in owner._non_persistent_buffers_set)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(target)
 
 
 def _owner(marker: torch.fx.Node, groups: list[LayerGroup]) -> str:

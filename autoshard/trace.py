@@ -50,20 +50,38 @@ def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
     groups = find_groups(model)
     if not groups:
         raise layer_reuse._CannotReuse("no repeated layers")
-    for attempt in range(2):
-        with layer_reuse.reuse_layers(model, groups):
-            gm = _export(model, args, kwargs)
-        wrong = layer_reuse.verify(groups)
-        if not wrong:
-            break
-        if attempt == 1:
-            raise layer_reuse._CannotReuse("copied layers differ from their first layer")
-        groups = layer_reuse.without(groups, wrong)  # export again, tracing the layers that differ
+    for attempt in range(4):
+        try:
+            with layer_reuse.reuse_layers(model, groups):
+                gm = _export(model, args, kwargs)
+        except Exception as e:  # a copy called with other inputs: lead its group from there (once per group)
+            mismatch = _cause(e, layer_reuse.LayerMismatch)
+            if mismatch is None or attempt == 3:
+                raise
+            groups = layer_reuse.starting_at(groups, mismatch.group, mismatch.index)
+        else:
+            wrong = layer_reuse.verify(groups)
+            if not wrong:
+                break
+            groups = layer_reuse.without(groups, wrong)  # export again, tracing the layers that differ
         if not groups:
             raise layer_reuse._CannotReuse("no layer can be copied")
-    layer_reuse.expand_layer_calls(gm, groups)
+    else:
+        raise layer_reuse._CannotReuse("the layers could not be matched")
+    layer_reuse.expand_layer_calls(gm, groups, model)
     gm.meta[REUSED_LAYERS] = {g.prefix: [g.first, *g.stubbed] for g in groups if g.stubbed}
     return gm
+
+
+def _cause(e: BaseException, kind: type):
+    """``e`` or the first exception of its cause/context chain that is a ``kind``."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _export(model, args, kwargs) -> torch.fx.GraphModule:
@@ -83,6 +101,7 @@ def _export(model, args, kwargs) -> torch.fx.GraphModule:
 
 def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphModule:
     _clean(gm)
+    _order_attrs(gm, model)
     _annotate_params(gm, model)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
@@ -103,6 +122,25 @@ def _clean(gm: torch.fx.GraphModule) -> None:
             delattr(gm, name)
     g.eliminate_dead_code()
     g.lint()
+
+
+def _order_attrs(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Parameters, then buffers, then other constants, in the model's order, right after the inputs — the order
+    export lifts them in, whichever way the graph was made (copied layers add theirs afterwards)."""
+    rank: dict[str, tuple[int, int]] = {}
+    for kind, named in enumerate((model.named_parameters(remove_duplicate=False),
+                                  model.named_buffers(remove_duplicate=False))):
+        for name, _ in named:
+            rank.setdefault(name, (kind, len(rank)))
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    order = sorted(range(len(attrs)), key=lambda k: (*rank.get(str(attrs[k].target), (2, k)), k))
+    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for k in order:
+        node = attrs[k]
+        if node is not anchor:
+            anchor.prepend(node)
+        else:
+            anchor = node.next
 
 
 def _renumber(gm: torch.fx.GraphModule) -> None:

@@ -135,3 +135,27 @@ def test_meta_device_model_reuses_layers():
     full, fast = _both(model, (ids, ids))
     assert fast.meta[REUSED_LAYERS] == {"blocks": [str(i) for i in range(6)]}
     assert fast.code == full.code
+
+
+class _BareStack(nn.Module):
+    """The first layer reads the input itself (no gradient), the others a computed value: only they match."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(_Scaled(1.0) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_group_restarts_at_the_first_layer_whose_inputs_match():
+    torch.manual_seed(0)
+    model = _BareStack(4)
+    x = torch.randn(2, 8)
+    full, fast = _both(model, (x,))
+    assert fast.meta[REUSED_LAYERS] == {"layers": ["1", "2", "3"]}  # layer 0 traced as it is
+    assert fast.code == full.code
+    assert _summary(fast) == _summary(full)
+    torch.testing.assert_close(fast(x), model(x))
