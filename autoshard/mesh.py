@@ -12,6 +12,7 @@ data-slice and ranks 0,2 in the same model-slice::
 from __future__ import annotations
 
 import itertools
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,11 +61,11 @@ class Mesh:
         return cls(tuple(zip(names, device_mesh.mesh.shape)))
 
     # ---- shape -------------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes)
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(s for _, s in self.axes)
 

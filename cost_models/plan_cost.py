@@ -27,16 +27,30 @@ def _local_numel(shape_, spec, mesh) -> int:
     return math.prod(local_shape(shape_, spec, mesh))
 
 
-def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh) -> float:
-    """How many ways the op's work is split: the largest global/local size ratio among its operands."""
+def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, vals: list | None = None) -> float:
+    """How many ways the op's work is split: the largest global/local size ratio among its operands
+    (``vals``: the inputs' and outputs' values, when the caller has them already)."""
     best = 1.0
-    vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
+    if vals is None:
+        vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
     outs = strat.output_spec if isinstance(strat.output_spec[0], tuple) else (strat.output_spec,)
     for v, spec in zip(vals, list(strat.input_specs) + list(outs)):
         if spec is None or v.numel() == 0:
             continue
         best = max(best, v.numel() / max(1, _local_numel(v.shape, spec, mesh)))
     return best
+
+
+def op_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfile) -> list[float]:
+    """:func:`op_time` of every strategy in ``strategies`` (the unsplit roofline time computed once)."""
+    fwd = compute_time(node, profile, 1)  # x / 1 is x: the same floats as op_time's
+    bwd = compute_time(node, profile, 1, backward=True) if node.meta.get(M.REQUIRES_GRAD) else None
+    vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
+    out = []
+    for s in strategies:
+        f = shard_factor(node, s, mesh, vals)
+        out.append(fwd / f if bwd is None else fwd / f + bwd / f)
+    return out
 
 
 def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.fx
 from autoshard.cost_models.memory import optimizer_state_bytes
-from autoshard.cost_models.plan_cost import _local_numel, redistribution_time_of, grad_sync_time, op_time
+from autoshard.cost_models.plan_cost import _local_numel, grad_sync_time, op_times, redistribution_time_of
 from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.passes.propagate import mark_requires_grad, node_strategies, seed_specs
 
@@ -174,7 +174,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
         if n.name in ctx.forced:
             strats = [ctx.forced[n.name]]
         k = copies[n]
-        cost = [k * op_time(n, s, mesh, profile) for s in strats]
+        cost = [k * t for t in op_times(n, strats, mesh, profile)]
         mem = []
         for s in strats:
             outs = s.output_spec if isinstance(s.output_spec[0], tuple) else (s.output_spec,)
