@@ -203,7 +203,7 @@ def _cross_entropy(graph, new, old, mesh, rank):
 
 
 def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.Module | None = None,
-             bucket_grads: bool = False) -> torch.fx.GraphModule:
+             bucket_grads: bool = False, defer_outputs: bool | None = None) -> torch.fx.GraphModule:
     """Rank ``rank``'s GraphModule. ``weights`` holds the full parameters (default: ``gm`` itself).
 
     ``bucket_grads``: leave out the ``grad_all_reduce`` of every parameter that feeds nothing else (its gradient
@@ -211,9 +211,11 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
     ``module.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)`` in graph order, for
     :class:`autoshard.runtime.buckets.GradBucketer` to all-reduce in buckets, overlapped with backward; and start
     the all-reduces of returned values (the loss) asynchronously (``all_reduce_output``: waited when read, or by
-    the bucketer at the end of backward).
+    the bucketer at the end of backward). ``defer_outputs`` (default: ``bucket_grads``) controls the latter alone:
+    pipeline stages, whose outputs go to ``send``, keep their output all-reduces blocking.
     """
     weights = gm if weights is None else weights
+    defer_outputs = bucket_grads if defer_outputs is None else defer_outputs
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     attrs: dict[str, torch.Tensor] = {}
@@ -240,14 +242,14 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
             continue
         new = graph.node_copy(old, lambda n: env[n])
         new.meta = {k: v for k, v in old.meta.items() if k != "val"}
-        if bucket_grads and _is_output_mean_loss(old, env):
+        if defer_outputs and _is_output_mean_loss(old, env):
             # all_reduce(cross_entropy_partial_mean(...)) returned: one deferred all-reduce of [sum, count]
             ce = env[old.args[0]]
             logits, target, weight, ignore, smoothing, _, *log_probs = ce.args
             new.target = runtime_ops.cross_entropy_mean_output
             new.args = (logits, target, weight, ignore, smoothing, old.args[1], *log_probs)
             graph.erase_node(ce)
-        elif bucket_grads and _is_output_all_reduce(old):
+        elif defer_outputs and _is_output_all_reduce(old):
             new.target = runtime_collectives.all_reduce_output  # waited by the bucketer or when read
         elif _reduces_a_dead_matmul(old):
             new.target = runtime_collectives.all_reduce_  # in place: no output buffer

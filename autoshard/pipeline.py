@@ -180,7 +180,8 @@ class PipelinePlan:
         self.mesh._check_rank(rank)
         if not bucket_grads:
             return localize(self.stages[stage].gm, self.submesh, self.sub_rank(rank))
-        return localize(self.stages[stage].gm, self.submesh, self.sub_rank(rank), bucket_grads=True)
+        return localize(self.stages[stage].gm, self.submesh, self.sub_rank(rank), bucket_grads=True,
+                        defer_outputs=False)  # stage outputs are sent or fed to the schedule's loss
 
     def code(self, rank: int = 0, stage: int | None = None) -> str:
         stage = self.stages_of(rank)[0] if stage is None else stage
