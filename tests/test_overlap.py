@@ -3,6 +3,7 @@ all-reduce overlaps the weight gradients (linears_grad_all_reduce) give the unsh
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autoshard
@@ -98,3 +99,43 @@ def test_data_parallel_loss_all_reduce_is_left_in_flight_and_read_correctly():
         assert abs(r["plus_one"] - r["ref"] - 1) < 1e-5
         assert r["pending_after_backward"] == 0
         assert r["max_grad_err"] < 1e-5
+
+
+class _WeightedCE(torch.nn.Module):
+    def __init__(self, nll: bool):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 5)
+        self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5, 1.5, 1.0]))
+        self.nll = nll
+
+    def forward(self, x, y):
+        logits = self.proj(x)
+        if self.nll:
+            return torch.nn.functional.nll_loss(logits.log_softmax(-1), y, weight=self.class_weight)
+        return torch.nn.functional.cross_entropy(logits, y, weight=self.class_weight, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("nll", [False, True], ids=["cross_entropy", "nll_loss"])
+def test_deferred_mean_loss_with_weights_and_ignored_targets_equals_single_device(nll):
+    torch.manual_seed(0)
+    model = _WeightedCE(nll)
+    x = torch.randn(8, 8)
+    y = torch.tensor([0, 1, -100, 3, 4, -100, -100, 2])  # rank 1's half has more ignored targets
+    ref = model(x, y)
+    ref.backward()
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), (x, y)).plan
+    code = plan.rank_module(0, bucket_grads=True).code
+    assert "cross_entropy_mean_output" in code
+
+    def body(rank):
+        module = plan.rank_module(rank, bucket_grads=True)
+        GradBucketer(module)
+        a, _ = plan.shard_inputs(rank, (x, y))
+        loss = loss_of(module(*a))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in module.named_parameters()}
+
+    for loss, grads in SimWorld(plan.mesh).run(body):
+        torch.testing.assert_close(loss, ref.detach())
+        for name, g in grads.items():
+            torch.testing.assert_close(g, dict(model.named_parameters())[name].grad)

@@ -19,25 +19,32 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     over the ranks (the Partial→Replicate all-reduce that follows) gives exactly the single-device loss.
     """
     comm = current()
-    with torch.no_grad():
-        valid = target != ignore_index
-        if weight is not None:
-            count = weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(logits.dtype)
-        else:
-            count = valid.sum().to(logits.dtype)
-        # the count's all-reduce travels while this rank computes its loss sum
-        handle = comm.all_reduce_async(count.reshape(1), axes[0], phase="forward") if axes else None
-    if log_probs:  # nll_loss: the inputs are already log-probabilities
-        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
-    else:
-        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
-                                label_smoothing=label_smoothing)
+    count = _target_count(logits, target, weight, ignore_index)
+    # the count's all-reduce travels while this rank computes its loss sum
+    handle = comm.all_reduce_async(count.reshape(1), axes[0], phase="forward") if axes else None
+    total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
     if handle is not None:
         count = handle.wait()
         for axis in axes[1:]:
             count = comm.all_reduce(count, axis)
         count = count.reshape(())
     return total / count
+
+
+def _target_count(logits, target, weight, ignore_index) -> torch.Tensor:
+    """This rank's count of non-ignored targets (their total class weight with ``weight``), no gradient."""
+    with torch.no_grad():
+        valid = target != ignore_index
+        if weight is not None:
+            return weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(logits.dtype)
+        return valid.sum().to(logits.dtype)
+
+
+def _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs) -> torch.Tensor:
+    if log_probs:  # nll_loss: the inputs are already log-probabilities
+        return F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                           label_smoothing=label_smoothing)
 
 
 class _MeanOutput(torch.autograd.Function):
@@ -68,17 +75,8 @@ def cross_entropy_mean_output(logits: torch.Tensor, target: torch.Tensor, weight
     waited when read or by the gradient bucketer) instead of a blocking count all-reduce and an output all-reduce.
     Codegen uses it for ``all_reduce(cross_entropy_partial_mean(...))`` when that is a returned value."""
     comm = current()
-    with torch.no_grad():
-        valid = target != ignore_index
-        if weight is not None:
-            count = weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(logits.dtype)
-        else:
-            count = valid.sum().to(logits.dtype)
-    if log_probs:
-        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
-    else:
-        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
-                                label_smoothing=label_smoothing)
+    count = _target_count(logits, target, weight, ignore_index)
+    total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
     return _MeanOutput.apply(total, count, comm, comm._axis(axis))
 
 
