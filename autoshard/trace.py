@@ -9,7 +9,10 @@ The pytree calling convention of the exported module (``_in_spec``/``_out_spec``
 are called exactly like the original model (same args, kwargs, and output structure).
 
 Removed after export: the input guard module (it checks *global* shapes, but ranks see local ones) and
-``aten._assert_tensor_metadata`` nodes (dtype asserts without effect on values).
+``aten._assert_tensor_metadata`` nodes (dtype asserts without effect on values). Then parameters are put in the
+model's order and ops renamed from their targets, so the graph does not depend on how it was made: a list of
+identical layers is traced once and copied (:mod:`autoshard.layer_reuse`; ``reuse_layers=False`` exports every
+layer), and both ways give the same code.
 """
 
 from __future__ import annotations
