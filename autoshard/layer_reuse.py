@@ -5,15 +5,17 @@
 layer of each such list trace normally, between marker ops that name its inputs and outputs
 (``autoshard::layer_input`` / ``autoshard::layer_output``); every later layer whose inputs have the same
 structure and metadata becomes one opaque ``autoshard::layer_call`` node with outputs shaped like the first
-layer's. :func:`expand_layer_calls` then replaces each call by a copy of the first layer's ops, reading the
-layer's own parameters (``layers.0.*`` → ``layers.i.*``) and carrying its own module path.
+layer's, and its parameters are hidden from export (which fakifies and lifts every parameter it sees).
+:func:`expand_layer_calls` then replaces each call by a copy of the first layer's ops, reading the layer's own
+parameters (``layers.0.*`` → ``layers.i.*``, registered on the graph module then) under its own module path.
 
-The copy is used only when it is provably the same function. Before export, every candidate layer's forward is run
+The copy is used only when it is provably the same function. After export, every copied layer's forward is run
 once on meta tensors (no data, no FLOPs) under a dispatch recorder (:func:`_fingerprint`): the sequence of aten ops
 with their non-tensor arguments and dataflow (which input, parameter or earlier result each argument is). A layer
 whose recording differs from the first layer's — it branches on its index, has a different activation, reads a
-different constant — is traced normally. So are layers that share a parameter with anything outside themselves,
-layers called with inputs unlike the first layer's, and every layer of a list whose first layer mutates state or
+different constant — is traced normally (export runs again without it). So are layers that share a parameter
+with anything outside themselves; a layer called with inputs unlike the first layer's starts its group anew
+(:class:`LayerMismatch`); and every layer of a list whose first layer mutates state or
 reads a tensor that is neither an input nor one of its own parameters. Any surprise raises :class:`_CannotReuse`
 and the caller exports the whole model the ordinary way: this is a speed-up, never a change of meaning. Tests
 check that the result is the same graph as a full export (same code, op for op).

@@ -335,6 +335,7 @@ def report(results, cases) -> str:
             for key in keys:
                 rec = per_rank[0][key]
                 t = med(key)
+                ratio, interval = paired_ratio(key, base)
                 if group == "tp":
                     analytic = (fwd + bwd) * numel * 4
                 else:
@@ -355,7 +356,7 @@ def report(results, cases) -> str:
                         name,
                         key,
                         f"{t:.1f}",
-                        "{:.2f} [{:.2f}, {:.2f}]".format(paired_ratio(key, base)[0], *paired_ratio(key, base)[1]),
+                        "{:.2f} [{:.2f}, {:.2f}]".format(ratio, *interval),
                         _fmt_bytes(peak),
                         b_txt,
                         _fmt_bytes(analytic),

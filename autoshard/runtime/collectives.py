@@ -58,46 +58,30 @@ def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Te
     return t.narrow(dim, comm.axis_index(axis) * size, size)
 
 
-class _AllReduceInPlace(torch.autograd.Function):
-    # The sum is written into x's memory and x is returned as a view. Not marked dirty: codegen only uses this
-    # where x is read by nothing else and its producer's backward does not keep it (a matmul or add), so no
-    # autograd-saved value changes; were one saved, autograd's version check would raise, never compute wrong.
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str):
-        comm.all_reduce_(x.detach(), axis)
-        return x.view_as(x)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _AllReduceOutput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str):
-        buffer = x.detach().clone()
-        handle = comm.all_reduce_async(buffer, axis, phase="forward")
-        if handle.is_completed():  # the simulator's collectives complete at once
-            return handle.wait()
-        comm.pending.append(handle)
-        return PendingTensor(buffer, handle)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return grad, None, None
-
-
 class _AllReduce(torch.autograd.Function):
+    """Partial → Replicate; backward is the identity. ``mode``: ``"copy"`` (a new tensor), ``"inplace"`` (the sum
+    written into x's memory, x returned as a view — not marked dirty: codegen only uses it where x is read by
+    nothing else and its producer's backward does not keep it, a matmul or add; were one kept, autograd's version
+    check would raise, never compute wrong), ``"deferred"`` (started asynchronously, a PendingTensor returned)."""
+
     @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str):
+    def forward(ctx, x, comm: Communicator, axis: str, mode: str = "copy"):
+        if mode == "inplace":
+            comm.all_reduce_(x.detach(), axis)
+            return x.view_as(x)
+        if mode == "deferred":
+            buffer = x.detach().clone()
+            handle = comm.all_reduce_async(buffer, axis, phase="forward")
+            if handle.is_completed():  # the simulator's collectives complete at once
+                return handle.wait()
+            comm.pending.append(handle)
+            return PendingTensor(buffer, handle)
         return comm.all_reduce(x, axis)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -223,7 +207,7 @@ def all_reduce_(x: torch.Tensor, axis: str) -> torch.Tensor:
     x = _tensor(x, "all_reduce")
     if x.is_leaf or not x.is_contiguous() or torch.compiler.is_compiling():
         return _AllReduce.apply(x, comm, comm._axis(axis))
-    return _AllReduceInPlace.apply(x, comm, comm._axis(axis))
+    return _AllReduce.apply(x, comm, comm._axis(axis), "inplace")
 
 
 def all_reduce_output(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -234,7 +218,7 @@ def all_reduce_output(x: torch.Tensor, axis: str) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _AllReduce.apply(x, comm, comm._axis(axis))
     comm.wait_pending()  # at most one step's outputs in flight
-    return _AllReduceOutput.apply(x, comm, comm._axis(axis))
+    return _AllReduce.apply(x, comm, comm._axis(axis), "deferred")
 
 
 def grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
