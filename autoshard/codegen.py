@@ -246,9 +246,14 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
             # all_reduce(cross_entropy_partial_mean(...)) returned: one deferred all-reduce of [sum, count]
             ce = env[old.args[0]]
             logits, target, weight, ignore, smoothing, _, *log_probs = ce.args
+            with graph.inserting_before(ce):
+                count = graph.call_function(runtime_ops.target_count_started,
+                                            (target, weight, ignore, old.args[1], old.meta["val"].dtype))
             new.target = runtime_ops.cross_entropy_mean_output
-            new.args = (logits, target, weight, ignore, smoothing, old.args[1], *log_probs)
+            new.args = (logits, target, weight, ignore, smoothing, old.args[1], *(log_probs or [False]))
+            new.kwargs = {"count": count}
             graph.erase_node(ce)
+            _hoist(graph, count)
         elif defer_outputs and _is_output_all_reduce(old):
             new.target = runtime_collectives.all_reduce_output  # waited by the bucketer or when read
         elif _reduces_a_dead_matmul(old):
@@ -268,6 +273,32 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
     if bucket_grads:
         out.meta[GRAD_SYNC] = tuple(syncs)
     return out
+
+
+def _hoist(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Move ``node`` and the aten ops it depends on (views of the targets, say) to just after the program's inputs
+    and parameters, so that its collective starts at the beginning of forward. Left where it is when it depends on
+    anything else (a collective, a runtime function), which would change the order of collectives."""
+    first = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), None)
+    if first is None or first is node:
+        return
+    chain: list[torch.fx.Node] = []
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(n)
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            return
+        chain.append(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if any(order[n] > order[first] for inp in [node, *chain] for n in inp.all_input_nodes
+           if n.op in ("placeholder", "get_attr")):
+        return  # an input defined after the first op: leave the graph as it is
+    for n in sorted(chain, key=order.__getitem__) + [node]:
+        first.prepend(n)
 
 
 def _is_gather_then_sync(node: torch.fx.Node) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from autoshard.runtime.collectives import all_reduce
 from autoshard.runtime.comm import current
 from autoshard.runtime.pending import PendingTensor
 
@@ -19,7 +20,7 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     over the ranks (the Partial→Replicate all-reduce that follows) gives exactly the single-device loss.
     """
     comm = current()
-    count = _target_count(logits, target, weight, ignore_index)
+    count = _target_count(target, weight, ignore_index, logits.dtype)
     # the count's all-reduce travels while this rank computes its loss sum
     handle = comm.all_reduce_async(count.reshape(1), axes[0], phase="forward") if axes else None
     total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
@@ -31,13 +32,13 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     return total / count
 
 
-def _target_count(logits, target, weight, ignore_index) -> torch.Tensor:
+def _target_count(target, weight, ignore_index, dtype) -> torch.Tensor:
     """This rank's count of non-ignored targets (their total class weight with ``weight``), no gradient."""
     with torch.no_grad():
         valid = target != ignore_index
         if weight is not None:
-            return weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(logits.dtype)
-        return valid.sum().to(logits.dtype)
+            return weight[target.clamp(min=0)].masked_fill(~valid, 0).sum().to(dtype)
+        return valid.sum().to(dtype)
 
 
 def _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs) -> torch.Tensor:
@@ -47,36 +48,61 @@ def _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs) 
                            label_smoothing=label_smoothing)
 
 
+def target_count_started(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, axis: str,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The global count of non-ignored targets (their total class weight with ``weight``) of a batch sharded over
+    ``axis``, as ``dtype``, its all-reduce started now: a
+    :class:`~autoshard.runtime.pending.PendingTensor` waited when read. Codegen emits it as early in forward as
+    the targets allow (they are inputs), so the count has arrived long before backward needs it."""
+    comm = current()
+    axis = comm._axis(axis)
+    count = _target_count(target, weight, ignore_index, dtype).reshape(1)
+    if torch.compiler.is_compiling():
+        return comm.all_reduce(count, axis).reshape(())
+    handle = comm.all_reduce_async(count, axis, phase="forward")
+    if handle.is_completed():  # the simulator's collectives complete at once
+        return handle.wait().reshape(())
+    comm.pending.append(handle)
+    return PendingTensor(count.reshape(()), handle, finish=lambda summed: summed.reshape(()))
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, PendingTensor) else t
+
+
 class _MeanOutput(torch.autograd.Function):
-    """``(Σ_ranks total) / (Σ_ranks count)`` from one async all-reduce of ``[total, count]``; backward needs only the
-    global count (``d/d total = 1 / count``), which has long arrived by then."""
+    """``(Σ_ranks total) / count`` with the global ``count`` already on its way (:func:`target_count_started`):
+    the sum's all-reduce is started and left in flight; backward needs only the count (``d/d total = 1 / count``),
+    which arrived during forward — backward never waits for the other ranks."""
 
     @staticmethod
     def forward(ctx, total, count, comm, axis):
-        buffer = torch.stack([total.detach(), count.to(total.dtype)])
-        handle = comm.all_reduce_async(buffer, axis, phase="forward")
-        ctx.handle = handle
+        ctx.count = count
+        handle = comm.all_reduce_async(total.detach().reshape(1), axis, phase="forward")
         if handle.is_completed():  # the simulator
-            summed = handle.wait()
-            return summed[0] / summed[1]
+            return handle.wait().reshape(()) / _value(count)
         comm.pending.append(handle)
-        return PendingTensor(total.detach(), handle, finish=lambda summed: summed[0] / summed[1])
+        return PendingTensor(total.detach(), handle, finish=lambda summed: summed.reshape(()) / _value(count))
 
     @staticmethod
     def backward(ctx, grad):
-        return grad / ctx.handle.wait()[1], None, None, None
+        return grad / _value(ctx.count), None, None, None
 
 
 def cross_entropy_mean_output(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                              ignore_index: int, label_smoothing: float, axis: str,
-                              log_probs: bool = False) -> torch.Tensor:
-    """The global mean cross-entropy (or nll) of a batch sharded over ``axis``, returned by the program: one
-    all-reduce of ``[local sum, local count]``, left in flight (a :class:`~autoshard.runtime.pending.PendingTensor`
+                              ignore_index: int, label_smoothing: float, axis: str, log_probs: bool = False,
+                              count: torch.Tensor | None = None) -> torch.Tensor:
+    """The global mean cross-entropy (or nll) of a batch sharded over ``axis``, returned by the program: the global
+    target ``count`` (from :func:`target_count_started`, started early in forward; computed here when None) and
+    one all-reduce of the local loss sum, left in flight (a :class:`~autoshard.runtime.pending.PendingTensor`
     waited when read or by the gradient bucketer) instead of a blocking count all-reduce and an output all-reduce.
     Codegen uses it for ``all_reduce(cross_entropy_partial_mean(...))`` when that is a returned value."""
     comm = current()
-    count = _target_count(logits, target, weight, ignore_index)
+    if count is None:
+        count = target_count_started(target, weight, ignore_index, axis, logits.dtype)
     total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
+    if torch.compiler.is_compiling():
+        return all_reduce(total, axis) / count
     return _MeanOutput.apply(total, count, comm, comm._axis(axis))
 
 
