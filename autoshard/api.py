@@ -25,7 +25,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
-            bucket_cap_mb: float = 25.0, moe=None, sequence_parallel: bool = False) -> ShardedModule:
+            bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -49,8 +49,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     ``autoshard.moe_losses(module)`` / ``autoshard.moe_stats(module)`` report them after each forward.
 
     ``bucket_cap_mb``: data-parallel gradient all-reduces run like DDP's, in buckets of this many MiB launched
-    asynchronously as gradients become ready during backward (:mod:`autoshard.runtime.buckets`); 0 runs one
-    blocking all-reduce per parameter inside backward instead. The gradients are identical either way.
+    asynchronously as gradients become ready during backward (:mod:`autoshard.runtime.buckets`; default as
+    DDP's: a 1 MiB first bucket, then 25 MiB); 0 runs one blocking all-reduce per parameter inside backward
+    instead. The gradients are identical either way.
 
     ``sequence_parallel=True`` (greedy planner): at equal communication prefer sharded activations, so norms and
     residuals between tensor-parallel layers run sharded along the sequence on the model axis (Megatron-SP:
@@ -134,9 +135,10 @@ class ShardedModule(torch.nn.Module):
     """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``)."""
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
-                 timeout: float = 300.0, bucket_cap_mb: float = 25.0):
+                 timeout: float = 300.0, bucket_cap_mb: float | None = None):
         super().__init__()
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or bucket_cap_mb < 0):
             raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a number of MiB >= 0 (0 turns "
                                  "gradient bucketing off).")
         self.bucket_cap_mb = bucket_cap_mb
@@ -204,14 +206,20 @@ class ShardedModule(torch.nn.Module):
                             f"{self.mesh}: compile for the mesh you run on (or run on the mesh you compiled for).")
         return self._comm
 
+    @property
+    def bucketing(self) -> bool:
+        """Whether data-parallel gradients are synced by a :class:`~autoshard.runtime.buckets.GradBucketer`
+        (``bucket_cap_mb`` not 0)."""
+        return self.bucket_cap_mb is None or self.bucket_cap_mb > 0
+
     def forward(self, *args, **kwargs):
         comm = self.communicator()
         if self.plan is None:
             gargs, gkwargs = self._global_examples(args, kwargs)
             self.plan = build_plan(self._source[0], self.mesh, gargs, gkwargs, self.options)
         if self.local is None:
-            local = self.plan.rank_module(comm.rank, bucket_grads=self.bucket_cap_mb > 0)
-            if self.bucket_cap_mb > 0:
+            local = self.plan.rank_module(comm.rank, bucket_grads=self.bucketing)
+            if self.bucketing:
                 from autoshard.runtime.buckets import GradBucketer
 
                 self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb)

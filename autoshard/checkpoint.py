@@ -161,7 +161,7 @@ def _local_module(sharded) -> torch.fx.GraphModule:
     if sharded.local is None:
         # What ShardedModule.forward does on its first call, short of running it.
         comm = sharded.communicator()
-        bucket = getattr(sharded, "bucket_cap_mb", 0) > 0
+        bucket = getattr(sharded, "bucketing", False)
         local = sharded.plan.rank_module(comm.rank, bucket_grads=True) if bucket else \
             sharded.plan.rank_module(comm.rank)
         if bucket:

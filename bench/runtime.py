@@ -11,8 +11,8 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
     the attention and MLP inputs (the torchtitan layout: one input all-reduce in backward per sub-block);
 * data parallel, ``Mesh(data=2)``:
   - **autoshard**: ``rank_module(rank, bucket_grads=True)`` + :class:`~autoshard.runtime.buckets.GradBucketer`
-    (a 1 MiB first bucket then 25 MiB buckets as DDP, async, overlapped; the loss all-reduce left in flight), and
-    the unbucketed program (one blocking all-reduce per parameter);
+    (``bucket_cap_mb=25``: the buckets DDP cuts with that cap, launched asynchronously as they fill; the loss
+    all-reduce left in flight), and the unbucketed program (one blocking all-reduce per parameter);
   - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``.
 
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved (one step of each system in turn, the
@@ -52,13 +52,14 @@ SIZES = {
         "mlp": {"batch": 64, "hidden": 512},
         "block": {"batch": 8, "seq": 128, "hidden": 256, "heads": 8},
         "gpt4": {"batch": 8, "seq": 64, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4},
-        "reps": 60,
+        # repetitions per case: the short steps get more, so every ratio's interval is about as narrow
+        "reps": {"mlp": 240, "block": 100, "gpt4": 60},
     },
     "quick": {
         "mlp": {"batch": 8, "hidden": 64},
         "block": {"batch": 2, "seq": 16, "hidden": 64, "heads": 4},
         "gpt4": {"batch": 2, "seq": 16, "hidden": 64, "heads": 4, "vocab": 128, "layers": 4},
-        "reps": 3,
+        "reps": {"mlp": 3, "block": 3, "gpt4": 3},
     },
 }
 
@@ -171,7 +172,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     from autoshard.runtime.buckets import GradBucketer
 
     sizes = SIZES["quick" if quick else "full"]
-    reps = reps or sizes["reps"]
+    reps_of = {name: reps or sizes["reps"][name] for name in cases}
     tp_mesh, dp_mesh = autoshard.Mesh(model=2), autoshard.Mesh(data=2)
     tp_comm, dp_comm = DistCommunicator(tp_mesh, timeout=300), DistCommunicator(dp_mesh, timeout=300)
     device_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("model",))
@@ -258,7 +259,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             info[key] = rec
         times = {k: [] for k in systems}
         keys = list(systems)
-        for rep in range(reps):
+        for rep in range(reps_of[name]):
             order = keys[rep % len(keys) :] + keys[: rep % len(keys)]
             for key in order:
                 fn, params = systems[key][0], systems[key][1]
@@ -383,17 +384,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and 3 repetitions (a smoke run)")
     parser.add_argument("--cases", nargs="+", default=["mlp", "block", "gpt4"], choices=["mlp", "block", "gpt4"])
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system (default 60, quick 3)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed repetitions per system and case (default mlp 240, block 100, gpt4 60; quick 3)")
     a = parser.parse_args(argv)
-    if a.reps:
-        SIZES["quick" if a.quick else "full"]["reps"] = a.reps
     from autoshard.runtime import spawn
 
     t0 = time.time()
     results = spawn(_worker, 2, a.quick, tuple(a.cases), a.reps, timeout=1800)
     sizes = SIZES["quick" if a.quick else "full"]
+    reps = {name: a.reps or sizes["reps"][name] for name in a.cases}
     print(
-        f"2 gloo processes, 1 thread each; step = median of {sizes['reps']} interleaved steps (slower rank); "
+        f"2 gloo processes, 1 thread each; step = median of {reps} interleaved steps (slower rank); "
         f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition), with a 95% bootstrap interval of that median; sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
     )
     print(report(results, a.cases))

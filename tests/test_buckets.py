@@ -73,6 +73,26 @@ def test_pure_data_parallel_is_one_fused_all_reduce():
         assert collective_counts(got[rank][1], "backward") == {("all_reduce", "data"): 1}
 
 
+@pytest.mark.parametrize("cap", [None, 25.0, 0.3])
+def test_buckets_are_cut_as_ddp_cuts_them(cap):
+    """DDP's rule (torch 2.13): a 1 MiB first bucket only when the cap is left at its default; the same cuts as
+    DDP's own ``_compute_bucket_assignment_by_size`` over the parameters in gradient-ready order."""
+    model, args, kwargs = models.mlp(hidden=512)  # fc weights of 2 MiB each
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
+
+    def body(rank):
+        module = plan.rank_module(rank, bucket_grads=True)
+        bucketer = GradBucketer(module) if cap is None else GradBucketer(module, bucket_cap_mb=cap)
+        return [b.names for b in bucketer.buckets], bucketer.params
+
+    cuts, params = SimWorld(plan.mesh).run(body)[0]
+    names = list(params)  # gradient-ready order: reverse graph order
+    limits = [2**20, 25 * 2**20] if cap is None else [int(cap * 2**20)]
+    ddp, _ = torch.distributed._compute_bucket_assignment_by_size([params[n] for n in names], limits, [False] * 4)
+    assert cuts == [[names[i] for i in bucket] for bucket in ddp]
+    assert len(cuts) == {None: 2, 25.0: 1, 0.3: 2}[cap]
+
+
 def test_codegen_lists_only_parameters_whose_sync_it_dropped():
     plan, _, _ = _gpt_plan(autoshard.Mesh(data=2, model=2), layers=1)
     module = plan.rank_module(0, bucket_grads=True)

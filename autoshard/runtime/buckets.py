@@ -7,9 +7,11 @@ made with ``Plan.rank_module(rank, bucket_grads=True)`` leaves those nodes out a
 
 * **Buckets** are fixed once, at construction: the parameters in reverse graph order (the order backward makes
   their gradients ready, as DDP assumes with reverse registration order), grouped by (axes, dtype), and cut as DDP
-  cuts them: a bucket closes as soon as it holds at least its limit — ``first_bucket_mb`` (1 MiB, DDP's
-  ``_DEFAULT_FIRST_BUCKET_BYTES``) for the first bucket of each group, so the first all-reduce starts early in
-  backward and overlaps the rest of it, then ``bucket_cap_mb``.
+  cuts them: a bucket closes as soon as it holds at least its limit — ``first_bucket_mb`` for the first bucket
+  of each group, then ``bucket_cap_mb``. The sizes follow DDP's rule (torch 2.13 ``_BucketCapacityConfig``):
+  with ``bucket_cap_mb`` left at its default (25 MiB) the first bucket is 1 MiB (``_DEFAULT_FIRST_BUCKET_BYTES``),
+  so the first all-reduce starts early in backward and overlaps the rest of it; a ``bucket_cap_mb`` given
+  explicitly sizes the first bucket too — the same buckets as ``DistributedDataParallel(bucket_cap_mb=...)``.
 * **Hooks**: a tensor hook on every listed parameter (it runs when the parameter's gradient of this backward is
   complete, just before it is accumulated into ``.grad``) copies the gradient into its bucket's flat buffer; a
   post-accumulate hook then drops the ``.grad`` autograd stored, so each gradient is held once, in its bucket.
@@ -64,8 +66,9 @@ class GradBucketer:
     """Bucketed, overlapped gradient all-reduce for the parameters of ``module`` listed in ``syncs``.
 
     ``syncs``: ``((parameter name, axes), ...)``, default ``module.meta[GRAD_SYNC]``. ``comm``: the communicator
-    (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB;
-    ``first_bucket_mb``: size of the first bucket of each axis set (as DDP's first bucket).
+    (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB
+    (default 25); ``first_bucket_mb``: size of the first bucket of each axis set (default as DDP's: 1 MiB when
+    ``bucket_cap_mb`` is left at its default, else ``bucket_cap_mb``).
     Call :meth:`remove` to take the hooks off again.
     """
 
@@ -74,8 +77,8 @@ class GradBucketer:
         module: torch.nn.Module,
         syncs=None,
         comm: Communicator | None = None,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
+        bucket_cap_mb: float | None = None,
+        first_bucket_mb: float | None = None,
     ):
         if syncs is None:
             meta = getattr(module, "meta", {})
@@ -85,8 +88,12 @@ class GradBucketer:
                     "with plan.rank_module(rank, bucket_grads=True), or pass syncs=."
                 )
             syncs = meta[GRAD_SYNC]
+        if first_bucket_mb is None:
+            first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
+        if bucket_cap_mb is None:
+            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise AutoshardError(f"{name} is {value!r}, but must be a positive number of MiB.")
         self.comm = comm if comm is not None else current()
         self.cap_bytes = int(bucket_cap_mb * 2**20)
