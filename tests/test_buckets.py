@@ -184,3 +184,27 @@ def test_bucket_buffer_is_reused_only_when_nothing_else_holds_it():
     for rank, (fresh, intact, reused, grad) in enumerate(got):
         assert fresh and intact and reused
         assert torch.equal(grad, next(iter(ref[rank][0].values())))
+
+
+def test_autograd_stores_each_gradient_in_its_bucket_without_a_copy():
+    """The hook hands autograd an alias of the bucket slice: the .grad autograd stores during backward is the
+    bucket's memory (each gradient held once, as with DDP's gradient_as_bucket_view), not a second copy."""
+    model, args, kwargs = models.gpt(layers=1)
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
+
+    def body(rank):
+        module = plan.rank_module(rank, bucket_grads=True)
+        bucketer = GradBucketer(module)
+        stored = {}
+        for name, p in bucketer.params.items():
+            p.register_post_accumulate_grad_hook(
+                lambda q, n=name: stored.__setitem__(n, q.grad.untyped_storage().data_ptr())
+            )
+        a, k = plan.shard_inputs(rank, args, kwargs)
+        loss_of(module(*a, **k)).backward()
+        buffers = {b.spare.untyped_storage().data_ptr() for b in bucketer.buckets}
+        return stored, buffers, set(bucketer.params)
+
+    for stored, buffers, names in SimWorld(plan.mesh).run(body):
+        assert set(stored) == names
+        assert set(stored.values()) <= buffers

@@ -13,13 +13,15 @@ made with ``Plan.rank_module(rank, bucket_grads=True)`` leaves those nodes out a
   so the first all-reduce starts early in backward and overlaps the rest of it; a ``bucket_cap_mb`` given
   explicitly sizes the first bucket too — the same buckets as ``DistributedDataParallel(bucket_cap_mb=...)``.
 * **Hooks**: a tensor hook on every listed parameter (it runs when the parameter's gradient of this backward is
-  complete, just before it is accumulated into ``.grad``) copies the gradient into its bucket's flat buffer; a
-  post-accumulate hook then drops the ``.grad`` autograd stored, so each gradient is held once, in its bucket.
+  complete, just before it is accumulated into ``.grad``) copies the gradient into its slice of its bucket's flat
+  buffer and hands autograd a view of that slice to store as ``.grad``, so each gradient is held once, in its
+  bucket. The hook is the bucketer's whole per-gradient cost in Python, so it only copies and counts.
   When a bucket is full it is launched with :meth:`Communicator.all_reduce_async` (in place) — buckets strictly in index
   order, so every rank of a group issues the same collectives in the same order whatever the hook order.
 * **End of backward** (an autograd engine callback queued by the first hook): the buckets not yet launched are
   launched, every handle is waited on, axes after the first are all-reduced in turn, and each ``.grad`` is set
-  to its slice of the reduced buffer (a view, like DDP's ``gradient_as_bucket_view``; a new buffer per backward).
+  to its slice of the reduced buffer (a view, like DDP's ``gradient_as_bucket_view``); the buffer is reused by
+  the next backward once nothing else holds it (the gradients were set to None), else a new one is made.
 
 Identical to unbucketed sync: each element is summed over the same ranks in the same order (axes in the node's
 order), and a gradient that already existed (accumulation over micro-batches without ``zero_grad``) gets the
@@ -54,11 +56,13 @@ class _Bucket:
     numel: int = 0
     # per backward
     flat: torch.Tensor | None = None
+    views: list[torch.Tensor] | None = None  # the parameters' slices of flat, shaped like them
     ready: set[str] = field(default_factory=set)
     handle: Handle | None = None
     # the buffer of the last backward (its slices became the .grad views) and its storage's user count when only
     # the bucket held it
     spare: torch.Tensor | None = None
+    spare_views: list[torch.Tensor] | None = None
     spare_users: int = 0
 
 
@@ -124,9 +128,6 @@ class GradBucketer:
         self._next = 0  # index of the next bucket to launch
         self._queued = False
         self._hooks = [p.register_hook(self._hook(name)) for name, p in self.params.items()]
-        # the gradient now lives in its bucket: drop the copy autograd accumulated (memory as with DDP's
-        # gradient_as_bucket_view)
-        self._hooks += [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.params.values()]
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -134,45 +135,58 @@ class GradBucketer:
         self._hooks = []
 
     # ---- during backward --------------------------------------------------------------------------------
+    # The hook runs once per parameter and backward: its Python is the bucketer's whole per-gradient cost (DDP's
+    # reducer does this in C++), so everything it can look up is looked up here, once.
     def _hook(self, name: str):
-        def hook(grad: torch.Tensor):
-            self._on_grad(name, grad)
-            return grad
+        b, i = self._where[name]
+        bucket, p = self.buckets[b], self.params[name]
+        size = len(bucket.names)
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if p.grad is not None:  # accumulation: keep the old gradient out of this backward's all-reduce
+                self._old[name] = p.grad
+                p.grad = None
+            views = bucket.views
+            if views is None:
+                views = self._fill(bucket, grad.device)
+            view = views[i]
+            view.copy_(grad)
+            bucket.ready.add(name)
+            if len(bucket.ready) == size and self.buckets[self._next] is bucket:
+                self._launch_ready()
+            # autograd stores a tensor the hook returns as .grad without copying it when nothing else holds it:
+            # a fresh alias of the bucket slice, so the gradient is held once, in its bucket, from now on
+            return view.detach()
 
         return hook
 
-    def _on_grad(self, name: str, grad: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        p = self.params[name]
-        if p.grad is not None:  # accumulation: keep the old gradient out of this backward's all-reduce
-            self._old[name] = p.grad
-            p.grad = None
-        b, i = self._where[name]
-        bucket = self.buckets[b]
-        if bucket.flat is None:
-            bucket.flat = self._buffer(bucket, grad.device)
-        off = bucket.offsets[i]
-        bucket.flat[off : off + p.numel()].copy_(grad.reshape(-1))
-        bucket.ready.add(name)
+    def _launch_ready(self) -> None:
+        """Launch the full buckets at the head of the queue — strictly in index order, so every rank of a group
+        issues the same collectives in the same order whatever order the hooks run in."""
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
             self.buckets[self._next].names
         ):
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    @staticmethod
-    def _buffer(bucket: _Bucket, device) -> torch.Tensor:
-        """The flat buffer for this backward: last step's again when nothing but the bucket holds it any more (the
-        gradients were set to None, as ``zero_grad()`` does), else a new one — a fresh large tensor costs page
-        faults on every step; reusing it is what DDP's persistent buckets do."""
+    def _fill(self, bucket: _Bucket, device) -> list[torch.Tensor]:
+        """Give ``bucket`` its flat buffer for this backward and the parameter-shaped views into it: last step's
+        again when nothing but the bucket holds it any more (the gradients were set to None, as ``zero_grad()``
+        does), else a new one — a fresh large tensor costs page faults on every step; reusing it is what DDP's
+        persistent buckets do."""
         spare = bucket.spare
-        if spare is not None and spare.device == device and _storage_users(spare) == bucket.spare_users:
-            return spare
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
-        bucket.spare, bucket.spare_users = flat, _storage_users(flat)
-        return flat
+        if spare is None or spare.device != device or _storage_users(spare) != bucket.spare_users:
+            spare = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+            bucket.spare_views = [
+                spare[off : off + self.params[name].numel()].view(self.params[name].shape)
+                for name, off in zip(bucket.names, bucket.offsets)
+            ]
+            bucket.spare, bucket.spare_users = spare, _storage_users(spare)
+        bucket.flat, bucket.views = spare, bucket.spare_views
+        return bucket.views
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.handle = self.comm.all_reduce_async(bucket.flat, bucket.axes[0], phase="backward")
@@ -181,27 +195,29 @@ class GradBucketer:
         try:
             for bucket in self.buckets[self._next :]:
                 if bucket.ready:  # a bucket no gradient reached this time is skipped (on every rank alike)
-                    for name, off in zip(bucket.names, bucket.offsets):
+                    for name, view in zip(bucket.names, bucket.views):
                         if name not in bucket.ready:
-                            bucket.flat[off : off + self.params[name].numel()].zero_()
+                            view.zero_()
                     self._launch(bucket)
             for bucket in self.buckets:
                 if bucket.handle is None:
                     continue
                 flat = bucket.handle.wait()
-                for axis in bucket.axes[1:]:
-                    flat = self.comm.all_reduce(flat, axis, phase="backward")
-                for name, off in zip(bucket.names, bucket.offsets):
+                views = bucket.views
+                if len(bucket.axes) > 1 or flat is not bucket.flat:
+                    for axis in bucket.axes[1:]:
+                        flat = self.comm.all_reduce(flat, axis, phase="backward")
+                    views = [flat[off : off + v.numel()].view(v.shape) for off, v in zip(bucket.offsets, views)]
+                for name, g in zip(bucket.names, views):
                     if name not in bucket.ready:
                         continue
                     p = self.params[name]
-                    g = flat[off : off + p.numel()].view(p.shape)
                     old = self._old.pop(name, None)
                     p.grad = g if old is None else old.add_(g)
             self.comm.wait_pending()  # the loss's all-reduce, started in forward (runtime.pending)
         finally:
             for bucket in self.buckets:
-                bucket.flat, bucket.handle = None, None
+                bucket.flat, bucket.views, bucket.handle = None, None, None
                 bucket.ready = set()
             self._old.clear()
             self._next = 0
@@ -219,6 +235,3 @@ def _storage_users(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (views such as the .grad slices included)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
-
-def _drop_grad(p: torch.Tensor) -> None:
-    p.grad = None
