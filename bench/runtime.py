@@ -15,9 +15,11 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
     all-reduce left in flight), and the unbucketed program (one blocking all-reduce per parameter);
   - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``.
 
-Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved (one step of each system in turn, the
-order rotating) and the reported step time is the median over repetitions of the slower rank's time, so load
-from other work on the machine hits every system alike; the ratio is the median over repetitions of the
+Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved: in each, every system in turn (the
+order rotating) runs one untimed step and then two timed steps back to back, as a training loop runs its steps
+(caches warm with its own weights, not another system's); its time in that repetition is the mean of the two
+timed steps of the slower rank. The reported step time is the median over repetitions, so load from other
+work on the machine hits every system alike; the ratio is the median over repetitions of the
 per-repetition ratio to the baseline (paired: drift in machine speed cancels), with a 95% bootstrap interval of
 that median; absolute times are noisy.
 Per-rank peak memory is measured in one extra, untimed step per system with
@@ -47,13 +49,16 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # run as a script (and in spawned workers): make `examples` importable
     sys.path.insert(0, str(_ROOT))
 
+# Each repetition runs every system in turn for 1 untimed + TIMED_PER_BURST timed steps back to back, as a
+# training loop runs them (warm caches); the repetition's time of a system is the mean of its timed steps.
+TIMED_PER_BURST = 2
 SIZES = {
     "full": {
         "mlp": {"batch": 64, "hidden": 512},
         "block": {"batch": 8, "seq": 128, "hidden": 256, "heads": 8},
         "gpt4": {"batch": 8, "seq": 64, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4},
         # repetitions per case: the short steps get more, so every ratio's interval is about as narrow
-        "reps": {"mlp": 240, "block": 100, "gpt4": 60},
+        "reps": {"mlp": 120, "block": 50, "gpt4": 30},
     },
     "quick": {
         "mlp": {"batch": 8, "hidden": 64},
@@ -263,10 +268,14 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             order = keys[rep % len(keys) :] + keys[: rep % len(keys)]
             for key in order:
                 fn, params = systems[key][0], systems[key][1]
-                dist.barrier()
-                t0 = time.perf_counter()
-                _step(fn, params)
-                times[key].append(time.perf_counter() - t0)
+                _step(fn, params)  # a training loop runs its own steps back to back: warm up after the switch
+                burst = []
+                for _ in range(TIMED_PER_BURST):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    _step(fn, params)
+                    burst.append(time.perf_counter() - t0)
+                times[key].append(burst)
         for key in systems:
             info[key]["times"] = times[key]
         info["analytic"] = analytic
@@ -321,7 +330,11 @@ def report(results, cases) -> str:
         params = per_rank[0]["params"]
 
         def slower(key, per_rank=per_rank):
-            return [max(s) for s in zip(*(pr[key]["times"] for pr in per_rank))]
+            # per repetition: the mean over its timed steps of the slower rank's time
+            return [
+                statistics.fmean(max(step) for step in zip(*bursts))
+                for bursts in zip(*(pr[key]["times"] for pr in per_rank))
+            ]
 
         def med(key):
             return statistics.median(slower(key)) * 1e3
@@ -385,7 +398,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes and 3 repetitions (a smoke run)")
     parser.add_argument("--cases", nargs="+", default=["mlp", "block", "gpt4"], choices=["mlp", "block", "gpt4"])
     parser.add_argument("--reps", type=int, default=None,
-                        help="timed repetitions per system and case (default mlp 240, block 100, gpt4 60; quick 3)")
+                        help="repetitions per system and case (default mlp 120, block 50, gpt4 30; quick 3), each "
+                        f"1 untimed + {TIMED_PER_BURST} timed steps")
     a = parser.parse_args(argv)
     from autoshard.runtime import spawn
 
@@ -394,7 +408,8 @@ def main(argv=None) -> None:
     sizes = SIZES["quick" if a.quick else "full"]
     reps = {name: a.reps or sizes["reps"][name] for name in a.cases}
     print(
-        f"2 gloo processes, 1 thread each; step = median of {reps} interleaved steps (slower rank); "
+        f"2 gloo processes, 1 thread each; step = median over {reps} interleaved repetitions of 1 untimed + "
+        f"{TIMED_PER_BURST} timed steps back to back (slower rank); "
         f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition), with a 95% bootstrap interval of that median; sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
     )
     print(report(results, a.cases))
