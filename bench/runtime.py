@@ -13,7 +13,8 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
   - **autoshard**: ``rank_module(rank, bucket_grads=True)`` + :class:`~autoshard.runtime.buckets.GradBucketer`
     (``bucket_cap_mb=25``: the buckets DDP cuts with that cap, launched asynchronously as they fill; the loss
     all-reduce left in flight), and the unbucketed program (one blocking all-reduce per parameter);
-  - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``.
+  - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``, and DDP plus an async all-reduce of its loss (waited
+    at the end of backward): DDP returns each rank's local loss, autoshard the global one.
 
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved: in each, every system in turn (the
 order rotating) runs one untimed step and then two timed steps back to back, as a training loop runs its steps
@@ -243,6 +244,20 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         systems["dp/autoshard"] = (as_dp, list(dp_mod.parameters()), [dp_mod], dp_comm)
         systems["dp/autoshard-unbucketed"] = (as_dp_plain, list(dp_plain.parameters()), [dp_plain], dp_comm)
         systems["dp/DDP"] = (ddp_step, list(ddp.parameters()), [ddp], None)
+        # DDP returns each rank's local loss; autoshard returns the global one (for a mean cross-entropy, the exact
+        # global mean, which needs the global target count). The cheapest way to give DDP the same: all-reduce the
+        # loss asynchronously after forward and wait at the end of backward.
+        ddp_g = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=25)
+
+        def ddp_global_loss_step(m=ddp_g, a=dp_args):
+            loss = m(*a)
+            total = loss.detach().clone()
+            work = dist.all_reduce(total, async_op=True)
+            engine = torch.autograd.Variable._execution_engine
+            loss.register_hook(lambda g: engine.queue_callback(work.wait) and None)
+            return loss
+
+        systems["dp/DDP+loss all-reduce"] = (ddp_global_loss_step, list(ddp_g.parameters()), [ddp_g], None)
 
         # warm-up, losses, bytes and collective counts of one step
         info = {}
