@@ -21,6 +21,16 @@ falls back to what every backend has and still records the *logical* collective 
 
 ``native_ops`` overrides the choice (tests run the fallbacks on gloo with ``native_ops=()``).
 
+Two-rank all-reduce. gloo's all-reduce takes several round trips even for a few KiB: between 2 processes on this
+2-core machine, 2.4 ms for 128 KiB where one exchange (``isend`` + ``irecv`` of the whole tensor, then one add)
+takes 0.7 ms, for the same bytes on the wire — an all-reduce over 2 ranks sends each rank's tensor once either
+way. On gloo, all-reduces of at most :data:`PAIR_EXCHANGE_MAX_BYTES` over a 2-rank group therefore run as that
+exchange, on a process group of their own (so they never interleave with the group's collectives) with a tag per
+exchange (every rank counts them alike). Both ranks compute ``a + b`` with the operands swapped, which IEEE
+addition gives bit for bit: the result is the same on both, and equal to gloo's. Larger tensors (the gradient
+buckets), groups of other sizes and other backends use the backend's all-reduce; ``pair_exchange=False`` turns
+it off.
+
 Timeouts. ``timeout`` is passed to every ``new_group``; on gloo it bounds each collective on that group (a
 peer that never arrives gives ``"Timed out waiting ... for recv"`` after ``timeout`` seconds, which this module
 re-raises as :class:`~autoshard.errors.CollectiveTimeoutError`); it also bounds creating the groups, so ranks
@@ -44,11 +54,15 @@ from autoshard.errors import CollectiveTimeoutError, MeshError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, Handle
 
-__all__ = ["NATIVE_OPS", "DistCommunicator"]
+__all__ = ["NATIVE_OPS", "PAIR_EXCHANGE_MAX_BYTES", "DistCommunicator"]
 
 _ALL = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 # Collectives called natively per backend (all_reduce, broadcast, send/recv are native everywhere).
 NATIVE_OPS: dict[str, frozenset[str]] = {"nccl": _ALL, "gloo": _ALL, "mpi": frozenset({"all_to_all"})}
+
+#: All-reduces of at most this many bytes over a 2-rank gloo group run as one exchange (measured on 2 processes,
+#: 2 cores: 128 KiB 2.4 → 0.7 ms, 512 KiB 3.2 → 1.4 ms, 1 MiB 2.9 → 2.3 ms; 8 MiB 20 → 27 ms, so not beyond).
+PAIR_EXCHANGE_MAX_BYTES = 1 << 20
 
 # What gloo says when the other end of a connection is gone (the peer process died or tore down its group).
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
@@ -63,11 +77,11 @@ class DistCommunicator(Communicator):
 
     ``timeout`` (seconds) is given to every process group created here. ``native_ops``: which of
     ``all_gather``, ``reduce_scatter``, ``all_to_all`` to call natively (default: :data:`NATIVE_OPS` of the
-    backend).
+    backend). ``pair_exchange``: run small all-reduces over 2-rank groups as one exchange (default: on gloo).
     """
 
     def __init__(self, mesh: Mesh, device_mesh=None, timeout: float = 300.0,
-                 native_ops: Collection[str] | None = None):
+                 native_ops: Collection[str] | None = None, pair_exchange: bool | None = None):
         mesh = as_mesh(mesh)
         if not dist.is_available() or not dist.is_initialized():
             raise MeshError(f"DistCommunicator for mesh {mesh} needs torch.distributed, but no process group is "
@@ -90,6 +104,20 @@ class DistCommunicator(Communicator):
                     if self.rank in ranks:
                         self._groups[axis] = pg
         self.backend = str(dist.get_backend()).lower()
+        if pair_exchange is None:
+            pair_exchange = "gloo" in self.backend
+        # axis -> (process group for the exchanges, the peer's global rank), for the 2-rank axes
+        self._pairs: dict[str, tuple[dist.ProcessGroup, int]] = {}
+        self._exchanges = 0  # exchanges started so far: their tags (equal on every rank, as the programs are)
+        if pair_exchange:
+            delta = timedelta(seconds=self.timeout)
+            for axis in mesh.names:
+                if mesh.axis_size(axis) != 2:
+                    continue
+                for ranks in mesh.groups(axis):
+                    pg = dist.new_group(list(ranks), timeout=delta)
+                    if self.rank in ranks:
+                        self._pairs[axis] = (pg, next(r for r in ranks if r != self.rank))
         if native_ops is None:
             native_ops = next((ops for name, ops in NATIVE_OPS.items() if name in self.backend), frozenset())
         unknown = set(native_ops) - _ALL
@@ -136,25 +164,54 @@ class DistCommunicator(Communicator):
                 f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: a peer died, "
                 f"hangs or skipped this collective. Backend said: {first}") from e
 
+    def _exchanged(self, t, axis) -> bool:
+        return axis in self._pairs and t.is_contiguous() and t.numel() * t.element_size() <= PAIR_EXCHANGE_MAX_BYTES
+
+    def _start_exchange(self, t, axis):
+        """Send ``t`` to the axis peer and receive the peer's: (the two works, the buffer receiving)."""
+        pg, peer = self._pairs[axis]
+        tag = self._exchanges % (1 << 24)
+        self._exchanges += 1
+        theirs = torch.empty_like(t)
+        return (dist.isend(t, peer, group=pg, tag=tag), dist.irecv(theirs, peer, group=pg, tag=tag)), theirs
+
     def _all_reduce(self, t, axis):
-        out = t.clone()
         with self._guard(f"all_reduce on axis `{axis}`", axis):
+            if self._exchanged(t, axis):
+                works, theirs = self._start_exchange(t, axis)
+                for w in works:
+                    w.wait()
+                return theirs.add_(t)
+            out = t.clone()
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
         return out
 
     def _all_reduce_inplace(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
+            if self._exchanged(t, axis):
+                works, theirs = self._start_exchange(t, axis)
+                for w in works:
+                    w.wait()
+                t.add_(theirs)
+                return
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
 
     def _all_reduce_async(self, t, axis):
         out = t  # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket)
         what = f"all_reduce on axis `{axis}`"
         with self._guard(what, axis):
-            work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis], async_op=True)
+            if self._exchanged(t, axis):
+                works, theirs = self._start_exchange(t, axis)
+            else:
+                works, theirs = (dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis],
+                                                 async_op=True),), None
 
         def wait():
             with self._guard(what, axis):
-                work.wait()
+                for w in works:
+                    w.wait()
+            if theirs is not None:
+                out.add_(theirs)
 
         return Handle(out, wait)
 

@@ -98,6 +98,40 @@ def test_gloo_matches_simulator_forward_and_backward():
                     assert ours[key] == value, (r, label, key)  # the log: same logical collectives
 
 
+def pair_exchange_program(rank: int, world_size: int) -> dict:
+    """All-reduces over a 2-rank axis, by exchange (small) and by gloo (large or switched off), blocking, in place
+    and async with blocking ones started while they are in flight."""
+    from autoshard.runtime.dist import PAIR_EXCHANGE_MAX_BYTES
+
+    mesh = Mesh(x=2)
+    fast, plain = DistCommunicator(mesh, timeout=30), DistCommunicator(mesh, timeout=30, pair_exchange=False)
+    g = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(n, generator=g) for n in (1, 1000, PAIR_EXCHANGE_MAX_BYTES // 4, 3 << 18)]
+    tensors += [torch.randn(64, 32, generator=g).double(), torch.randint(-9, 9, (100,), generator=g)]
+    out = {"exchanged": [fast._exchanged(t, "x") for t in tensors]}
+    for label, comm in (("fast", fast), ("plain", plain)):
+        copies = [comm.all_reduce(t, "x") for t in tensors]
+        inplace = [t.clone() for t in tensors]
+        for t in inplace:
+            comm.all_reduce_(t, "x")
+        handles = [comm.all_reduce_async(t.clone(), "x") for t in tensors]
+        between = comm.all_reduce(tensors[1], "x")  # blocking, while the async ones are in flight
+        out[label] = (copies, inplace, [h.wait() for h in handles], between)
+    return out
+
+
+@pytest.mark.gloo
+def test_two_rank_all_reduce_by_exchange_equals_gloo_bit_for_bit():
+    got = spawn(pair_exchange_program, 2, timeout=60)
+    assert got[0]["exchanged"] == [True, True, True, False, True, True]
+    for r in range(2):
+        for fast, plain in zip(got[r]["fast"], got[r]["plain"]):
+            for a, b in zip(fast if isinstance(fast, list) else [fast], plain if isinstance(plain, list) else [plain]):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(got[0]["fast"][0], got[1]["fast"][0]):
+        assert torch.equal(a, b)  # both ranks hold the same sum
+
+
 def wrong_mesh_on_rank_1(rank: int, world_size: int):
     if rank == 1:
         DistCommunicator(MESH)  # 4 ranks on a world of 2: MeshError
