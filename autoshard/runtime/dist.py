@@ -29,7 +29,7 @@ as that exchange, on a process group of their own (so they never interleave with
 with a tag per exchange (every rank counts them alike). Both ranks compute ``a + b`` with the operands swapped,
 which IEEE addition gives bit for bit: the result is the same on both, and equal to gloo's. Small *async*
 all-reduces (left in flight while the rank computes) keep gloo's all-reduce, on that side group: in the
-background an isend/irecv pair slowed a 50 ms compute loop by 3.7 ms, gloo's all-reduce not measurably. Larger
+background an isend/irecv pair slowed a 50 ms compute loop by 2.5-3.7 ms, gloo's all-reduce not measurably. Larger
 tensors (the gradient buckets), groups of other sizes and other backends use the backend's all-reduce on the
 axis group; ``pair_exchange=False`` turns both off.
 
@@ -202,7 +202,7 @@ class DistCommunicator(Communicator):
         out = t  # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket)
         what = f"all_reduce on axis `{axis}`"
         # Small ones (the loss, the target count) stay in flight while this rank computes: gloo's all-reduce costs
-        # nothing measurable in the background where an isend/irecv pair cost ~3.7 ms of a 50 ms step (gloo's p2p
+        # nothing measurable in the background where an isend/irecv pair cost 2.5-3.7 ms of a 50 ms loop (gloo's p2p
         # receive competes with the compute thread), so they keep gloo's all-reduce, on the 2-rank side group: not
         # queued behind (or in front of) the gradient buckets on the axis's group.
         small = self._exchanged(t, axis)
