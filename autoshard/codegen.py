@@ -243,7 +243,8 @@ def localize(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, weights: torch.nn.
         new = graph.node_copy(old, lambda n: env[n])
         new.meta = {k: v for k, v in old.meta.items() if k != "val"}
         if defer_outputs and _is_output_mean_loss(old, env):
-            # all_reduce(cross_entropy_partial_mean(...)) returned: one deferred all-reduce of [sum, count]
+            # all_reduce(cross_entropy_partial_mean(...)) returned: the global target count started at the top of
+            # forward (target_count_started, hoisted), the loss sum's all-reduce left in flight
             ce = env[old.args[0]]
             logits, target, weight, ignore, smoothing, _, *log_probs = ce.args
             with graph.inserting_before(ce):

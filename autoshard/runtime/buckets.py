@@ -155,7 +155,7 @@ class GradBucketer:
             view = views[i]
             view.copy_(grad)
             bucket.ready.add(name)
-            if len(bucket.ready) == size and self.buckets[self._next] is bucket:
+            if len(bucket.ready) == size:
                 self._launch_ready()
             # autograd stores a tensor the hook returns as .grad without copying it when nothing else holds it:
             # a fresh alias of the bucket slice, so the gradient is held once, in its bucket, from now on

@@ -169,21 +169,20 @@ class DistCommunicator(Communicator):
     def _exchanged(self, t, axis) -> bool:
         return axis in self._pairs and t.is_contiguous() and t.numel() * t.element_size() <= PAIR_EXCHANGE_MAX_BYTES
 
-    def _start_exchange(self, t, axis):
-        """Send ``t`` to the axis peer and receive the peer's: (the two works, the buffer receiving)."""
+    def _exchange(self, t, axis) -> torch.Tensor:
+        """Send ``t`` to the axis peer and receive the peer's tensor (blocking)."""
         pg, peer = self._pairs[axis]
         tag = self._exchanges % (1 << 24)
         self._exchanges += 1
         theirs = torch.empty_like(t)
-        return (dist.isend(t, peer, group=pg, tag=tag), dist.irecv(theirs, peer, group=pg, tag=tag)), theirs
+        for work in (dist.isend(t, peer, group=pg, tag=tag), dist.irecv(theirs, peer, group=pg, tag=tag)):
+            work.wait()
+        return theirs
 
     def _all_reduce(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
             if self._exchanged(t, axis):
-                works, theirs = self._start_exchange(t, axis)
-                for w in works:
-                    w.wait()
-                return theirs.add_(t)
+                return self._exchange(t, axis).add_(t)
             out = t.clone()
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
         return out
@@ -191,20 +190,17 @@ class DistCommunicator(Communicator):
     def _all_reduce_inplace(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
             if self._exchanged(t, axis):
-                works, theirs = self._start_exchange(t, axis)
-                for w in works:
-                    w.wait()
-                t.add_(theirs)
-                return
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
+                t.add_(self._exchange(t, axis))
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
 
     def _all_reduce_async(self, t, axis):
         out = t  # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket)
         what = f"all_reduce on axis `{axis}`"
         # Small ones (the loss, the target count) stay in flight while this rank computes: gloo's all-reduce costs
-        # nothing measurable in the background where an isend/irecv pair cost 2.5-3.7 ms of a 50 ms loop (gloo's p2p
-        # receive competes with the compute thread), so they keep gloo's all-reduce, on the 2-rank side group: not
-        # queued behind (or in front of) the gradient buckets on the axis's group.
+        # nothing measurable in the background where an isend/irecv pair cost 2.5-3.7 ms of a 50 ms loop, so they
+        # keep gloo's all-reduce, on the 2-rank side group: not queued behind (or in front of) the gradient buckets
+        # on the axis's group.
         small = self._exchanged(t, axis)
         with self._guard(what, axis):
             work = dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True,

@@ -78,7 +78,7 @@ class _MeanOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, total, count, comm, axis):
         ctx.count = count
-        handle = comm.all_reduce_async(total.detach().reshape(1), axis, phase="forward")
+        handle = comm.all_reduce_async(total.detach().reshape(1).clone(), axis, phase="forward")  # reduced in place
         if handle.is_completed():  # the simulator
             return handle.wait().reshape(()) / _value(count)
         comm.pending.append(handle)
