@@ -253,8 +253,11 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             loss = m(*a)
             total = loss.detach().clone()
             work = dist.all_reduce(total, async_op=True)
-            engine = torch.autograd.Variable._execution_engine
-            loss.register_hook(lambda g: engine.queue_callback(work.wait) and None)
+
+            def wait_after_backward(grad):  # runs as backward starts; the wait runs when it ends
+                torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+
+            loss.register_hook(wait_after_backward)
             return loss
 
         systems["dp/DDP+loss all-reduce"] = (ddp_global_loss_step, list(ddp_g.parameters()), [ddp_g], None)

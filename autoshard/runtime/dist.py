@@ -166,7 +166,8 @@ class DistCommunicator(Communicator):
                 f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: a peer died, "
                 f"hangs or skipped this collective. Backend said: {first}") from e
 
-    def _exchanged(self, t, axis) -> bool:
+    def _small_pair(self, t, axis) -> bool:
+        """A contiguous tensor of at most PAIR_EXCHANGE_MAX_BYTES over a 2-rank axis with a side group."""
         return axis in self._pairs and t.is_contiguous() and t.numel() * t.element_size() <= PAIR_EXCHANGE_MAX_BYTES
 
     def _exchange(self, t, axis) -> torch.Tensor:
@@ -181,7 +182,7 @@ class DistCommunicator(Communicator):
 
     def _all_reduce(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
-            if self._exchanged(t, axis):
+            if self._small_pair(t, axis):
                 return self._exchange(t, axis).add_(t)
             out = t.clone()
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
@@ -189,7 +190,7 @@ class DistCommunicator(Communicator):
 
     def _all_reduce_inplace(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
-            if self._exchanged(t, axis):
+            if self._small_pair(t, axis):
                 t.add_(self._exchange(t, axis))
             else:
                 dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
@@ -201,7 +202,7 @@ class DistCommunicator(Communicator):
         # nothing measurable in the background where an isend/irecv pair cost 2.5-3.7 ms of a 50 ms loop, so they
         # keep gloo's all-reduce, on the 2-rank side group: not queued behind (or in front of) the gradient buckets
         # on the axis's group.
-        small = self._exchanged(t, axis)
+        small = self._small_pair(t, axis)
         with self._guard(what, axis):
             work = dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True,
                                    group=self._pairs[axis][0] if small else self._groups[axis])

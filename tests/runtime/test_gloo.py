@@ -108,7 +108,7 @@ def pair_exchange_program(rank: int, world_size: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(n, generator=g) for n in (1, 1000, PAIR_EXCHANGE_MAX_BYTES // 4, 3 << 18)]
     tensors += [torch.randn(64, 32, generator=g).double(), torch.randint(-9, 9, (100,), generator=g)]
-    out = {"exchanged": [fast._exchanged(t, "x") for t in tensors]}
+    out = {"small_pair": [fast._small_pair(t, "x") for t in tensors]}
     for label, comm in (("fast", fast), ("plain", plain)):
         copies = [comm.all_reduce(t, "x") for t in tensors]
         inplace = [t.clone() for t in tensors]
@@ -123,7 +123,7 @@ def pair_exchange_program(rank: int, world_size: int) -> dict:
 @pytest.mark.gloo
 def test_two_rank_all_reduce_by_exchange_equals_gloo_bit_for_bit():
     got = spawn(pair_exchange_program, 2, timeout=60)
-    assert got[0]["exchanged"] == [True, True, True, False, True, True]
+    assert got[0]["small_pair"] == [True, True, True, False, True, True]
     for r in range(2):
         for fast, plain in zip(got[r]["fast"], got[r]["plain"]):
             for a, b in zip(fast if isinstance(fast, list) else [fast], plain if isinstance(plain, list) else [plain]):
