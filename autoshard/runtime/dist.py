@@ -55,8 +55,9 @@ import torch.distributed as dist
 from autoshard.errors import CollectiveTimeoutError, MeshError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, Handle
+from autoshard.runtime.shm import SharedMemoryPair
 
-__all__ = ["NATIVE_OPS", "PAIR_EXCHANGE_MAX_BYTES", "DistCommunicator"]
+__all__ = ["NATIVE_OPS", "PAIR_EXCHANGE_MAX_BYTES", "SHARED_MEMORY_MIN_BYTES", "DistCommunicator"]
 
 _ALL = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 # Collectives called natively per backend (all_reduce, broadcast, send/recv are native everywhere).
@@ -65,6 +66,12 @@ NATIVE_OPS: dict[str, frozenset[str]] = {"nccl": _ALL, "gloo": _ALL, "mpi": froz
 #: All-reduces of at most this many bytes over a 2-rank gloo group run as one exchange (measured on 2 processes,
 #: 2 cores: 128 KiB 2.4 → 0.7 ms, 512 KiB 3.2 → 1.4 ms, 1 MiB 2.9 → 2.3 ms; 8 MiB 20 → 27 ms, so not beyond).
 PAIR_EXCHANGE_MAX_BYTES = 1 << 20
+#: All-reduces of more than this many bytes over a 2-rank gloo group of one host go through shared memory
+#: (:mod:`autoshard.runtime.shm`); below, the exchange is as fast or faster (its one message carries the data,
+#: where shared memory needs a token message and two copies). Measured as PAIR_EXCHANGE_MAX_BYTES, exchange /
+#: shared memory: 128 KiB 0.6 / 0.7 ms, 512 KiB 0.7-1.0 / 1.1-1.5 ms, 1 MiB 1.6-2.0 / 0.8-1.0 ms,
+#: 4 MiB 5.6-6.3 / 2.4-2.7 ms, 8 MiB 9.4-12.6 / 4.5-5.1 ms (gloo's all-reduce: 9.8 ms).
+SHARED_MEMORY_MIN_BYTES = 512 << 10
 
 # What gloo says when the other end of a connection is gone (the peer process died or tore down its group).
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
@@ -80,10 +87,13 @@ class DistCommunicator(Communicator):
     ``timeout`` (seconds) is given to every process group created here. ``native_ops``: which of
     ``all_gather``, ``reduce_scatter``, ``all_to_all`` to call natively (default: :data:`NATIVE_OPS` of the
     backend). ``pair_exchange``: run small all-reduces over 2-rank groups as one exchange (default: on gloo).
+    ``shared_memory``: run larger ones through shared memory when the two ranks share a host (default: as
+    ``pair_exchange``; it needs the pair's process groups that ``pair_exchange`` makes).
     """
 
     def __init__(self, mesh: Mesh, device_mesh=None, timeout: float = 300.0,
-                 native_ops: Collection[str] | None = None, pair_exchange: bool | None = None):
+                 native_ops: Collection[str] | None = None, pair_exchange: bool | None = None,
+                 shared_memory: bool | None = None):
         mesh = as_mesh(mesh)
         if not dist.is_available() or not dist.is_initialized():
             raise MeshError(f"DistCommunicator for mesh {mesh} needs torch.distributed, but no process group is "
@@ -110,7 +120,10 @@ class DistCommunicator(Communicator):
             pair_exchange = "gloo" in self.backend
         # axis -> (process group for the exchanges, the peer's global rank), for the 2-rank axes
         self._pairs: dict[str, tuple[dist.ProcessGroup, int]] = {}
-        self._exchanges = 0  # exchanges started so far: their tags (equal on every rank, as the programs are)
+        self._shared: dict[str, SharedMemoryPair] = {}  # axis -> its shared mapping (made on first use)
+        self._exchanges = 0  # messages exchanged so far on the pair groups: their tags (equal on every rank)
+        if shared_memory is None:
+            shared_memory = pair_exchange
         if pair_exchange:
             delta = timedelta(seconds=self.timeout)
             for axis in mesh.names:
@@ -119,7 +132,10 @@ class DistCommunicator(Communicator):
                 for ranks in mesh.groups(axis):
                     pg = dist.new_group(list(ranks), timeout=delta)
                     if self.rank in ranks:
-                        self._pairs[axis] = (pg, next(r for r in ranks if r != self.rank))
+                        peer = next(r for r in ranks if r != self.rank)
+                        self._pairs[axis] = (pg, peer)
+                        if shared_memory:
+                            self._shared[axis] = SharedMemoryPair(pg, peer, self.rank < peer, self._next_tag)
         if native_ops is None:
             native_ops = next((ops for name, ops in NATIVE_OPS.items() if name in self.backend), frozenset())
         unknown = set(native_ops) - _ALL
@@ -166,15 +182,31 @@ class DistCommunicator(Communicator):
                 f"{what}{where} did not complete within {self.timeout:g} s on rank {self.rank}: a peer died, "
                 f"hangs or skipped this collective. Backend said: {first}") from e
 
+    def _next_tag(self) -> int:
+        tag = self._exchanges % (1 << 24)
+        self._exchanges += 1
+        return tag
+
     def _small_pair(self, t, axis) -> bool:
-        """A contiguous tensor of at most PAIR_EXCHANGE_MAX_BYTES over a 2-rank axis with a side group."""
-        return axis in self._pairs and t.is_contiguous() and t.numel() * t.element_size() <= PAIR_EXCHANGE_MAX_BYTES
+        """A contiguous tensor over a 2-rank axis with a side group, small enough for one exchange: at most
+        SHARED_MEMORY_MIN_BYTES where the axis may share memory, else PAIR_EXCHANGE_MAX_BYTES."""
+        if axis not in self._pairs or not t.is_contiguous():
+            return False
+        shared = self._shared.get(axis)
+        limit = PAIR_EXCHANGE_MAX_BYTES if shared is None or shared.failed else SHARED_MEMORY_MIN_BYTES
+        return t.numel() * t.element_size() <= limit
+
+    def _by_shared_memory(self, t, axis, out=None) -> torch.Tensor | None:
+        """The all-reduce of ``t`` through the axis pair's shared memory, or None if it cannot go that way."""
+        shared = self._shared.get(axis)
+        if shared is None or shared.failed or t.device.type != "cpu" or t.dtype == torch.bool:
+            return None
+        return shared.all_reduce(t, out)
 
     def _exchange(self, t, axis) -> torch.Tensor:
         """Send ``t`` to the axis peer and receive the peer's tensor (blocking)."""
         pg, peer = self._pairs[axis]
-        tag = self._exchanges % (1 << 24)
-        self._exchanges += 1
+        tag = self._next_tag()
         theirs = torch.empty_like(t)
         for work in (dist.isend(t, peer, group=pg, tag=tag), dist.irecv(theirs, peer, group=pg, tag=tag)):
             work.wait()
@@ -184,6 +216,11 @@ class DistCommunicator(Communicator):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
             if self._small_pair(t, axis):
                 return self._exchange(t, axis).add_(t)
+            out = self._by_shared_memory(t, axis)
+            if out is not None:
+                return out
+            if self._small_pair(t, axis):  # shared memory turned out impossible: the exchange up to its limit
+                return self._exchange(t, axis).add_(t)
             out = t.clone()
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
         return out
@@ -192,8 +229,11 @@ class DistCommunicator(Communicator):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
             if self._small_pair(t, axis):
                 t.add_(self._exchange(t, axis))
-            else:
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
+            elif self._by_shared_memory(t, axis, out=t) is None:
+                if self._small_pair(t, axis):
+                    t.add_(self._exchange(t, axis))
+                else:
+                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
 
     def _all_reduce_async(self, t, axis):
         out = t  # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket)
@@ -203,6 +243,12 @@ class DistCommunicator(Communicator):
         # keep gloo's all-reduce, on the 2-rank side group: not queued behind (or in front of) the gradient buckets
         # on the axis's group.
         small = self._small_pair(t, axis)
+        if not small:
+            # Through shared memory it is CPU work of this rank either way: done now, handed back complete.
+            with self._guard(what, axis):
+                if self._by_shared_memory(t, axis, out=t) is not None:
+                    return Handle(t)
+            small = self._small_pair(t, axis)
         with self._guard(what, axis):
             work = dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True,
                                    group=self._pairs[axis][0] if small else self._groups[axis])

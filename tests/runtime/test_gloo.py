@@ -99,37 +99,87 @@ def test_gloo_matches_simulator_forward_and_backward():
 
 
 def pair_exchange_program(rank: int, world_size: int) -> dict:
-    """All-reduces over a 2-rank axis, by exchange (small) and by gloo (large or switched off), blocking, in place
-    and async with blocking ones started while they are in flight."""
+    """All-reduces over a 2-rank axis by exchange (small), through shared memory (larger), by exchange up to its
+    own limit with shared memory off, and by gloo (switched off): blocking (also of a non-contiguous tensor), in
+    place and async with blocking ones started while they are in flight."""
     from autoshard.runtime.dist import PAIR_EXCHANGE_MAX_BYTES
 
     mesh = Mesh(x=2)
-    fast, plain = DistCommunicator(mesh, timeout=30), DistCommunicator(mesh, timeout=30, pair_exchange=False)
+    fast = DistCommunicator(mesh, timeout=30)
+    fast._shared["x"].chunk_bytes = 1 << 20  # the 3 MiB tensor goes through in 3 chunks
+    exchange_only = DistCommunicator(mesh, timeout=30, shared_memory=False)
+    plain = DistCommunicator(mesh, timeout=30, pair_exchange=False)
     g = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(n, generator=g) for n in (1, 1000, PAIR_EXCHANGE_MAX_BYTES // 4, 3 << 18)]
     tensors += [torch.randn(64, 32, generator=g).double(), torch.randint(-9, 9, (100,), generator=g)]
-    out = {"small_pair": [fast._small_pair(t, "x") for t in tensors]}
-    for label, comm in (("fast", fast), ("plain", plain)):
+    tensors += [torch.randn(700, 300, generator=g).t(), torch.randint(-9, 9, (1 << 17,), generator=g)]
+    out = {label: [comm._small_pair(t, "x") for t in tensors]
+           for label, comm in (("small_pair", fast), ("small_pair_exchange_only", exchange_only))}
+    for label, comm in (("fast", fast), ("exchange_only", exchange_only), ("plain", plain)):
         copies = [comm.all_reduce(t, "x") for t in tensors]
-        inplace = [t.clone() for t in tensors]
+        inplace = [t.contiguous().clone() for t in tensors]
         for t in inplace:
             comm.all_reduce_(t, "x")
-        handles = [comm.all_reduce_async(t.clone(), "x") for t in tensors]
+        handles = [comm.all_reduce_async(t.contiguous().clone(), "x") for t in tensors]
         between = comm.all_reduce(tensors[1], "x")  # blocking, while the async ones are in flight
         out[label] = (copies, inplace, [h.wait() for h in handles], between)
+    shared = fast._shared["x"]
+    out["shared"] = (shared.failed, shared.calls, shared.slot_bytes)
     return out
 
 
 @pytest.mark.gloo
-def test_two_rank_all_reduce_by_exchange_equals_gloo_bit_for_bit():
+def test_two_rank_all_reduce_by_exchange_and_shared_memory_equals_gloo_bit_for_bit():
     got = spawn(pair_exchange_program, 2, timeout=60)
-    assert got[0]["small_pair"] == [True, True, True, False, True, True]
+    # exchange up to 512 KiB where memory is shared, up to 1 MiB where not; the rest shared memory / gloo
+    assert got[0]["small_pair"] == [True, True, False, False, True, True, False, False]
+    assert got[0]["small_pair_exchange_only"] == [True, True, True, False, True, True, False, True]
+    # 4 tensors over 512 KiB (one in 3 chunks), each reduced by copy, in place and async: all through shared
+    # memory, in slots of one chunk
+    assert got[0]["shared"] == got[1]["shared"] == (None, 18, 1 << 20)
     for r in range(2):
-        for fast, plain in zip(got[r]["fast"], got[r]["plain"]):
-            for a, b in zip(fast if isinstance(fast, list) else [fast], plain if isinstance(plain, list) else [plain]):
-                assert a.dtype == b.dtype and torch.equal(a, b)
+        for label in ("fast", "exchange_only"):
+            for ours, plain in zip(got[r][label], got[r]["plain"]):
+                for a, b in zip(ours if isinstance(ours, list) else [ours], plain if isinstance(plain, list) else [plain]):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     for a, b in zip(got[0]["fast"][0], got[1]["fast"][0]):
         assert torch.equal(a, b)  # both ranks hold the same sum
+
+
+def shared_memory_fallback_program(rank: int, world_size: int, failing_rank: int) -> dict:
+    """One rank cannot use /dev/shm (rank 0: cannot create the file; rank 1: cannot open rank 0's)."""
+    import glob
+    import os
+
+    import autoshard.runtime.shm as shm
+
+    if rank == failing_rank:
+        shm.SHM_DIR = "/nonexistent-autoshard-shm"
+    comm, plain = DistCommunicator(Mesh(x=2), timeout=30), DistCommunicator(Mesh(x=2), timeout=30, pair_exchange=False)
+    g = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(n, generator=g) for n in (1 << 19, 3 << 16, 100)]  # 2 MiB, 768 KiB, 400 B
+    out = {"small_pair": [comm._small_pair(t, "x") for t in tensors]}
+    out["sums"] = [comm.all_reduce(t, "x") for t in tensors]
+    out["expected"] = [plain.all_reduce(t, "x") for t in tensors]
+    out["small_pair_after"] = [comm._small_pair(t, "x") for t in tensors]
+    out["failed"] = comm._shared["x"].failed
+    comm.barrier()
+    out["left"] = glob.glob(os.path.join("/dev/shm", f"autoshard-{os.getpid()}-*"))
+    return out
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_shared_memory_that_fails_on_one_rank_falls_back_on_both(failing_rank):
+    got = spawn(shared_memory_fallback_program, 2, failing_rank, timeout=60)
+    for r in range(2):
+        assert got[r]["small_pair"] == [False, False, True]  # 768 KiB: shared memory, if it works
+        assert got[r]["small_pair_after"] == [False, True, True]  # it did not: the exchange up to 1 MiB
+        for a, b in zip(got[r]["sums"], got[r]["expected"]):
+            assert torch.equal(a, b)
+        assert got[r]["left"] == []
+    assert "nonexistent-autoshard-shm" in got[failing_rank]["failed"]
+    assert got[1 - failing_rank]["failed"] == "the peer rank could not share memory with this one"
 
 
 def wrong_mesh_on_rank_1(rank: int, world_size: int):
