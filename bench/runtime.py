@@ -14,7 +14,10 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
     (``bucket_cap_mb=25``: the buckets DDP cuts with that cap, launched asynchronously as they fill; the loss
     all-reduce left in flight), and the unbucketed program (one blocking all-reduce per parameter);
   - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``, and DDP plus an async all-reduce of its loss (waited
-    at the end of backward): DDP returns each rank's local loss, autoshard the global one.
+    at the end of backward): DDP returns each rank's local loss, autoshard the global one;
+* the transport's share: autoshard's programs again with every all-reduce gloo's own (``DistCommunicator(...,
+  pair_exchange=False)``: no two-rank exchange, no shared memory), and DDP with a comm hook that all-reduces each
+  bucket with autoshard's communicator (through shared memory, then divided by 2 as DDP averages).
 
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved: in each, every system in turn (the
 order rotating) runs one untimed step and then two timed steps back to back, as a training loop runs its steps
@@ -181,6 +184,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     reps_of = {name: reps or sizes["reps"][name] for name in cases}
     tp_mesh, dp_mesh = autoshard.Mesh(model=2), autoshard.Mesh(data=2)
     tp_comm, dp_comm = DistCommunicator(tp_mesh, timeout=300), DistCommunicator(dp_mesh, timeout=300)
+    # the same programs with every all-reduce as gloo's (no pair exchange, no shared memory): the transport's share
+    tp_gloo = DistCommunicator(tp_mesh, timeout=300, pair_exchange=False)
+    dp_gloo = DistCommunicator(dp_mesh, timeout=300, pair_exchange=False)
     device_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("model",))
     out = {}
     for name in cases:
@@ -197,6 +203,14 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
                 return loss_of(m(*a))
 
         systems["tp/autoshard"] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
+        tp_mod_g = tp_plan.rank_module(rank, bucket_grads=True)
+        GradBucketer(tp_mod_g, comm=tp_gloo, bucket_cap_mb=25)
+
+        def as_tp_gloo(m=tp_mod_g, a=tp_args):
+            with use(tp_gloo):
+                return loss_of(m(*a))
+
+        systems["tp/autoshard, gloo all-reduce"] = (as_tp_gloo, list(tp_mod_g.parameters()), [tp_mod_g], tp_gloo)
         if name == "block":  # sequence parallelism: the block's input and residual sharded along the sequence
             sp_plan = autoshard.compile(
                 model, tp_mesh, args, plan={**{k: (v,) for k, v in ann.items()}, "x": ("S(1)",)}, sequence_parallel=True
@@ -241,7 +255,31 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         def ddp_step(m=ddp, a=dp_args):
             return m(*a)
 
+        dp_mod_g = dp_plan.rank_module(rank, bucket_grads=True)
+        GradBucketer(dp_mod_g, comm=dp_gloo, bucket_cap_mb=25)
+
+        def as_dp_gloo(m=dp_mod_g, a=dp_args):
+            with use(dp_gloo):
+                return loss_of(m(*a))
+
+        # DDP with autoshard's transport: a comm hook that all-reduces each bucket as autoshard does (through
+        # shared memory here) and averages, as DDP's own all-reduce does
+        ddp_s = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=25)
+
+        def shared_memory_hook(state, bucket):
+            flat = bucket.buffer()
+            dp_comm.all_reduce_(flat, "data").div_(2)
+            fut = torch.futures.Future()
+            fut.set_result(flat)
+            return fut
+
+        ddp_s.register_comm_hook(None, shared_memory_hook)
+
+        def ddp_shared_step(m=ddp_s, a=dp_args):
+            return m(*a)
+
         systems["dp/autoshard"] = (as_dp, list(dp_mod.parameters()), [dp_mod], dp_comm)
+        systems["dp/autoshard, gloo all-reduce"] = (as_dp_gloo, list(dp_mod_g.parameters()), [dp_mod_g], dp_gloo)
         systems["dp/autoshard-unbucketed"] = (as_dp_plain, list(dp_plain.parameters()), [dp_plain], dp_comm)
         systems["dp/DDP"] = (ddp_step, list(ddp.parameters()), [ddp], None)
         # DDP returns each rank's local loss; autoshard returns the global one (for a mean cross-entropy, the exact
@@ -261,6 +299,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             return loss
 
         systems["dp/DDP+loss all-reduce"] = (ddp_global_loss_step, list(ddp_g.parameters()), [ddp_g], None)
+        systems["dp/DDP, shared-memory hook"] = (ddp_shared_step, list(ddp_s.parameters()), [ddp_s], None)
 
         # warm-up, losses, bytes and collective counts of one step
         info = {}

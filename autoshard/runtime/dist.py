@@ -21,17 +21,22 @@ falls back to what every backend has and still records the *logical* collective 
 
 ``native_ops`` overrides the choice (tests run the fallbacks on gloo with ``native_ops=()``).
 
-Two-rank all-reduce. gloo's all-reduce takes several round trips even for a few KiB: between 2 processes on this
-2-core machine, 2.4 ms for 128 KiB where one exchange (``isend`` + ``irecv`` of the whole tensor, then one add)
-takes 0.7 ms, for the same bytes on the wire — an all-reduce over 2 ranks sends each rank's tensor once either
-way. On gloo, blocking all-reduces of at most :data:`PAIR_EXCHANGE_MAX_BYTES` over a 2-rank group therefore run
-as that exchange, on a process group of their own (so they never interleave with the axis group's collectives)
-with a tag per exchange (every rank counts them alike). Both ranks compute ``a + b`` with the operands swapped,
-which IEEE addition gives bit for bit: the result is the same on both, and equal to gloo's. Small *async*
-all-reduces (left in flight while the rank computes) keep gloo's all-reduce, on that side group: in the
-background an isend/irecv pair slowed a 50 ms compute loop by 2.5-3.7 ms, gloo's all-reduce not measurably. Larger
-tensors (the gradient buckets), groups of other sizes and other backends use the backend's all-reduce on the
-axis group; ``pair_exchange=False`` turns both off.
+Two-rank all-reduce. gloo's all-reduce takes several round trips even for a few KiB, and pushes every byte
+through loopback sockets: between 2 processes on this 2-core machine, 2.4 ms for 128 KiB where one exchange
+(``isend`` + ``irecv`` of the whole tensor, then one add) takes 0.7 ms, for the same bytes on the wire — an
+all-reduce over 2 ranks sends each rank's tensor once either way — and 9.8 ms for 8 MiB where shared memory
+(:mod:`autoshard.runtime.shm`: copy into a shared slot, a token message, one add) takes 4.8 ms. On gloo, blocking
+all-reduces over a 2-rank group therefore run as that exchange up to :data:`SHARED_MEMORY_MIN_BYTES`, through
+shared memory above it, both on a process group of their own (so they never interleave with the axis group's
+collectives) with a tag per message (every rank counts them alike). Both ranks compute ``a + b`` with the
+operands swapped, which IEEE addition gives bit for bit: the result is the same on both, and equal to gloo's.
+Where the two ranks cannot share memory (different hosts or containers, no room in ``/dev/shm``), both learn it
+at the first attempt and use the exchange up to :data:`PAIR_EXCHANGE_MAX_BYTES`, gloo above. Async all-reduces
+that would go through shared memory (gradient buckets) are done at once — that path is this rank's CPU work
+either way; small *async* all-reduces (left in flight while the rank computes: the loss, the target count) keep
+gloo's all-reduce, on the side group: in the background an isend/irecv pair slowed a 50 ms compute loop by
+2.5-3.7 ms, gloo's all-reduce not measurably. Groups of other sizes and other backends use the backend's
+all-reduce on the axis group; ``shared_memory=False`` turns shared memory off, ``pair_exchange=False`` both.
 
 Timeouts. ``timeout`` is passed to every ``new_group``; on gloo it bounds each collective on that group (a
 peer that never arrives gives ``"Timed out waiting ... for recv"`` after ``timeout`` seconds, which this module

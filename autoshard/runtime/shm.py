@@ -7,7 +7,7 @@ one tiny message to say so and one add of the peer's copy take 3.2 ms and 6.0 ms
 same; they go through a shared mapping instead of a socket.
 
 :class:`SharedMemoryPair` holds one mapping per pair of ranks: 2 halves x 2 ranks x a slot as large as the largest
-tensor so far, at most ``chunk_bytes`` (8 MiB: the mapping stays within 32 MiB per pair; larger tensors go through
+tensor so far, at most ``chunk_bytes`` (4 MiB: the mapping stays within 16 MiB per pair; larger tensors go through
 in chunks, one token each). It is made on the first all-reduce that needs it and remade larger when a larger
 tensor comes: a file in ``/dev/shm`` that rank 0 creates and reserves with
 ``posix_fallocate`` (so a full ``/dev/shm`` is an error here, not a ``SIGBUS`` later), both ranks map with
@@ -52,7 +52,7 @@ class SharedMemoryPair:
     both ranks); ``chunk_bytes``: the largest slot (larger tensors go through in chunks of this size).
     """
 
-    def __init__(self, group, peer: int, first: bool, next_tag: Callable[[], int], chunk_bytes: int = 8 << 20):
+    def __init__(self, group, peer: int, first: bool, next_tag: Callable[[], int], chunk_bytes: int = 4 << 20):
         self.group, self.peer, self.first, self.next_tag = group, peer, first, next_tag
         self.chunk_bytes = -(-chunk_bytes // _ALIGN) * _ALIGN
         self.slot_bytes = 0
