@@ -204,7 +204,8 @@ class DistCommunicator(Communicator):
     def _by_shared_memory(self, t, axis, out=None) -> torch.Tensor | None:
         """The all-reduce of ``t`` through the axis pair's shared memory, or None if it cannot go that way."""
         shared = self._shared.get(axis)
-        if shared is None or shared.failed or t.device.type != "cpu" or t.dtype == torch.bool:
+        if (shared is None or shared.failed or t.device.type != "cpu" or t.dtype == torch.bool
+                or (out is not None and not out.is_contiguous())):
             return None
         return shared.all_reduce(t, out)
 

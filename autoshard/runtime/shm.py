@@ -71,38 +71,43 @@ class SharedMemoryPair:
         return theirs.tolist()
 
     def _grow(self, nbytes: int) -> bool:
-        """Map a region with slots of at least ``nbytes`` on both ranks; False (and ``failed`` set) if impossible."""
+        """Map a region with slots of at least ``nbytes`` on both ranks; False (and ``failed`` set) if impossible.
+        Two token exchanges: rank 0 says whether (and under which name) it made the file, rank 1 whether it
+        mapped it; rank 0 unlinks the file after the second, or when either fails."""
         slot = -(-nbytes // _ALIGN) * _ALIGN
-        region, why = None, ""
-        name = None
+        size, region, why = 4 * slot, None, ""
         if self.first:
-            name = os.path.join(SHM_DIR, f"autoshard-{os.getpid()}-{next(_serials)}")
+            serial = next(_serials)
+            name = os.path.join(SHM_DIR, f"autoshard-{os.getpid()}-{serial}")
             try:
-                fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    os.posix_fallocate(fd, 0, 4 * slot)
-                finally:
-                    os.close(fd)
-                region = torch.from_file(name, shared=True, size=4 * slot, dtype=torch.uint8)
-            except (OSError, RuntimeError) as e:
-                why = f"rank {dist.get_rank()} could not make {name} ({4 * slot} bytes): {e}"
-            ok, pid, serial = self._swap([region is not None, os.getpid(), int(name.rsplit("-", 1)[1])])
-            ok_peer = self._swap([region is not None])[0]
+                    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    try:
+                        os.posix_fallocate(fd, 0, size)  # reserve now: a full /dev/shm fails here, not as SIGBUS
+                    finally:
+                        os.close(fd)
+                    region = torch.from_file(name, shared=True, size=size, dtype=torch.uint8)
+                except (OSError, RuntimeError) as e:
+                    why = f"rank {dist.get_rank()} could not make {name} ({size} bytes): {e}"
+                self._swap([region is not None, os.getpid(), serial])
+                mapped = self._swap([region is not None])[0]  # always swapped: rank 1 waits for it
+                both = region is not None and bool(mapped)
+            finally:
+                try:
+                    os.unlink(name)  # both ranks hold their mapping (or gave up): the name is not needed
+                except FileNotFoundError:
+                    pass
         else:
-            ok, pid, serial = self._swap([1, 0, 0])
-            if ok:
+            made, pid, serial = self._swap([0, 0, 0])
+            if made:
                 name = os.path.join(SHM_DIR, f"autoshard-{pid}-{serial}")
                 try:
-                    region = torch.from_file(name, shared=True, size=4 * slot, dtype=torch.uint8)
+                    region = torch.from_file(name, shared=True, size=size, dtype=torch.uint8)
                 except (OSError, RuntimeError) as e:
                     why = f"rank {dist.get_rank()} could not map {name}: {e}"
-            ok_peer = self._swap([region is not None])[0]
-        if self.first and name is not None:
-            try:
-                os.unlink(name)  # both hold their mapping (or have given up): the name is no longer needed
-            except FileNotFoundError:
-                pass
-        if not (region is not None and ok and ok_peer):
+            self._swap([region is not None])
+            both = bool(made) and region is not None
+        if not both:
             self.failed = why or "the peer rank could not share memory with this one"
             self.region = None
             return False
