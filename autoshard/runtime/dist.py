@@ -22,21 +22,23 @@ falls back to what every backend has and still records the *logical* collective 
 ``native_ops`` overrides the choice (tests run the fallbacks on gloo with ``native_ops=()``).
 
 Two-rank all-reduce. gloo's all-reduce takes several round trips even for a few KiB, and pushes every byte
-through loopback sockets: between 2 processes on this 2-core machine, 2.4 ms for 128 KiB where one exchange
-(``isend`` + ``irecv`` of the whole tensor, then one add) takes 0.7 ms, for the same bytes on the wire — an
-all-reduce over 2 ranks sends each rank's tensor once either way — and 9.8 ms for 8 MiB where shared memory
-(:mod:`autoshard.runtime.shm`: copy into a shared slot, a token message, one add) takes 4.8 ms. On gloo, blocking
-all-reduces over a 2-rank group therefore run as that exchange up to :data:`SHARED_MEMORY_MIN_BYTES`, through
-shared memory above it, both on a process group of their own (so they never interleave with the axis group's
-collectives) with a tag per message (every rank counts them alike). Both ranks compute ``a + b`` with the
-operands swapped, which IEEE addition gives bit for bit: the result is the same on both, and equal to gloo's.
-Where the two ranks cannot share memory (different hosts or containers, no room in ``/dev/shm``), both learn it
-at the first attempt and use the exchange up to :data:`PAIR_EXCHANGE_MAX_BYTES`, gloo above. Async all-reduces
-that would go through shared memory (gradient buckets) are done at once — that path is this rank's CPU work
-either way; small *async* all-reduces (left in flight while the rank computes: the loss, the target count) keep
-gloo's all-reduce, on the side group: in the background an isend/irecv pair slowed a 50 ms compute loop by
-2.5-3.7 ms, gloo's all-reduce not measurably. Groups of other sizes and other backends use the backend's
-all-reduce on the axis group; ``shared_memory=False`` turns shared memory off, ``pair_exchange=False`` both.
+through loopback sockets: between 2 processes on this 2-core machine, 1.5 ms for 128 KiB and 10-15 ms for 8 MiB.
+When the two ranks of a 2-rank group share a host, autoshard's all-reduces go through shared memory instead
+(:mod:`autoshard.runtime.shm`: copy into a shared slot, signal, one add of the peer's slot: 0.2 ms and 3.6 ms),
+signalled by counters in the mapping on x86-64 — every blocking all-reduce then takes that path — and elsewhere
+by token messages, whose ~0.4 ms latency makes one exchange (``isend`` + ``irecv`` of the whole tensor, then one
+add: 0.7 ms for 128 KiB, the same bytes as an all-reduce over 2 ranks) the faster way up to
+:data:`SHARED_MEMORY_MIN_BYTES`. Where the two ranks cannot share memory (different hosts or containers, no room
+in ``/dev/shm``), both learn it at the first attempt and use the exchange up to :data:`PAIR_EXCHANGE_MAX_BYTES`,
+gloo above. The pair's messages go over a process group of its own (so they never interleave with the axis
+group's collectives), with a tag per message (every rank counts them alike). Both ranks compute ``a + b`` with
+the operands swapped, which IEEE addition gives bit for bit: the result is the same on both, and equal to gloo's.
+Async all-reduces that would go through shared memory (gradient buckets) are done at once — that path is this
+rank's CPU work either way; small *async* all-reduces (left in flight while the rank computes: the loss, the
+target count) keep gloo's all-reduce, on the side group: in the background an isend/irecv pair slowed a 50 ms
+compute loop by 2.5-3.7 ms, gloo's all-reduce not measurably. Groups of other sizes and other backends use the
+backend's all-reduce on the axis group; ``shared_memory=False`` turns shared memory off, ``pair_exchange=False``
+both.
 
 Timeouts. ``timeout`` is passed to every ``new_group``; on gloo it bounds each collective on that group (a
 peer that never arrives gives ``"Timed out waiting ... for recv"`` after ``timeout`` seconds, which this module
@@ -71,10 +73,10 @@ NATIVE_OPS: dict[str, frozenset[str]] = {"nccl": _ALL, "gloo": _ALL, "mpi": froz
 #: All-reduces of at most this many bytes over a 2-rank gloo group run as one exchange (measured on 2 processes,
 #: 2 cores: 128 KiB 2.4 → 0.7 ms, 512 KiB 3.2 → 1.4 ms, 1 MiB 2.9 → 2.3 ms; 8 MiB 20 → 27 ms, so not beyond).
 PAIR_EXCHANGE_MAX_BYTES = 1 << 20
-#: All-reduces of more than this many bytes over a 2-rank gloo group of one host go through shared memory
-#: (:mod:`autoshard.runtime.shm`); below, the exchange is as fast or faster (its one message carries the data,
-#: where shared memory needs a token message and two copies). Measured as PAIR_EXCHANGE_MAX_BYTES, exchange /
-#: shared memory: 128 KiB 0.6 / 0.7 ms, 512 KiB 0.7-1.0 / 1.1-1.5 ms, 1 MiB 1.6-2.0 / 0.8-1.0 ms,
+#: Where shared memory is signalled by token messages (not x86-64), all-reduces of more than this many bytes go
+#: through it (:mod:`autoshard.runtime.shm`); below, the exchange is as fast or faster (its one message carries
+#: the data, where shared memory needs a token message and two copies). Async ones up to this size stay in flight
+#: on gloo's all-reduce. Measured as PAIR_EXCHANGE_MAX_BYTES, exchange / shared memory with tokens: 128 KiB 0.6 / 0.7 ms, 512 KiB 0.7-1.0 / 1.1-1.5 ms, 1 MiB 1.6-2.0 / 0.8-1.0 ms,
 #: 4 MiB 5.6-6.3 / 2.4-2.7 ms, 8 MiB 9.4-12.6 / 4.5-5.1 ms (gloo's all-reduce: 9.8 ms).
 SHARED_MEMORY_MIN_BYTES = 512 << 10
 
@@ -140,7 +142,8 @@ class DistCommunicator(Communicator):
                         peer = next(r for r in ranks if r != self.rank)
                         self._pairs[axis] = (pg, peer)
                         if shared_memory:
-                            self._shared[axis] = SharedMemoryPair(pg, peer, self.rank < peer, self._next_tag)
+                            self._shared[axis] = SharedMemoryPair(pg, peer, self.rank < peer, self._next_tag,
+                                                                 timeout=self.timeout)
         if native_ops is None:
             native_ops = next((ops for name, ops in NATIVE_OPS.items() if name in self.backend), frozenset())
         unknown = set(native_ops) - _ALL
@@ -192,22 +195,25 @@ class DistCommunicator(Communicator):
         self._exchanges += 1
         return tag
 
-    def _small_pair(self, t, axis) -> bool:
-        """A contiguous tensor over a 2-rank axis with a side group, small enough for one exchange: at most
-        SHARED_MEMORY_MIN_BYTES where the axis may share memory, else PAIR_EXCHANGE_MAX_BYTES."""
-        if axis not in self._pairs or not t.is_contiguous():
-            return False
+    def _route(self, t, axis, in_flight: bool = False) -> str:
+        """How an all-reduce of ``t`` over ``axis`` travels: ``"shared"`` (shared memory), ``"exchange"`` (one
+        isend/irecv), ``"side"`` (gloo's all-reduce on the pair's side group: small ones left ``in_flight``) or
+        ``"group"`` (the backend's all-reduce on the axis group). The same on every rank of the pair: it depends on
+        the tensor and on what both ranks agreed about shared memory."""
+        if axis not in self._pairs:
+            return "group"
+        nbytes = t.numel() * t.element_size()
         shared = self._shared.get(axis)
-        limit = PAIR_EXCHANGE_MAX_BYTES if shared is None or shared.failed else SHARED_MEMORY_MIN_BYTES
-        return t.numel() * t.element_size() <= limit
-
-    def _by_shared_memory(self, t, axis, out=None) -> torch.Tensor | None:
-        """The all-reduce of ``t`` through the axis pair's shared memory, or None if it cannot go that way."""
-        shared = self._shared.get(axis)
-        if (shared is None or shared.failed or t.device.type != "cpu" or t.dtype == torch.bool
-                or (out is not None and not out.is_contiguous())):
-            return None
-        return shared.all_reduce(t, out)
+        if shared is None or shared.failed or t.device.type != "cpu" or t.dtype == torch.bool:
+            small = t.is_contiguous() and nbytes <= PAIR_EXCHANGE_MAX_BYTES
+            return ("side" if in_flight else "exchange") if small else "group"
+        if in_flight:  # reduced in place: a non-contiguous one goes to the backend as it is
+            if not t.is_contiguous():
+                return "group"
+            return "side" if nbytes <= SHARED_MEMORY_MIN_BYTES else "shared"
+        if nbytes > SHARED_MEMORY_MIN_BYTES or shared.flags or not t.is_contiguous():
+            return "shared"
+        return "exchange"
 
     def _exchange(self, t, axis) -> torch.Tensor:
         """Send ``t`` to the axis peer and receive the peer's tensor (blocking)."""
@@ -220,12 +226,13 @@ class DistCommunicator(Communicator):
 
     def _all_reduce(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
-            if self._small_pair(t, axis):
-                return self._exchange(t, axis).add_(t)
-            out = self._by_shared_memory(t, axis)
-            if out is not None:
-                return out
-            if self._small_pair(t, axis):  # shared memory turned out impossible: the exchange up to its limit
+            route = self._route(t, axis)
+            if route == "shared":
+                out = self._shared[axis].all_reduce(t)
+                if out is not None:
+                    return out
+                route = self._route(t, axis)  # shared memory turned out impossible (on both ranks)
+            if route == "exchange":
                 return self._exchange(t, axis).add_(t)
             out = t.clone()
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
@@ -233,37 +240,39 @@ class DistCommunicator(Communicator):
 
     def _all_reduce_inplace(self, t, axis):
         with self._guard(f"all_reduce on axis `{axis}`", axis):
-            if self._small_pair(t, axis):
+            route = self._route(t, axis)
+            if route == "shared":
+                if self._shared[axis].all_reduce(t, out=t) is not None:
+                    return
+                route = self._route(t, axis)
+            if route == "exchange":
                 t.add_(self._exchange(t, axis))
-            elif self._by_shared_memory(t, axis, out=t) is None:
-                if self._small_pair(t, axis):
-                    t.add_(self._exchange(t, axis))
-                else:
-                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
 
     def _all_reduce_async(self, t, axis):
-        out = t  # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket)
+        # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket), which is contiguous
         what = f"all_reduce on axis `{axis}`"
         # Small ones (the loss, the target count) stay in flight while this rank computes: gloo's all-reduce costs
         # nothing measurable in the background where an isend/irecv pair cost 2.5-3.7 ms of a 50 ms loop, so they
         # keep gloo's all-reduce, on the 2-rank side group: not queued behind (or in front of) the gradient buckets
-        # on the axis's group.
-        small = self._small_pair(t, axis)
-        if not small:
-            # Through shared memory it is CPU work of this rank either way: done now, handed back complete.
+        # on the axis's group. Through shared memory (the buckets) it is this rank's CPU work either way: done now,
+        # handed back complete.
+        route = self._route(t, axis, in_flight=True)
+        if route == "shared":
             with self._guard(what, axis):
-                if self._by_shared_memory(t, axis, out=t) is not None:
+                if self._shared[axis].all_reduce(t, out=t) is not None:
                     return Handle(t)
-            small = self._small_pair(t, axis)
+            route = self._route(t, axis, in_flight=True)
         with self._guard(what, axis):
-            work = dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True,
-                                   group=self._pairs[axis][0] if small else self._groups[axis])
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True,
+                                   group=self._pairs[axis][0] if route == "side" else self._groups[axis])
 
         def wait():
             with self._guard(what, axis):
                 work.wait()
 
-        return Handle(out, wait)
+        return Handle(t, wait)
 
     def _all_gather(self, t, axis, dim):
         n, group = self.mesh.axis_size(axis), self._groups[axis]

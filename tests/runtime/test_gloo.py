@@ -99,23 +99,25 @@ def test_gloo_matches_simulator_forward_and_backward():
 
 
 def pair_exchange_program(rank: int, world_size: int) -> dict:
-    """All-reduces over a 2-rank axis by exchange (small), through shared memory (larger), by exchange up to its
-    own limit with shared memory off, and by gloo (switched off): blocking (also of a non-contiguous tensor), in
-    place and async with blocking ones started while they are in flight."""
+    """All-reduces over a 2-rank axis through shared memory synchronised by flags (in chunks of 1 MiB) and by
+    token messages, by exchange with shared memory off, and by gloo (both off): blocking (also of a
+    non-contiguous tensor), in place and async with blocking ones started while they are in flight."""
     from autoshard.runtime.dist import PAIR_EXCHANGE_MAX_BYTES
 
     mesh = Mesh(x=2)
-    fast = DistCommunicator(mesh, timeout=30)
-    fast._shared["x"].chunk_bytes = 1 << 20  # the 3 MiB tensor goes through in 3 chunks
+    flags, tokens = DistCommunicator(mesh, timeout=30), DistCommunicator(mesh, timeout=30)
+    flags._shared["x"].flags, flags._shared["x"].chunk_bytes = True, 1 << 20  # the 3 MiB tensor: 3 chunks
+    tokens._shared["x"].flags = False
     exchange_only = DistCommunicator(mesh, timeout=30, shared_memory=False)
     plain = DistCommunicator(mesh, timeout=30, pair_exchange=False)
     g = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(n, generator=g) for n in (1, 1000, PAIR_EXCHANGE_MAX_BYTES // 4, 3 << 18)]
     tensors += [torch.randn(64, 32, generator=g).double(), torch.randint(-9, 9, (100,), generator=g)]
     tensors += [torch.randn(700, 300, generator=g).t(), torch.randint(-9, 9, (1 << 17,), generator=g)]
-    out = {label: [comm._small_pair(t, "x") for t in tensors]
-           for label, comm in (("small_pair", fast), ("small_pair_exchange_only", exchange_only))}
-    for label, comm in (("fast", fast), ("exchange_only", exchange_only), ("plain", plain)):
+    comms = {"flags": flags, "tokens": tokens, "exchange_only": exchange_only, "plain": plain}
+    out = {"routes": {label: [comm._route(t, "x") for t in tensors] for label, comm in comms.items()},
+           "in_flight": {label: [comm._route(t, "x", in_flight=True) for t in tensors] for label, comm in comms.items()}}
+    for label, comm in comms.items():
         copies = [comm.all_reduce(t, "x") for t in tensors]
         inplace = [t.contiguous().clone() for t in tensors]
         for t in inplace:
@@ -123,26 +125,33 @@ def pair_exchange_program(rank: int, world_size: int) -> dict:
         handles = [comm.all_reduce_async(t.contiguous().clone(), "x") for t in tensors]
         between = comm.all_reduce(tensors[1], "x")  # blocking, while the async ones are in flight
         out[label] = (copies, inplace, [h.wait() for h in handles], between)
-    shared = fast._shared["x"]
-    out["shared"] = (shared.failed, shared.calls, shared.slot_bytes)
+    out["shared"] = {label: (comms[label]._shared["x"].failed, comms[label]._shared["x"].calls,
+                             comms[label]._shared["x"].slot_bytes) for label in ("flags", "tokens")}
     return out
 
 
 @pytest.mark.gloo
 def test_two_rank_all_reduce_by_exchange_and_shared_memory_equals_gloo_bit_for_bit():
     got = spawn(pair_exchange_program, 2, timeout=60)
-    # exchange up to 512 KiB where memory is shared, up to 1 MiB where not; the rest shared memory / gloo
-    assert got[0]["small_pair"] == [True, True, False, False, True, True, False, False]
-    assert got[0]["small_pair_exchange_only"] == [True, True, True, False, True, True, False, True]
-    # 4 tensors over 512 KiB (one in 3 chunks), each reduced by copy, in place and async: all through shared
-    # memory, in slots of one chunk
-    assert got[0]["shared"] == got[1]["shared"] == (None, 18, 1 << 20)
+    sh, ex, gr, side = "shared", "exchange", "group", "side"
+    assert got[0]["routes"] == {
+        "flags": [sh] * 8,  # flags cost microseconds: every size goes through shared memory
+        "tokens": [ex, ex, sh, sh, ex, ex, sh, sh],  # a token message costs as much as an exchange up to 512 KiB
+        "exchange_only": [ex, ex, ex, gr, ex, ex, gr, ex],  # the exchange up to 1 MiB, contiguous only
+        "plain": [gr] * 8,
+    }
+    in_flight = [side, side, sh, sh, side, side, gr, sh]
+    assert got[0]["in_flight"] == {"flags": in_flight, "tokens": in_flight,
+                                   "exchange_only": [side, side, side, gr, side, side, gr, side], "plain": [gr] * 8}
+    # flags: 10 chunks blocking, 10 in place, 6 async (the 3 MiB one in 3 chunks each), 1 between, in 1 MiB
+    # slots; tokens: the 4 tensors over 512 KiB blocking, in place and async, in the 3 MiB one's slots
+    assert got[0]["shared"] == got[1]["shared"] == {"flags": (None, 27, 1 << 20), "tokens": (None, 12, 3 << 20)}
     for r in range(2):
-        for label in ("fast", "exchange_only"):
+        for label in ("flags", "tokens", "exchange_only"):
             for ours, plain in zip(got[r][label], got[r]["plain"]):
                 for a, b in zip(ours if isinstance(ours, list) else [ours], plain if isinstance(plain, list) else [plain]):
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    for a, b in zip(got[0]["fast"][0], got[1]["fast"][0]):
+    for a, b in zip(got[0]["flags"][0], got[1]["flags"][0]):
         assert torch.equal(a, b)  # both ranks hold the same sum
 
 
@@ -158,10 +167,10 @@ def shared_memory_fallback_program(rank: int, world_size: int, failing_rank: int
     comm, plain = DistCommunicator(Mesh(x=2), timeout=30), DistCommunicator(Mesh(x=2), timeout=30, pair_exchange=False)
     g = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(n, generator=g) for n in (1 << 19, 3 << 16, 100)]  # 2 MiB, 768 KiB, 400 B
-    out = {"small_pair": [comm._small_pair(t, "x") for t in tensors]}
+    out = {"routes": [comm._route(t, "x") for t in tensors]}
     out["sums"] = [comm.all_reduce(t, "x") for t in tensors]
     out["expected"] = [plain.all_reduce(t, "x") for t in tensors]
-    out["small_pair_after"] = [comm._small_pair(t, "x") for t in tensors]
+    out["routes_after"] = [comm._route(t, "x") for t in tensors]
     out["failed"] = comm._shared["x"].failed
     comm.barrier()
     out["left"] = glob.glob(os.path.join("/dev/shm", f"autoshard-{os.getpid()}-*"))
@@ -171,10 +180,13 @@ def shared_memory_fallback_program(rank: int, world_size: int, failing_rank: int
 @pytest.mark.gloo
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_shared_memory_that_fails_on_one_rank_falls_back_on_both(failing_rank):
+    from autoshard.runtime.shm import FLAGS_SYNC
+
     got = spawn(shared_memory_fallback_program, 2, failing_rank, timeout=60)
     for r in range(2):
-        assert got[r]["small_pair"] == [False, False, True]  # 768 KiB: shared memory, if it works
-        assert got[r]["small_pair_after"] == [False, True, True]  # it did not: the exchange up to 1 MiB
+        first = ["shared"] * 3 if FLAGS_SYNC else ["shared", "shared", "exchange"]
+        assert got[r]["routes"] == first
+        assert got[r]["routes_after"] == ["group", "exchange", "exchange"]  # the exchange up to 1 MiB
         for a, b in zip(got[r]["sums"], got[r]["expected"]):
             assert torch.equal(a, b)
         assert got[r]["left"] == []
@@ -233,3 +245,38 @@ def test_spawn_kills_everything_past_its_deadline():
 def test_spawn_rejects_functions_it_cannot_pickle():
     with pytest.raises(AutoshardError, match="defined at module level"):
         spawn(lambda rank, world_size: None, 2)
+
+
+def _waiting_pair(peer_pid: int, timeout: float):
+    """A SharedMemoryPair whose peer never writes its flag (an anonymous mapping stands for the shared one)."""
+    import mmap
+
+    from autoshard.runtime.shm import SharedMemoryPair
+
+    pair = SharedMemoryPair(group=None, peer=1, first=True, next_tag=lambda: 0, flags=True, timeout=timeout)
+    pair._map, pair._peer_pid = mmap.mmap(-1, 4096), peer_pid
+    return pair
+
+
+def test_shared_memory_wait_on_an_exited_peer_says_so(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    child = subprocess.Popen(["true"])
+    child.wait()  # exited and reaped: its pid is gone
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=rf"all-reduce #0 did not complete on rank 0: peer rank 1 "
+                                                     rf"\(pid {child.pid}\) exited"):
+        _waiting_pair(child.pid, timeout=30)._meet(0)
+    assert time.monotonic() - start < 5
+
+
+def test_shared_memory_wait_times_out(monkeypatch):
+    import os
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"all-reduce #3 with rank 1 did not complete within 0.3 s on "
+                                                     r"rank 0: the peer hangs"):
+        _waiting_pair(os.getpid(), timeout=0.3)._meet(3)  # a live "peer" that never arrives
+    assert 0.3 <= time.monotonic() - start < 5
