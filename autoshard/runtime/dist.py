@@ -62,7 +62,7 @@ import torch.distributed as dist
 from autoshard.errors import CollectiveTimeoutError, MeshError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, Handle
-from autoshard.runtime.shm import SharedMemoryPair
+from autoshard.runtime.shm import PeerExitedError, SharedMemoryPair
 
 __all__ = ["NATIVE_OPS", "PAIR_EXCHANGE_MAX_BYTES", "SHARED_MEMORY_MIN_BYTES", "DistCommunicator"]
 
@@ -172,6 +172,11 @@ class DistCommunicator(Communicator):
     def _guard(self, what: str, axis: str | None):
         try:
             yield
+        except PeerExitedError as e:  # seen through shared memory: the peer's process is gone
+            raise CollectiveTimeoutError(
+                f"{what} (group of ranks {list(self.group(axis))}) did not complete on rank {self.rank} (timeout "
+                f"{self.timeout:g} s): peer rank {e.peer} exited (pid {e.pid}): that process died or was "
+                "killed.") from e
         except RuntimeError as e:
             text = str(e)
             low = text.lower()

@@ -46,9 +46,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from autoshard.errors import AutoshardError, CollectiveTimeoutError
+from autoshard.errors import AutoshardError
 
-__all__ = ["FLAGS_SYNC", "SHM_DIR", "SharedMemoryPair"]
+__all__ = ["FLAGS_SYNC", "SHM_DIR", "PeerExitedError", "SharedMemoryPair"]
 
 SHM_DIR = "/dev/shm"
 #: Whether pairs synchronise through flags in the mapping (x86-64: stores become visible in program order, so a
@@ -60,6 +60,15 @@ _FLAG = struct.Struct("<q")
 _SPIN_S = 100e-6  # a waiting rank spins this long, then sleeps in short naps (giving its core away)
 _NAP_S = 20e-6
 _serials = itertools.count()  # this process's mappings: with its pid, a file name no other mapping has
+
+
+class PeerExitedError(RuntimeError):
+    """The peer process of a pair exited while this rank waited for its signal (the communicator turns it into a
+    :class:`~autoshard.errors.CollectiveTimeoutError` naming the collective, as it does a closed gloo socket)."""
+
+    def __init__(self, peer: int, pid: int, number: int):
+        super().__init__(f"peer rank {peer} (pid {pid}) exited during shared-memory all-reduce #{number}")
+        self.peer, self.pid, self.number = peer, pid, number
 
 
 class SharedMemoryPair:
@@ -169,15 +178,11 @@ class SharedMemoryPair:
                 time.sleep(_NAP_S)
             if now > check:
                 check = now + 0.05
-                rank = dist.get_rank()
-                if now - start > self.timeout:
-                    raise CollectiveTimeoutError(
-                        f"shared-memory all-reduce #{number} with rank {self.peer} did not complete within "
-                        f"{self.timeout:g} s on rank {rank}: the peer hangs or skipped this collective.")
+                if now - start > self.timeout:  # "timed out": the communicator's timeout error
+                    raise RuntimeError(f"timed out after {self.timeout:g} s waiting for rank {self.peer}'s signal of "
+                                       f"shared-memory all-reduce #{number}")
                 if self._peer_pid and not _alive(self._peer_pid):
-                    raise CollectiveTimeoutError(
-                        f"shared-memory all-reduce #{number} did not complete on rank {rank}: peer rank "
-                        f"{self.peer} (pid {self._peer_pid}) exited. That process died or was killed.")
+                    raise PeerExitedError(self.peer, self._peer_pid, number)
 
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
