@@ -76,7 +76,8 @@ PAIR_EXCHANGE_MAX_BYTES = 1 << 20
 #: Where shared memory is signalled by token messages (not x86-64), all-reduces of more than this many bytes go
 #: through it (:mod:`autoshard.runtime.shm`); below, the exchange is as fast or faster (its one message carries
 #: the data, where shared memory needs a token message and two copies). Async ones up to this size stay in flight
-#: on gloo's all-reduce. Measured as PAIR_EXCHANGE_MAX_BYTES, exchange / shared memory with tokens: 128 KiB 0.6 / 0.7 ms, 512 KiB 0.7-1.0 / 1.1-1.5 ms, 1 MiB 1.6-2.0 / 0.8-1.0 ms,
+#: on gloo's all-reduce. Measured as PAIR_EXCHANGE_MAX_BYTES, exchange / shared memory with tokens: 128 KiB
+#: 0.6 / 0.7 ms, 512 KiB 0.7-1.0 / 1.1-1.5 ms, 1 MiB 1.6-2.0 / 0.8-1.0 ms,
 #: 4 MiB 5.6-6.3 / 2.4-2.7 ms, 8 MiB 9.4-12.6 / 4.5-5.1 ms (gloo's all-reduce: 9.8 ms).
 SHARED_MEMORY_MIN_BYTES = 512 << 10
 

@@ -2,18 +2,18 @@
 
 Over loopback TCP, gloo's all-reduce of a few MiB is mostly copying through sockets and waking threads: between 2
 processes on a 2-core machine, 9.3 ms for 8 MiB and 19 ms for 16 MiB, where writing the tensor into shared memory,
-one tiny message to say so and one add of the peer's copy take 3.2 ms and 6.0 ms, and less with flags (below). The bytes each rank hands over are the
-same; they go through a shared mapping instead of a socket.
+one tiny message to say so and one add of the peer's copy take 3.2 ms and 6.0 ms (less with the flags below). The
+bytes each rank hands over are the same; they go through a shared mapping instead of a socket.
 
 :class:`SharedMemoryPair` holds one mapping per pair of ranks: 2 halves x 2 ranks x a slot as large as the largest
 tensor so far, at most ``chunk_bytes`` (4 MiB: the mapping stays within 16 MiB per pair; larger tensors go through
-in chunks, one token each). It is made on the first all-reduce that needs it and remade larger when a larger
-tensor comes: a file in ``/dev/shm`` that rank 0 creates and reserves with
-``posix_fallocate`` (so a full ``/dev/shm`` is an error here, not a ``SIGBUS`` later), both ranks map with
-``torch.from_file(shared=True)``, and rank 0 unlinks once both hold it. If any step fails on either rank (no
-``/dev/shm``, not enough space, ranks in different containers or on different hosts, so that rank 1 cannot open
-rank 0's file), both ranks learn it in the same handshake and :meth:`SharedMemoryPair.all_reduce` returns None
-from then on: the caller falls back to the backend's all-reduce.
+in chunks, one signal each). It is made on the first all-reduce that needs it and remade larger when a larger
+tensor comes: a file in ``/dev/shm`` that rank 0 creates and reserves with ``posix_fallocate`` (so a full
+``/dev/shm`` is an error here, not a ``SIGBUS`` later), both ranks ``mmap`` (the slots are a ``torch.frombuffer``
+view of it), and rank 0 unlinks once both hold it. If any step fails on either rank (no ``/dev/shm``, not enough
+space, ranks in different containers or on different hosts, so that rank 1 cannot open rank 0's file), both ranks
+learn it in the same handshake and :meth:`SharedMemoryPair.all_reduce` returns None from then on: the caller falls
+back to the backend's all-reduce.
 
 One all-reduce (of each chunk): copy the tensor into this rank's slot, tell the peer so, wait until the peer has
 said the same, then ``add(mine, theirs)``. Both ranks compute the same IEEE sum with the operands swapped, so the
@@ -74,9 +74,9 @@ class PeerExitedError(RuntimeError):
 class SharedMemoryPair:
     """Sum all-reduces between this rank and ``peer`` (global rank) through a shared mapping.
 
-    ``group``: a process group of the two ranks, for the handshake and the token messages; ``first``: whether this rank is the
-    pair's rank 0 (it creates the files); ``next_tag``: gives the tag of each token exchange (the same sequence on
-    both ranks); ``chunk_bytes``: the largest slot (larger tensors go through in chunks of this size);
+    ``group``: a process group of the two ranks, for the handshake and the token messages; ``first``: whether this
+    rank is the pair's rank 0 (it creates the files); ``next_tag``: gives the tag of each message (the same sequence
+    on both ranks); ``chunk_bytes``: the largest slot (larger tensors go through in chunks of this size);
     ``flags``: signal through counters in the mapping (default on x86-64) rather than token messages; ``timeout``:
     seconds a rank waits for the peer's signal (flags; token messages have the group's).
     """
