@@ -209,17 +209,27 @@ class DistCommunicator(Communicator):
         if axis not in self._pairs:
             return "group"
         nbytes = t.numel() * t.element_size()
-        shared = self._shared.get(axis)
-        if shared is None or shared.failed or t.device.type != "cpu" or t.dtype == torch.bool:
+        if self._shared_for(t, axis, sums=True, at_any_size=True) is None:
             small = t.is_contiguous() and nbytes <= PAIR_EXCHANGE_MAX_BYTES
             return ("side" if in_flight else "exchange") if small else "group"
         if in_flight:  # reduced in place: a non-contiguous one goes to the backend as it is
             if not t.is_contiguous():
                 return "group"
             return "side" if nbytes <= SHARED_MEMORY_MIN_BYTES else "shared"
-        if nbytes > SHARED_MEMORY_MIN_BYTES or shared.flags or not t.is_contiguous():
+        if nbytes > SHARED_MEMORY_MIN_BYTES or self._shared[axis].flags or not t.is_contiguous():
             return "shared"
         return "exchange"
+
+    def _shared_for(self, t, axis, sums: bool = False, at_any_size: bool = False) -> SharedMemoryPair | None:
+        """The axis pair's shared memory, where a collective of ``t`` (summing it: ``sums``) should go through it:
+        a CPU tensor of a pair that shares memory, of more than SHARED_MEMORY_MIN_BYTES unless signalled by flags
+        (or ``at_any_size``); None: the backend's collective."""
+        shared = self._shared.get(axis)
+        if shared is None or shared.failed or t.device.type != "cpu" or (sums and t.dtype == torch.bool):
+            return None
+        if not (at_any_size or shared.flags or t.numel() * t.element_size() > SHARED_MEMORY_MIN_BYTES):
+            return None
+        return shared
 
     def _exchange(self, t, axis) -> torch.Tensor:
         """Send ``t`` to the axis peer and receive the peer's tensor (blocking)."""
@@ -283,7 +293,11 @@ class DistCommunicator(Communicator):
     def _all_gather(self, t, axis, dim):
         n, group = self.mesh.axis_size(axis), self._groups[axis]
         with self._guard(f"all_gather on axis `{axis}`", axis):
-            if "all_gather" in self.native_ops:
+            shared = self._shared_for(t, axis)
+            flat = shared.all_gather(t) if shared is not None and t.dim() > 0 else None
+            if flat is not None:
+                pieces = list(flat.chunk(n, 0))
+            elif "all_gather" in self.native_ops:
                 # gloo accepts only the concatenated output form, (n * t.shape[0], ...).
                 flat = t.new_empty((n * t.shape[0], *t.shape[1:]))
                 _all_gather_tensor(flat, t, group=group)
@@ -296,6 +310,11 @@ class DistCommunicator(Communicator):
     def _reduce_scatter(self, t, axis, dim):
         n, group = self.mesh.axis_size(axis), self._groups[axis]
         with self._guard(f"reduce_scatter on axis `{axis}`", axis):
+            shared = self._shared_for(t, axis, sums=True)
+            if shared is not None and t.shape[dim] % n == 0:
+                out = shared.reduce_scatter(torch.cat(t.chunk(n, dim), 0))
+                if out is not None:
+                    return out
             if "reduce_scatter" in self.native_ops:
                 chunks = t.chunk(n, dim)
                 out = t.new_empty(chunks[0].shape)
@@ -309,7 +328,11 @@ class DistCommunicator(Communicator):
         n, group = self.mesh.axis_size(axis), self._groups[axis]
         stacked = torch.stack(t.chunk(n, split_dim))  # stacked[j] goes to coordinate j
         with self._guard(f"all_to_all on axis `{axis}`", axis):
-            if "all_to_all" in self.native_ops:
+            shared = self._shared_for(stacked, axis)
+            received = shared.all_to_all(stacked) if shared is not None else None
+            if received is not None:
+                pieces = list(received.unbind(0))
+            elif "all_to_all" in self.native_ops:
                 received = torch.empty_like(stacked)
                 dist.all_to_all_single(received, stacked, group=group)
                 pieces = list(received.unbind(0))

@@ -185,29 +185,80 @@ class SharedMemoryPair:
                     raise PeerExitedError(self.peer, self._peer_pid, number)
 
     # ---- the all-reduce ---------------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The sum of ``t`` over the pair, written to ``out`` (contiguous, shaped like ``t``; may be ``t`` itself;
-        default a new tensor); None if this pair cannot share memory (then nothing was exchanged: fall back, on
-        both ranks alike)."""
+    def _swap_chunks(self, send: torch.Tensor, receive: Callable[[int, int, torch.Tensor, torch.Tensor], None]) -> bool:
+        """Hand the flat, contiguous ``send`` to the peer through the slots, a chunk at a time: once both ranks have
+        written a chunk, ``receive(start, n, mine, theirs)`` gets this rank's and the peer's elements
+        ``[start, start + n)`` (views of the slots, valid during the call only). False if this pair cannot share
+        memory (then nothing was exchanged: fall back, on both ranks alike)."""
         if self.failed is not None:
-            return None
-        size = t.element_size()
+            return False
+        size, total = send.element_size(), send.numel()
         chunk = self.chunk_bytes // size  # elements per chunk
-        if min(t.numel(), chunk) * size > self.slot_bytes and not self._grow(min(t.numel(), chunk) * size):
-            return None
-        result = torch.empty(t.shape, dtype=t.dtype) if out is None else out
-        source, target = t.reshape(-1), result.view(-1)  # source: a view where t is contiguous
+        if min(total, chunk) * size > self.slot_bytes and not self._grow(min(total, chunk) * size):
+            return False
         me = 0 if self.first else 1
-        for start in range(0, t.numel(), chunk):
-            n = min(chunk, t.numel() - start)
+        for start in range(0, total, chunk):
+            n = min(chunk, total - start)
             half, number = self.calls % 2, self.calls
             self.calls += 1
-            mine = self.region[half, me, : n * size].view(t.dtype)
-            theirs = self.region[half, 1 - me, : n * size].view(t.dtype)
-            mine.copy_(source[start : start + n])
+            mine = self.region[half, me, : n * size].view(send.dtype)
+            theirs = self.region[half, 1 - me, : n * size].view(send.dtype)
+            mine.copy_(send[start : start + n])
             self._meet(number)
+            receive(start, n, mine, theirs)
+        return True
+
+    # ---- the collectives (None: this pair cannot share memory; fall back) ----------------------------------
+    def all_reduce(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The sum of ``t`` over the pair, written to ``out`` (contiguous, shaped like ``t``; may be ``t`` itself;
+        default a new tensor)."""
+        result = torch.empty(t.shape, dtype=t.dtype) if out is None else out
+        target = result.view(-1)
+
+        def add(start, n, mine, theirs):
             torch.add(mine, theirs, out=target[start : start + n])
-        return result
+
+        return result if self._swap_chunks(t.reshape(-1), add) else None
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Both ranks' ``t`` concatenated along dim 0, the pair's rank 0 first."""
+        me, m = (0 if self.first else 1), t.numel()
+        result = t.new_empty((2 * t.shape[0], *t.shape[1:]))
+        flat = result.view(-1)
+        flat[me * m : (me + 1) * m].copy_(t.reshape(-1))
+        peer = flat[(1 - me) * m : (2 - me) * m]
+
+        def take(start, n, mine, theirs):
+            peer[start : start + n].copy_(theirs)
+
+        return result if self._swap_chunks(t.reshape(-1), take) else None
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor | None:
+        """This rank's half (along dim 0, the pair's rank 0 first) of the sum of ``t`` over the pair."""
+        me, half = (0 if self.first else 1), t.shape[0] // 2
+        flat = t.reshape(-1)
+        m = flat.numel() // 2
+        own = flat[me * m : (me + 1) * m]
+        result = t.new_empty((half, *t.shape[1:]))
+        target = result.view(-1)
+
+        def add(start, n, mine, theirs):  # mine: the half this rank sends; own: the half it keeps
+            torch.add(own[start : start + n], theirs, out=target[start : start + n])
+
+        return result if self._swap_chunks(flat[(1 - me) * m : (2 - me) * m], add) else None
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` stacked as ``(2, ...)``, piece ``j`` addressed to the pair's rank ``j``: the pieces addressed to
+        this rank, stacked in the same way (its own piece stays, the peer's arrives)."""
+        me = 0 if self.first else 1
+        result = torch.empty_like(t, memory_format=torch.contiguous_format)
+        result[me].copy_(t[me])
+        arriving = result[1 - me].view(-1)
+
+        def take(start, n, mine, theirs):
+            arriving[start : start + n].copy_(theirs)
+
+        return result if self._swap_chunks(t[1 - me].reshape(-1), take) else None
 
 
 def _alive(pid: int) -> bool:

@@ -70,11 +70,18 @@ def program(rank: int) -> dict:
 
 def gloo_program(rank: int, world_size: int) -> dict:
     results = {}
-    for label, native in (("native", None), ("emulated", ())):
-        comm = DistCommunicator(MESH, timeout=30, native_ops=native)
+    for label, native in (("native", None), ("emulated", ())):  # gloo's own collectives
+        comm = DistCommunicator(MESH, timeout=30, native_ops=native, shared_memory=False)
         with use(comm):
             results[label] = program(rank)
         results[label + "_ops"] = sorted(comm.native_ops)
+    for label, flags in (("shared_flags", True), ("shared_tokens", False)):  # both axes are pairs of one host
+        comm = DistCommunicator(MESH, timeout=30)
+        for pair in comm._shared.values():
+            pair.flags = flags
+        with use(comm):
+            results[label] = program(rank)
+        results[label + "_calls"] = sum(pair.calls for pair in comm._shared.values())
     with use(DistCommunicator(MESH, device_mesh=MESH.to_device_mesh("cpu"))):
         results["device_mesh"] = program(rank)
     return results
@@ -86,8 +93,10 @@ def test_gloo_matches_simulator_forward_and_backward():
     got = spawn(gloo_program, MESH.size, timeout=60)
     assert got[0]["native_ops"] == ["all_gather", "all_to_all", "reduce_scatter"]
     assert got[0]["emulated_ops"] == []
+    # with flags every collective but the broadcast goes through shared memory (tokens: none is over 512 KiB)
+    assert got[0]["shared_flags_calls"] > 10 and got[0]["shared_tokens_calls"] == 0
     for r in range(MESH.size):
-        for label in ("native", "emulated", "device_mesh"):
+        for label in ("native", "emulated", "shared_flags", "shared_tokens", "device_mesh"):
             ours = got[r][label]
             assert ours.keys() == expected[r].keys()
             for key, value in expected[r].items():
@@ -153,6 +162,40 @@ def test_two_rank_all_reduce_by_exchange_and_shared_memory_equals_gloo_bit_for_b
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     for a, b in zip(got[0]["flags"][0], got[1]["flags"][0]):
         assert torch.equal(a, b)  # both ranks hold the same sum
+
+
+def pair_collectives_program(rank: int, world_size: int) -> dict:
+    """all_gather, reduce_scatter and all_to_all over a 2-rank axis, through shared memory (in 1 MiB chunks) and
+    by gloo, along dim 0 and another dim, of random floats (bit for bit), integers and booleans."""
+    mesh = Mesh(x=2)
+    shared, plain = DistCommunicator(mesh, timeout=30), DistCommunicator(mesh, timeout=30, shared_memory=False)
+    shared._shared["x"].flags, shared._shared["x"].chunk_bytes = True, 1 << 20
+    g = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(6, 4, generator=g), torch.randn(4, 300, 500, generator=g),  # 2.4 MB: 3 chunks
+               torch.randint(-9, 9, (8, 6), generator=g), torch.randint(0, 2, (4, 2), generator=g).bool()]
+    out = {}
+    for label, comm in (("shared", shared), ("plain", plain)):
+        res = []
+        for t in tensors:
+            res += [comm.all_gather(t, "x", 0), comm.all_gather(t, "x", 1)]
+            res += [comm.all_to_all(t, "x", 0, 1), comm.all_to_all(t, "x", 1, 0)]
+            if t.dtype != torch.bool:
+                res += [comm.reduce_scatter(t, "x", 0), comm.reduce_scatter(t, "x", 1)]
+        out[label] = res
+    out["calls"] = shared._shared["x"].calls
+    return out
+
+
+@pytest.mark.gloo
+def test_two_rank_gather_scatter_and_all_to_all_through_shared_memory_equal_gloo():
+    got = spawn(pair_collectives_program, 2, timeout=60)
+    # per tensor 6 collectives (4 for the booleans), the large one's sends in chunks: all_gather 2.4 MB,
+    # all_to_all and reduce_scatter 1.2 MB each (2 chunks)
+    assert got[0]["calls"] == got[1]["calls"] == 6 + (3 + 3 + 2 + 2 + 2 + 2) + 6 + 4
+    for r in range(2):
+        assert len(got[r]["shared"]) == len(got[r]["plain"]) == 22
+        for a, b in zip(got[r]["shared"], got[r]["plain"]):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def shared_memory_fallback_program(rank: int, world_size: int, failing_rank: int) -> dict:
