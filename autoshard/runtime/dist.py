@@ -23,7 +23,8 @@ falls back to what every backend has and still records the *logical* collective 
 
 Two-rank all-reduce. gloo's all-reduce takes several round trips even for a few KiB, and pushes every byte
 through loopback sockets: between 2 processes on this 2-core machine, 1.5 ms for 128 KiB and 10-15 ms for 8 MiB.
-When the two ranks of a 2-rank group share a host, autoshard's all-reduces go through shared memory instead
+When the two ranks of a 2-rank group share a host, autoshard's all-reduces (and all-gathers, reduce-scatters and
+all-to-alls: the same swap of slots) go through shared memory instead
 (:mod:`autoshard.runtime.shm`: copy into a shared slot, signal, one add of the peer's slot: 0.2 ms and 3.6 ms),
 signalled by counters in the mapping on x86-64 — every blocking all-reduce then takes that path — and elsewhere
 by token messages, whose ~0.4 ms latency makes one exchange (``isend`` + ``irecv`` of the whole tensor, then one

@@ -1,4 +1,4 @@
-"""All-reduce between two processes on one host through shared memory (the gloo path on CPU).
+"""Collectives between two processes on one host through shared memory (the gloo path on CPU).
 
 Over loopback TCP, gloo's all-reduce of a few MiB is mostly copying through sockets and waking threads: between 2
 processes on a 2-core machine, 9.3 ms for 8 MiB and 19 ms for 16 MiB, where writing the tensor into shared memory,
@@ -17,9 +17,12 @@ back to the backend's all-reduce.
 
 One all-reduce (of each chunk): copy the tensor into this rank's slot, tell the peer so, wait until the peer has
 said the same, then ``add(mine, theirs)``. Both ranks compute the same IEEE sum with the operands swapped, so the
-result is bit for bit the same on both, and equal to gloo's. Slots are double-buffered: all-reduce ``k`` uses half
-``k % 2``; a rank writes that half again only in all-reduce ``k + 2``, after the peer's signal of ``k + 1``, which
-the peer gives only once it has read the half in ``k`` — so one signal per rank and all-reduce is enough.
+result is bit for bit the same on both, and equal to gloo's. All-gather, reduce-scatter and all-to-all are the same
+swap with another send and another use of the peer's slot: the shard itself, then both in rank order; the half the
+peer keeps, then ``own half + theirs``; the piece addressed to the peer, then the peer's piece beside this rank's
+own. Slots are double-buffered: swap ``k`` uses half ``k % 2``; a rank writes that half again only in swap
+``k + 2``, after the peer's signal of ``k + 1``, which the peer gives only once it has read the half in ``k`` — so
+one signal per rank and swap is enough.
 
 Signals. On x86-64 (:data:`FLAGS_SYNC`) each rank's signal is a counter in the mapping's header, written after
 the slot: x86-64 makes a core's stores visible in program order (libraries that use streaming stores for large
