@@ -163,6 +163,13 @@ def _peak_bytes(fn, params, modules) -> int | None:
         return None
 
 
+def _mapping_bytes(comm) -> int:
+    """Bytes of ``comm``'s shared-memory mappings (``MemTracker`` counts a mapping in full once a step uses it)."""
+    from autoshard.runtime.shm import mapping_bytes
+
+    return sum(mapping_bytes(pair) for pair in getattr(comm, "_shared", {}).values())
+
+
 def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     import copy
     import warnings
@@ -318,6 +325,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             else:  # DTensor's collectives (CommDebugMode sees DTensor dispatch, not DDP's reducer)
                 rec["n_coll"] = cdm.get_total_counts() if key.startswith("tp/") else "-"
             rec["peak"] = _peak_bytes(fn, params, mods)
+            rec["mapping"] = _mapping_bytes(dp_comm if key == "dp/DDP, shared-memory hook" else comm)
             info[key] = rec
         times = {k: [] for k in systems}
         keys = list(systems)
@@ -375,6 +383,7 @@ def report(results, cases) -> str:
             "step (ms)",
             "ratio [95% CI]",
             "peak mem/rank",
+            "of it shm",
             "bytes/rank/step",
             "analytic bytes",
             "wire bytes (analytic)",
@@ -420,6 +429,7 @@ def report(results, cases) -> str:
                 else:
                     b_txt = _fmt_bytes(bytes_) if bytes_ is not None else "-"
                 peak = max((pr[key]["peak"] or 0) for pr in per_rank) or None
+                mapping = max(pr[key]["mapping"] for pr in per_rank)
                 wire_analytic = analytic  # Megatron and DDP only all-reduce: 2(n-1)/n = 1 for n=2
                 wire = _fmt_bytes(rec["wire"]) if "wire" in rec else "-"
                 rows.append(
@@ -429,6 +439,7 @@ def report(results, cases) -> str:
                         f"{t:.1f}",
                         "{:.2f} [{:.2f}, {:.2f}]".format(ratio, *interval),
                         _fmt_bytes(peak),
+                        _fmt_bytes(mapping) if mapping else "-",
                         b_txt,
                         _fmt_bytes(analytic),
                         f"{wire} ({_fmt_bytes(wire_analytic)})",

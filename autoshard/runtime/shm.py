@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from autoshard.errors import AutoshardError
 
-__all__ = ["FLAGS_SYNC", "SHM_DIR", "PeerExitedError", "SharedMemoryPair"]
+__all__ = ["FLAGS_SYNC", "SHM_DIR", "PeerExitedError", "SharedMemoryPair", "mapping_bytes"]
 
 SHM_DIR = "/dev/shm"
 #: Whether pairs synchronise through flags in the mapping (x86-64: stores become visible in program order, so a
@@ -262,6 +262,11 @@ class SharedMemoryPair:
             arriving[start : start + n].copy_(theirs)
 
         return result if self._swap_chunks(t[1 - me].reshape(-1), take) else None
+
+
+def mapping_bytes(pair: SharedMemoryPair) -> int:
+    """Bytes of the pair's current mapping (header and slots; 0 before its first collective or after a failure)."""
+    return 0 if pair.region is None else _HEADER + pair.region.numel()
 
 
 def _alive(pid: int) -> bool:

@@ -149,12 +149,13 @@ def test_two_rank_all_reduce_by_exchange_and_shared_memory_equals_gloo_bit_for_b
         "exchange_only": [ex, ex, ex, gr, ex, ex, gr, ex],  # the exchange up to 1 MiB, contiguous only
         "plain": [gr] * 8,
     }
-    in_flight = [side, side, sh, sh, side, side, gr, sh]
-    assert got[0]["in_flight"] == {"flags": in_flight, "tokens": in_flight,
+    # in flight: on gloo up to 4 KiB with flags (the loss), up to 512 KiB with tokens
+    assert got[0]["in_flight"] == {"flags": [side, side, sh, sh, sh, side, gr, sh],
+                                   "tokens": [side, side, sh, sh, side, side, gr, sh],
                                    "exchange_only": [side, side, side, gr, side, side, gr, side], "plain": [gr] * 8}
-    # flags: 10 chunks blocking, 10 in place, 6 async (the 3 MiB one in 3 chunks each), 1 between, in 1 MiB
+    # flags: 10 chunks blocking, 10 in place, 7 async (the 3 MiB one in 3 chunks each), 1 between, in 1 MiB
     # slots; tokens: the 4 tensors over 512 KiB blocking, in place and async, in the 3 MiB one's slots
-    assert got[0]["shared"] == got[1]["shared"] == {"flags": (None, 27, 1 << 20), "tokens": (None, 12, 3 << 20)}
+    assert got[0]["shared"] == got[1]["shared"] == {"flags": (None, 28, 1 << 20), "tokens": (None, 12, 3 << 20)}
     for r in range(2):
         for label in ("flags", "tokens", "exchange_only"):
             for ours, plain in zip(got[r][label], got[r]["plain"]):
