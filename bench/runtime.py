@@ -383,7 +383,7 @@ def report(results, cases) -> str:
             "step (ms)",
             "ratio [95% CI]",
             "peak mem/rank",
-            "of it shm",
+            "shm mapping",
             "bytes/rank/step",
             "analytic bytes",
             "wire bytes (analytic)",
