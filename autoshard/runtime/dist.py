@@ -101,8 +101,8 @@ class DistCommunicator(Communicator):
     ``timeout`` (seconds) is given to every process group created here. ``native_ops``: which of
     ``all_gather``, ``reduce_scatter``, ``all_to_all`` to call natively (default: :data:`NATIVE_OPS` of the
     backend). ``pair_exchange``: run small all-reduces over 2-rank groups as one exchange (default: on gloo).
-    ``shared_memory``: run larger ones through shared memory when the two ranks share a host (default: as
-    ``pair_exchange``; it needs the pair's process groups that ``pair_exchange`` makes).
+    ``shared_memory``: run collectives over 2-rank groups through shared memory when the two ranks share a host
+    (default: as ``pair_exchange``; it needs the pair's process groups that ``pair_exchange`` makes).
     """
 
     def __init__(self, mesh: Mesh, device_mesh=None, timeout: float = 300.0,
