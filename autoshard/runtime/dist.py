@@ -179,16 +179,15 @@ class DistCommunicator(Communicator):
     def _guard(self, what: str, axis: str | None):
         try:
             yield
-        except PeerExitedError as e:  # seen through shared memory: the peer's process is gone
-            raise CollectiveTimeoutError(
-                f"{what} (group of ranks {list(self.group(axis))}) did not complete on rank {self.rank} (timeout "
-                f"{self.timeout:g} s): peer rank {e.peer} exited (pid {e.pid}): that process died or was "
-                "killed.") from e
         except RuntimeError as e:
             text = str(e)
             low = text.lower()
             where = f" (group of ranks {list(self.group(axis))})" if axis else ""
             first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            if isinstance(e, PeerExitedError):  # seen through shared memory: the peer's process is gone
+                raise CollectiveTimeoutError(
+                    f"{what}{where} did not complete on rank {self.rank} (timeout {self.timeout:g} s): peer rank "
+                    f"{e.peer} exited (pid {e.pid}): that process died or was killed.") from e
             if any(s in low for s in _PEER_GONE):
                 # gloo notices a dead peer at once (its socket closes): say so instead of waiting for a timeout.
                 others = [r for r in (self.group(axis) if axis else range(self.mesh.size)) if r != self.rank]
@@ -248,30 +247,26 @@ class DistCommunicator(Communicator):
         return theirs
 
     def _all_reduce(self, t, axis):
+        return self._sum(t, axis, into=None)
+
+    def _all_reduce_inplace(self, t, axis):
+        self._sum(t, axis, into=t)
+
+    def _sum(self, t, axis, into):
+        """Blocking all-reduce of ``t`` over ``axis`` by its route, into ``into`` (``t`` itself) or a new tensor."""
         with self._guard(f"all_reduce on axis `{axis}`", axis):
             route = self._route(t, axis)
             if route == "shared":
-                out = self._shared[axis].all_reduce(t)
+                out = self._shared[axis].all_reduce(t, out=into)
                 if out is not None:
                     return out
                 route = self._route(t, axis)  # shared memory turned out impossible (on both ranks)
             if route == "exchange":
-                return self._exchange(t, axis).add_(t)
-            out = t.clone()
+                theirs = self._exchange(t, axis)
+                return theirs.add_(t) if into is None else into.add_(theirs)
+            out = t.clone() if into is None else into
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._groups[axis])
         return out
-
-    def _all_reduce_inplace(self, t, axis):
-        with self._guard(f"all_reduce on axis `{axis}`", axis):
-            route = self._route(t, axis)
-            if route == "shared":
-                if self._shared[axis].all_reduce(t, out=t) is not None:
-                    return
-                route = self._route(t, axis)
-            if route == "exchange":
-                t.add_(self._exchange(t, axis))
-            else:
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._groups[axis])
 
     def _all_reduce_async(self, t, axis):
         # in place: all_reduce_async hands the buffer over (no copy of a 25 MiB bucket), which is contiguous
