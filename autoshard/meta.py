@@ -22,8 +22,27 @@ COLLECTIVE = "autoshard.collective"
 PARAM = "autoshard.param"
 #: On get_attr nodes: every name the tensor has in the original model (tied weights have several).
 ALIASES = "autoshard.aliases"
+#: On ``gm.meta``: the names of the passes that made this graph, in order (passes/manager.py).
+PASSES_RUN = "autoshard.passes_run"
+#: On ``gm.meta``: the pipeline split's result, a ``StageSplit`` (passes/pipeline_split.py).
+STAGE_SPLIT = "autoshard.stage_split"
+#: On ``gm.meta``: the expert rewrite's result, an :class:`autoshard.moe.MoERewrite` (passes/expert_rewrite.py).
+MOE_REWRITE = "autoshard.moe_rewrite"
+#: On ``gm.meta``: annotations implied by a pass for parameters it created, a tuple of ``(pattern, Spec)`` (the
+#: expert rewrite's ``Shard(0)`` on the expert axis). Propagation seeds them before the user's annotations, which
+#: may override them; the user's options are never rewritten.
+IMPLIED_ANNOTATIONS = "autoshard.implied_annotations"
 #: bool: whether autograd will produce a gradient for this value (decides where backward collectives go).
 REQUIRES_GRAD = "autoshard.requires_grad"
+#: On nodes whose spec the user annotated (parameters and inputs): the annotation's pattern (a str). An annotated
+#: parameter is a hard constraint for both planners: every consumer takes it in exactly that layout.
+ANNOTATED = "autoshard.annotated"
+#: On call_function nodes: the :class:`Strategy` decided before propagation (by the plan search, or by a test
+#: that forces one); propagation applies it instead of choosing. A strategy the node's rule does not allow is refused.
+PLANNED = "autoshard.planned_strategy"
+#: Who wrote :data:`PLANNED` (a str, the pass name): ``"plan_search"`` drew it from the node's own rule options
+#: (:func:`passes.propagate.node_strategies`), so propagation does not enumerate them again to check it.
+PLANNED_BY = "autoshard.planned_by"
 
 
 @dataclass(frozen=True)

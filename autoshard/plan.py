@@ -8,53 +8,19 @@ questions about itself without any process group: ``show()``, ``format()``, ``co
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.codegen import local_param_specs, localize
+from autoshard.codegen import local_param_specs, rank_program
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
-from autoshard.passes.collectives import InsertCollectives
-from autoshard.passes.plan_search import PlanSearch
-from autoshard.passes.propagate import Propagate
+from autoshard.passes.manager import collective_signature, pass_list, run_passes
 from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.trace import trace
-
-#: The passes that run, in order. Each is a frozen dataclass with ``name`` and ``run(gm, ctx) -> gm``.
-PIPELINE = (Propagate(), InsertCollectives())
-
-
-def pipeline(options: Options) -> tuple:
-    """The passes for these options: the exact search first when the planner is 'search'; the expert rewrite
-    before everything when MoE layers are asked for."""
-    passes = PIPELINE
-    if options.planner == "search":
-        search = PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
-        passes = (search, *PIPELINE)
-    if getattr(options, "moe", None) is not None:
-        from autoshard.passes.expert_rewrite import ExpertRewrite
-
-        passes = (ExpertRewrite(), *passes)
-    return passes
-
-
-def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes=PIPELINE) -> torch.fx.GraphModule:
-    ran: list[str] = []
-    for p in passes:
-        try:
-            gm = p.run(gm, ctx)
-            gm.graph.lint()
-        except AutoshardError:
-            raise
-        except Exception as e:
-            raise AutoshardError(f"An error occurred when running the '{p.name}' pass after the following passes: "
-                                 f"{ran or 'none'}: {type(e).__name__}: {e}") from e
-        ran.append(p.name)
-    return gm
 
 
 @dataclass
@@ -63,6 +29,8 @@ class Plan:
     mesh: Mesh
     context: Context
     model_name: str = "model"
+    #: bucket_grads -> (rank, collective signature) of the first rank program made (see _check_signature)
+    _signatures: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ---- per-rank programs ------------------------------------------------------------------------------
     def rank_module(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False
@@ -72,13 +40,22 @@ class Plan:
         ``bucket_grads=True`` leaves the parameters' gradient all-reduces out of the program and lists them in
         ``module.meta[autoshard.runtime.buckets.GRAD_SYNC]``: attach a
         :class:`~autoshard.runtime.buckets.GradBucketer` to run them bucketed and overlapped with backward."""
-        self.mesh._check_rank(rank)
-        return localize(self.graph_module, self.mesh, rank, weights, bucket_grads=bucket_grads)
+        module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads)
+        self._check_signature(module, rank, bucket_grads)
+        return module
+
+    def _check_signature(self, module: torch.fx.GraphModule, rank: int, bucket_grads: bool) -> None:
+        """Every rank's program must issue the same collectives in the same order as the first one made."""
+        signature = collective_signature(module)
+        first = self._signatures.setdefault(bucket_grads, (rank, signature))
+        if first[1] != signature:
+            raise AutoshardError(f"the rank passes made rank {rank}'s program issue collectives {signature}, but "
+                                 f"rank {first[0]}'s issues {first[1]}: ranks would wait on each other forever. "
+                                 "This is a bug in autoshard's rank passes (passes/manager.py); please report it.")
 
     def code(self, rank: int = 0) -> str:
         """The generated Python source of ``rank``'s module."""
-        self.mesh._check_rank(rank)
-        return localize(self.graph_module, self.mesh, rank).code.strip() + "\n"
+        return self.rank_module(rank).code.strip() + "\n"
 
     def shard_inputs(self, rank: int, args=(), kwargs=None) -> tuple[tuple, dict]:
         """Cut global example inputs into ``rank``'s local inputs (by the specs of the graph's placeholders)."""
@@ -178,5 +155,5 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     with _TRACE_LOCK:
         gm = trace(model, args, kwargs)
     ctx = Context(mesh, options)
-    gm = run_passes(gm, ctx, pipeline(options))
+    gm = run_passes(gm, ctx, pass_list(options)["plan"])
     return Plan(gm, mesh, ctx, type(model).__name__)

@@ -10,7 +10,7 @@ Steps run in three phases so that no intermediate spec shards a dim on two axes:
 Turning a replicated or sharded tensor into a Partial one is never needed by the rules and is reported as
 impossible (``None``). Byte counts are per rank, forward and backward (each collective's backward is its
 conjugate: all_reduce ↔ identity, all_gather ↔ slice, reduce_scatter ↔ all_gather, all_to_all ↔ all_to_all,
-local_slice ↔ all_gather).
+local_slice ↔ all_gather), as the table of collective kinds (:mod:`autoshard.collectives`) says.
 """
 
 from __future__ import annotations
@@ -88,25 +88,15 @@ def _local_numel(shape, spec: Spec, mesh: Mesh) -> int:
 
 
 def step_bytes(step: Step, shape, itemsize: int, mesh: Mesh, requires_grad: bool = True) -> tuple[float, float]:
-    """(forward, backward) bytes each rank sends for one step, by the ring formulas of the cost model."""
+    """(forward, backward) bytes each rank sends for one step, by the collective table's formulas."""
+    from autoshard.collectives import wire_bytes
+
     n = mesh.axis_size(step.axis)
     if n == 1:
         return 0.0, 0.0
-    f = (n - 1) / n
     before = _local_numel(shape, step.before, mesh) * itemsize
     after = _local_numel(shape, step.after, mesh) * itemsize
-    fwd = bwd = 0.0
-    if step.kind == "all_reduce":
-        fwd = 2 * f * before
-    elif step.kind == "reduce_scatter":
-        fwd, bwd = f * before, f * before
-    elif step.kind == "all_gather":
-        fwd = f * after
-    elif step.kind == "all_to_all":
-        fwd, bwd = f * before, f * before
-    elif step.kind == "local_slice":
-        bwd = f * before
-    return fwd, (bwd if requires_grad else 0.0)
+    return wire_bytes(step.kind, max(before, after), n, requires_grad)
 
 
 def cost_bytes(src: Spec, dst: Spec, shape, itemsize: int, mesh: Mesh, requires_grad: bool = True) -> float | None:
@@ -118,5 +108,7 @@ def cost_bytes(src: Spec, dst: Spec, shape, itemsize: int, mesh: Mesh, requires_
 
 def grad_sync_bytes(spec: Spec, axes: tuple[str, ...], shape, itemsize: int, mesh: Mesh) -> float:
     """Backward all-reduce bytes of the 'identity forward / all-reduce backward' operator over ``axes``."""
+    from autoshard.collectives import wire_bytes
+
     local = _local_numel(shape, spec, mesh) * itemsize
-    return sum(2 * (mesh.axis_size(a) - 1) / mesh.axis_size(a) * local for a in axes)
+    return sum(wire_bytes("grad_all_reduce", local, mesh.axis_size(a))[1] for a in axes)

@@ -115,7 +115,7 @@ def show_plan(plan, console=None) -> None:
 def format_stages(pplan) -> str:
     """A pipelined plan's stages: modules, estimated time and memory, boundary tensors and their bytes, the
     imbalance (max / mean stage cost) and the schedule's theoretical bubble fraction."""
-    from autoshard.pipeline import bubble_fraction
+    from autoshard.pipeline.options import bubble_fraction
 
     split, p = pplan.split, pplan.pipeline
     lines = [(f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
@@ -155,6 +155,7 @@ def format_symbolic(plan) -> str:
     dims, d<size> otherwise), mesh sizes n_<axis>, and the link's alpha/beta."""
     import sympy
 
+    from autoshard.collectives import KINDS
     from autoshard.cost_models.comm import collective_bytes_on_wire, time_expr
 
     names: dict[int, sympy.Symbol] = {}
@@ -182,9 +183,8 @@ def format_symbolic(plan) -> str:
                 if getattr(p, "dim", None) == d and type(p).__name__ == "Shard":
                     term = term / sympy.Symbol(f"n_{axis}")
             nbytes = nbytes * term
-        kind = "all_reduce" if info.kind == "grad_all_reduce" else info.kind
-        if kind == "local_slice":
-            kind = "all_gather"  # its backward
+        row = KINDS[info.kind]
+        kind = row.forward or row.backward  # the primitive it runs (local_slice, grad_all_reduce: in backward)
         for axis in info.axes:
             nsym = sympy.Symbol(f"n_{axis}")
             wire = sympy.simplify(collective_bytes_on_wire(kind, nbytes, nsym))

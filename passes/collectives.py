@@ -1,8 +1,8 @@
 """Collective insertion: make every redistribution an explicit graph node.
 
 For each op input whose producer's spec differs from the spec the op's strategy needs, the steps of
-:func:`autoshard.redistribute.plan` become ``call_function`` nodes calling ``autoshard.runtime.collectives``
-(each an autograd function whose backward is its conjugate). Then every replicated input that feeds sharded or
+:func:`autoshard.redistribute.plan` become ``call_function`` nodes calling the collective operators of the table in :mod:`autoshard.collectives`
+(``torch.ops.autoshard.*``, each with an autograd formula that is its conjugate). Then every replicated input that feeds sharded or
 partial work (``Strategy.grad_sync``) and requires grad goes through ``grad_all_reduce`` — identity forward,
 all-reduce backward (Megatron's *f*), which is also how data-parallel gradient all-reduce of parameters arises.
 
@@ -24,18 +24,10 @@ from torch.utils import _pytree as pytree
 from autoshard import meta as M
 from autoshard import redistribute
 from autoshard.context import Context
-from autoshard.errors import PlanError, node_location
-from autoshard.graph_utils import is_tensor_node, itemsize, shape
+from autoshard.errors import PlanError
+from autoshard.graph_utils import is_tensor_node, itemsize, node_location, shape
 from autoshard.placements import format_spec
-from autoshard.runtime import collectives as C
-
-_FUNCS = {
-    "all_reduce": C.all_reduce,
-    "reduce_scatter": C.reduce_scatter,
-    "all_gather": C.all_gather,
-    "all_to_all": C.all_to_all,
-    "local_slice": C.local_slice,
-}
+from autoshard.collectives import emit
 
 
 @dataclass(frozen=True)
@@ -94,7 +86,7 @@ class InsertCollectives:
         rg = bool(x.meta.get(M.REQUIRES_GRAD))
         for step in steps:
             fwd, bwd = redistribute.step_bytes(step, shape(x), itemsize(x), mesh, rg)
-            new = graph.call_function(_FUNCS[step.kind], (cur, step.axis, *step.dims))
+            new = emit(graph, step.kind, cur, step.axis, step.dims, mesh)
             new.meta.update({"val": x.meta["val"], M.SPEC: step.after, M.REQUIRES_GRAD: rg,
                              M.COLLECTIVE: M.CollectiveInfo(step.kind, (step.axis,), step.dims, step.before,
                                                             step.after, int(fwd), int(bwd))})
@@ -106,7 +98,7 @@ class InsertCollectives:
     def _grad_sync(self, graph, x, axes, ctx: Context) -> torch.fx.Node:
         spec = x.meta[M.SPEC]
         nbytes = redistribute.grad_sync_bytes(spec, axes, shape(x), itemsize(x), ctx.mesh)
-        new = graph.call_function(C.grad_all_reduce, (x, axes))
+        new = emit(graph, "grad_all_reduce", x, axes, (), ctx.mesh)
         new.meta.update({"val": x.meta["val"], M.SPEC: spec, M.REQUIRES_GRAD: True,
                          M.COLLECTIVE: M.CollectiveInfo("grad_all_reduce", axes, (), spec, spec, 0, int(nbytes))})
         return new

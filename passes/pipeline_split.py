@@ -96,8 +96,15 @@ class PipelineSplit:
     name: str = "pipeline_split"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        ctx.report[REPORT_KEY] = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis)
+        split = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis)
+        gm.meta[M.STAGE_SPLIT] = split
+        ctx.report[REPORT_KEY] = split
         return gm
+
+
+def stage_split_of(gm: torch.fx.GraphModule):
+    """The :class:`StageSplit` the pipeline_split pass stored on ``gm``."""
+    return gm.meta[M.STAGE_SPLIT]
 
 
 # ---- analysis ---------------------------------------------------------------------------------------------
@@ -163,14 +170,10 @@ def _shard_factor(node: torch.fx.Node, mesh: Mesh) -> float:
     return max(val.numel() / local, 1.0) if local else 1.0
 
 
-#: Per collective kind: the kind its backward runs (``None``: no communication), as in runtime.collectives.
-_BACKWARD_KIND = {"all_reduce": None, "all_gather": None, "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
-                  "local_slice": "all_gather", "grad_all_reduce": "all_reduce"}
-
-
 def _collective_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
-    """Forward + backward seconds of an inserted collective (``b``: the larger of its local in/out buffers)."""
-    from autoshard.cost_models.comm import collective_time
+    """Forward + backward seconds of an inserted collective (``b``: the larger of its local in/out buffers), by
+    the table of collective kinds."""
+    from autoshard.collectives import time as kind_time
 
     info = node.meta[M.COLLECTIVE]
     src = node.all_input_nodes[0] if node.all_input_nodes else node
@@ -178,11 +181,7 @@ def _collective_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
     total = 0.0
     for axis in info.axes:
         n, link = mesh.axis_size(axis), profile.link_for(axis, mesh=mesh)
-        if info.kind not in ("grad_all_reduce", "local_slice"):
-            total += collective_time(info.kind, b, n, link)
-        back = _BACKWARD_KIND.get(info.kind)
-        if back and node.meta.get(M.REQUIRES_GRAD):
-            total += collective_time(back, b, n, link)
+        total += sum(kind_time(info.kind, b, n, link, bool(node.meta.get(M.REQUIRES_GRAD))))
     return total
 
 

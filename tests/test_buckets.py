@@ -100,8 +100,8 @@ def test_codegen_lists_only_parameters_whose_sync_it_dropped():
     assert syncs["blocks.0.attn.q.weight"] == ("data",)
     assert syncs["blocks.0.attn.out.bias"] == ("data",)  # no `model` sync: its gradient passes straight through
     code = module.code
-    assert "grad_all_reduce(blocks_0_attn_q_weight" not in code
-    assert "grad_all_reduce(layer_norm" in code  # activation syncs (Megatron's f) stay in the program
+    assert "grad_all_reduce.default(blocks_0_attn_q_weight" not in code
+    assert "linears_grad_all_reduce.default(layer_norm" in code  # activation syncs (Megatron's f) stay
     assert GRAD_SYNC not in plan.rank_module(0).meta
 
 

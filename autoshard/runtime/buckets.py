@@ -214,7 +214,6 @@ class GradBucketer:
                     p = self.params[name]
                     old = self._old.pop(name, None)
                     p.grad = g if old is None else old.add_(g)
-            self.comm.wait_pending()  # the loss's all-reduce, started in forward (runtime.pending)
         finally:
             for bucket in self.buckets:
                 bucket.flat, bucket.views, bucket.handle = None, None, None

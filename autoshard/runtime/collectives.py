@@ -1,47 +1,60 @@
-"""Autograd-aware collectives: the functions generated rank modules call, one per redistribution.
+"""Collectives as torch operators: the ``torch.ops.autoshard.*`` ops that generated rank programs call.
 
-Each is a plain module-level function of a tensor and simple arguments (axis names as ``str``, dims as ``int``,
-``axes`` as a tuple of ``str``), so FX graphs call it as a ``call_function`` node. Each looks up the calling
-thread's communicator with :func:`~autoshard.runtime.comm.current` once, at forward time, and its backward uses
-that same communicator (backward may run after the ``use`` block has ended). Backward collectives are recorded
-with ``phase="backward"``.
+Every redistribution in a rank program is a ``torch.library`` custom op with a fake (meta) kernel and an autograd
+formula, so ``torch.compile(rank_module, fullgraph=True)`` sees one graph with the collectives as opaque nodes, and
+the IR names operators, not Python functions of this runtime. The eager kernel of an op looks up the calling
+thread's communicator (:func:`~autoshard.runtime.comm.current`) and runs its raw collective: the in-process
+simulator or ``torch.distributed`` (gloo, NCCL) — the ops do not depend on which.
 
-The gradient convention (DESIGN.md, "Gradients"): the gradient of a *replicated* tensor is complete on every
-rank, the gradient of a *sharded* tensor is this rank's slice, the gradient of a *partial* tensor is the full
-gradient of the sum. Hence each backward is the conjugate of its forward:
+Two layers:
 
-=====================  ===============================  =========================================
-function               forward                          backward
-=====================  ===============================  =========================================
-``all_reduce``         Partial → Replicate (sum)        identity
-``grad_all_reduce``    identity (Megatron's *f*)        sum-all-reduce over each axis in ``axes``
-``all_gather``         Shard(dim) → Replicate           keep this rank's slice (no communication)
-``reduce_scatter``     Partial → Shard(dim)             all-gather along ``dim``
-``all_to_all``         Shard(cat_dim) → Shard(split)    the inverse all-to-all
-``local_slice``        Replicate → Shard(dim), no comm  all-gather along ``dim``
-=====================  ===============================  =========================================
+* **primitives** (``autoshard::_all_reduce``, ``_all_gather``, ``_reduce_scatter``, ``_all_to_all``, ``_chunk``):
+  one raw collective each, no autograd (backward through one raises), the ``phase`` recorded in the
+  communicator's log. Autograd formulas are written with them.
+* **graph collectives**, each the conjugate pair of the gradient convention (DESIGN.md, "Gradients"): the
+  gradient of a *replicated* tensor is complete on every rank, of a *sharded* one this rank's slice, of a
+  *partial* one the full gradient of the sum.
 
-Backwards are ``once_differentiable``: their collectives are raw, so double backward raises instead of silently
-losing terms.
+=============================  ===============================  ============================================
+op                             forward                          backward
+=============================  ===============================  ============================================
+``all_reduce``                 Partial → Replicate (sum)        identity
+``grad_all_reduce``            identity (Megatron's *f*)        sum over each axis of ``axes``, in order
+``all_gather``                 Shard(dim) → Replicate           this rank's slice (no communication)
+``reduce_scatter``             Partial → Shard(dim)             all-gather along ``dim``
+``all_to_all``                 Shard(cat) → Shard(split)        the inverse all-to-all
+``local_slice``                Replicate → Shard(dim), no comm  all-gather along ``dim``
+``all_gather_sync``            all-gather (sequence parallel)   reduce-scatter on ``axis``, all-reduce others
+``linears_grad_all_reduce``    ``linear(f(x), w_i, b_i)``       input grad's all-reduce overlapped with the
+                                                                weight grads (Megatron's async column-parallel)
+=============================  ===============================  ============================================
+
+Ops that change a shape take the axis size as an argument (``size``), so their fake kernels need no
+communicator. The compiler's table of collective kinds (:mod:`autoshard.collectives`) names these ops; the Python
+functions at the end of this module (``all_reduce(x, axis)``, ...) call them with the size filled in from the
+current communicator, for tests and hand-written code.
+
+The communicator of a backward: autograd may run backward on another thread (CUDA's device threads), where the
+forward's ``use`` block is not active, so each op keeps the forward's communicator on its autograd context and
+makes it current for the backward's primitives (eager); a process that runs one rank
+(:class:`~autoshard.runtime.dist.DistCommunicator`) also serves as the fallback of :func:`current` in any thread.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.comm import PHASES, CollectiveRecord, Communicator, current
-from autoshard.runtime.pending import PendingTensor
+from autoshard.runtime.comm import PHASES, CollectiveRecord, current, use
 
 __all__ = [
     "all_gather",
+    "all_gather_sync",
     "all_reduce",
-    "all_reduce_",
-    "all_reduce_output",
     "all_to_all",
     "collective_counts",
     "grad_all_reduce",
@@ -51,231 +64,374 @@ __all__ = [
 ]
 
 
-def _chunk(comm: Communicator, t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    """This rank's contiguous chunk of ``t`` along ``dim`` (a view)."""
-    dim = comm._dim(t, dim, "local_slice", axis, divisible=True)
-    size = t.shape[dim] // comm.axis_size(axis)
-    return t.narrow(dim, comm.axis_index(axis) * size, size)
+def _op(name: str, schema: str):
+    return torch.library.custom_op(f"autoshard::{name}", mutates_args=(), schema=schema)
 
 
-class _AllReduce(torch.autograd.Function):
-    """Partial → Replicate; backward is the identity. ``mode``: ``"copy"`` (a new tensor), ``"inplace"`` (the sum
-    written into x's memory, x returned as a view — not marked dirty: codegen only uses it where x is read by
-    nothing else and its producer's backward does not keep it, a matmul or add; were one kept, autograd's version
-    check would raise, never compute wrong), ``"deferred"`` (started asynchronously, a PendingTensor returned)."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str, mode: str = "copy"):
-        if mode == "inplace":
-            comm.all_reduce_(x.detach(), axis)
-            return x.view_as(x)
-        if mode == "deferred":
-            buffer = x.detach().clone()
-            handle = comm.all_reduce_async(buffer, axis, phase="forward")
-            if handle.is_completed():  # the simulator's collectives complete at once
-                return handle.wait()
-            comm.pending.append(handle)
-            return PendingTensor(buffer, handle)
-        return comm.all_reduce(x, axis)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return grad, None, None, None
+def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # a custom op's output may not alias its input (the simulator may hand back the input's storage)
+    return out.clone() if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else out
 
 
-class _GradAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axes: tuple[str, ...]):
-        ctx.comm, ctx.axes = comm, axes
-        # A view, not a copy: free, and autograd refuses in-place ops on it rather than computing wrong grads.
-        return x.view_as(x)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        for axis in ctx.axes:
-            grad = ctx.comm.all_reduce(grad, axis, phase="backward")
-        return grad, None, None
+def _gathered_shape(x: torch.Tensor, dim: int, size: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] *= size
+    return shape
 
 
-class _LinearsGradAllReduce(torch.autograd.Function):
-    """``linear(grad_all_reduce(x, axes), w_i, b_i)`` for every i, with an overlapped backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axes: tuple[str, ...], *params):
-        ctx.comm, ctx.axes, ctx.k = comm, axes, len(params) // 2
-        weights, biases = params[0::2], params[1::2]
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, *weights)
-        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        grads = [torch.zeros(x.shape[:-1] + w.shape[:1], dtype=x.dtype, device=x.device) if g is None else g
-                 for g, w in zip(grads, weights)]
-        # the input gradient first (accumulated in one buffer by addmm_), its all-reduce started, then the weight
-        # gradients while it travels
-        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
-        gx = handle = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.mm(g2s[0], weights[0])
-            for g2, w in zip(g2s[1:], weights[1:]):
-                gx.addmm_(g2, w)
-            gx = gx.view(x.shape)
-            handle = ctx.comm.all_reduce_async(gx, ctx.axes[0], phase="backward")
-        out = []
-        x2 = x.reshape(-1, x.shape[-1])
-        for i, g2 in enumerate(g2s):
-            out.append(g2.t().mm(x2) if ctx.needs_input_grad[3 + 2 * i] else None)
-            out.append(g2.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] else None)
-        if handle is not None:
-            gx = handle.wait()
-            for axis in ctx.axes[1:]:
-                gx = ctx.comm.all_reduce(gx, axis, phase="backward")
-        return (gx, None, None, *out)
+def _scattered_shape(x: torch.Tensor, dim: int, size: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] //= size
+    return shape
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str, dim: int):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        return comm.all_gather(x, axis, dim)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return _chunk(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+def _all_to_all_shape(x: torch.Tensor, split_dim: int, cat_dim: int, size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[split_dim] //= size
+    shape[cat_dim] *= size
+    return x.new_empty(shape)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str, dim: int):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        return comm.reduce_scatter(x, axis, dim)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, ctx.axis, ctx.dim, phase="backward"), None, None, None
+# ---- primitives: one raw collective, no autograd ----------------------------------------------------------
+@_op("_all_reduce", "(Tensor x, str axis, str phase) -> Tensor")
+def _all_reduce(x, axis, phase):
+    return _fresh(current().all_reduce(x, axis, phase=phase), x)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str, split_dim: int, cat_dim: int):
-        ctx.comm, ctx.axis, ctx.split_dim, ctx.cat_dim = comm, axis, split_dim, cat_dim
-        return comm.all_to_all(x, axis, split_dim, cat_dim)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        out = ctx.comm.all_to_all(grad, ctx.axis, split_dim=ctx.cat_dim, cat_dim=ctx.split_dim, phase="backward")
-        return out, None, None, None, None
+@_all_reduce.register_fake
+def _(x, axis, phase):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-class _LocalSlice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, axis: str, dim: int):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        # A copy: the shard is a new local tensor, so later in-place ops on it must not touch the replica.
-        return _chunk(comm, x, axis, dim).clone()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, ctx.axis, ctx.dim, phase="backward"), None, None, None
+@_op("_all_gather", "(Tensor x, str axis, int dim, int size, str phase) -> Tensor")
+def _all_gather(x, axis, dim, size, phase):
+    return current().all_gather(x, axis, dim, phase=phase)
 
 
+@_all_gather.register_fake
+def _(x, axis, dim, size, phase):
+    return x.new_empty(_gathered_shape(x, dim, size))
+
+
+@_op("_reduce_scatter", "(Tensor x, str axis, int dim, int size, str phase) -> Tensor")
+def _reduce_scatter(x, axis, dim, size, phase):
+    return current().reduce_scatter(x, axis, dim, phase=phase)
+
+
+@_reduce_scatter.register_fake
+def _(x, axis, dim, size, phase):
+    return x.new_empty(_scattered_shape(x, dim, size))
+
+
+@_op("_all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size, str phase) -> Tensor")
+def _all_to_all(x, axis, split_dim, cat_dim, size, phase):
+    return _fresh(current().all_to_all(x, axis, split_dim, cat_dim, phase=phase), x)
+
+
+@_all_to_all.register_fake
+def _(x, axis, split_dim, cat_dim, size, phase):
+    return _all_to_all_shape(x, split_dim, cat_dim, size)
+
+
+@_op("_chunk", "(Tensor x, str axis, int dim, int size) -> Tensor")
+def _chunk(x, axis, dim, size):
+    """This rank's contiguous chunk of ``x`` along ``dim`` on ``axis`` (a copy: later in-place ops on the shard
+    must not touch the replica)."""
+    comm = current()
+    dim = comm._dim(x, dim, "local_slice", comm._axis(axis), divisible=True)
+    n = x.shape[dim] // size
+    return x.narrow(dim, comm.axis_index(axis) * n, n).clone()
+
+
+@_chunk.register_fake
+def _(x, axis, dim, size):
+    return x.new_empty(_scattered_shape(x, dim, size))
+
+
+# ---- autograd helpers -------------------------------------------------------------------------------------
+def _keep_comm(ctx) -> None:
+    try:
+        ctx.comm = current()
+    except AutoshardError:
+        ctx.comm = None
+
+
+def _comm_of(ctx):
+    """The forward's communicator, current for the backward's primitives (eager backward on another thread)."""
+    comm = getattr(ctx, "comm", None)
+    return use(comm) if comm is not None and not torch.compiler.is_compiling() else nullcontext()
+
+
+def _sum_over(grad: torch.Tensor, axes) -> torch.Tensor:
+    for axis in axes:
+        grad = _all_reduce(grad, axis, "backward")
+    return grad
+
+
+# ---- graph collectives ------------------------------------------------------------------------------------
+@_op("all_reduce", "(Tensor x, str axis) -> Tensor")
+def _all_reduce_op(x, axis):
+    return _all_reduce(x, axis, "forward")
+
+
+_all_reduce_op.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
+_all_reduce_op.register_autograd(lambda ctx, grad: (grad, None))
+
+
+@_op("grad_all_reduce", "(Tensor x, str[] axes) -> Tensor")
+def _grad_all_reduce_op(x, axes):
+    return x.clone()
+
+
+def _grad_all_reduce_backward(ctx, grad):
+    with _comm_of(ctx):
+        return _sum_over(grad, ctx.axes), None
+
+
+def _setup_grad_all_reduce(ctx, inputs, output):
+    _keep_comm(ctx)
+    ctx.axes = tuple(inputs[1])
+
+
+_grad_all_reduce_op.register_fake(lambda x, axes: torch.empty_like(x))
+_grad_all_reduce_op.register_autograd(_grad_all_reduce_backward, setup_context=_setup_grad_all_reduce)
+
+
+def _setup_dims(ctx, inputs, output):
+    """For ops ``(x, axis, *ints)``: keep the axis and the int arguments."""
+    _keep_comm(ctx)
+    ctx.axis, ctx.ints = inputs[1], tuple(inputs[2:])
+
+
+@_op("all_gather", "(Tensor x, str axis, int dim, int size) -> Tensor")
+def _all_gather_op(x, axis, dim, size):
+    return _all_gather(x, axis, dim, size, "forward")
+
+
+def _all_gather_backward(ctx, grad):
+    dim, size = ctx.ints
+    with _comm_of(ctx):
+        return _chunk(grad, ctx.axis, dim, size), None, None, None
+
+
+_all_gather_op.register_fake(lambda x, axis, dim, size: x.new_empty(_gathered_shape(x, dim, size)))
+_all_gather_op.register_autograd(_all_gather_backward, setup_context=_setup_dims)
+
+
+@_op("reduce_scatter", "(Tensor x, str axis, int dim, int size) -> Tensor")
+def _reduce_scatter_op(x, axis, dim, size):
+    return _reduce_scatter(x, axis, dim, size, "forward")
+
+
+def _reduce_scatter_backward(ctx, grad):
+    dim, size = ctx.ints
+    with _comm_of(ctx):
+        return _all_gather(grad, ctx.axis, dim, size, "backward"), None, None, None
+
+
+_reduce_scatter_op.register_fake(lambda x, axis, dim, size: x.new_empty(_scattered_shape(x, dim, size)))
+_reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_setup_dims)
+
+
+@_op("all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size) -> Tensor")
+def _all_to_all_op(x, axis, split_dim, cat_dim, size):
+    return _all_to_all(x, axis, split_dim, cat_dim, size, "forward")
+
+
+def _all_to_all_backward(ctx, grad):
+    split_dim, cat_dim, size = ctx.ints
+    with _comm_of(ctx):
+        return _all_to_all(grad, ctx.axis, cat_dim, split_dim, size, "backward"), None, None, None, None
+
+
+
+
+@_all_to_all_op.register_fake
+def _(x, axis, split_dim, cat_dim, size):
+    return _all_to_all_shape(x, split_dim, cat_dim, size)
+
+
+_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_setup_dims)
+
+
+@_op("local_slice", "(Tensor x, str axis, int dim, int size) -> Tensor")
+def _local_slice_op(x, axis, dim, size):
+    return _chunk(x, axis, dim, size)
+
+
+def _local_slice_backward(ctx, grad):
+    dim, size = ctx.ints
+    with _comm_of(ctx):
+        return _all_gather(grad, ctx.axis, dim, size, "backward"), None, None, None
+
+
+_local_slice_op.register_fake(lambda x, axis, dim, size: x.new_empty(_scattered_shape(x, dim, size)))
+_local_slice_op.register_autograd(_local_slice_backward, setup_context=_setup_dims)
+
+
+@_op("all_gather_sync", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
+def _all_gather_sync_op(x, axis, dim, size, axes):
+    return _all_gather(x, axis, dim, size, "forward")
+
+
+def _setup_gather_sync(ctx, inputs, output):
+    _keep_comm(ctx)
+    _, ctx.axis, ctx.dim, ctx.size, axes = inputs
+    ctx.axes = tuple(axes)
+
+
+def _all_gather_sync_backward(ctx, grad):
+    # all_gather + grad_all_reduce on the same axis, fused: the sum over ``axis`` and the slice are one
+    # reduce-scatter (half the bytes of all-reduce + slice); the other axes are summed in the order of ``axes``
+    k = ctx.axes.index(ctx.axis)
+    with _comm_of(ctx):
+        grad = _sum_over(grad, ctx.axes[:k])
+        grad = _reduce_scatter(grad, ctx.axis, ctx.dim, ctx.size, "backward")
+        grad = _sum_over(grad, ctx.axes[k + 1:])
+    return grad, None, None, None, None
+
+
+_all_gather_sync_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(_gathered_shape(x, dim, size)))
+_all_gather_sync_op.register_autograd(_all_gather_sync_backward, setup_context=_setup_gather_sync)
+
+
+# ---- linear(f(x), w_i, b_i) for several i, with an overlapped backward ------------------------------------
+def _linears(x, weights, biases, has_bias):
+    it = iter(biases)
+    return [torch.nn.functional.linear(x, w, next(it) if h else None) for w, h in zip(weights, has_bias)]
+
+
+@_op("linears_grad_all_reduce", "(Tensor x, str[] axes, Tensor[] weights, Tensor[] biases, bool[] has_bias) "
+                                "-> Tensor[]")
+def _linears_grad_all_reduce_op(x, axes, weights, biases, has_bias):
+    return _linears(x, weights, biases, has_bias)
+
+
+@_linears_grad_all_reduce_op.register_fake
+def _(x, axes, weights, biases, has_bias):
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+@_op("_linears_backward", "(Tensor[] grads, Tensor x, Tensor[] weights, str[] axes, bool[] has_bias) "
+                          "-> (Tensor, Tensor[], Tensor[])")
+def _linears_backward(grads, x, weights, axes, has_bias):
+    """The input gradient first (accumulated by addmm_), its all-reduce started, then the weight and bias
+    gradients while it travels; then the wait and the remaining axes."""
+    comm = current()
+    g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+    gx = torch.mm(g2s[0], weights[0])
+    for g2, w in zip(g2s[1:], weights[1:]):
+        gx.addmm_(g2, w)
+    handle = comm.all_reduce_async(gx, axes[0], phase="backward")
+    x2 = x.reshape(-1, x.shape[-1])
+    gws = [g2.t().mm(x2) for g2 in g2s]
+    gbs = [g2.sum(0) for g2, h in zip(g2s, has_bias) if h]
+    gx = handle.wait().view(x.shape)
+    for axis in axes[1:]:
+        gx = comm.all_reduce(gx, axis, phase="backward")
+    return gx, gws, gbs
+
+
+@_linears_backward.register_fake
+def _(grads, x, weights, axes, has_bias):
+    return (torch.empty_like(x), [torch.empty_like(w) for w in weights],
+            [g.new_empty(g.shape[-1]) for g, h in zip(grads, has_bias) if h])
+
+
+def _setup_linears(ctx, inputs, output):
+    _keep_comm(ctx)
+    x, axes, weights, _, has_bias = inputs
+    ctx.save_for_backward(x, *weights)
+    ctx.axes, ctx.has_bias = tuple(axes), tuple(has_bias)
+
+
+def _linears_backward_formula(ctx, grads):
+    x, *weights = ctx.saved_tensors
+    grads = [torch.zeros((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) if g is None else g
+             for g, w in zip(grads, weights)]
+    with _comm_of(ctx):
+        gx, gws, gbs = _linears_backward(grads, x, weights, list(ctx.axes), list(ctx.has_bias))
+    return gx, None, list(gws), list(gbs), None
+
+
+_linears_grad_all_reduce_op.register_autograd(_linears_backward_formula, setup_context=_setup_linears)
+
+
+# ---- Python entry points (tests, hand-written per-rank code) ----------------------------------------------
 def _tensor(x, fn: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise AutoshardError(f"autoshard.runtime.{fn} got a {type(x).__name__}, but takes a torch.Tensor.")
     return x
 
 
+def _norm_dim(x: torch.Tensor, dim: int, kind: str, axis: str, divisible: bool = False) -> int:
+    return current()._dim(x, dim, kind, axis, divisible)
+
+
+def _axes(axes) -> list[str]:
+    comm = current()
+    return [comm._axis(a) for a in ((axes,) if isinstance(axes, str) else axes)]
+
+
 def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Partial → Replicate on ``axis``: sum over the group. Backward: identity."""
-    comm = current()
-    return _AllReduce.apply(_tensor(x, "all_reduce"), comm, comm._axis(axis))
+    return torch.ops.autoshard.all_reduce(_tensor(x, "all_reduce"), current()._axis(axis))
 
 
-def all_reduce_(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """``all_reduce`` written into ``x`` itself (codegen uses it where ``x`` is a matmul's result read only here): no
-    output buffer to allocate. Falls back to ``all_reduce`` for leaves and non-contiguous tensors."""
-    comm = current()
-    x = _tensor(x, "all_reduce")
-    if x.is_leaf or not x.is_contiguous() or torch.compiler.is_compiling():
-        return _AllReduce.apply(x, comm, comm._axis(axis))
-    return _AllReduce.apply(x, comm, comm._axis(axis), "inplace")
-
-
-def all_reduce_output(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """``all_reduce`` of a value the program returns (the loss): started asynchronously, waited when the value is
-    read or when the gradient bucketer finishes backward (:mod:`autoshard.runtime.pending`). Backward: identity."""
-    comm = current()
-    x = _tensor(x, "all_reduce")
-    if torch.compiler.is_compiling():
-        return _AllReduce.apply(x, comm, comm._axis(axis))
-    comm.wait_pending()  # at most one step's outputs in flight
-    return _AllReduce.apply(x, comm, comm._axis(axis), "deferred")
-
-
-def grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+def grad_all_reduce(x: torch.Tensor, axes) -> torch.Tensor:
     """Identity forward; backward sums the gradient over each axis of ``axes`` in order (Megatron's *f*)."""
-    comm = current()
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(comm._axis(a) for a in axes)
-    return _GradAllReduce.apply(_tensor(x, "grad_all_reduce"), comm, axes)
-
-
-def linears_grad_all_reduce(x: torch.Tensor, axes: tuple[str, ...], *params) -> tuple[torch.Tensor, ...]:
-    """``linear(grad_all_reduce(x, axes), w_i, b_i)`` for each ``(w_i, b_i)`` in ``params`` (flat pairs, ``b_i``
-    may be None): the same values and gradients, but backward starts the input gradient's all-reduce before it
-    computes the weight gradients, so the collective overlaps them (Megatron's asynchronous column-parallel
-    all-reduce). Codegen uses it where every consumer of a ``grad_all_reduce`` is such a linear."""
-    comm = current()
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(comm._axis(a) for a in axes)
-    return _LinearsGradAllReduce.apply(_tensor(x, "linears_grad_all_reduce"), comm, axes, *params)
+    return torch.ops.autoshard.grad_all_reduce(_tensor(x, "grad_all_reduce"), _axes(axes))
 
 
 def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     """Shard(dim) → Replicate on ``axis``. Backward: this rank's slice of the (complete) gradient."""
-    comm = current()
-    x = _tensor(x, "all_gather")
-    return _AllGather.apply(x, comm, comm._axis(axis), _norm_dim(x, dim))
+    comm, x = current(), _tensor(x, "all_gather")
+    axis = comm._axis(axis)
+    return torch.ops.autoshard.all_gather(x, axis, _norm_dim(x, dim, "all_gather", axis), comm.axis_size(axis))
 
 
 def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     """Partial → Shard(dim) on ``axis``. Backward: all-gather of the gradient along ``dim``."""
-    comm = current()
-    x = _tensor(x, "reduce_scatter")
-    return _ReduceScatter.apply(x, comm, comm._axis(axis), _norm_dim(x, dim))
+    comm, x = current(), _tensor(x, "reduce_scatter")
+    axis = comm._axis(axis)
+    dim = _norm_dim(x, dim, "reduce_scatter", axis, divisible=True)
+    return torch.ops.autoshard.reduce_scatter(x, axis, dim, comm.axis_size(axis))
 
 
 def all_to_all(x: torch.Tensor, axis: str, split_dim: int, cat_dim: int) -> torch.Tensor:
     """Shard(cat_dim) → Shard(split_dim) on ``axis``. Backward: the inverse all-to-all."""
-    comm = current()
-    x = _tensor(x, "all_to_all")
-    return _AllToAll.apply(x, comm, comm._axis(axis), _norm_dim(x, split_dim), _norm_dim(x, cat_dim))
+    comm, x = current(), _tensor(x, "all_to_all")
+    axis = comm._axis(axis)
+    split_dim = _norm_dim(x, split_dim, "all_to_all", axis, divisible=True)
+    cat_dim = _norm_dim(x, cat_dim, "all_to_all", axis)
+    return torch.ops.autoshard.all_to_all(x, axis, split_dim, cat_dim, comm.axis_size(axis))
 
 
 def local_slice(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     """Replicate → Shard(dim) on ``axis`` without communication. Backward: all-gather of the gradient."""
-    comm = current()
-    x = _tensor(x, "local_slice")
-    return _LocalSlice.apply(x, comm, comm._axis(axis), _norm_dim(x, dim))
+    comm, x = current(), _tensor(x, "local_slice")
+    axis = comm._axis(axis)
+    dim = _norm_dim(x, dim, "local_slice", axis, divisible=True)
+    return torch.ops.autoshard.local_slice(x, axis, dim, comm.axis_size(axis))
 
 
-def _norm_dim(x: torch.Tensor, dim: int) -> int:
-    # Backward gradients have the forward's rank, so a negative dim would mean the same; normalising once keeps
-    # the backward independent of that. Out-of-range dims are left for the communicator's error message.
-    if isinstance(dim, int) and not isinstance(dim, bool) and x.dim() and -x.dim() <= dim < 0:
-        return dim + x.dim()
-    return dim
+def all_gather_sync(x: torch.Tensor, axis: str, dim: int, axes) -> torch.Tensor:
+    """Shard(dim) → Replicate on ``axis``; backward sums the gradient over ``axes`` (which holds ``axis``) and
+    keeps this rank's chunk along ``dim``: a reduce-scatter on ``axis``, all-reduces on the others."""
+    comm, x = current(), _tensor(x, "all_gather_sync")
+    axis = comm._axis(axis)
+    dim = _norm_dim(x, dim, "all_gather", axis)
+    return torch.ops.autoshard.all_gather_sync(x, axis, dim, comm.axis_size(axis), _axes(axes))
+
+
+def linears_grad_all_reduce(x: torch.Tensor, axes, *params) -> list[torch.Tensor]:
+    """``linear(grad_all_reduce(x, axes), w_i, b_i)`` for each ``(w_i, b_i)`` in ``params`` (flat pairs, ``b_i``
+    may be None): the same values and gradients, but backward starts the input gradient's all-reduce before it
+    computes the weight gradients, so the collective overlaps them."""
+    weights, biases = list(params[0::2]), list(params[1::2])
+    return torch.ops.autoshard.linears_grad_all_reduce(_tensor(x, "linears_grad_all_reduce"), _axes(axes), weights,
+                                                      [b for b in biases if b is not None],
+                                                      [b is not None for b in biases])
 
 
 def collective_counts(log: Iterable[CollectiveRecord], phase: str | None = None) -> Counter:

@@ -73,6 +73,10 @@ class Communicator(abc.ABC):
     collective may wait for its peers), ``recording`` (set False to stop appending to ``log`` in long runs).
     """
 
+    #: True where a process runs this one rank (torch.distributed): :func:`current` falls back to it in threads
+    #: without a ``use`` block of their own. False for the simulator, whose ranks are threads of one process.
+    one_rank_per_process: bool = False
+
     def __init__(self, mesh: Mesh, rank: int, timeout: float):
         self.mesh = as_mesh(mesh)
         self.mesh._check_rank(rank)
@@ -86,9 +90,6 @@ class Communicator(abc.ABC):
         #: How many random ops (dropout) this rank has run: every rank runs the same program, so the count is the
         #: same on all ranks and seeds their generators alike (runtime.ops.dropout).
         self.random_calls = 0
-        #: Collectives started for values the program returned (runtime.collectives.all_reduce_output), not yet
-        #: waited for; each keeps its buffer alive until then.
-        self.pending: list[Handle] = []
 
     # ---- coordinates ------------------------------------------------------------------------------------
     def axis_index(self, axis: str | int) -> int:
@@ -192,11 +193,6 @@ class Communicator(abc.ABC):
         # in place, as the real backends do it.
         self._all_reduce_inplace(t, axis)
         return Handle(t)
-
-    def wait_pending(self) -> None:
-        """Wait for every collective in :attr:`pending`."""
-        while self.pending:
-            self.pending.pop(0).wait()
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -303,15 +299,27 @@ def use(comm: Communicator) -> Iterator[Communicator]:
                              "(SimWorld(mesh).communicator(rank) or DistCommunicator(mesh)).")
     stack = _stack()
     stack.append(comm)
+    if comm.one_rank_per_process:
+        _process_wide.append(comm)
     try:
         yield comm
     finally:
         stack.pop()
+        if comm.one_rank_per_process:
+            _process_wide.remove(comm)
+
+
+#: Communicators of processes that run one rank (``one_rank_per_process``) inside a ``use`` block of any thread:
+#: autograd may run backward (a compiled one too) on a thread of its own (CUDA's device threads), which sees them.
+_process_wide: list[Communicator] = []
 
 
 def current() -> Communicator:
-    """The communicator set by the innermost :func:`use` of the calling thread."""
+    """The communicator set by the innermost :func:`use` of the calling thread; in a thread with none, the
+    innermost one of a process that runs one rank (:class:`~autoshard.runtime.dist.DistCommunicator`)."""
     stack = _stack()
+    if not stack and _process_wide:
+        return _process_wide[-1]
     if not stack:
         raise AutoshardError("no communicator is active: run the rank module under autoshard.runtime.use(comm) "
                              "or through a ShardedModule / simulator (SimWorld.run).")

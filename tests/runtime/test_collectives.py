@@ -335,13 +335,12 @@ def test_grad_all_reduce_sums_upstream_grads_over_the_axes(axes):
     def fn(r):
         x = global_input(shape).requires_grad_()
         y = grad_all_reduce(x, axes)
-        same_storage = y.data_ptr() == x.data_ptr()
         (gx,) = torch.autograd.grad((y * weight(shape, r)).sum(), x)
-        return y.detach(), gx, same_storage
+        return y.detach(), gx
 
     out = run(mesh, fn)
-    for r, (y, gx, same_storage) in enumerate(out):
-        assert torch.equal(y, global_input(shape)) and same_storage
+    for r, (y, gx) in enumerate(out):
+        assert torch.equal(y, global_input(shape))
         group = {r}
         for a in axes:
             group = {m for g in group for m in members(mesh, g, a)}
@@ -522,7 +521,7 @@ def test_double_backward_through_a_collective_raises_instead_of_dropping_terms()
         (g,) = torch.autograd.grad((y ** 3).sum(), x, create_graph=True)  # the grad flows through the gather
         g.sum().backward()
 
-    with pytest.raises(RuntimeError, match=r"rank \d.*once_differentiable"):
+    with pytest.raises(RuntimeError, match=r"rank \d.*no autograd formula was registered"):
         run(Mesh(x=2), fn)
 
 

@@ -1,0 +1,243 @@
+"""The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages
+(:func:`build_pipeline_plan`), and each rank's stage programs."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autoshard import meta as M
+from autoshard.context import Context, Options
+from autoshard.errors import PlanError
+from autoshard.mesh import Mesh
+from autoshard.pipeline.options import Pipeline
+from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
+
+
+@dataclass
+class PipelinePlan:
+    """The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages."""
+
+    plan: object  # autoshard.plan.Plan over ``submesh``
+    mesh: Mesh
+    submesh: Mesh
+    pipeline: Pipeline
+    split: object  # passes.pipeline_split.StageSplit
+    stages: list  # passes.pipeline_split.StageGraph per stage
+    batch: int  # global batch the plan was compiled for
+    model_name: str = "model"
+
+    # ---- coordinates ------------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def pipe(self) -> int:
+        return self.mesh.axis_size(self.pipeline.axis)
+
+    def sub_rank(self, rank: int) -> int:
+        """The rank's coordinate on the non-pipe axes, as a rank of ``submesh``."""
+        c = self.mesh.coords(rank)
+        if self.submesh.names == ("stage",) and "stage" not in self.mesh.names:
+            return 0
+        return self.submesh.rank_of({n: c[n] for n in self.submesh.names})
+
+    def stages_of(self, rank: int) -> list[int]:
+        c = self.mesh.coords(rank)[self.pipeline.axis]
+        return [c + self.pipe * j for j in range(self.pipeline.stages_per_rank)]
+
+    # ---- programs -----------------------------------------------------------------------------------------
+    def stage_module(self, stage: int, rank: int, bucket_grads: bool = False) -> torch.fx.GraphModule:
+        """Rank ``rank``'s program of stage ``stage`` (its shard of the stage's parameters). ``bucket_grads``: leave
+        the parameters' data-parallel gradient sync out of the program (listed in ``module.meta``) for the runner
+        to do once per step."""
+        from autoshard.codegen import rank_program
+
+        self.mesh._check_rank(rank)
+        return rank_program(self.stages[stage].gm, self.submesh, self.sub_rank(rank), self.plan.context.options,
+                            bucket_grads=bucket_grads)
+
+    def code(self, rank: int = 0, stage: int | None = None) -> str:
+        stage = self.stages_of(rank)[0] if stage is None else stage
+        return self.stage_module(stage, rank).code.strip() + "\n"
+
+    def act_meta(self, stage: int, rank: int, which: str = "acts") -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(local shape, dtype) of the activations stage ``stage`` receives (``"acts"``) or sends (``"outputs"``)."""
+        sg = self.stages[stage]
+        nodes = {n.name: n for n in sg.gm.graph.nodes}
+        out_node = next(n for n in sg.gm.graph.nodes if n.op == "output")
+        if which == "acts":
+            vals = [nodes[name] for name in sg.acts]
+        else:
+            vals = [x for x in out_node.args[0] if isinstance(x, torch.fx.Node)]
+        self.mesh._check_rank(rank)  # shards are even: every rank of a stage has the same local shapes
+        return [(tuple(local_shape(v.meta["val"].shape, v.meta[M.SPEC], self.submesh)), v.meta["val"].dtype)
+                for v in vals]
+
+    def shared_params(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Parameters held by more than one stage (tied weights), with their stages."""
+        holders: dict[str, list[int]] = {}
+        for sg in self.stages:
+            for p in sg.params:
+                holders.setdefault(p, []).append(sg.index)
+        return [(p, tuple(s)) for p, s in holders.items() if len(s) > 1 and self._is_param(p)]
+
+    def _is_param(self, target: str) -> bool:
+        from autoshard.trace import fetch_attr
+
+        return isinstance(fetch_attr(self.plan.graph_module, target), torch.nn.Parameter)
+
+    def param_specs(self):
+        return self.plan.param_specs()
+
+    # ---- inputs and gradients -----------------------------------------------------------------------------
+    def input_names(self) -> list[str]:
+        return [n.name for n in self.plan.graph_module.graph.nodes if n.op == "placeholder"]
+
+    def shard_batch(self, rank: int, args=(), kwargs=None) -> dict[str, object]:
+        """``rank``'s inputs for one step, by placeholder name: each microbatch (``batch / microbatches`` rows)
+        is sharded like the plan's inputs on the non-pipe axes, and the pieces are concatenated again so that
+        the schedule's chunking along dim 0 gives this rank its share of each microbatch."""
+        from torch.fx._pytree import tree_flatten_spec
+
+        gm = self.plan.graph_module
+        leaves = tree_flatten_spec((tuple(args), dict(kwargs or {})), gm._in_spec)
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        return {h.name: self.shard_microbatches(x, h.meta[M.SPEC], rank) if isinstance(x, torch.Tensor) else x
+                for x, h in zip(leaves, holders)}
+
+    def shard_microbatches(self, x: torch.Tensor, spec, rank: int) -> torch.Tensor:
+        m = self.pipeline.microbatches
+        if x.dim() == 0 or x.shape[0] % m:
+            raise PlanError(f"pipeline input has batch size {x.shape[0] if x.dim() else 'none'}, but "
+                            f"{m} microbatches must divide it: use a batch that is a multiple of {m}.")
+        sub = self.sub_rank(rank)
+        return torch.cat([shard_tensor(mb, spec, self.submesh, sub) for mb in x.chunk(m, 0)], 0)
+
+    def assemble_grads(self, per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Full gradients from every rank's ``{fqn: local grad}`` (each rank's stages), by the plan's specs."""
+        specs = self.param_specs()
+        out = {}
+        for fqn, spec in specs.items():
+            for s in range(self.num_stages):
+                ranks = [r for r in range(self.mesh.size) if s in self.stages_of(r)]
+                pieces = [per_rank[r].get(fqn) for r in sorted(ranks, key=self.sub_rank)]
+                if all(p is not None for p in pieces) and pieces:
+                    out[fqn] = assemble(pieces, spec, self.submesh)
+                    break
+        return out
+
+    # ---- report -------------------------------------------------------------------------------------------
+    def format(self) -> str:
+        from autoshard.report import format_stages
+
+        return format_stages(self)
+
+    def show(self, console=None) -> None:
+        text = self.format()
+        if console is None:
+            print(text, end="")
+        else:
+            console.print(text, markup=False, highlight=False)
+
+    def stage_memory(self, stage: int, rank: int = 0) -> int:
+        """Estimated bytes on a rank for stage ``stage``: parameters + gradients + Adam state, plus the
+        activations of the microbatches in flight (all of them for GPipe, ``stages - stage`` for 1F1B)."""
+        from autoshard.cost_models.memory import activation_bytes, training_state_bytes
+
+        gm = self.stages[stage].gm
+        self.mesh._check_rank(rank)
+        state = acts = 0
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if n.op == "get_attr" and isinstance(val, torch.Tensor) and isinstance(val, torch.nn.Parameter):
+                numel = 1
+                for s in local_shape(val.shape, n.meta[M.SPEC], self.submesh):
+                    numel *= s
+                state += training_state_bytes(numel, val.dtype)
+            elif n.op == "call_function":
+                with contextlib.suppress(Exception):  # an estimate: ops the memory model cannot price count 0
+                    acts += activation_bytes(n)
+        flight = self.pipeline.microbatches if self.pipeline.schedule == "gpipe" else \
+            min(self.pipeline.microbatches, self.num_stages - stage)
+        shard = max(1, self.submesh.size)
+        return state + flight * acts // shard
+
+
+def _submesh(mesh: Mesh, axis: str) -> Mesh:
+    rest = tuple((n, s) for n, s in mesh.axes if n != axis)
+    # A mesh needs an axis; a size-1 axis never gets sharded (strategies replicate on size 1), so no collective
+    # of the stage programs ever names it.
+    return Mesh(rest) if rest else Mesh(stage=1)
+
+
+def _strip_axis(options: Options, mesh: Mesh, axis: str) -> Options:
+    i = mesh.index(axis)
+    annotations = []
+    for pattern, spec in options.annotations:
+        if len(spec) != mesh.ndim:
+            raise PlanError(f"annotation {pattern!r} has {len(spec)} placements, but mesh {mesh} has {mesh.ndim} "
+                            f"axes {list(mesh.names)}: give one per axis.")
+        if not isinstance(spec[i], Replicate):
+            raise PlanError(f"annotation {pattern!r} places {spec[i]} on the pipeline axis `{axis}`, but nothing "
+                            "is sharded on the pipeline axis: use Replicate() there.")
+        rest = tuple(p for a, p in enumerate(spec) if a != i)
+        annotations.append((pattern, rest or (Replicate(),)))
+    return replace(options, annotations=tuple(annotations))
+
+
+def _microbatch_examples(args, kwargs, m: int):
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not leaves:
+        raise PlanError("pipeline needs example inputs with a batch dimension (dim 0) to cut into microbatches.")
+    batch = leaves[0].shape[0]
+    if batch % m:
+        raise PlanError(f"example batch has {batch} rows, but Pipeline(microbatches={m}) must divide it: use a "
+                        f"batch that is a multiple of {m}, or another number of microbatches.")
+
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch:
+            return x[: batch // m]
+        return x
+
+    return pytree.tree_map(cut, tuple(args)), pytree.tree_map(cut, dict(kwargs or {})), batch
+
+
+def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
+                        pipeline: Pipeline) -> PipelinePlan:
+    from autoshard.passes.manager import PipelineOptions, pass_list, run_passes
+    from autoshard.passes.pipeline_split import build_stage_graphs, stage_split_of
+    from autoshard.plan import _TRACE_LOCK, Plan
+    from autoshard.trace import trace
+
+    if not isinstance(pipeline, Pipeline):
+        raise PlanError(f"pipeline= has type {type(pipeline).__name__}, but must be autoshard.Pipeline(...).")
+    pipeline.check(mesh)
+    margs, mkwargs, batch = _microbatch_examples(args, kwargs, pipeline.microbatches)
+    sub = _submesh(mesh, pipeline.axis)
+    if options.data_axis in sub.names:
+        d = sub.axis_size(options.data_axis)
+        mb = batch // pipeline.microbatches
+        if mb % d:
+            raise PlanError(f"a microbatch has {mb} rows (batch {batch} / {pipeline.microbatches} microbatches), "
+                            f"but the data axis `{options.data_axis}` of size {d} must divide it: use a batch that "
+                            f"is a multiple of {pipeline.microbatches * d}.")
+    sub_options = _strip_axis(options, mesh, pipeline.axis)
+    with _TRACE_LOCK:
+        gm = trace(model, margs, mkwargs)
+    ctx = Context(sub, sub_options)
+    stages = mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank
+    split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
+    # the plan phase of the one pass list, with the pipeline split enabled
+    passes = pass_list(sub_options, pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
+    gm = run_passes(gm, ctx, passes["plan"])
+    stage_split = stage_split_of(gm)
+    plan = Plan(gm, sub, ctx, type(model).__name__)
+    return PipelinePlan(plan, mesh, sub, pipeline, stage_split, build_stage_graphs(gm, stage_split), batch,
+                        type(model).__name__)
+
+

@@ -1,0 +1,64 @@
+"""Gradient bucketing of the data-parallel parameter syncs (DDP's reducer, as a pass).
+
+With ``bucket_grads``, the ``grad_all_reduce`` of every parameter that feeds nothing else leaves the program: the
+parameter's gradient is then exactly its local gradient, to be all-reduced over the node's axes. The parameters are
+listed instead in ``gm.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)`` in graph order, for
+:class:`autoshard.runtime.buckets.GradBucketer` to all-reduce in buckets, overlapped with backward.
+
+A replicated lookup of a parameter by constant, distinct ids (position embeddings, ``embedding(param, arange)``)
+joins too: the lookup is linear in the parameter and its rows distinct, so all-reducing the rows' gradients is
+all-reducing the parameter's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from autoshard.collectives import is_kind
+from autoshard.context import Context
+from autoshard.runtime.buckets import GRAD_SYNC
+
+_ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
+
+
+@dataclass(frozen=True)
+class BucketGradSync:
+    name: str = "bucket_grad_sync"
+    phase: str = "rank"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        if not ctx.bucket_grads:
+            return gm
+        syncs: list[tuple[str, tuple[str, ...]]] = []
+        for node in list(gm.graph.nodes):
+            param = _param_of_sync(node)
+            if param is None:
+                continue
+            syncs.append((param.target, tuple(node.args[1])))
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        gm.recompile()
+        gm.meta[GRAD_SYNC] = tuple(syncs)
+        return gm
+
+
+def _param_of_sync(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter whose gradient ``node`` (a grad_all_reduce) syncs, where it can join the buckets."""
+    if not is_kind(node, "grad_all_reduce"):
+        return None
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node):
+        return None
+    if src.op == "get_attr" and len(src.users) == 1 and isinstance(src.meta.get("val"), torch.Tensor):
+        return src
+    if not (src.op == "call_function" and src.target is torch.ops.aten.embedding.default and len(src.users) == 1):
+        return None
+    weight, ids = src.args[0], src.args[1]
+    if (isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and len(weight.users) == 1
+            and isinstance(weight.meta.get("val"), torch.Tensor) and isinstance(ids, torch.fx.Node)
+            and ids.op == "call_function" and ids.target in _ARANGES):
+        return weight
+    return None

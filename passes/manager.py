@@ -1,0 +1,159 @@
+"""The one pass list, from the traced graph to each rank's program, and the driver that runs and checks it.
+
+Every step of compilation is a pass: a frozen dataclass whose fields are its options, with a ``name``, a
+``phase`` and ``run(gm, ctx) -> gm``. :func:`pass_list` says, in one place, which passes run in which order for
+given options::
+
+    plan phase (once, on the global graph)            rank phase (per rank, on a copy of the global program)
+    ─────────────────────────────────────             ──────────────────────────────────────────────────────
+    expert_rewrite      (moe=...)                      fuse_gather_grad_sync
+    plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
+    propagate                                          localize              (local shapes, local forms, shards)
+    insert_collectives                                 fuse_linears_grad_sync
+    pipeline_split      (pipeline=...)
+
+Passes exchange results only through namespaced node/graph metadata (:mod:`autoshard.meta`) — never through
+another pass's state or the user's options. After every pass :func:`verify` checks autoshard's own invariants
+(beyond ``graph.lint()``): once propagation has run every tensor node has a spec; once collectives are inserted
+every consumer receives exactly the spec its strategy needs; and the rank programs of one plan issue the same
+collectives in the same order (:func:`collective_signature`, compared across ranks by :class:`~autoshard.plan.Plan`).
+A failure names the pass that broke it and the passes that ran before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.fx
+from autoshard.passes.bucket_grad_sync import BucketGradSync
+from autoshard.passes.collectives import InsertCollectives
+from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
+from autoshard.passes.localize import Localize
+from autoshard.passes.propagate import Propagate
+from torch.utils import _pytree as pytree
+
+from autoshard import meta as M
+from autoshard.collectives import kind_of
+from autoshard.context import Context, Options
+from autoshard.errors import AutoshardError
+from autoshard.graph_utils import is_tensor_node
+
+__all__ = ["Pass", "PipelineOptions", "ProgramOptions", "RankContext", "collective_signature", "pass_list", "run_passes",
+           "verify"]
+
+
+class Pass(Protocol):
+    name: str
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule: ...
+
+
+@dataclass
+class RankContext(Context):
+    """The context of the rank phase: the plan's context plus the rank whose program is made and the weights to
+    shard (None: the global graph module's own)."""
+
+    rank: int = 0
+    weights: torch.nn.Module | None = None
+    bucket_grads: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the pipeline split needs (from :class:`autoshard.pipeline.Pipeline`)."""
+
+    stages: int
+    split: Any = "auto"
+    profile: Any = "cpu-gloo"
+    axis: str = "pipe"
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """Options of the rank phase: ``bucket_grads`` leaves the parameters' data-parallel gradient syncs to the
+    runtime's bucketer (:mod:`autoshard.passes.bucket_grad_sync`)."""
+
+    bucket_grads: bool = False
+
+
+def pass_list(options: Options, pipeline: PipelineOptions | None = None, program: ProgramOptions | None = None
+              ) -> dict[str, list[Pass]]:
+    """The passes for these options, in order, by phase: ``{"plan": [...], "rank": [...]}``."""
+    from autoshard.passes.expert_rewrite import ExpertRewrite
+    from autoshard.passes.pipeline_split import PipelineSplit
+    from autoshard.passes.plan_search import PlanSearch
+
+    program = program or ProgramOptions()
+    plan = [
+        ExpertRewrite() if getattr(options, "moe", None) is not None else None,
+        PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
+        if options.planner == "search" else None,
+        Propagate(),
+        InsertCollectives(),
+        PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
+    ]
+    rank = [
+        FuseGatherGradSync(),
+        BucketGradSync() if program.bucket_grads else None,
+        Localize(),
+        FuseLinearsGradSync(),
+    ]
+    return {"plan": [p for p in plan if p is not None], "rank": [p for p in rank if p is not None]}
+
+
+def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes: list[Pass], ran: tuple[str, ...] = ()
+               ) -> torch.fx.GraphModule:
+    """Run ``passes`` in order, verifying after each; errors name the pass and the ones before it."""
+    done = list(ran)
+    for p in passes:
+        try:
+            gm = p.run(gm, ctx)
+            gm.graph.lint()
+            verify(gm, done + [p.name])
+        except AutoshardError:
+            raise
+        except Exception as e:
+            raise AutoshardError(f"An error occurred when running the '{p.name}' pass after the following passes: "
+                                 f"{done or 'none'}: {type(e).__name__}: {e}") from e
+        done.append(p.name)
+    gm.meta[M.PASSES_RUN] = tuple(done)
+    return gm
+
+
+# ---- the verifier -----------------------------------------------------------------------------------------
+def verify(gm: torch.fx.GraphModule, ran: list[str]) -> None:
+    """autoshard's invariants for a graph after the passes ``ran`` (the last one is blamed for a failure)."""
+    last = ran[-1]
+    if "localize" in ran:
+        return  # rank programs: local nodes carry no specs; their collectives are compared across ranks
+    if "propagate" in ran:
+        for node in gm.graph.nodes:
+            if (node.op in ("call_function", "get_attr", "placeholder")
+                    and isinstance(node.meta.get("val"), torch.Tensor) and M.SPEC not in node.meta):
+                raise AutoshardError(f"pass '{last}' left node `{node.name}` ({node.target}) without a spec "
+                                         f"(after passes {ran}): every tensor node must have one.")
+    if "insert_collectives" in ran:
+        for node in gm.graph.nodes:
+            strat = node.meta.get(M.STRATEGY)
+            if strat is None or kind_of(node) is not None:
+                continue
+            leaves = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(x)]
+            for i, (x, want) in enumerate(zip(leaves, strat.input_specs)):
+                have = x.meta.get(M.SPEC)
+                if want is not None and have != want:
+                    raise AutoshardError(f"pass '{last}' left node `{node.name}` ({node.target}) reading input "
+                                         f"{i} `{x.name}` as {have}, but its strategy needs {want} (after passes "
+                                         f"{ran}).")
+
+
+def collective_signature(gm: torch.fx.GraphModule) -> tuple:
+    """The collectives a program issues, in order, as ``(kind, arguments but the tensors)``: equal on every rank of
+    a plan, or ranks would wait on each other forever."""
+    sig = []
+    for node in gm.graph.nodes:
+        k = kind_of(node)
+        if k is not None:
+            sig.append((k.name, tuple(a for a in pytree.tree_leaves(node.args) if not isinstance(a, torch.fx.Node))))
+    return tuple(sig)
