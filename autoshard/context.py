@@ -34,13 +34,12 @@ class Options:
 
 @dataclass
 class Context:
+    """The mesh, the options, the report and the warnings. Passes hand decisions to each other only through
+    ``node.meta`` keys (:mod:`autoshard.meta`), never through fields here."""
+
     mesh: Mesh
     options: Options = field(default_factory=Options)
     report: dict[str, Any] = field(default_factory=dict)
-    #: Strategies decided outside the greedy walk (by a search, or by a test), keyed by node name.
-    forced: dict[str, Any] = field(default_factory=dict)
-    #: Names in ``forced`` whose strategy the search took from the node's own rule options (not re-checked).
-    searched: set[str] = field(default_factory=set)
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:

@@ -19,6 +19,15 @@ with anything outside themselves; a layer called with inputs unlike the first la
 reads a tensor that is neither an input nor one of its own parameters. Any surprise raises :class:`_CannotReuse`
 and the caller exports the whole model the ordinary way: this is a speed-up, never a change of meaning. Tests
 check that the result is the same graph as a full export (same code, op for op).
+
+:func:`find_groups` is autoshard's one detector of repeated layers. The trace calls it on the model (which layers
+to trace once and copy); the plan search (``passes/plan_search.py``, ``find_layers``) calls it on the traced
+graph module, whose attribute tree mirrors the model's (``blocks.3.attn.q.weight``; a ``ModuleList`` becomes a
+plain module with children ``0``, ``1``, ...), and then only checks, op by op, that the graph of each copy it
+ties is the same. One rule for "these are copies of one layer" — the same container, the same submodules and
+tensor shapes, no tensor shared with anything outside the layer — so the two stages cannot drift apart; it lives
+here because the trace needs it before any graph exists, while the search can always read it off the graph
+module.
 """
 
 from __future__ import annotations
@@ -115,22 +124,25 @@ class LayerGroup:
     stubbed: list[str] = field(default_factory=list)  # copies that became layer_call nodes
 
 
-def find_groups(model: torch.nn.Module) -> list[LayerGroup]:
-    """Containers of identical layers whose later layers compute exactly what the first computes (by fingerprint
-    on their first call; see :func:`_fingerprint`)."""
+def find_groups(model: torch.nn.Module, leaves: bool = False) -> list[LayerGroup]:
+    """Containers of identical layers: children of one ``ModuleList``/``Sequential`` (or of a plain module whose
+    children are all numbered, as in a traced graph module) with the same submodules and tensor shapes, owning
+    their tensors. Whether they compute the same is checked by the caller (the trace by fingerprint, see
+    :func:`verify`; the plan search on the graph). ``leaves``: also group childless layers (one ``Linear`` each),
+    which the trace skips (nothing to gain) but the search ties."""
     owners: dict[int, set[str]] = {}
     for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
                                    model.named_buffers(remove_duplicate=False)):
         owners.setdefault(id(t), set()).add(name)
     groups, taken = [], []
     for path, container in model.named_modules():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or len(container) < 2:
+        if not _is_container(container):
             continue
         if any(path == t or path.startswith(t + ".") for t in taken):
             continue
         by_key: dict[tuple, list[str]] = {}
         for idx, child in container.named_children():
-            if not any(True for _ in child.children()):
+            if not leaves and not any(True for _ in child.children()):
                 continue  # a leaf (one Linear): nothing to gain
             full = f"{path}.{idx}" if path else idx
             if not _owns_its_tensors(child, full, owners):
@@ -144,11 +156,22 @@ def find_groups(model: torch.nn.Module) -> list[LayerGroup]:
     return groups
 
 
+def _is_container(m: torch.nn.Module) -> bool:
+    names = list(m._modules)
+    if len(names) < 2:
+        return False
+    if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return True
+    # what torch.export's unlifted module (and expand_layer_calls) makes of a ModuleList: a plain module
+    return type(m) is torch.nn.Module and all(n.isdigit() for n in names)
+
+
 def _structure(m: torch.nn.Module) -> tuple:
-    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
-                    for n, t in itertools.chain(m.named_parameters(remove_duplicate=False),
-                                                m.named_buffers(remove_duplicate=False)))
-    return (tuple((n, type(s)) for n, s in m.named_modules()), tensors)
+    # sorted: a traced graph module registers a layer's tensors in the order its graph reads them
+    tensors = tuple(sorted((n, tuple(t.shape), str(t.dtype), t.requires_grad, isinstance(t, torch.nn.Parameter))
+                           for n, t in itertools.chain(m.named_parameters(remove_duplicate=False),
+                                                       m.named_buffers(remove_duplicate=False))))
+    return (tuple(sorted((n, type(s).__qualname__, type(s).__module__) for n, s in m.named_modules())), tensors)
 
 
 def _owns_its_tensors(m: torch.nn.Module, path: str, owners: dict[int, set[str]]) -> bool:

@@ -3,7 +3,8 @@
 Formulation (an integer linear program solved by HiGHS through ``scipy.optimize.milp``; built by
 :func:`build_problem`, solved by :func:`solve`, evaluated independently by :func:`evaluate`):
 
-* ``x[d, k] ∈ {0, 1}``: decision ``d`` (an op, or the layout of a free parameter) takes option ``k``;
+* ``x[d, k] ∈ {0, 1}``: decision ``d`` (a :class:`DecisionVar`: an op, or the layout of a free parameter) takes
+  option ``k``;
   ``Σ_k x[d, k] = 1``. An op's options are the strategies of :func:`passes.propagate.node_strategies`.
 * ``y[u, o] = Σ x[d, k]`` over the options that make value ``u`` come out as spec ``o`` (an expression).
 * ``r[u, i] ≥ x[c, k]`` for every consumer option that needs ``u`` as spec ``i``: the redistribution of ``u`` to
@@ -15,17 +16,25 @@ Formulation (an integer linear program solved by HiGHS through ``scipy.optimize.
   no overlap of communication and compute);
 * memory: ``Σ y[param, o]·(parameter + gradient + optimizer state bytes) + Σ x·saved activation bytes ≤ limit``.
 
+Annotated parameters are hard constraints, as in propagation (:func:`passes.propagate.pinned_values`): an op
+option that needs an annotated parameter in another layout is dropped, and a value computed only from annotated
+parameters may not be gathered (its redistribution is marked impossible). An op left without options raises
+:class:`~autoshard.errors.PlanError` naming the parameter and the op.
+
 Repeated layers (same module structure, same shapes: ``blocks.0``, ``blocks.1``, ...) share their decision
-variables: node ``n`` of every interior copy maps to node ``n`` of the second copy (:func:`find_layers`; the first
-and last copies, which meet the prologue and epilogue, stay free), and the costs of all copies add up on the shared
-variables; terms of values are grouped by (canonical value, canonical consumers), with the number of copies as
+variables: node ``n`` of every interior copy maps to node ``n`` of the second copy (:func:`find_layers`, on the
+groups of :func:`autoshard.layer_reuse.find_groups`, the detector the trace uses too; the first and last copies,
+which meet the prologue and epilogue, stay free), and the costs of all copies add up on the shared variables; terms of values are grouped by (canonical value, canonical consumers), with the number of copies as
 multiplicity. The program's size is then independent of the depth. Solutions are exact (``mip_rel_gap = 0``) over
 that space — every strategy of every op, interior copies of a layer choosing alike — and deterministic.
+
+The pass hands its choices to propagation through node metadata only: ``autoshard.meta.PLANNED`` (the chosen
+strategy, with ``PLANNED_BY = "plan_search"``) and ``autoshard.meta.DECISION`` (the explanation) on ops, the spec
+on free parameters. A strategy some earlier step already put in ``PLANNED`` is the op's only option.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +44,8 @@ import torch.fx
 from autoshard.cost_models.memory import optimizer_state_bytes
 from autoshard.cost_models.plan_cost import _local_numel, grad_sync_time, op_times, redistribution_time_of
 from autoshard.cost_models.profile import HardwareProfile, load_profile
-from autoshard.passes.propagate import mark_requires_grad, node_strategies, seed_specs
+from autoshard.passes.propagate import (annotation_error, keeps_layout, mark_requires_grad, node_strategies,
+                                        pin_conflict, pinned_values, seed_specs)
 
 from autoshard import meta as M
 from autoshard.context import Context
@@ -48,44 +58,54 @@ from autoshard.progress import slow_step
 # ---------------------------------------------------------------------------------------------------------
 # Repeated layers
 # ---------------------------------------------------------------------------------------------------------
-_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
 def find_layers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Map every node of a repeated layer to the same node of the first copy (identity map for the rest).
+    """Map every node of an interior copy of a repeated layer to the same node of the first interior copy.
 
-    A layer is the set of nodes whose module path starts with ``prefix.<i>`` (e.g. ``blocks.3``). Copies are tied
-    only if their node sequences have the same ops, shapes, argument structure and parameter names up to the
-    layer index.
+    Which layers repeat is decided by :func:`autoshard.layer_reuse.find_groups` on the graph module (the detector
+    the trace uses on the model); a layer is the set of nodes whose module path (get_attr: target) lies under
+    ``prefix.<i>``. Copies are tied only if their node sequences have the same ops, shapes, argument structure,
+    parameter names up to the layer index and annotations.
     """
+    from autoshard.layer_reuse import find_groups
     from autoshard.meta import module_path
 
-    groups: dict[str, dict[int, list[torch.fx.Node]]] = {}
+    groups = find_groups(gm, leaves=True)
+    if not groups:
+        return {}
+    owner: dict[str, tuple[int, str]] = {}  # "prefix.i" -> (group number, i)
+    for gi, g in enumerate(groups):
+        for i in (g.first, *g.copies):
+            owner[f"{g.prefix}.{i}" if g.prefix else i] = (gi, i)
+    copies: list[dict[str, list[torch.fx.Node]]] = [{} for _ in groups]
     for node in gm.graph.nodes:
-        path = module_path(node) if node.op != "get_attr" else str(node.target)
-        m = _LAYER.match(path or "")
-        if not m or node.op not in ("call_function", "get_attr"):
+        if node.op not in ("call_function", "get_attr"):
             continue
-        groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(node)
+        path = module_path(node) if node.op != "get_attr" else str(node.target)
+        parts = path.split(".") if path else []
+        for k in range(1, len(parts) + 1):  # the outermost layer the path lies in
+            hit = owner.get(".".join(parts[:k]))
+            if hit is not None:
+                copies[hit[0]].setdefault(hit[1], []).append(node)
+                break
     canon: dict[torch.fx.Node, torch.fx.Node] = {}
-    for prefix, copies in groups.items():
+    for g, members in zip(groups, copies):
         # The first and last copies meet the prologue and epilogue and may want other layouts: they stay free;
         # the interior copies share the variables of the second copy.
-        indices = sorted(copies)[1:-1]
+        indices = [i for i in (g.first, *g.copies) if i in members][1:-1]
         if len(indices) < 2:
             continue
-        first = copies[indices[0]]
-        sig0 = _signature(first, prefix, indices[0])
+        first = members[indices[0]]
+        sig0 = _signature(first, g.prefix, indices[0])
         for i in indices[1:]:
-            if len(copies[i]) == len(first) and _signature(copies[i], prefix, i) == sig0:
-                for a, b in zip(copies[i], first):
+            if len(members[i]) == len(first) and _signature(members[i], g.prefix, i) == sig0:
+                for a, b in zip(members[i], first):
                     canon[a] = b
     return canon
 
 
 def _signature(nodes: list[torch.fx.Node], prefix: str, index: int) -> tuple:
     pos = {n: k for k, n in enumerate(nodes)}
-    own = f"{prefix}.{index}."
+    own = f"{prefix}.{index}." if prefix else f"{index}."
 
     def arg(a):
         if isinstance(a, torch.fx.Node):
@@ -97,7 +117,9 @@ def _signature(nodes: list[torch.fx.Node], prefix: str, index: int) -> tuple:
     sig = []
     for n in nodes:
         target = str(n.target).replace(own, "") if n.op == "get_attr" else str(n.target)
-        sig.append((n.op, target, _shape_or_none(n), arg(n.args), tuple(sorted((k, arg(v)) for k, v in n.kwargs.items()))))
+        annotated = (M.ANNOTATED in n.meta, n.meta.get(M.SPEC)) if n.op == "get_attr" else None
+        sig.append((n.op, target, _shape_or_none(n), arg(n.args),
+                    tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())), annotated))
     return tuple(sig)
 
 
@@ -110,7 +132,10 @@ def _shape_or_none(n: torch.fx.Node):
 # The problem
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
-class Decision:
+class DecisionVar:
+    """One decision of the program (its 0/1 variables ``x[d, k]``): an op's strategy or a free parameter's layout.
+    Not to be confused with :class:`autoshard.meta.Decision`, the explanation of a choice stored on a node."""
+
     node: torch.fx.Node  # canonical node
     options: list  # Strategy (ops) or Spec (free parameters)
     cost: list[float]  # summed over every copy
@@ -136,7 +161,7 @@ class ValueTerm:
 @dataclass
 class Problem:
     mesh: Mesh
-    decisions: list[Decision]
+    decisions: list[DecisionVar]
     index: dict  # canonical node -> decision index
     terms: list[ValueTerm]
     memory_limit: float | None
@@ -152,7 +177,9 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                   tie_layers: bool = True) -> Problem:
     mesh = ctx.mesh
     canon = find_layers(gm) if tie_layers else {}
-    decisions: list[Decision] = []
+    pinned = pinned_values(gm)
+    strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
+    decisions: list[DecisionVar] = []
     index: dict[torch.fx.Node, int] = {}
     fixed_memory = 0.0
     copies: dict[torch.fx.Node, int] = {}
@@ -170,9 +197,14 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     for n in gm.graph.nodes:
         if n.op != "call_function" or is_getitem(n) or _canon(canon, n) is not n:
             continue
-        strats = node_strategies(n, ctx)
-        if n.name in ctx.forced:
-            strats = [ctx.forced[n.name]]
+        planned = n.meta.get(M.PLANNED)
+        strats = [planned] if planned is not None else node_strategies(n, ctx)
+        inputs = tensor_inputs(n)
+        conflicts = [pin_conflict(inputs, s, strict) for s in strats]
+        if all(c is not None for c in conflicts):
+            x = conflicts[0][0]
+            raise annotation_error(n, x, [w for b, w in conflicts if b is x], pinned)
+        strats = [s for s, c in zip(strats, conflicts) if c is None]
         k = copies[n]
         cost = [k * t for t in op_times(n, strats, mesh, profile)]
         mem = []
@@ -184,7 +216,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                     act += _local_numel(v.shape, spec, mesh) * v.element_size()
             mem.append(k * act)
         index[n] = len(decisions)
-        decisions.append(Decision(n, strats, cost, mem, k))
+        decisions.append(DecisionVar(n, strats, cost, mem, k))
 
     # decisions for free parameters: any spec a consumer asks for (replicated first)
     wanted: dict[torch.fx.Node, list] = {}
@@ -210,7 +242,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
             repl = tuple(p for p in specs[0]) if specs else None
             options = specs or [repl]
             index[n] = len(decisions)
-            decisions.append(Decision(n, options, [0.0] * len(options),
+            decisions.append(DecisionVar(n, options, [0.0] * len(options),
                                       [copies[n] * state_bytes(n, s) for s in options], copies[n]))
 
     # value terms: group actual values by (canonical value, canonical consumers)
@@ -258,6 +290,8 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                 if key not in pair_costs:
                     pair_costs[key] = redistribution_time_of(o, i, *value, mesh, profile)
                 term.pair_cost[(o, i)] = pair_costs[key]
+                if u in pinned and i in term.needs and not keeps_layout(o, i, pinned[u]):
+                    term.pair_cost[(o, i)] = None  # computed only from annotated parameters: never gathered
         for (i, axes) in term.syncs:
             term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
         terms.append(term)
@@ -506,10 +540,7 @@ class PlanSearch:
             choice = solve(problem)
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice)
-        explain(problem, choice, ctx)
-        for n, c in problem.canon.items():
-            if c.name in ctx.report["decisions"]:
-                ctx.report["decisions"][n.name] = ctx.report["decisions"][c.name]
+        why = explain(problem, choice)
         for n in gm.graph.nodes:
             d = problem.index.get(_canon(problem.canon, n))
             if d is None or n.op not in ("call_function", "get_attr") or is_getitem(n):
@@ -517,10 +548,11 @@ class PlanSearch:
             option = problem.decisions[d].options[choice[d]]
             if n.op == "get_attr":
                 n.meta[M.SPEC] = option
-            else:
-                if n.name not in ctx.forced:  # forced before the search: propagation still checks it
-                    ctx.searched.add(n.name)
-                ctx.forced[n.name] = option
+                continue
+            if n.meta.get(M.PLANNED) is None:  # planned before the search: propagation still checks it
+                n.meta[M.PLANNED] = option
+                n.meta[M.PLANNED_BY] = self.name
+            n.meta[M.DECISION] = why[d]
         ctx.report[self.name] = {
             "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
@@ -558,7 +590,7 @@ def _binding(problem: Problem, memory: float) -> str:
     return "step time (memory limit not binding)" if problem.memory_limit is not None else "step time"
 
 
-def explain(problem: Problem, choice: list[int], ctx: Context) -> None:
+def explain(problem: Problem, choice: list[int]) -> list[M.Decision]:
     """Per decision: its cost share and the best rejected option (cost if only this decision changed)."""
     touching: dict[int, list[ValueTerm]] = {}
     for term in problem.terms:
@@ -566,7 +598,7 @@ def explain(problem: Problem, choice: list[int], ctx: Context) -> None:
         ds |= {d for users in term.syncs.values() for d, _ in users}
         for d in ds:
             touching.setdefault(d, []).append(term)
-    decisions: dict[str, M.Decision] = {}
+    decisions: list[M.Decision] = []
     for i, d in enumerate(problem.decisions):
         terms = touching.get(i, [])
 
@@ -583,6 +615,6 @@ def explain(problem: Problem, choice: list[int], ctx: Context) -> None:
             c = local(k)
             if c != INFEASIBLE and (best_cost is None or c < best_cost):
                 best_alt, best_cost = d.options[k], c
-        decisions[d.node.name] = M.Decision(here, best_alt if isinstance(best_alt, M.Strategy) else None,
-                                            best_cost, "least estimated step time")
-    ctx.report["decisions"] = decisions
+        decisions.append(M.Decision(here, best_alt if isinstance(best_alt, M.Strategy) else None,
+                                    best_cost, "least estimated step time"))
+    return decisions

@@ -12,11 +12,17 @@ cheapest wins (ties: rule order, which lists the all-replicated strategy first, 
 without a reason). The backward all-reduce of *parameters* (data-parallel gradient sync) is not priced here: it
 is the price of data parallelism itself, and trading it against activation traffic op by op would undo the
 batch sharding the user asked for. The exact search of the cost models prices everything together.
-Parameters are consumed where they lie: redistributing a parameter with a fixed layout (all-gathering an
-annotated column-parallel weight, say) is allowed only when no strategy takes it in place, since it would undo
-the memory and compute split the annotation asked for. The chosen :class:`~autoshard.meta.Strategy`
-and a :class:`~autoshard.meta.Decision` (with the best rejected alternative) go into ``node.meta``. An exact,
-whole-graph search over the same strategies replaces this walk when a cost model is given (issue: auto plans).
+Annotated parameters are hard constraints (:func:`pinned_values`, shared with the plan search): a strategy that
+needs an annotated parameter in another layout is not a candidate, and neither is one that gathers (all-gather,
+all-to-all) a value computed only from annotated parameters (its transpose, say) — either would undo the memory
+and compute split the annotation asked for. When no strategy is left, :class:`~autoshard.errors.PlanError` names
+the parameter and the op. A free parameter already laid out by an earlier consumer (a tied weight) may still be
+redistributed, as a last resort. The chosen :class:`~autoshard.meta.Strategy` and a
+:class:`~autoshard.meta.Decision` (with the best rejected alternative) go into ``node.meta``.
+
+A strategy decided before this pass — by the exact search (``passes/plan_search.py``), or by a test — is read from
+``node.meta[autoshard.meta.PLANNED]`` and applied instead of the walk's choice (checked against the node's rule
+unless ``node.meta[autoshard.meta.PLANNED_BY]`` says the search drew it from those very options).
 
 Entry point: :class:`Propagate` (``run(gm, ctx) -> gm``).
 """
@@ -33,7 +39,7 @@ from autoshard import meta as M
 from autoshard import redistribute, rules
 from autoshard.context import Context
 from autoshard.errors import PlanError, UnsupportedOpError, node_location
-from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
+from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
 from autoshard.placements import Partial, Replicate, Shard, check_spec, format_spec
 from autoshard.strategies import strategies_for
 
@@ -47,6 +53,7 @@ class Propagate:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         mark_requires_grad(gm)
         fixed = seed_specs(gm, ctx)
+        pinned = pinned_values(gm)
         paid: set[tuple] = set()  # (node, spec) redistributions and (node, spec, axes) grad syncs already bought
         decisions = 0
         for node in gm.graph.nodes:
@@ -63,7 +70,7 @@ class Propagate:
             if node.op != "call_function":
                 raise UnsupportedOpError(f"{node_location(node)} is a {node.op} node, but autoshard only handles "
                                          "aten call_function nodes after tracing.")
-            _choose(node, ctx, fixed, paid)
+            _choose(node, ctx, fixed, paid, pinned)
             decisions += 1
         for node in gm.graph.nodes:  # parameters nobody consumed stay replicated
             if node.op == "get_attr" and node.meta.get(M.SPEC) is None:
@@ -93,6 +100,8 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
     fixed: set[torch.fx.Node] = set()
     params = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in params + inputs:
+        n.meta.pop(M.ANNOTATED, None)
     for pattern, spec in opts.annotations:
         hits = [n for n in params
                 if any(fnmatch.fnmatchcase(a, pattern) for a in n.meta.get(M.ALIASES, (str(n.target),)))]
@@ -108,6 +117,7 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
                 raise PlanError(f"annotation {pattern!r} on `{n.name}` has Partial(), but a parameter cannot be "
                                 "Partial (every rank would hold a share of it and compute its whole gradient): use "
                                 "Shard(d) or Replicate().")
+            n.meta[M.ANNOTATED] = pattern
             fixed.add(n)
     for n in inputs:
         if n in fixed or not isinstance(n.meta.get("val"), torch.Tensor):
@@ -126,33 +136,109 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
     return fixed
 
 
-def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: set[tuple]) -> None:
+# ---------------------------------------------------------------------------------------------------------
+# Annotated parameters are hard constraints (both planners)
+# ---------------------------------------------------------------------------------------------------------
+def pinned_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
+    """Values whose layout an annotation fixes: annotated parameters (True: taken only as annotated) and values
+    computed only from them (False: never gathered; see :func:`keeps_layout`). Run after :func:`seed_specs`."""
+    pinned: dict[torch.fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and M.ANNOTATED in n.meta and is_tensor_node(n):
+            pinned[n] = True
+        elif n.op == "call_function":
+            srcs = n.all_input_nodes
+            if srcs and all(x in pinned for x in srcs):
+                pinned[n] = False
+    return pinned
+
+
+def keeps_layout(have, want, strict: bool) -> bool:
+    """Whether a consumer needing ``want`` respects a pinned value laid out as ``have``: exactly (an annotated
+    parameter), or without gathering any of its shards (a value computed only from annotated parameters: its
+    Partial sums may still be reduced, and replicated copies sliced locally)."""
+    if have is None or want is None:
+        return True
+    if strict:
+        return have == want
+    return all(not isinstance(h, Shard) or w == h for h, w in zip(have, want))
+
+
+def pin_conflict(inputs, strat: M.Strategy, pinned: dict) -> tuple[torch.fx.Node, object] | None:
+    """The first pinned input ``strat`` would need in another layout (with that layout), or None."""
+    for x, want in zip(inputs, strat.input_specs):
+        if x in pinned and not keeps_layout(x.meta.get(M.SPEC), want, pinned[x]):
+            return x, want
+    return None
+
+
+def annotation_error(node: torch.fx.Node, x: torch.fx.Node, wants: list, pinned: dict) -> PlanError:
+    """No strategy of ``node`` takes the pinned value ``x`` as it is laid out."""
+    param = x if x.op == "get_attr" else next(
+        (a for a in _pinned_sources(x, pinned)), x)
+    pattern = param.meta.get(M.ANNOTATED, "?")
+    name = param.meta.get(M.PARAM, str(param.target))
+    what = f"parameter `{name}`" if x is param else f"`{x.name}` (computed only from parameter `{name}`)"
+    needs = ", ".join(sorted({format_spec(w) for w in wants if w is not None})) or "another layout"
+    return PlanError(
+        f"{node_location(node)} cannot take {what} as annotated: annotation {pattern!r} fixes "
+        f"{format_spec(param.meta.get(M.SPEC))}, but every strategy of this op needs {needs}, and an annotated "
+        f"parameter is never redistributed for compute. Annotate `{name}` with one of {needs}, or drop the "
+        f"annotation {pattern!r} and let the planner choose.")
+
+
+def _pinned_sources(x: torch.fx.Node, pinned: dict):
+    seen, stack = set(), [x]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and pinned.get(n):
+            yield n
+        stack.extend(a for a in n.all_input_nodes if a in pinned)
+
+
+def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: set[tuple],
+            pinned: dict[torch.fx.Node, bool]) -> None:
     inputs = tensor_inputs(node)
-    if node.name in ctx.searched:  # one of this node's (or its tied twin's) own rule options
-        candidates = [ctx.forced[node.name]]
+    planned = node.meta.get(M.PLANNED)
+    if planned is not None and node.meta.get(M.PLANNED_BY) == "plan_search":
+        candidates = [planned]  # one of this node's (or its tied twin's) own rule options
     else:
         candidates = node_strategies(node, ctx)
-    if node.name in ctx.forced and node.name not in ctx.searched:
-        if ctx.forced[node.name] not in candidates:
-            raise PlanError(f"{node_location(node)} was given strategy {ctx.forced[node.name]}, but its rule does "
-                            "not allow it.")
-        candidates = [ctx.forced[node.name]]
-    scored = []
+        if planned is not None:
+            if planned not in candidates:
+                raise PlanError(f"{node_location(node)} was given strategy {planned}, but its rule does not "
+                                "allow it.")
+            candidates = [planned]
+    blocked = []  # (pinned input, layout a rejected strategy wanted)
+    scored, forbidden = [], []  # forbidden: priced only to be named as the rejected alternative
     for strat in candidates:
+        conflict = pin_conflict(inputs, strat, pinned)
+        if conflict is not None:
+            blocked.append(conflict)
         cost = _price(node, inputs, strat, ctx, paid)
         if cost is not None:
-            scored.append((cost, strat))
+            (scored if conflict is None else forbidden).append((cost, strat))
     if not scored:
+        if blocked:
+            x = blocked[0][0]
+            raise annotation_error(node, x, [w for b, w in blocked if b is x], pinned)
         specs = ", ".join(f"`{x.name}` {format_spec(x.meta.get(M.SPEC))}" for x in inputs)
         raise PlanError(f"{node_location(node)} has inputs {specs}, but no strategy of its rule accepts them. "
                         "Check the annotations feeding this op.")
     if ctx.options.sequence_parallel:
         # Sequence parallelism: at equal bytes, keep activations sharded (less activation memory per rank).
-        scored.sort(key=lambda cs: (cs[0], _replicated_axes(cs[1].output_spec)))
+        def order(cs):
+            return cs[0], _replicated_axes(cs[1].output_spec)
     else:
-        scored.sort(key=lambda cs: cs[0])
+        def order(cs):
+            return cs[0]
+    scored.sort(key=order)
     best_cost, best = scored[0]
-    alt = next(((c, s) for c, s in scored[1:] if s.output_spec != best.output_spec), None)
+    rest = sorted(scored[1:] + forbidden, key=order)
+    alt = next(((c, s) for c, s in rest if s.output_spec != best.output_spec), None)
     for x, spec, sync in zip(inputs, best.input_specs, best.grad_sync):
         if x.meta.get(M.SPEC) is None:  # a free parameter takes the layout its first consumer wants
             x.meta[M.SPEC] = spec
@@ -160,9 +246,10 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
         paid.add((x, spec, tuple(sync)))
     node.meta[M.STRATEGY] = best
     node.meta[M.SPEC] = best.output_spec
-    searched = ctx.report.get("decisions", {}).get(node.name)
-    node.meta[M.DECISION] = searched or M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
-                                                   "fewest bytes communicated")
+    if planned is not None and M.DECISION in node.meta:
+        return  # the planner's own explanation (the search's) stays
+    node.meta[M.DECISION] = M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
+                                       "fewest bytes communicated")
 
 
 def _replicated_axes(spec) -> int:
@@ -230,4 +317,5 @@ def _require_outputs(node: torch.fx.Node, ctx: Context) -> None:
     node.meta[M.STRATEGY] = M.Strategy(tuple(wants), (), tuple(() for _ in wants), "outputs")
 
 
-__all__ = ["Propagate", "mark_requires_grad"]
+__all__ = ["Propagate", "keeps_layout", "mark_requires_grad", "node_strategies", "pin_conflict", "pinned_values",
+           "seed_specs"]

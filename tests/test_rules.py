@@ -2,7 +2,7 @@
 
 For each op case of ``tests/opcases.py`` and each mesh, the op's node is found in the traced graph and its
 candidate strategies are enumerated exactly as propagation does (``rule(OpInfo)`` → ``strategies_for``). Each
-strategy is then *forced* on the node (``Context.forced``, the hook propagation honours) and the plan is run on
+strategy is then *forced* on the node (``node.meta[M.PLANNED]``, which propagation honours) and the plan is run on
 every rank in the thread simulator, forward and backward. Ground truth is eager PyTorch on the full tensors:
 
 * every rank's outputs (left replicated by the output rule) equal the eager outputs;
@@ -197,9 +197,11 @@ def build(case_name: str, mesh_name: str, strat, variant: str, forced: bool = Tr
     """The pipeline of ``autoshard.plan.build_plan``, with ``strat`` forced on the node under test."""
     _, _, gm0, node_name = traced(case_name)
     mesh = MESHES[mesh_name]
-    ctx = Context(mesh, Options(annotations=annotations(case_name, mesh_name, strat, variant)),
-                  forced={node_name: strat} if forced else {})
-    gm = run_passes(copy.deepcopy(gm0), ctx)
+    ctx = Context(mesh, Options(annotations=annotations(case_name, mesh_name, strat, variant)))
+    gm = copy.deepcopy(gm0)
+    if forced:
+        _node(gm, node_name).meta[M.PLANNED] = strat
+    gm = run_passes(gm, ctx)
     return Plan(gm, mesh, ctx, case_name)
 
 
