@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from autoshard.cost_models.comm import collective_time
 from autoshard.cost_models.compute import compute_time
 from autoshard.cost_models.memory import optimizer_state_bytes
 from autoshard.cost_models.profile import HardwareProfile
 
 from autoshard import meta as M
 from autoshard import redistribute
+from autoshard.collectives import time as kind_time
 from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Spec, local_shape
@@ -78,29 +78,17 @@ def redistribution_time_of(src, dst, shp, size, rg, mesh, profile) -> float | No
     total = 0.0
     for st in steps:
         n = mesh.axis_size(st.axis)
-        link = _link(profile, mesh, st.axis)
         before = _local_numel(shp, st.before, mesh) * size
         after = _local_numel(shp, st.after, mesh) * size
-        if st.kind == "all_reduce":
-            total += collective_time("all_reduce", before, n, link)
-        elif st.kind == "all_gather":
-            total += collective_time("all_gather", after, n, link)
-            # backward: a local slice
-        elif st.kind == "reduce_scatter":
-            total += collective_time("reduce_scatter", before, n, link)
-            total += rg * collective_time("all_gather", before, n, link)
-        elif st.kind == "all_to_all":
-            total += (1 + rg) * collective_time("all_to_all", before, n, link)
-        elif st.kind == "local_slice":
-            total += rg * collective_time("all_gather", before, n, link)
+        fwd, bwd = kind_time(st.kind, max(before, after), n, _link(profile, mesh, st.axis), rg)
+        total += fwd
+        total += bwd
     return total
 
 
 def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile) -> float:
     nbytes = _local_numel(shape(x), spec, mesh) * itemsize(x)
-    return sum(collective_time("all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a)) for a in axes)
-
-
+    return sum(kind_time("grad_all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a))[1] for a in axes)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from autoshard.passes.manager import run_passes
 from autoshard.passes.propagate import Propagate
 from torch import nn
 
@@ -24,7 +25,7 @@ from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError, UnsupportedOpError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.placements import Partial, Replicate, Shard, parse_placement
-from autoshard.plan import loss_of, run_passes
+from autoshard.plan import loss_of
 from autoshard.rules import RULES
 from autoshard.runtime import SimWorld, spawn, use
 from autoshard.trace import trace

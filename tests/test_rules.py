@@ -31,7 +31,7 @@ planner on a hand-written bias add after a row-parallel matmul, where it used to
 finds are listed in :data:`KNOWN_BUGS`: their sweep entries are strict xfails, so a fix shows up as XPASS and the
 entry must go.
 
-The passes are the greedy pipeline (``autoshard.plan.PIPELINE``): the search planner would decide every other
+The passes are the plan phase of the greedy pass list (``autoshard.passes.manager.pass_list``): the search planner would decide every other
 node too, and the rule under test is the one forced either way.
 """
 
@@ -43,6 +43,7 @@ import itertools
 
 import pytest
 import torch
+from autoshard.passes.manager import pass_list, run_passes
 from autoshard.passes.propagate import node_strategies
 
 from autoshard import meta as M
@@ -52,7 +53,7 @@ from autoshard.errors import PlanError
 from autoshard.graph_utils import shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Partial, Replicate, Shard, assemble, format_spec, shard_tensor
-from autoshard.plan import Plan, run_passes
+from autoshard.plan import Plan
 from autoshard.runtime.sim import SimWorld
 from autoshard.trace import trace
 from tests import opcases
@@ -201,7 +202,7 @@ def build(case_name: str, mesh_name: str, strat, variant: str, forced: bool = Tr
     gm = copy.deepcopy(gm0)
     if forced:
         _node(gm, node_name).meta[M.PLANNED] = strat
-    gm = run_passes(gm, ctx)
+    gm = run_passes(gm, ctx, pass_list(ctx.options)["plan"])
     return Plan(gm, mesh, ctx, case_name)
 
 

@@ -3,7 +3,7 @@
 ``sequence_parallel=True`` makes the greedy planner prefer sharded activations at equal communication; with the
 block's input sharded along the sequence, every all-reduce of the Megatron plan becomes a reduce-scatter (into
 the residual) and an all-gather (before the column-parallel linear), whose backward codegen fuses into a
-reduce-scatter (``autoshard.runtime.sequence.all_gather_sync``). Checked: loss and gradients equal one device,
+reduce-scatter (``torch.ops.autoshard.all_gather_sync``). Checked: loss and gradients equal one device,
 the collectives and their bytes on the wire equal Megatron's, activation memory per rank goes down (measured:
 bytes autograd saves for backward on each rank, and the cost model's memory per rank).
 """
@@ -74,7 +74,7 @@ def test_sequence_parallel_replaces_each_all_reduce_by_reduce_scatter_and_all_ga
     _, x, megatron, sp = plans
     bsh = B * S * H
     code = sp.code(0)
-    assert code.count("layer_norm.default(") == 2 and "all_gather_sync(layer_norm" in code
+    assert code.count("layer_norm.default(") == 2 and "autoshard.all_gather_sync.default(layer_norm" in code
     meg_log, sp_log = megatron.simulate((x,)).logs[0], sp.simulate((x,)).logs[0]
     act = [r for r in sp_log if r.numel in (bsh, bsh // 2)]
     assert collective_counts(act, "forward") == {("reduce_scatter", "model"): 2, ("all_gather", "model"): 2}
