@@ -37,7 +37,7 @@ __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate
 
 
 _SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "rules", "strategies",
-               "trace", "report", "cli", "passes", "cost_models", "moe", "moe_ops", "pipeline", "checkpoint"}
+               "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint"}
 
 
 def __getattr__(name: str):

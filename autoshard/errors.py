@@ -1,7 +1,8 @@
 """The one exception hierarchy of autoshard.
 
 Every error a user can cause is raised as a subclass of :class:`AutoshardError` with a message of the form
-"<subject> has <actual>, but <expected>. <what to do>", naming the node, module path or option involved.
+"<subject> has <actual>, but <expected>. <what to do>", naming the node, module path or option involved
+(:func:`autoshard.graph_utils.node_location` words a node's place). A leaf: it imports nothing from autoshard.
 """
 
 from __future__ import annotations
@@ -33,22 +34,6 @@ class RuntimeShapeError(AutoshardError):
 
 class CollectiveTimeoutError(AutoshardError):
     """A collective did not complete within the configured timeout (a peer died or hangs)."""
-
-
-def node_location(node) -> str:
-    """'node `name` (op) in module `path`, at file:line' for error messages."""
-    from autoshard import meta as M
-
-    parts = [f"node `{node.name}` ({node.target})" if node.op == "call_function" else f"node `{node.name}`"]
-    path = M.module_path(node)
-    if path:
-        parts.append(f"in module `{path}`")
-    trace = node.meta.get("stack_trace")
-    if trace:
-        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-        if lines:
-            parts.append(f"at {lines[-1]}")
-    return " ".join(parts)
 
 
 class CheckpointError(AutoshardError):

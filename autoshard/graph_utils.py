@@ -1,4 +1,5 @@
-"""Small helpers over FX nodes shared by the passes: tensor inputs in flat order, shapes, dtypes."""
+"""Small helpers over FX nodes shared by the passes: tensor inputs in flat order, shapes, dtypes, and where a node
+comes from in the user's model (:func:`node_location`, for error messages)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import operator
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+
+from autoshard import meta as M
 
 
 def is_tensor_node(x) -> bool:
@@ -38,3 +41,17 @@ def itemsize(node: torch.fx.Node) -> int:
 
 def is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def node_location(node: torch.fx.Node) -> str:
+    """'node `name` (op) in module `path`, at file:line' for error messages."""
+    parts = [f"node `{node.name}` ({node.target})" if node.op == "call_function" else f"node `{node.name}`"]
+    path = M.module_path(node)
+    if path:
+        parts.append(f"in module `{path}`")
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+        if lines:
+            parts.append(f"at {lines[-1]}")
+    return " ".join(parts)

@@ -504,11 +504,11 @@ def numel(shape) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Mixture of Experts graph ops (autoshard/moe.py, emitted by passes/expert_rewrite.py). The routing group "g"
+# Mixture of Experts graph ops (autoshard/moe/graph_ops.py, emitted by passes/expert_rewrite.py). The routing group "g"
 # is the only shardable label: tokens live sharded on groups, the expert buffer [E, G, C, h] on groups too,
 # and the expert matmuls (bmm/baddbmm) shard E — the redistribution between them is one all-to-all.
 # ---------------------------------------------------------------------------------------------------------
-from autoshard import moe as _moe  # noqa: E402
+from autoshard.moe import graph_ops as _moe  # noqa: E402
 
 
 def _g(shape, at: int = 0) -> Labels:

@@ -1,4 +1,4 @@
-"""MoE dispatch+combine: index scatter/gather (autoshard.moe_ops) vs GShard's dense one-hot einsum.
+"""MoE dispatch+combine: index scatter/gather (autoshard.moe.routing) vs GShard's dense one-hot einsum.
 
 Both paths start from the same routing and run forward + backward (gradients to the tokens and to the gates, as
 in training) with an identity expert in between, so only dispatch and combine are measured. They run side by
@@ -7,7 +7,7 @@ columns are the bytes of tensors the warm-up step actually allocated: the index 
 buffer and the dense path's ``[T, E, C]`` one-hot mask (seen by a dispatch mode that watches every aten op).
 
     python bench/moe_dispatch.py            # T=8192, h=512, top_k=2, capacity_factor=1.25, E in 8/32/128
-    python bench/moe_dispatch.py --quick    # a seconds-long smoke run (used by tests/moe/test_moe_ops.py)
+    python bench/moe_dispatch.py --quick    # a seconds-long smoke run (used by tests/moe/test_routing.py)
 
 The dense path's cost hardly depends on E (E·C ≈ k·T·capacity_factor), so its repeats are capped by
 ``--budget`` rather than shrinking the sizes.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard import moe_ops as M
+from autoshard.moe import routing as M
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from autoshard.errors import PlanError, node_location
+from autoshard.errors import PlanError
+from autoshard.graph_utils import node_location
 
 from .profile import HardwareProfile
 

@@ -21,20 +21,24 @@ by::
     f      = first_fraction(ei, E, T)                      # global fraction of first choices (Partial sum)
     terms  = aux_terms(probs, logits, f, E, T)             # [G, 2]: each group's share of lb and z
     stats  = routing_stats(ei, keep, terms, E)             # recorded per forward (autoshard.moe_stats)
-    out    = attach(out, terms, stats, path, α, β, k)       # aux-loss gradients ride on the activation
+    out    = attach(out, terms, stats, key, path, α, β, k)  # aux-loss gradients ride on the activation
     result = reshape(out, x.shape)
 
 ``G`` (routing groups) defaults to the size of ``expert_axis``, so under data parallelism each rank routes its
 own tokens with ``C = ceil(k·T_g/E·capacity_factor)`` (static) and the single-device graph routes the same groups.
 Expert parameters ``<path>.experts.{w1,b1,w3,b3,w2,b2}`` (stored ``[E, in, out]``; ``w3`` is the second
 in-projection of a gated FFN, in graph order) and ``<path>.router.weight`` ``[E, h]`` are new ``get_attr`` nodes;
-the expert ones are annotated ``Shard(0)`` on ``expert_axis`` (prepended to the user's annotations, which may
-override them, e.g. to split ``w1`` column-parallel over ``model`` too). Propagation then needs the buffer
+the expert ones are annotated ``Shard(0)`` on ``expert_axis`` through ``gm.meta[autoshard.meta.IMPLIED_ANNOTATIONS]``
+(propagation seeds them before the user's annotations, which may override them, e.g. to split ``w1``
+column-parallel over ``model`` too). Propagation then needs the buffer
 sharded on experts where the tokens were sharded on groups: one all-to-all before the experts and one after
 (their backwards are the inverse all-to-alls): four per layer per step.
 
 The rewrite builds new nodes in place with FakeTensor ``val``s from the graph's own fake mode and the FFN's
-``nn_module_stack``; it erases the dense FFN and its weight ``get_attr`` nodes.
+``nn_module_stack``; it erases the dense FFN and its weight ``get_attr`` nodes. It reads the user's options and
+never changes them: its result is a :class:`~autoshard.moe.MoERewrite` on ``gm.meta[autoshard.meta.MOE_REWRITE]``
+(layers, groups, and the record key ``key`` that every ``attach`` node carries, so two models compiled in one
+process keep separate records), mirrored as plain data in ``ctx.report["expert_rewrite"]`` for the plan report.
 """
 
 from __future__ import annotations
@@ -48,9 +52,12 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard import moe as moe_mod
 from autoshard.context import Context
 from autoshard.errors import PlanError
+from autoshard.moe import graph_ops
+from autoshard.moe.options import capacity_of
+from autoshard.moe.records import new_key
+from autoshard.moe.result import MoELayer, MoERewrite
 from autoshard.placements import Replicate, Shard
 from autoshard.trace import fetch_attr
 
@@ -111,21 +118,23 @@ class ExpertRewrite:
             raise PlanError(f"MoE groups has {groups}, but it must be a multiple of the size {n} of expert axis "
                             f"`{opts.expert_axis}` (each rank routes whole groups).")
         paths = module_paths(gm)
+        key = new_key()
         layers = []
         annotations = []
         gen = torch.Generator().manual_seed(opts.seed)
         for path in opts.select(paths):
             ffn = match_ffn(gm, path)
-            info = emit_moe(gm, ffn, opts, groups, gen)
-            layers.append(info)
+            layer = emit_moe(gm, ffn, opts, groups, gen, key)
+            layers.append(layer)
             if n > 1:
                 spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
-                annotations += [(name, spec) for name in info["expert_params"]]
+                annotations += [(name, spec) for name in layer.expert_params]
         gm.graph.lint()
         gm.recompile()
-        if annotations:
-            ctx.options = dataclasses.replace(ctx.options, annotations=tuple(annotations) + ctx.options.annotations)
-        ctx.report[self.name] = {"layers": layers, "groups": groups, "expert_axis": opts.expert_axis}
+        result = MoERewrite(tuple(layers), groups, opts.expert_axis, key)
+        gm.meta[M.MOE_REWRITE] = result
+        gm.meta[M.IMPLIED_ANNOTATIONS] = tuple(annotations) + gm.meta.get(M.IMPLIED_ANNOTATIONS, ())
+        ctx.report[self.name] = result.report()
         return gm
 
 
@@ -300,7 +309,8 @@ def _expert_weight(dense: torch.Tensor, experts: int, opts, gen: torch.Generator
         return ((torch.rand((experts, *dense.shape), generator=gen) * 2 - 1) * bound).to(dense.dtype)
 
 
-def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.Generator) -> dict:
+def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.Generator, key: str) -> MoELayer:
+    """Replace ``ffn`` by the MoE layer of the module docstring; ``key`` is the record key its ``attach`` carries."""
     x = ffn.x
     xval = x.meta["val"]
     shape = tuple(int(s) for s in xval.shape)
@@ -312,7 +322,7 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
                         f"`{opts.expert_axis}`). Use a batch that is a multiple of {groups}.")
     per_group = tokens // groups
     E, k = opts.num_experts, opts.top_k
-    cap = moe_mod.capacity_of(per_group, opts)
+    cap = capacity_of(per_group, opts)
     b = _Builder(gm, ffn.result, xval.fake_mode, _stack_for(ffn), ffn.out_proj.meta.get("stack_trace"))
     path = ffn.path
 
@@ -350,12 +360,12 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     xf = xg if xval.dtype == torch.float32 else b.call(aten._to_copy.default, xg, dtype=torch.float32)
     logits = b.call(aten.linear.default, xf, router)
     probs = b.call(aten.softmax.int, logits, -1)
-    routed = b.call(moe_mod.route_groups, logits, k, cap)
+    routed = b.call(graph_ops.route_groups, logits, k, cap)
     ei, pos, keep = b.items(routed, 3)
-    gate = b.call(moe_mod.gate_groups, probs, ei)
+    gate = b.call(graph_ops.gate_groups, probs, ei)
 
     # experts
-    buf = b.call(moe_mod.dispatch_groups, xg, ei, pos, keep, E, cap)
+    buf = b.call(graph_ops.dispatch_groups, xg, ei, pos, keep, E, cap)
     flat = b.call(aten.reshape.default, buf, [E, groups * cap, hidden])
 
     def project(inp, w, bias):
@@ -373,13 +383,14 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
         env[old] = b.copy(old, env, src)
     down = project(env[src(_projection_input(ffn.out_proj))], w2, b2)
     y = b.call(aten.reshape.default, down, [E, groups, cap, hidden])
-    out = b.call(moe_mod.combine_groups, y, ei, pos, gate, keep)
+    out = b.call(graph_ops.combine_groups, y, ei, pos, gate, keep)
 
     # losses and statistics
-    frac = b.call(moe_mod.first_fraction, ei, E, tokens)
-    terms = b.call(moe_mod.aux_terms, probs, logits, frac, E, tokens)
-    stats = b.call(moe_mod.routing_stats, ei, keep, terms, E)
-    out = b.call(moe_mod.attach, out, terms, stats, path, float(opts.aux_loss_weight), float(opts.z_loss_weight), k)
+    frac = b.call(graph_ops.first_fraction, ei, E, tokens)
+    terms = b.call(graph_ops.aux_terms, probs, logits, frac, E, tokens)
+    stats = b.call(graph_ops.routing_stats, ei, keep, terms, E)
+    out = b.call(graph_ops.attach, out, terms, stats, key, path, float(opts.aux_loss_weight),
+                 float(opts.z_loss_weight), k)
     result = b.call(aten.reshape.default, out, list(shape))
 
     ffn.result.replace_all_uses_with(result)
@@ -390,10 +401,10 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
         if not a.users:
             gm.graph.erase_node(a)
     itemsize = xval.element_size()
-    return {"path": path, "experts": E, "top_k": k, "groups": groups, "tokens_per_group": per_group,
-            "capacity": cap, "capacity_factor": opts.capacity_factor, "gated": len(ffn.in_projs) == 2,
-            "hidden": hidden, "ffn": ffn_dim, "buffer_bytes": E * groups * cap * hidden * itemsize,
-            "expert_params": expert_params, "router": f"{path}.router.weight", "init": opts.init}
+    return MoELayer(path=path, experts=E, top_k=k, groups=groups, tokens_per_group=per_group, capacity=cap,
+                    capacity_factor=opts.capacity_factor, gated=len(ffn.in_projs) == 2, hidden=hidden, ffn=ffn_dim,
+                    buffer_bytes=E * groups * cap * hidden * itemsize, expert_params=tuple(expert_params),
+                    router=f"{path}.router.weight", init=opts.init)
 
 
 __all__ = ["ExpertRewrite", "emit_moe", "match_ffn", "module_paths", "projection_weights"]

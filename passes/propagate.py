@@ -38,8 +38,8 @@ import torch.fx
 from autoshard import meta as M
 from autoshard import redistribute, rules
 from autoshard.context import Context
-from autoshard.errors import PlanError, UnsupportedOpError, node_location
-from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
+from autoshard.errors import PlanError, UnsupportedOpError
+from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, node_location, out_vals, shape, tensor_inputs
 from autoshard.placements import Partial, Replicate, Shard, check_spec, format_spec
 from autoshard.strategies import strategies_for
 
@@ -102,7 +102,7 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in params + inputs:
         n.meta.pop(M.ANNOTATED, None)
-    for pattern, spec in opts.annotations:
+    for pattern, spec in gm.meta.get(M.IMPLIED_ANNOTATIONS, ()) + tuple(opts.annotations):  # user's last: win
         hits = [n for n in params
                 if any(fnmatch.fnmatchcase(a, pattern) for a in n.meta.get(M.ALIASES, (str(n.target),)))]
         hits += [n for n in inputs if n.name == pattern or n.target == pattern]

@@ -328,7 +328,7 @@ def test_no_tokens_by_experts_by_capacity_tensor():
 
 
 def _moe_op_cases():
-    from autoshard import moe as ops
+    from autoshard.moe import graph_ops as ops
 
     g = torch.Generator().manual_seed(3)
     G, T, E, k, C, h = 2, 6, 4, 2, 3, 5
@@ -344,7 +344,7 @@ def _moe_op_cases():
     return [(ops.route_groups, (logits, k, C)), (ops.gate_groups, (probs, ei)),
             (ops.dispatch_groups, (x, ei, pos, keep, E, C)), (ops.combine_groups, (y, ei, pos, gate, keep)),
             (ops.first_fraction, (ei, E, G * T)), (ops.aux_terms, (probs, logits, frac, E, G * T)),
-            (ops.routing_stats, (ei, keep, terms, E)), (ops.attach, (out, terms, stats, "sweep", 0.1, 0.01, k))]
+            (ops.routing_stats, (ei, keep, terms, E)), (ops.attach, (out, terms, stats, "sweep", "mlp", 0.1, 0.01, k))]
 
 
 @pytest.mark.parametrize("mesh_axes", [{"data": 2}, {"data": 2, "model": 2}], ids=["data2", "data2xmodel2"])
@@ -397,3 +397,32 @@ def test_lazy_sharded_module_reports_losses_and_stats_per_forward():
     total, stats = results[0]
     assert total > 0 and set(stats) == {"blocks.1.mlp"}
     assert stats["blocks.1.mlp"]["tokens"] == 32
+
+
+def test_rewrite_reports_on_graph_meta_and_leaves_the_options_alone():
+    model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=32)
+    plan = autoshard.compile(model, autoshard.Mesh(data=2), args, moe=autoshard.MoE(**OPTS)).plan
+    assert plan.context.options.annotations == ()  # the expert annotations are implied on the graph, not added here
+    rewrite = plan.graph_module.meta[M.MOE_REWRITE]
+    assert isinstance(rewrite, autoshard.moe.MoERewrite) and [la.path for la in rewrite.layers] == ["blocks.1.mlp"]
+    assert rewrite.report() == plan.context.report["expert_rewrite"]
+    implied = dict(plan.graph_module.meta[M.IMPLIED_ANNOTATIONS])
+    assert set(implied) == set(rewrite.layers[0].expert_params)
+    assert implied["blocks.1.mlp.experts.w1"] == (autoshard.Shard(0),)
+    assert plan.param_specs()["blocks.1.mlp.experts.w1"] == (autoshard.Shard(0),)
+
+
+def test_two_models_in_one_process_keep_their_own_records():
+    model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=32)
+    mesh = autoshard.Mesh(data=2)
+    drops = autoshard.compile(model, mesh, args, moe=autoshard.MoE(**{**OPTS, "capacity_factor": 0.5})).plan
+    roomy = autoshard.compile(model, mesh, args, moe=autoshard.MoE(**{**OPTS, "capacity_factor": 8.0})).plan
+    assert drops.graph_module.meta[M.MOE_REWRITE].key != roomy.graph_module.meta[M.MOE_REWRITE].key
+    drops.simulate(args, backward=False)
+    roomy.simulate(args, backward=False)  # same layer path, same process: must not overwrite the other's record
+    assert autoshard.moe_stats(drops, rank=0)["blocks.1.mlp"]["dropped"] > 0
+    assert autoshard.moe_stats(roomy, rank=0)["blocks.1.mlp"]["dropped"] == 0
+    assert autoshard.moe_stats(rank=1) == autoshard.moe_stats(roomy, rank=1)  # no module: the last one that ran
+    assert autoshard.moe_stats(drops.rank_module(0), rank=0) == autoshard.moe_stats(drops, rank=0)
+    autoshard.moe.clear_records(drops)
+    assert autoshard.moe_stats(drops, rank=0) == {} and autoshard.moe_stats(roomy, rank=0)

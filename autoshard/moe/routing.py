@@ -1,8 +1,9 @@
-"""Mixture-of-Experts building blocks as plain functional torch ops (Switch Transformer / GShard semantics).
+"""The routing math of one MoE layer as plain functional torch ops (Switch Transformer / GShard semantics).
 
-The expert rewrite (``passes/expert_rewrite.py``) replaces a dense FFN by a call chain of these functions; the
-expert-parallel version wraps :func:`dispatch`'s output and :func:`combine`'s input in an all-to-all. Nothing here
-is distributed, and nothing depends on tensor *values* for a shape: every function traces with fake tensors.
+These are the per-group building blocks: the group ops the expert rewrite emits (:mod:`autoshard.moe.graph_ops`)
+apply :func:`route` to every routing group, and :func:`capacity` sizes their buffers. Nothing here is distributed,
+nothing reads options or records, and nothing depends on tensor *values* for a shape: every function traces with
+fake tensors.
 
 The math, for ``T`` tokens ``x[T, h]``, ``E`` experts, ``k`` choices per token (``top_k``):
 
@@ -132,7 +133,7 @@ def route(logits: Tensor, top_k: int, capacity: int) -> Routing:
     _check_top_k(top_k, num_experts)
     if capacity < 1:
         raise PlanError(
-            f"MoE capacity has {capacity}, but it must be >= 1. Compute it with moe_ops.capacity()."
+            f"MoE capacity has {capacity}, but it must be >= 1. Compute it with autoshard.moe.routing.capacity()."
         )
 
     probs = torch.softmax(logits.float(), dim=-1)
