@@ -74,7 +74,8 @@ class FuseLinearsGradSync:
             weights = [u.args[1] for u in users]
             biases = [u.args[2] if len(u.args) > 2 else None for u in users]
             first = users[0]
-            late = [p for p in weights + biases if isinstance(p, torch.fx.Node) and order[p] > order[first]]
+            late = [p for pair in zip(weights, biases) for p in pair  # in graph order: weight, bias, weight, ...
+                    if isinstance(p, torch.fx.Node) and order[p] > order[first]]
             if any(p.op != "call_function" or any(order.get(a, len(order)) > order[first] for a in p.all_input_nodes)
                    for p in late):
                 continue  # a weight computed from values made after the first linear: leave the graph as it is

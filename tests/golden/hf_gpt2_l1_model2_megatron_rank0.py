@@ -57,14 +57,14 @@ def forward(self, input_ids, labels):
     to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None
     expand_2 = torch.ops.aten.expand.default(and_2, [4, 1, 16, 16]);  and_2 = None
-    all_reduce = autoshard_runtime_collectives_all_reduce_(add_1, 'model');  add_1 = None
+    all_reduce = torch.ops.autoshard.all_reduce.default(add_1, 'model');  add_1 = None
     dropout = torch.ops.aten.dropout.default(all_reduce, 0.0, True);  all_reduce = None
     layer_norm = torch.ops.aten.layer_norm.default(dropout, [64], transformer_h_0_ln_1_weight, transformer_h_0_ln_1_bias, 1e-05, False);  transformer_h_0_ln_1_weight = transformer_h_0_ln_1_bias = None
     view_1 = torch.ops.aten.view.default(layer_norm, [64, 64]);  layer_norm = None
-    grad_all_reduce = autoshard_runtime_collectives_grad_all_reduce(view_1, ('model',));  view_1 = None
+    grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(view_1, ['model']);  view_1 = None
     addmm = torch.ops.aten.addmm.default(transformer_h_0_attn_c_attn_bias, grad_all_reduce, transformer_h_0_attn_c_attn_weight);  transformer_h_0_attn_c_attn_bias = grad_all_reduce = transformer_h_0_attn_c_attn_weight = None
     view_2 = torch.ops.aten.view.default(addmm, [4, 16, 96]);  addmm = None
-    all_gather = autoshard_runtime_collectives_all_gather(view_2, 'model', 2);  view_2 = None
+    all_gather = torch.ops.autoshard.all_gather.default(view_2, 'model', 2, 2);  view_2 = None
     split = torch.ops.aten.split.Tensor(all_gather, 64, 2);  all_gather = None
     getitem = split[0]
     getitem_1 = split[1]
@@ -80,16 +80,16 @@ def forward(self, input_ids, labels):
     transpose_3 = torch.ops.aten.transpose.int(reshape, 1, 2);  reshape = None
     reshape_1 = torch.ops.aten.reshape.default(transpose_3, [4, 16, 64]);  transpose_3 = None
     view_6 = torch.ops.aten.view.default(reshape_1, [64, 64]);  reshape_1 = None
-    local_slice = autoshard_runtime_collectives_local_slice(view_6, 'model', 1);  view_6 = None
+    local_slice = torch.ops.autoshard.local_slice.default(view_6, 'model', 1, 2);  view_6 = None
     bias_once = autoshard_runtime_ops_bias_once(transformer_h_0_attn_c_proj_bias, True);  transformer_h_0_attn_c_proj_bias = None
     addmm_1 = torch.ops.aten.addmm.default(bias_once, local_slice, transformer_h_0_attn_c_proj_weight);  bias_once = local_slice = transformer_h_0_attn_c_proj_weight = None
     view_7 = torch.ops.aten.view.default(addmm_1, [4, 16, 64]);  addmm_1 = None
-    all_reduce_1 = autoshard_runtime_collectives_all_reduce(view_7, 'model');  view_7 = None
+    all_reduce_1 = torch.ops.autoshard.all_reduce.default(view_7, 'model');  view_7 = None
     dropout_1 = torch.ops.aten.dropout.default(all_reduce_1, 0.0, True);  all_reduce_1 = None
     add_4 = torch.ops.aten.add.Tensor(dropout_1, dropout);  dropout_1 = dropout = None
     layer_norm_1 = torch.ops.aten.layer_norm.default(add_4, [64], transformer_h_0_ln_2_weight, transformer_h_0_ln_2_bias, 1e-05, False);  transformer_h_0_ln_2_weight = transformer_h_0_ln_2_bias = None
     view_8 = torch.ops.aten.view.default(layer_norm_1, [64, 64]);  layer_norm_1 = None
-    grad_all_reduce_1 = autoshard_runtime_collectives_grad_all_reduce(view_8, ('model',));  view_8 = None
+    grad_all_reduce_1 = torch.ops.autoshard.grad_all_reduce.default(view_8, ['model']);  view_8 = None
     addmm_2 = torch.ops.aten.addmm.default(transformer_h_0_mlp_c_fc_bias, grad_all_reduce_1, transformer_h_0_mlp_c_fc_weight);  transformer_h_0_mlp_c_fc_bias = grad_all_reduce_1 = transformer_h_0_mlp_c_fc_weight = None
     view_9 = torch.ops.aten.view.default(addmm_2, [4, 16, 128]);  addmm_2 = None
     mul = torch.ops.aten.mul.Tensor(view_9, 0.5)
@@ -104,22 +104,23 @@ def forward(self, input_ids, labels):
     bias_once_1 = autoshard_runtime_ops_bias_once(transformer_h_0_mlp_c_proj_bias, True);  transformer_h_0_mlp_c_proj_bias = None
     addmm_3 = torch.ops.aten.addmm.default(bias_once_1, view_10, transformer_h_0_mlp_c_proj_weight);  bias_once_1 = view_10 = transformer_h_0_mlp_c_proj_weight = None
     view_11 = torch.ops.aten.view.default(addmm_3, [4, 16, 64]);  addmm_3 = None
-    all_reduce_2 = autoshard_runtime_collectives_all_reduce(view_11, 'model');  view_11 = None
+    all_reduce_2 = torch.ops.autoshard.all_reduce.default(view_11, 'model');  view_11 = None
     dropout_2 = torch.ops.aten.dropout.default(all_reduce_2, 0.0, True);  all_reduce_2 = None
     add_7 = torch.ops.aten.add.Tensor(add_4, dropout_2);  add_4 = dropout_2 = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7, [64], transformer_ln_f_weight, transformer_ln_f_bias, 1e-05, False);  add_7 = transformer_ln_f_weight = transformer_ln_f_bias = None
     view_12 = torch.ops.aten.view.default(layer_norm_2, [4, 16, 64]);  layer_norm_2 = None
     alias = torch.ops.aten.alias.default(view_12);  view_12 = None
-    linears_grad_all_reduce = autoshard_runtime_collectives_linears_grad_all_reduce(alias, ('model',), lm_head_weight, None);  alias = lm_head_weight = None
-    getitem_3 = linears_grad_all_reduce[0];  linears_grad_all_reduce = None
-    to_3 = torch.ops.aten.to.dtype(getitem_3, torch.float32);  getitem_3 = None
+    linears_grad_all_reduce = torch.ops.autoshard.linears_grad_all_reduce.default(alias, ['model'], [lm_head_weight], [], [False]);  alias = lm_head_weight = None
+    getitem_4 = linears_grad_all_reduce[0];  linears_grad_all_reduce = None
+    to_3 = torch.ops.aten.to.dtype(getitem_4, torch.float32);  getitem_4 = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_2 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None
     view_13 = torch.ops.aten.view.default(to_3, [64, 64])
     view_14 = torch.ops.aten.view.default(contiguous, [64]);  contiguous = None
     to_4 = torch.ops.aten.to.dtype_layout(view_14, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_14 = None
-    vocab_parallel_cross_entropy = autoshard_runtime_ops_vocab_parallel_cross_entropy(view_13, to_4, -100, 1, 'model', ());  view_13 = to_4 = None
-    all_reduce_3 = autoshard_runtime_collectives_all_reduce(vocab_parallel_cross_entropy, 'model');  vocab_parallel_cross_entropy = None
-    all_gather_1 = autoshard_runtime_collectives_all_gather(to_3, 'model', 2);  to_3 = None
+    vocab_parallel_cross_entropy = torch.ops.autoshard.vocab_parallel_cross_entropy.default(view_13, to_4, -100, 1, 'model', 2, []);  view_13 = to_4 = None
+    getitem_3 = vocab_parallel_cross_entropy[0];  vocab_parallel_cross_entropy = None
+    all_reduce_3 = torch.ops.autoshard.all_reduce.default(getitem_3, 'model');  getitem_3 = None
+    all_gather_1 = torch.ops.autoshard.all_gather.default(to_3, 'model', 2, 2);  to_3 = None
     return pytree.tree_unflatten((all_reduce_3, all_gather_1), self._out_spec)

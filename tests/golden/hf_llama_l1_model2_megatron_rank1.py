@@ -62,7 +62,7 @@ def forward(self, input_ids, labels):
     to_4 = torch.ops.aten.to.dtype(mul_1, torch.float32);  mul_1 = None
     to_5 = torch.ops.aten.to.dtype(mul_2, torch.float32);  mul_2 = None
     to_6 = torch.ops.aten.to.dtype(masked_embedding, torch.float32);  masked_embedding = None
-    all_reduce = autoshard_runtime_collectives_all_reduce(to_6, 'model')
+    all_reduce = torch.ops.autoshard.all_reduce.default(to_6, 'model')
     pow_1 = torch.ops.aten.pow.Tensor_Scalar(all_reduce, 2)
     mean = torch.ops.aten.mean.dim(pow_1, [-1], True);  pow_1 = None
     add_3 = torch.ops.aten.add.Tensor(mean, 1e-06);  mean = None
@@ -70,15 +70,15 @@ def forward(self, input_ids, labels):
     mul_3 = torch.ops.aten.mul.Tensor(all_reduce, rsqrt);  all_reduce = rsqrt = None
     to_7 = torch.ops.aten.to.dtype(mul_3, torch.float32);  mul_3 = None
     mul_4 = torch.ops.aten.mul.Tensor(model_layers_0_input_layernorm_weight, to_7);  model_layers_0_input_layernorm_weight = to_7 = None
-    linears_grad_all_reduce = autoshard_runtime_collectives_linears_grad_all_reduce(mul_4, ('model',), model_layers_0_self_attn_q_proj_weight, None, model_layers_0_self_attn_k_proj_weight, None, model_layers_0_self_attn_v_proj_weight, None);  mul_4 = model_layers_0_self_attn_q_proj_weight = model_layers_0_self_attn_k_proj_weight = model_layers_0_self_attn_v_proj_weight = None
-    getitem = linears_grad_all_reduce[0]
-    getitem_1 = linears_grad_all_reduce[1]
-    getitem_2 = linears_grad_all_reduce[2];  linears_grad_all_reduce = None
-    view = torch.ops.aten.view.default(getitem, [4, 16, 2, 16]);  getitem = None
+    linears_grad_all_reduce = torch.ops.autoshard.linears_grad_all_reduce.default(mul_4, ['model'], [model_layers_0_self_attn_q_proj_weight, model_layers_0_self_attn_k_proj_weight, model_layers_0_self_attn_v_proj_weight], [], [False, False, False]);  mul_4 = model_layers_0_self_attn_q_proj_weight = model_layers_0_self_attn_k_proj_weight = model_layers_0_self_attn_v_proj_weight = None
+    getitem_1 = linears_grad_all_reduce[0]
+    getitem_2 = linears_grad_all_reduce[1]
+    getitem_3 = linears_grad_all_reduce[2];  linears_grad_all_reduce = None
+    view = torch.ops.aten.view.default(getitem_1, [4, 16, 2, 16]);  getitem_1 = None
     transpose = torch.ops.aten.transpose.int(view, 1, 2);  view = None
-    view_1 = torch.ops.aten.view.default(getitem_1, [4, 16, 1, 16]);  getitem_1 = None
+    view_1 = torch.ops.aten.view.default(getitem_2, [4, 16, 1, 16]);  getitem_2 = None
     transpose_1 = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
-    view_2 = torch.ops.aten.view.default(getitem_2, [4, 16, 1, 16]);  getitem_2 = None
+    view_2 = torch.ops.aten.view.default(getitem_3, [4, 16, 1, 16]);  getitem_3 = None
     transpose_2 = torch.ops.aten.transpose.int(view_2, 1, 2);  view_2 = None
     unsqueeze_11 = torch.ops.aten.unsqueeze.default(to_4, 1);  to_4 = None
     unsqueeze_12 = torch.ops.aten.unsqueeze.default(to_5, 1);  to_5 = None
@@ -109,7 +109,7 @@ def forward(self, input_ids, labels):
     linear_3 = torch.ops.aten.linear.default(reshape_3, model_layers_0_self_attn_o_proj_weight);  reshape_3 = model_layers_0_self_attn_o_proj_weight = None
     add_6 = torch.ops.aten.add.Tensor(to_6, linear_3);  to_6 = linear_3 = None
     to_8 = torch.ops.aten.to.dtype(add_6, torch.float32);  add_6 = None
-    all_reduce_1 = autoshard_runtime_collectives_all_reduce(to_8, 'model')
+    all_reduce_1 = torch.ops.autoshard.all_reduce.default(to_8, 'model')
     pow_2 = torch.ops.aten.pow.Tensor_Scalar(all_reduce_1, 2)
     mean_1 = torch.ops.aten.mean.dim(pow_2, [-1], True);  pow_2 = None
     add_7 = torch.ops.aten.add.Tensor(mean_1, 1e-06);  mean_1 = None
@@ -117,15 +117,15 @@ def forward(self, input_ids, labels):
     mul_9 = torch.ops.aten.mul.Tensor(all_reduce_1, rsqrt_1);  all_reduce_1 = rsqrt_1 = None
     to_9 = torch.ops.aten.to.dtype(mul_9, torch.float32);  mul_9 = None
     mul_10 = torch.ops.aten.mul.Tensor(model_layers_0_post_attention_layernorm_weight, to_9);  model_layers_0_post_attention_layernorm_weight = to_9 = None
-    linears_grad_all_reduce_1 = autoshard_runtime_collectives_linears_grad_all_reduce(mul_10, ('model',), model_layers_0_mlp_gate_proj_weight, None, model_layers_0_mlp_up_proj_weight, None);  mul_10 = model_layers_0_mlp_gate_proj_weight = model_layers_0_mlp_up_proj_weight = None
-    getitem_3 = linears_grad_all_reduce_1[0]
-    getitem_4 = linears_grad_all_reduce_1[1];  linears_grad_all_reduce_1 = None
-    silu = torch.ops.aten.silu.default(getitem_3);  getitem_3 = None
-    mul_11 = torch.ops.aten.mul.Tensor(silu, getitem_4);  silu = getitem_4 = None
+    linears_grad_all_reduce_1 = torch.ops.autoshard.linears_grad_all_reduce.default(mul_10, ['model'], [model_layers_0_mlp_gate_proj_weight, model_layers_0_mlp_up_proj_weight], [], [False, False]);  mul_10 = model_layers_0_mlp_gate_proj_weight = model_layers_0_mlp_up_proj_weight = None
+    getitem_4 = linears_grad_all_reduce_1[0]
+    getitem_5 = linears_grad_all_reduce_1[1];  linears_grad_all_reduce_1 = None
+    silu = torch.ops.aten.silu.default(getitem_4);  getitem_4 = None
+    mul_11 = torch.ops.aten.mul.Tensor(silu, getitem_5);  silu = getitem_5 = None
     linear_6 = torch.ops.aten.linear.default(mul_11, model_layers_0_mlp_down_proj_weight);  mul_11 = model_layers_0_mlp_down_proj_weight = None
     add_8 = torch.ops.aten.add.Tensor(to_8, linear_6);  to_8 = linear_6 = None
     to_10 = torch.ops.aten.to.dtype(add_8, torch.float32);  add_8 = None
-    all_reduce_2 = autoshard_runtime_collectives_all_reduce(to_10, 'model');  to_10 = None
+    all_reduce_2 = torch.ops.autoshard.all_reduce.default(to_10, 'model');  to_10 = None
     pow_3 = torch.ops.aten.pow.Tensor_Scalar(all_reduce_2, 2)
     mean_2 = torch.ops.aten.mean.dim(pow_3, [-1], True);  pow_3 = None
     add_9 = torch.ops.aten.add.Tensor(mean_2, 1e-06);  mean_2 = None
@@ -134,16 +134,17 @@ def forward(self, input_ids, labels):
     to_11 = torch.ops.aten.to.dtype(mul_12, torch.float32);  mul_12 = None
     mul_13 = torch.ops.aten.mul.Tensor(model_norm_weight, to_11);  model_norm_weight = to_11 = None
     alias = torch.ops.aten.alias.default(mul_13);  mul_13 = None
-    linears_grad_all_reduce_2 = autoshard_runtime_collectives_linears_grad_all_reduce(alias, ('model',), lm_head_weight, None);  alias = lm_head_weight = None
-    getitem_5 = linears_grad_all_reduce_2[0];  linears_grad_all_reduce_2 = None
-    to_12 = torch.ops.aten.to.dtype(getitem_5, torch.float32);  getitem_5 = None
+    linears_grad_all_reduce_2 = torch.ops.autoshard.linears_grad_all_reduce.default(alias, ['model'], [lm_head_weight], [], [False]);  alias = lm_head_weight = None
+    getitem_6 = linears_grad_all_reduce_2[0];  linears_grad_all_reduce_2 = None
+    to_12 = torch.ops.aten.to.dtype(getitem_6, torch.float32);  getitem_6 = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
     slice_6 = torch.ops.aten.slice.Tensor(pad, 1, 1, 9223372036854775807);  pad = None
     contiguous = torch.ops.aten.contiguous.default(slice_6);  slice_6 = None
     view_3 = torch.ops.aten.view.default(to_12, [64, 64])
     view_4 = torch.ops.aten.view.default(contiguous, [64]);  contiguous = None
     to_13 = torch.ops.aten.to.dtype_layout(view_4, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_4 = None
-    vocab_parallel_cross_entropy = autoshard_runtime_ops_vocab_parallel_cross_entropy(view_3, to_13, -100, 1, 'model', ());  view_3 = to_13 = None
-    all_reduce_3 = autoshard_runtime_collectives_all_reduce(vocab_parallel_cross_entropy, 'model');  vocab_parallel_cross_entropy = None
-    all_gather = autoshard_runtime_collectives_all_gather(to_12, 'model', 2);  to_12 = None
+    vocab_parallel_cross_entropy = torch.ops.autoshard.vocab_parallel_cross_entropy.default(view_3, to_13, -100, 1, 'model', 2, []);  view_3 = to_13 = None
+    getitem = vocab_parallel_cross_entropy[0];  vocab_parallel_cross_entropy = None
+    all_reduce_3 = torch.ops.autoshard.all_reduce.default(getitem, 'model');  getitem = None
+    all_gather = torch.ops.autoshard.all_gather.default(to_12, 'model', 2, 2);  to_12 = None
     return pytree.tree_unflatten((all_reduce_3, all_gather), self._out_spec)

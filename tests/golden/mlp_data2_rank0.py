@@ -4,17 +4,17 @@ def forward(self, x, target):
     fc1_bias = self.fc1.bias
     fc2_weight = self.fc2.weight
     fc2_bias = self.fc2.bias
-    grad_all_reduce = autoshard_runtime_collectives_grad_all_reduce(fc1_weight, ('data',));  fc1_weight = None
-    grad_all_reduce_1 = autoshard_runtime_collectives_grad_all_reduce(fc1_bias, ('data',));  fc1_bias = None
+    grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(fc1_weight, ['data']);  fc1_weight = None
+    grad_all_reduce_1 = torch.ops.autoshard.grad_all_reduce.default(fc1_bias, ['data']);  fc1_bias = None
     linear = torch.ops.aten.linear.default(x, grad_all_reduce, grad_all_reduce_1);  x = grad_all_reduce = grad_all_reduce_1 = None
     gelu = torch.ops.aten.gelu.default(linear);  linear = None
-    grad_all_reduce_2 = autoshard_runtime_collectives_grad_all_reduce(fc2_weight, ('data',));  fc2_weight = None
-    grad_all_reduce_3 = autoshard_runtime_collectives_grad_all_reduce(fc2_bias, ('data',));  fc2_bias = None
+    grad_all_reduce_2 = torch.ops.autoshard.grad_all_reduce.default(fc2_weight, ['data']);  fc2_weight = None
+    grad_all_reduce_3 = torch.ops.autoshard.grad_all_reduce.default(fc2_bias, ['data']);  fc2_bias = None
     linear_1 = torch.ops.aten.linear.default(gelu, grad_all_reduce_2, grad_all_reduce_3);  gelu = grad_all_reduce_2 = grad_all_reduce_3 = None
     broadcast_tensors = torch.ops.aten.broadcast_tensors.default([linear_1, target]);  linear_1 = target = None
     getitem = broadcast_tensors[0]
     getitem_1 = broadcast_tensors[1];  broadcast_tensors = None
     mse_loss = torch.ops.aten.mse_loss.default(getitem, getitem_1);  getitem = getitem_1 = None
     mul_tensor = torch.ops.aten.mul.Tensor(mse_loss, 0.5);  mse_loss = None
-    all_reduce = autoshard_runtime_collectives_all_reduce(mul_tensor, 'data');  mul_tensor = None
+    all_reduce = torch.ops.autoshard.all_reduce.default(mul_tensor, 'data');  mul_tensor = None
     return pytree.tree_unflatten((all_reduce,), self._out_spec)

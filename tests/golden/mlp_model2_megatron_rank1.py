@@ -8,7 +8,7 @@ def forward(self, x, target):
     gelu = torch.ops.aten.gelu.default(linear);  linear = None
     bias_once = autoshard_runtime_ops_bias_once(fc2_bias, False);  fc2_bias = None
     linear_1 = torch.ops.aten.linear.default(gelu, fc2_weight, bias_once);  gelu = fc2_weight = bias_once = None
-    all_reduce = autoshard_runtime_collectives_all_reduce_(linear_1, 'model');  linear_1 = None
+    all_reduce = torch.ops.autoshard.all_reduce.default(linear_1, 'model');  linear_1 = None
     broadcast_tensors = torch.ops.aten.broadcast_tensors.default([all_reduce, target]);  all_reduce = target = None
     getitem = broadcast_tensors[0]
     getitem_1 = broadcast_tensors[1];  broadcast_tensors = None
