@@ -36,7 +36,7 @@ __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate
            "MoE", "moe_losses", "moe_stats"]
 
 
-_SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "rules", "strategies",
+_SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "ops", "strategies",
                "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint"}
 
 

@@ -1,4 +1,4 @@
-"""From a rule's :class:`~autoshard.rules.DimMap` to every valid strategy of an op on a mesh.
+"""From a rule's :class:`~autoshard.ops.dimmap.DimMap` to every valid strategy of an op on a mesh.
 
 Each mesh axis independently picks one option:
 
@@ -19,8 +19,8 @@ import itertools
 
 from autoshard.mesh import Mesh
 from autoshard.meta import Strategy
+from autoshard.ops.dimmap import DimMap
 from autoshard.placements import Partial, Replicate, Shard, Spec
-from autoshard.rules import DimMap
 
 
 def _axis_options(dm: DimMap, in_shapes, out_shapes, size: int) -> list[tuple]:

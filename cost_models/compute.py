@@ -1,8 +1,9 @@
 """Compute cost of one aten op in an FX graph: FLOPs, bytes moved, and roofline time.
 
 Shapes come from ``node.meta["val"]`` (FakeTensors from ``torch.export``) of the node and of the nodes it reads.
-FLOPs count a multiply-add as 2. One table, :data:`RULES`, keyed by ``OpOverloadPacket`` (so every overload of an
-op shares its rule), says for each op:
+FLOPs count a multiply-add as 2. The formulas are facets of each op's entry in the op registry
+(:mod:`autoshard.ops`: ``flops``, ``backward``, ``backward_flops``, ``bytes``, stated once per op next to its
+sharding rule, usually on the ``OpOverloadPacket`` so every overload shares them); they say:
 
 ==================================================  ==============================================  ========
 op                                                  forward FLOPs                                   backward
@@ -29,7 +30,7 @@ floating point (no gradient flows). Causal attention is counted in full (the mat
 Time is a roofline, :func:`compute_time`: ``max(flops / peak_flops, bytes / mem_bandwidth) / shard_factor``, where
 ``bytes`` (:func:`bytes_accessed`) is every tensor input read once plus the output written once.
 
-:func:`flops_expr` runs the same rules on symbols instead of sizes, for printing: a linear from ``[b, s, h]`` to
+:func:`flops_expr` runs the same formulas on symbols instead of sizes, for printing: a linear from ``[b, s, h]`` to
 ``n`` features gives ``2*b*h*n*s`` with ``names={2: "b", 16: "s", 64: "h", 128: "n"}``; sizes without a name
 become ``d<size>`` and 1 stays 1.
 """
@@ -37,9 +38,7 @@ become ``d<size>`` and 1 stays 1.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import sympy
 import torch
@@ -47,11 +46,11 @@ from torch.fx import Node
 
 from autoshard.errors import PlanError
 from autoshard.graph_utils import node_location
+from autoshard.ops import OpEntry, entry
 
 from .profile import HardwareProfile
 
 __all__ = [
-    "RULES",
     "backward_bytes_accessed",
     "backward_flops",
     "bytes_accessed",
@@ -120,165 +119,12 @@ class _Op:
         return sum((math.prod(self.size(int(d)) for d in t.shape) for t in output_tensors(self.node)), 0)
 
 
-# ---- the rule table --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Rule:
-    """Cost of one op: forward FLOPs, the backward/forward ratio, and how bytes are counted."""
-
-    flops: Callable[[_Op], object]
-    backward: float = 1.0
-    #: "io" (inputs + output), "view" (0 bytes), "embedding" (indices + 2·output)
-    bytes: str = "io"
-    #: backward FLOPs when they are not ``backward × forward`` (embedding: a scatter-add of the output).
-    backward_flops: Callable[[_Op], object] | None = None
-
-
-RULES: dict[object, Rule] = {}
-
-
-def _rule(*ops, backward: float = 1.0, bytes: str = "io", backward_flops=None):
-    def register(fn):
-        for op in ops:
-            RULES[op] = Rule(fn, backward, bytes, backward_flops)
-        return fn
-
-    return register
-
-
-def _elementwise(op: _Op):
-    return op.out_numel()
-
-
-@_rule(aten.mm, aten.bmm, aten.matmul, backward=2.0)
-def _mm(op: _Op):
-    a = op.shape(0)
-    return 2 * op.out_numel() * a[-1]
-
-
-@_rule(aten.addmm, aten.baddbmm, backward=2.0)
-def _addmm(op: _Op):
-    return 2 * op.out_numel() * op.shape(1)[-1] + op.out_numel()
-
-
-@_rule(aten.linear, backward=2.0)
-def _linear(op: _Op):
-    bias = op.out_numel() if op.arg(2) is not None else 0
-    return 2 * op.out_numel() * op.shape(0)[-1] + bias
-
-
-@_rule(aten.einsum, backward=2.0)
-def _einsum(op: _Op):
-    equation, operands = op.arg(0), op.arg(1)
-    if len(operands) != 2:
-        return op.out_numel()
-    sizes: dict[str, object] = {}
-    for term, x in zip(equation.replace(" ", "").split("->")[0].split(","), operands):
-        shape = op.shape(x)
-        if "..." in term:
-            head, tail = term.split("...")
-            labels = list(head) + [f"...{i}" for i in range(len(shape) - len(head) - len(tail))] + list(tail)
-        else:
-            labels = list(term)
-        for label, s in zip(labels, shape):
-            if not (label in sizes and s == 1):  # a broadcast 1 never replaces the real size
-                sizes[label] = s
-    return 2 * math.prod(sizes.values())
-
-
-@_rule(aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d, backward=2.0)
-def _conv(op: _Op):
-    w = op.shape(1)
-    return 2 * op.out_numel() * math.prod(w[1:])  # w = [C_out, C_in/groups, *kernel]
-
-
-@_rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
-       aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-       aten._scaled_dot_product_cudnn_attention, backward=2.5)
-def _sdpa(op: _Op):
-    q, k, v = op.shape(0), op.shape(1), op.shape(2)
-    return 2 * math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
-
-
-@_rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.special_softmax,
-       aten.special_log_softmax)
-def _softmax(op: _Op):
-    return 5 * op.numel(0)
-
-
-@_rule(aten.layer_norm, aten.native_layer_norm, aten.group_norm, aten.native_group_norm, aten.batch_norm,
-       aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
-       aten.instance_norm)
-def _norm(op: _Op):
-    return 8 * op.numel(0)
-
-
-@_rule(aten.rms_norm, aten._fused_rms_norm)
-def _rms_norm(op: _Op):
-    return 4 * op.numel(0)
-
-
-@_rule(aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.prod, aten.argmax, aten.argmin,
-       aten.any, aten.all, aten.linalg_vector_norm, aten.norm, aten.cumsum, aten.topk, aten.sort)
-def _reduce(op: _Op):
-    return op.numel(0)
-
-
-@_rule(aten.var, aten.std, aten.var_mean, aten.std_mean, aten.logsumexp)
-def _reduce3(op: _Op):
-    return 3 * op.numel(0)
-
-
-@_rule(aten.cross_entropy_loss)
-def _cross_entropy(op: _Op):
-    return 5 * op.numel(0) + op.numel(1)
-
-
-@_rule(aten.nll_loss, aten.nll_loss_forward, aten.nll_loss2d_forward, aten.nll_loss_nd)
-def _nll(op: _Op):
-    return op.numel(1)
-
-
-@_rule(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, aten.huber_loss, aten.binary_cross_entropy,
-       aten.binary_cross_entropy_with_logits, aten.kl_div)
-def _pointwise_loss(op: _Op):
-    return 3 * op.numel(0)
-
-
-def _zero(op: _Op):
-    return 0
-
-
-def _embedding_backward(op: _Op):
-    return op.out_numel()
-
-
-_rule(aten.embedding, bytes="embedding", backward_flops=_embedding_backward)(_zero)
-
-_rule(
-    operator.getitem, aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.t, aten.permute,
-    aten.expand, aten.expand_as, aten.view_as, aten.slice, aten.select, aten.narrow, aten.unsqueeze, aten.squeeze,
-    aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.tensor_split, aten.alias, aten.detach,
-    aten.as_strided, aten.flatten, aten.unflatten, aten.movedim, aten.diagonal, aten.real, aten.view_as_real,
-    aten.lift_fresh, aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel, aten.sym_stride,
-    backward=0.0, bytes="view",
-)(_zero)
-
-_rule(
-    aten.clone, aten.contiguous, aten._to_copy, aten.to, aten.copy, aten.copy_, aten.cat, aten.stack,
-    aten.index_select, aten.gather, aten.index, aten.repeat, aten.constant_pad_nd, aten.pad, aten.roll, aten.flip,
-    aten.lift_fresh_copy, aten.zeros, aten.ones, aten.full, aten.empty, aten.arange, aten.zeros_like,
-    aten.ones_like, aten.full_like, aten.empty_like, aten.new_zeros, aten.new_ones, aten.new_full,
-    aten.new_empty, aten.scalar_tensor, aten.tril, aten.triu,
-)(_zero)
-
-_DEFAULT = Rule(_elementwise)
-
-
-def _rule_of(node: Node) -> Rule | None:
+# ---- the registry's cost facets --------------------------------------------------------------------------
+def _entry_of(node: Node) -> OpEntry | None:
+    """The op's entry (FLOPs, backward ratio, bytes mode) from :mod:`autoshard.ops`; None for non-ops."""
     if node.op != "call_function":
         return None
-    target = node.target
-    return RULES.get(getattr(target, "overloadpacket", target), _DEFAULT)
+    return entry(node.target)
 
 
 def _has_gradient(node: Node) -> bool:
@@ -288,28 +134,28 @@ def _has_gradient(node: Node) -> bool:
 # ---- public entry points ---------------------------------------------------------------------------------
 def flops(node: Node) -> int:
     """Forward FLOPs of ``node`` at its full (global) shapes; 0 for placeholders, get_attr and output."""
-    rule = _rule_of(node)
-    return 0 if rule is None else int(rule.flops(_Op(node)))
+    e = _entry_of(node)
+    return 0 if e is None else int(e.flops(_Op(node)))
 
 
 def backward_flops(node: Node) -> int:
     """FLOPs of ``node``'s backward (see the module table); 0 when its outputs carry no gradient."""
-    rule = _rule_of(node)
-    if rule is None or not _has_gradient(node):
+    e = _entry_of(node)
+    if e is None or not _has_gradient(node):
         return 0
-    if rule.backward_flops is not None:
-        return int(rule.backward_flops(_Op(node)))
-    return round(rule.backward * rule.flops(_Op(node)))
+    if e.backward_flops is not None:
+        return int(e.backward_flops(_Op(node)))
+    return round(e.backward * e.flops(_Op(node)))
 
 
 def bytes_accessed(node: Node) -> int:
     """Bytes ``node`` reads and writes in the forward: each distinct tensor input once plus its outputs;
     0 for views; indices + 2·output for embedding (only the looked-up rows are read)."""
-    rule = _rule_of(node)
-    if rule is None or rule.bytes == "view":
+    e = _entry_of(node)
+    if e is None or e.bytes == "view":
         return 0
     out = sum(tensor_bytes(t) for t in output_tensors(node))
-    if rule.bytes == "embedding":
+    if e.bytes == "embedding":
         indices = _Op(node).arg(1)
         return 2 * out + sum(tensor_bytes(t) for t in _tensors(getattr(indices, "meta", {}).get("val")))
     return out + sum(tensor_bytes(t) for x in node.all_input_nodes for t in _tensors(x.meta.get("val")))
@@ -317,10 +163,10 @@ def bytes_accessed(node: Node) -> int:
 
 def backward_bytes_accessed(node: Node) -> int:
     """Bytes of ``node``'s backward: the forward bytes scaled like its FLOPs (at least 1×); 0 without gradient."""
-    rule = _rule_of(node)
-    if rule is None or rule.backward == 0 or not _has_gradient(node):
+    e = _entry_of(node)
+    if e is None or e.backward == 0 or not _has_gradient(node):
         return 0
-    return round(max(rule.backward, 1.0) * bytes_accessed(node))
+    return round(max(e.backward, 1.0) * bytes_accessed(node))
 
 
 def compute_time(node: Node, profile: HardwareProfile, shard_factor: float = 1, *, backward: bool = False) -> float:
@@ -338,8 +184,8 @@ def flops_expr(node: Node, names: Mapping[int, str] | None = None) -> sympy.Expr
     """Forward FLOPs of ``node`` as a sympy expression of its sizes: each size ``s`` becomes the symbol
     ``names[s]`` or ``d<s>`` (sizes that are equal share a symbol; 1 stays 1). Substituting the sizes back
     gives :func:`flops`."""
-    rule = _rule_of(node)
-    if rule is None:
+    e = _entry_of(node)
+    if e is None:
         return sympy.Integer(0)
     names = names or {}
 
@@ -348,4 +194,4 @@ def flops_expr(node: Node, names: Mapping[int, str] | None = None) -> sympy.Expr
             return sympy.Integer(1)
         return sympy.Symbol(names.get(s, f"d{s}"), positive=True, integer=True)
 
-    return sympy.sympify(rule.flops(_Op(node, size)))
+    return sympy.sympify(e.flops(_Op(node, size)))

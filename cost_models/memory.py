@@ -7,8 +7,9 @@ Training state of ``p`` local parameter elements of ``dtype`` (:func:`training_s
     optimizer = sgd: 0 · sgd_momentum: params (one momentum buffer)    optimizer_state_bytes
                 adam / adamw: 2 · p · 4 (exp_avg and exp_avg_sq, fp32 whatever the parameter dtype)
 
-Activations (:func:`activation_bytes`) are a heuristic of what autograd saves between forward and backward: a
-node's output counts, at its local size, when
+Activations (:func:`activation_bytes`) are a heuristic of what autograd saves between forward and backward, read
+from each op's ``saves`` facet in the op registry (:mod:`autoshard.ops`): a node's output counts, at its local
+size, when
 
 - some user of it saves that input for its backward: contractions (mm, bmm, matmul, linear, einsum, conv, sdpa
   save their operands), products and quotients (mul, div save both sides), nonlinear functions whose derivative
@@ -30,13 +31,12 @@ from torch.fx import Node
 
 from autoshard import meta as M
 from autoshard.errors import PlanError
+from autoshard.ops import MASK, OUTPUT, entry
 
-from .compute import RULES, output_tensors
+from .compute import output_tensors
 
 __all__ = [
     "OPTIMIZERS",
-    "SAVES_INPUTS",
-    "SAVES_OUTPUT",
     "activation_bytes",
     "dtype_bytes",
     "grad_bytes",
@@ -45,7 +45,6 @@ __all__ = [
     "training_state_bytes",
 ]
 
-aten = torch.ops.aten
 
 #: Optimizer name → (state in units of parameter bytes, fp32 state elements per parameter).
 OPTIMIZERS: dict[str, tuple[int, int]] = {
@@ -54,38 +53,6 @@ OPTIMIZERS: dict[str, tuple[int, int]] = {
     "adam": (0, 2),
     "adamw": (0, 2),
 }
-
-#: Ops → positions of the tensor arguments they save for backward.
-SAVES_INPUTS: dict[object, tuple[int, ...]] = {}
-for _op in (aten.mm, aten.bmm, aten.matmul, aten.linear, aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d,
-            aten.mul, aten.div, aten.pow, aten.maximum, aten.minimum, aten.atan2):
-    SAVES_INPUTS[_op] = (0, 1)
-for _op in (aten.addmm, aten.baddbmm):
-    SAVES_INPUTS[_op] = (1, 2)
-for _op in (aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
-            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_cudnn_attention):
-    SAVES_INPUTS[_op] = (0, 1, 2)
-for _op in (aten.gelu, aten.silu, aten.mish, aten.hardswish, aten.leaky_relu, aten.elu, aten.softplus, aten.log,
-            aten.sin, aten.cos, aten.abs, aten.reciprocal, aten.erf, aten.log_sigmoid, aten.where, aten.clamp,
-            aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten.group_norm, aten.batch_norm,
-            aten.native_batch_norm):
-    SAVES_INPUTS[_op] = (0,)
-for _op in (aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward, aten.mse_loss, aten.l1_loss,
-            aten.binary_cross_entropy_with_logits):
-    SAVES_INPUTS[_op] = (0, 1)
-SAVES_INPUTS[aten.embedding] = (1,)
-SAVES_INPUTS[aten.einsum] = ()  # operands come as one list argument; handled in _saved_inputs
-
-#: Ops that save their own output for backward.
-SAVES_OUTPUT: frozenset = frozenset({
-    aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.softmax, aten._softmax, aten.log_softmax,
-    aten._log_softmax, aten.sqrt, aten.rsqrt, aten.scaled_dot_product_attention,
-    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_cudnn_attention,
-})
-
-_DROPOUT = frozenset({aten.dropout, aten.native_dropout, aten.feature_dropout})
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -120,18 +87,19 @@ def training_state_bytes(local_numel: int, dtype: torch.dtype = torch.float32, o
     return 2 * p + optimizer_state_bytes(p, optimizer, dtype)
 
 
-def _packet(node: Node):
-    if node.op != "call_function":
-        return None
-    return getattr(node.target, "overloadpacket", node.target)
+def _saves(node: Node) -> tuple:
+    """The ``saves`` facet of ``node``'s op (:mod:`autoshard.ops`); () for placeholders, get_attr and output."""
+    return entry(node.target).saves if node.op == "call_function" else ()
 
 
 def _saved_inputs(user: Node) -> list:
-    op = _packet(user)
-    if op is aten.einsum:
-        return list(user.args[1]) if len(user.args) > 1 else []
-    positions = SAVES_INPUTS.get(op, ())
-    return [user.args[i] for i in positions if i < len(user.args)]
+    """The nodes ``user`` keeps for its backward: the args at its ``saves`` positions (every node of a list arg)."""
+    saved = []
+    for i in _saves(user):
+        if isinstance(i, int) and i < len(user.args):
+            a = user.args[i]
+            saved.extend(a if isinstance(a, (list, tuple)) else [a])
+    return saved
 
 
 def _is_param(node: Node) -> bool:
@@ -139,8 +107,8 @@ def _is_param(node: Node) -> bool:
     while True:
         if node.op == "get_attr" or M.PARAM in node.meta:
             return True
-        rule = RULES.get(_packet(node))
-        if rule is None or rule.bytes != "view" or not node.args or not isinstance(node.args[0], Node):
+        if (node.op != "call_function" or entry(node.target).bytes != "view" or not node.args
+                or not isinstance(node.args[0], Node)):
             return False
         node = node.args[0]
 
@@ -155,9 +123,9 @@ def activation_bytes(node: Node, local_numel: int | None = None) -> int:
         return 0
     numel = sum(t.numel() for t in tensors) if local_numel is None else int(local_numel)
     itemsize = tensors[0].dtype.itemsize
-    saved = _packet(node) in SAVES_OUTPUT or any(
+    saved = OUTPUT in _saves(node) or any(
         any(x is node for x in _saved_inputs(u)) for u in node.users if u.op == "call_function")
     total = numel * itemsize if saved else 0
-    if _packet(node) in _DROPOUT:
+    if MASK in _saves(node):
         total += numel  # the boolean mask
     return total

@@ -36,10 +36,11 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard import redistribute, rules
+from autoshard import redistribute
 from autoshard.context import Context
 from autoshard.errors import PlanError, UnsupportedOpError
 from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, node_location, out_vals, shape, tensor_inputs
+from autoshard.ops import OpInfo, replicate_only, rule_for
 from autoshard.placements import Partial, Replicate, Shard, check_spec, format_spec
 from autoshard.strategies import strategies_for
 
@@ -260,18 +261,19 @@ def _replicated_axes(spec) -> int:
 def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
     """Every strategy the rule table allows for ``node`` on ``ctx.mesh`` (the search space of one op)."""
     inputs = tensor_inputs(node)
-    info = rules.OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
-                        dict(node.kwargs), [v.dtype for v in out_vals(node)])
-    rule = rules.rule_for(node.target)
+    info = OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
+                  dict(node.kwargs), [v.dtype for v in out_vals(node)])
+    rule = rule_for(node.target)
     if rule is None:
         if ctx.options.on_unsupported != "replicate":
             raise UnsupportedOpError(
-                f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Add a rule "
-                "for this op to autoshard/rules.py (RULES), or pass on_unsupported='replicate' to run it unsharded.")
+                f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Register a "
+                "rule for this op in autoshard/ops (op(..., rule=...)), or pass on_unsupported='replicate' to run it "
+                "unsharded.")
         if node.name not in ctx.report.setdefault("unsupported", []):
             ctx.report["unsupported"].append(node.name)
             ctx.warn(f"{node_location(node)} has no sharding rule: it runs replicated (on_unsupported='replicate').")
-        rule = rules.replicate_only
+        rule = replicate_only
     strategies = strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
     # A parameter is never Partial: every rank would compute its whole gradient while holding a share of it.
     params = [i for i, x in enumerate(inputs) if x.op == "get_attr"]
