@@ -9,8 +9,8 @@ given options::
     expert_rewrite      (moe=...)                      fuse_gather_grad_sync
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
-    insert_collectives                                 fuse_linears_grad_sync
-    pipeline_split      (pipeline=...)
+    insert_collectives                                 follow_rank_device    (the program names no device)
+    pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
 
 Passes exchange results only through namespaced node/graph metadata (:mod:`autoshard.meta`) — never through
 another pass's state or the user's options. After every pass :func:`verify` checks autoshard's own invariants
@@ -32,6 +32,7 @@ from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
 from autoshard.passes.localize import Localize
 from autoshard.passes.propagate import Propagate
+from autoshard.passes.rank_device import FollowRankDevice
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
@@ -98,6 +99,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         FuseGatherGradSync(),
         BucketGradSync() if program.bucket_grads else None,
         Localize(),
+        FollowRankDevice(),
         FuseLinearsGradSync(),
     ]
     return {"plan": [p for p in plan if p is not None], "rank": [p for p in rank if p is not None]}

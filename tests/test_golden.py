@@ -98,3 +98,11 @@ def test_compiling_twice_gives_identical_code(name: str) -> None:
     first, second = compiled(case), case.compile()
     assert first.code(rank) == second.code(rank)
     assert first.format() == second.format()
+
+
+@pytest.mark.parametrize("name", sorted(CODE_CASES))
+def test_rank_programs_name_no_device(name):
+    """A plan traced on CPU (or meta) runs on any device: factories read the device of the rank's weights."""
+    case, rank = CODE_CASES[name]
+    code = compiled(case).code(rank)
+    assert "device(type=" not in code and "device = rank_device" in code or "device" not in code

@@ -35,7 +35,8 @@ def _run(plan, args, kwargs, compiled, bucket: bool = False, fullgraph: bool = T
         log = [(r.kind, r.axis, r.numel, r.phase) for r in current().log]
         return losses, {n: p.grad.clone() for n, p in module.named_parameters()}, log
 
-    return SimWorld(plan.mesh, timeout=300).run(body)
+    # serial: one rank computes (and compiles) at a time, as in a real run's one process per rank
+    return SimWorld(plan.mesh, timeout=300, serial=bool(compiled)).run(body)
 
 
 def _check(ref, got, bucket_log_may_differ=False):

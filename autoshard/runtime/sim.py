@@ -16,6 +16,12 @@ arrive (and what those were doing), and aborts the world; :meth:`SimWorld.run` a
 rank raises, which wakes every waiting rank, and re-raises the first error with its rank in the message.
 
 Point-to-point ``send`` is buffered (it returns at once, like a small eager send); ``recv`` blocks.
+
+``SimWorld(mesh, serial=True)`` runs the ranks one at a time: a rank holds the world's turn while it computes and
+hands it over only while it waits in a collective, so no two ranks execute Python at once. That is how to run
+``torch.compile``'d rank programs here: dynamo's compilation is not thread-safe (concurrent compiles in one
+process interfere), while each process of a real run compiles its one rank alone, as the turn makes every rank
+here do.
 """
 
 from __future__ import annotations
@@ -101,8 +107,11 @@ class _Channel:
 class SimWorld:
     """Every rank of ``mesh`` in this process. ``timeout``: seconds a collective may wait for its peers."""
 
-    def __init__(self, mesh: Mesh, timeout: float = 60.0):
+    def __init__(self, mesh: Mesh, timeout: float = 60.0, serial: bool = False):
         self.mesh = as_mesh(mesh)
+        self.serial = bool(serial)
+        self._turn = threading.Lock()
+        self._turn_owner: int | None = None
         if not timeout > 0:
             raise AutoshardError(f"SimWorld timeout is {timeout!r}, but must be a positive number of seconds.")
         self.timeout = float(timeout)
@@ -137,8 +146,12 @@ class SimWorld:
         def main(rank: int) -> None:
             self._set_status(rank, "is running")
             try:
-                with use(self._comms[rank]):
-                    results[rank] = fn(rank, *args)
+                self._take_turn(rank, "its function")
+                try:
+                    with use(self._comms[rank]):
+                        results[rank] = fn(rank, *args)
+                finally:
+                    self._give_turn(rank)
                 self._set_status(rank, "has returned from its function")
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller's thread
                 self._set_status(rank, f"raised {type(e).__name__}")
@@ -186,6 +199,33 @@ class SimWorld:
                 with ch.cond:
                     ch.queue.clear()
 
+    # ---- the turn of serial worlds ------------------------------------------------------------------------
+    def _take_turn(self, rank: int, what: str) -> None:
+        """Serial worlds: wait until no other rank computes (aborts and the caller's interrupts still get through)."""
+        if not self.serial:
+            return
+        while not self._turn.acquire(timeout=0.05):
+            self._check_alive(what, rank)
+        self._turn_owner = rank
+
+    def _give_turn(self, rank: int) -> None:
+        if self.serial and self._turn_owner == rank:
+            self._turn_owner = None
+            self._turn.release()
+
+    def _waiting(self, rank: int, what: str):
+        """Around a blocking wait: a serial world's turn passes to the other ranks meanwhile."""
+        world = self
+
+        class _Wait:
+            def __enter__(self):
+                world._give_turn(rank)
+
+            def __exit__(self, *exc):
+                world._take_turn(rank, what)
+
+        return _Wait()
+
     # ---- failure handling -------------------------------------------------------------------------------
     def _abort(self, rank: int, err: BaseException) -> None:
         with self._lock:
@@ -230,7 +270,8 @@ class SimCommunicator(Communicator):
         world._set_status(self.rank, f"is waiting in {what}")
         entry = (kind, tuple(t.shape), t.dtype, params, t.clone())
         try:
-            entries = world._groups[(axis, ranks)].exchange(pos, entry, what)
+            with world._waiting(self.rank, what):
+                entries = world._groups[(axis, ranks)].exchange(pos, entry, what)
         finally:
             if world._status[self.rank].startswith("is waiting"):
                 world._set_status(self.rank, "is running")
@@ -276,7 +317,8 @@ class SimCommunicator(Communicator):
         world._set_status(self.rank, "is waiting in barrier")
         entry = ("barrier", (), torch.float32, {}, torch.empty(0))
         try:
-            world._world_group.exchange(self.rank, entry, "barrier")
+            with world._waiting(self.rank, "barrier"):
+                world._world_group.exchange(self.rank, entry, "barrier")
         finally:
             world._set_status(self.rank, "is running")
 
@@ -296,7 +338,7 @@ class SimCommunicator(Communicator):
         world._set_status(self.rank, f"is waiting in {what}")
         t = None
         try:
-            with ch.cond:
+            with world._waiting(self.rank, what), ch.cond:
                 while not ch.queue:
                     world._check_alive(what, self.rank)
                     left = deadline - time.monotonic()

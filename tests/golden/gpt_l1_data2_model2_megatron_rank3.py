@@ -1,6 +1,7 @@
 def forward(self, ids, labels):
     ids, labels, = fx_pytree.tree_flatten_spec(([ids, labels], {}), self._in_spec)
     wpe_weight = self.wpe.weight
+    rank_device = wpe_weight.device
     blocks_0_ln1_weight = getattr(self.blocks, "0").ln1.weight
     blocks_0_ln1_bias = getattr(self.blocks, "0").ln1.bias
     blocks_0_attn_q_weight = getattr(self.blocks, "0").attn.q.weight
@@ -20,7 +21,7 @@ def forward(self, ids, labels):
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
     head_weight = self.head.weight
-    arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False);  rank_device = None
     grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(head_weight, ['data']);  head_weight = None
     masked_embedding = autoshard_runtime_ops_masked_embedding(grad_all_reduce, ids, 64, -1);  ids = None
     masked_embedding_1 = autoshard_runtime_ops_masked_embedding(wpe_weight, arange, 8, -1);  wpe_weight = arange = None

@@ -1,6 +1,7 @@
 def forward(self, input_ids, labels):
     input_ids, labels, = fx_pytree.tree_flatten_spec(([], {'input_ids':input_ids, 'labels':labels}), self._in_spec)
     transformer_wpe_weight = self.transformer.wpe.weight
+    rank_device = transformer_wpe_weight.device
     transformer_h_0_ln_1_weight = getattr(self.transformer.h, "0").ln_1.weight
     transformer_h_0_ln_1_bias = getattr(self.transformer.h, "0").ln_1.bias
     transformer_h_0_attn_c_attn_weight = getattr(self.transformer.h, "0").attn.c_attn.weight
@@ -18,11 +19,11 @@ def forward(self, input_ids, labels):
     lm_head_weight = self.lm_head.weight
     view = torch.ops.aten.view.default(input_ids, [4, 16]);  input_ids = None
     masked_embedding = autoshard_runtime_ops_masked_embedding(lm_head_weight, view, 0, -1);  view = None
-    arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add = torch.ops.aten.add.Tensor(arange, 0);  arange = None
     unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
     masked_embedding_1 = autoshard_runtime_ops_masked_embedding(transformer_wpe_weight, unsqueeze, 0, -1);  transformer_wpe_weight = None
-    to = torch.ops.aten.to.dtype_layout(masked_embedding_1, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  masked_embedding_1 = None
+    to = torch.ops.aten.to.dtype_layout(masked_embedding_1, dtype = torch.float32, layout = torch.strided, device = rank_device);  masked_embedding_1 = None
     add_1 = torch.ops.aten.add.Tensor(masked_embedding, to);  masked_embedding = to = None
     expand = torch.ops.aten.expand.default(unsqueeze, [4, 16])
     slice_1 = torch.ops.aten.slice.Tensor(expand, 1, 0, 1)
@@ -31,10 +32,10 @@ def forward(self, input_ids, labels):
     ne = torch.ops.aten.ne.Scalar(diff, 1);  diff = None
     cumsum = torch.ops.aten.cumsum.default(ne, -1);  ne = None
     expand_1 = torch.ops.aten.expand.default(unsqueeze, [4, 16]);  unsqueeze = None
-    arange_1 = torch.ops.aten.arange.default(4, device = device(type='cpu'), pin_memory = False)
-    arange_2 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange_1 = torch.ops.aten.arange.default(4, device = rank_device, pin_memory = False)
+    arange_2 = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add_2 = torch.ops.aten.add.Tensor(arange_2, 0);  arange_2 = None
-    arange_3 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange_3 = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add_3 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
     unsqueeze_1 = torch.ops.aten.unsqueeze.default(arange_1, 1);  arange_1 = None
     unsqueeze_2 = torch.ops.aten.unsqueeze.default(unsqueeze_1, 2);  unsqueeze_1 = None
@@ -49,12 +50,12 @@ def forward(self, input_ids, labels):
     index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_6])
     index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  expand_1 = None
     le = torch.ops.aten.le.Tensor(index_1, index);  index_1 = index = None
-    to_1 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
+    to_1 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = rank_device);  le = None
     and_1 = torch.ops.aten.__and__.Tensor(new_ones, to_1);  new_ones = to_1 = None
     index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_6]);  unsqueeze_6 = None
     index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  cumsum = unsqueeze_3 = unsqueeze_9 = None
     eq = torch.ops.aten.eq.Tensor(index_2, index_3);  index_2 = index_3 = None
-    to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
+    to_2 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = rank_device);  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_2);  and_1 = to_2 = None
     expand_2 = torch.ops.aten.expand.default(and_2, [4, 1, 16, 16]);  and_2 = None
     all_reduce = torch.ops.autoshard.all_reduce.default(add_1, 'model');  add_1 = None
@@ -118,7 +119,7 @@ def forward(self, input_ids, labels):
     contiguous = torch.ops.aten.contiguous.default(slice_2);  slice_2 = None
     view_13 = torch.ops.aten.view.default(to_3, [64, 64])
     view_14 = torch.ops.aten.view.default(contiguous, [64]);  contiguous = None
-    to_4 = torch.ops.aten.to.dtype_layout(view_14, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_14 = None
+    to_4 = torch.ops.aten.to.dtype_layout(view_14, dtype = torch.int64, layout = torch.strided, device = rank_device);  view_14 = rank_device = None
     vocab_parallel_cross_entropy = torch.ops.autoshard.vocab_parallel_cross_entropy.default(view_13, to_4, -100, 1, 'model', 2, []);  view_13 = to_4 = None
     getitem_3 = vocab_parallel_cross_entropy[0];  vocab_parallel_cross_entropy = None
     all_reduce_3 = torch.ops.autoshard.all_reduce.default(getitem_3, 'model');  getitem_3 = None

@@ -1,6 +1,7 @@
 def forward(self, input_ids, labels):
     input_ids, labels, = fx_pytree.tree_flatten_spec(([], {'input_ids':input_ids, 'labels':labels}), self._in_spec)
     model_embed_tokens_weight = self.model.embed_tokens.weight
+    rank_device = model_embed_tokens_weight.device
     model_layers_0_self_attn_q_proj_weight = getattr(self.model.layers, "0").self_attn.q_proj.weight
     model_layers_0_self_attn_k_proj_weight = getattr(self.model.layers, "0").self_attn.k_proj.weight
     model_layers_0_self_attn_v_proj_weight = getattr(self.model.layers, "0").self_attn.v_proj.weight
@@ -14,7 +15,7 @@ def forward(self, input_ids, labels):
     lm_head_weight = self.lm_head.weight
     model_rotary_emb_inv_freq = self.model.rotary_emb.inv_freq
     masked_embedding = autoshard_runtime_ops_masked_embedding(model_embed_tokens_weight, input_ids, 64, 0);  model_embed_tokens_weight = input_ids = None
-    arange = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add = torch.ops.aten.add.Tensor(arange, 0);  arange = None
     unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
     expand = torch.ops.aten.expand.default(unsqueeze, [4, 16])
@@ -24,10 +25,10 @@ def forward(self, input_ids, labels):
     ne = torch.ops.aten.ne.Scalar(diff, 1);  diff = None
     cumsum = torch.ops.aten.cumsum.default(ne, -1);  ne = None
     expand_1 = torch.ops.aten.expand.default(unsqueeze, [4, 16])
-    arange_1 = torch.ops.aten.arange.default(4, device = device(type='cpu'), pin_memory = False)
-    arange_2 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange_1 = torch.ops.aten.arange.default(4, device = rank_device, pin_memory = False)
+    arange_2 = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add_1 = torch.ops.aten.add.Tensor(arange_2, 0);  arange_2 = None
-    arange_3 = torch.ops.aten.arange.default(16, device = device(type='cpu'), pin_memory = False)
+    arange_3 = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add_2 = torch.ops.aten.add.Tensor(arange_3, 0);  arange_3 = None
     unsqueeze_1 = torch.ops.aten.unsqueeze.default(arange_1, 1);  arange_1 = None
     unsqueeze_2 = torch.ops.aten.unsqueeze.default(unsqueeze_1, 2);  unsqueeze_1 = None
@@ -42,17 +43,17 @@ def forward(self, input_ids, labels):
     index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_6])
     index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  expand_1 = None
     le = torch.ops.aten.le.Tensor(index_1, index);  index_1 = index = None
-    to = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  le = None
+    to = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = rank_device);  le = None
     and_1 = torch.ops.aten.__and__.Tensor(new_ones, to);  new_ones = to = None
     index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_6]);  unsqueeze_6 = None
     index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  cumsum = unsqueeze_3 = unsqueeze_9 = None
     eq = torch.ops.aten.eq.Tensor(index_2, index_3);  index_2 = index_3 = None
-    to_1 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = device(type='cpu'));  eq = None
+    to_1 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = rank_device);  eq = None
     and_2 = torch.ops.aten.__and__.Tensor(and_1, to_1);  and_1 = to_1 = None
     expand_2 = torch.ops.aten.expand.default(and_2, [4, 1, 16, 16]);  and_2 = None
     unsqueeze_10 = torch.ops.aten.unsqueeze.default(unsqueeze, 2);  unsqueeze = None
     to_2 = torch.ops.aten.to.dtype(unsqueeze_10, torch.float32);  unsqueeze_10 = None
-    to_3 = torch.ops.aten.to.device(model_rotary_emb_inv_freq, device(type='cpu'), torch.float32);  model_rotary_emb_inv_freq = None
+    to_3 = torch.ops.aten.to.device(model_rotary_emb_inv_freq, rank_device, torch.float32);  model_rotary_emb_inv_freq = None
     mul = torch.ops.aten.mul.Tensor(to_2, to_3);  to_2 = to_3 = None
     cat = torch.ops.aten.cat.default([mul, mul], -1);  mul = None
     cos = torch.ops.aten.cos.default(cat)
@@ -142,7 +143,7 @@ def forward(self, input_ids, labels):
     contiguous = torch.ops.aten.contiguous.default(slice_6);  slice_6 = None
     view_3 = torch.ops.aten.view.default(to_12, [64, 64])
     view_4 = torch.ops.aten.view.default(contiguous, [64]);  contiguous = None
-    to_13 = torch.ops.aten.to.dtype_layout(view_4, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'));  view_4 = None
+    to_13 = torch.ops.aten.to.dtype_layout(view_4, dtype = torch.int64, layout = torch.strided, device = rank_device);  view_4 = rank_device = None
     vocab_parallel_cross_entropy = torch.ops.autoshard.vocab_parallel_cross_entropy.default(view_3, to_13, -100, 1, 'model', 2, []);  view_3 = to_13 = None
     getitem = vocab_parallel_cross_entropy[0];  vocab_parallel_cross_entropy = None
     all_reduce_3 = torch.ops.autoshard.all_reduce.default(getitem, 'model');  getitem = None

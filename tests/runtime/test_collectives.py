@@ -655,3 +655,38 @@ def test_bad_dim_is_reported():
 def test_unknown_axis_is_reported():
     with pytest.raises(MeshError, match="has no axis `model`"):
         run(Mesh(x=2), lambda r: all_reduce(torch.ones(1), "model"))
+
+
+def test_serial_world_runs_one_rank_at_a_time_and_hands_the_turn_over_in_collectives():
+    world = SimWorld(Mesh(x=4), timeout=20, serial=True)
+    inside = []
+    overlap = []
+    lock = threading.Lock()
+
+    def fn(r):
+        for _ in range(3):
+            with lock:
+                inside.append(r)
+                if len(inside) > 1:
+                    overlap.append(list(inside))
+            time.sleep(0.002)  # computing: no other rank may run meanwhile
+            with lock:
+                inside.remove(r)
+            x = all_reduce(torch.full((2,), float(r)), "x")  # waits: the turn passes on
+        return x
+
+    out = world.run(fn)
+    assert not overlap
+    assert all(torch.equal(x, torch.full((2,), 6.0)) for x in out)
+
+
+def test_serial_world_reports_a_failing_rank_without_hanging():
+    world = SimWorld(Mesh(x=2), timeout=5, serial=True)
+
+    def fn(r):
+        if r == 1:
+            raise ValueError("boom")
+        return all_reduce(torch.ones(1), "x")
+
+    with pytest.raises(ValueError, match="rank 1.*boom"):
+        world.run(fn)
