@@ -11,6 +11,9 @@ Calling the returned :class:`ShardedModule` runs this process's rank of the plan
 
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -25,7 +28,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
-            bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False) -> ShardedModule:
+            bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
+            device=None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -57,6 +61,12 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     residuals between tensor-parallel layers run sharded along the sequence on the model axis (Megatron-SP:
     reduce-scatter + all-gather in place of each all-reduce, less activation memory per rank). Annotate the
     input's sequence dim, e.g. ``plan={"x": (Replicate(), Shard(1))}``, to start the model in that layout.
+
+    ``device``: where this rank's shards live (default: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU).
+    The model may be built under ``torch.device("meta")``: nothing is allocated until this rank's shards are, on
+    ``device``; fill them with ``sharded.init_weights()`` (the model's own init, module by module) or
+    ``autoshard.load(sharded, path)`` (a Hugging Face safetensors directory or an autoshard checkpoint). A model
+    built normally gives each rank its slices and is not kept: the ShardedModule holds only this rank's shards.
     """
     mesh = as_mesh(mesh)
     options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer,
@@ -67,7 +77,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
         from autoshard.pipeline import PipelinedModule
 
         return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout)
-    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb)
+    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb, device)
 
 
 def _with_moe(options: Options, moe) -> Options:
@@ -131,31 +141,95 @@ def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Te
     return x.chunk(n, dim=0)[mesh.coords(rank)[axis]]
 
 
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` where CUDA is available (torchrun sets ``LOCAL_RANK``), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s module tree with every parameter and buffer on the meta device (same classes, same names, tied
+    parameters still one object): what ``init_weights`` runs the model's own init on, module by module, and what
+    eval/train programs are traced from. Costs no tensor memory; a model already on meta is its own skeleton."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.is_meta for t in tensors):
+        return model
+    memo: dict[int, object] = {}
+    for t in tensors:
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
 class ShardedModule(torch.nn.Module):
-    """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``)."""
+    """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``).
+
+    What it holds: the plan, this rank's program (``local``, built by :meth:`materialize` — at once when the rank
+    is known at compile time, else on the first call) with only this rank's shards on :attr:`device`, and the
+    model's module tree on the meta device (``_skeleton``: no tensor memory) for ``init_weights`` and for the
+    program of the other training mode. ``train()``/``eval()`` switch programs as the model's own modes do:
+    the plan is traced in the model's mode at compile time; the other mode's program is traced from the skeleton on
+    first use, with every parameter pinned to the same layout, and shares this rank's tensors.
+    """
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
-                 timeout: float = 300.0, bucket_cap_mb: float | None = None):
+                 timeout: float = 300.0, bucket_cap_mb: float | None = None, device=None):
         super().__init__()
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or bucket_cap_mb < 0):
             raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a number of MiB >= 0 (0 turns "
                                  "gradient bucketing off).")
+        if not isinstance(model, torch.nn.Module):
+            raise AutoshardError(f"autoshard.compile got a {type(model).__name__}, but shards a torch.nn.Module.")
         self.bucket_cap_mb = bucket_cap_mb
         self.bucketer = None
         self.mesh = mesh
         self.options = options
-        self._source = (model,)  # a tuple keeps the unsharded model out of this module's parameters
+        self._device = torch.device(device) if device is not None else None
         self._comm = comm
         self._timeout = timeout
         self.plan: Plan | None = None
         self.local: torch.fx.GraphModule | None = None
+        self._other_box: tuple = ()  # the other mode's program, when made (boxed: not a child module)
         self._expected: list | None = None
+        self._initialised = True  # False while this rank's shards are uninitialised memory (a meta-built model)
+        self._skeleton_box = (meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
+        self._traced_training = model.training
+        self.training = model.training
+        self._model = (model,)  # until the plan has its weights (a tuple keeps it out of this module's children)
+        self._examples = None
         if example_inputs is not None or example_kwargs is not None:
-            args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-            self.plan = build_plan(model, mesh, tuple(args or ()), example_kwargs, options)
+            args = () if example_inputs is None else (
+                example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+            self._build_plan(tuple(args), dict(example_kwargs or {}))
+            if self._rank_known():
+                self.materialize()
+
+    @property
+    def _skeleton(self) -> torch.nn.Module:
+        return self._skeleton_box[0]
 
     # ---- the plan ---------------------------------------------------------------------------------------
+    def _build_plan(self, args: tuple, kwargs: dict) -> None:
+        model = self._model[0]
+        self._traced_training = model.training
+        self.plan = build_plan(model, self.mesh, args, kwargs, self.options)
+        self._examples = (args, kwargs)
+        self._unread = self._unread_state(model)
+        self._model = ()  # the plan's graph holds the weights until this rank's shards are made
+
+    def _unread_state(self, model) -> dict[str, torch.Tensor]:
+        """State entries the program never reads (unused parameters and buffers): kept whole, as the model has
+        them (checkpoints save them)."""
+        from autoshard import meta as M
+
+        read = {a for n in self.plan.graph_module.graph.nodes if n.op == "get_attr"
+                for a in n.meta.get(M.ALIASES, (n.target,))}
+        return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in read}
+
     def _need_plan(self) -> Plan:
         if self.plan is None:
             raise AutoshardError("this ShardedModule has no plan yet: it compiles on its first call. Call it once "
@@ -174,13 +248,86 @@ class ShardedModule(torch.nn.Module):
     def format(self) -> str:
         return self._need_plan().format()
 
+    # ---- this rank's shards -----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's shards live (``compile(device=...)``, default :func:`default_device`)."""
+        if self._device is None:
+            self._device = default_device()
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return self.communicator().rank
+
+    def _rank_known(self) -> bool:
+        if self._comm is not None or self.mesh.size == 1:
+            return True
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+
+    def materialize(self) -> torch.fx.GraphModule:
+        """Make this rank's program now (done by compile when the rank is known, else by the first call): only
+        this rank's shards, on :attr:`device` — copied from the model, or uninitialised memory for a model built on
+        the meta device (then :meth:`init_weights` or ``autoshard.load`` fills them). The plan keeps no weight
+        afterwards."""
+        if self.local is not None:
+            return self.local
+        plan = self._need_plan()
+        comm = self.communicator()
+        local = plan.rank_module(comm.rank, bucket_grads=self.bucketing)
+        tensors = [*local.parameters(), *local.buffers()]
+        if any(t.is_meta for t in tensors):
+            local.to_empty(device=self.device)
+            self._initialised = False
+        else:
+            local.to(self.device)
+        if self.bucketing:
+            from autoshard.runtime.buckets import GradBucketer
+
+            self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb)
+        self.local = local
+        self.local.train(self.training)
+        self._expected = self._expected_local_shapes()
+        self._unread = {k: v if v.is_meta else v.detach().to(self.device) for k, v in self._unread.items()}
+        plan.release_weights()
+        return local
+
+    def init_weights(self, init=None) -> None:
+        """Initialise this rank's shards by the model's own initialisation, run module by module on the
+        skeleton (each module's ``reset_parameters()``, or a Hugging Face model's ``_init_weights``; or
+        ``init(module)``): with the same seed, bit for bit the slices of the single-device model after
+        ``to_empty`` and the same initialisation in the same order (see :mod:`autoshard.materialize`)."""
+        from autoshard import materialize
+
+        self.materialize()
+        materialize.init_weights(self, init)
+        self._initialised = True
+
     # ---- running ----------------------------------------------------------------------------------------
     def parameters(self, recurse: bool = True):
-        if self.local is None:
-            raise AutoshardError("ShardedModule has no parameters before its first call (the plan decides how "
-                                 "they are sharded). Call it once with a batch before building the optimizer, or "
-                                 "pass example_inputs= to autoshard.compile.")
+        self._parameters_ready()
         return super().parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        self._parameters_ready()
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def _parameters_ready(self) -> None:
+        if self.local is not None:
+            return
+        if self.plan is not None and self._rank_known():
+            self.materialize()
+            return
+        if self.plan is not None:
+            raise AutoshardError("ShardedModule has no parameters yet: which shards this process holds depends on "
+                                 "its rank, and torch.distributed is not initialised. Call "
+                                 "torch.distributed.init_process_group first (torchrun), or pass comm=, or call "
+                                 "the module once.")
+        raise AutoshardError("ShardedModule has no parameters before its first call (the plan decides how "
+                             "they are sharded). Call it once with a batch before building the optimizer, or "
+                             "pass example_inputs= (or example_kwargs=) to autoshard.compile.")
 
     def communicator(self):
         if self._comm is None:
@@ -193,11 +340,10 @@ class ShardedModule(torch.nn.Module):
         if self._comm is None:
             import torch.distributed as dist
 
-            if not (dist.is_available() and dist.is_initialized()):
-                if self.mesh.size != 1:
-                    raise MeshError(f"mesh {self.mesh} has {self.mesh.size} ranks, but torch.distributed is not "
-                                    "initialised. Launch with torchrun (and init_process_group), or run the plan "
-                                    "in the simulator (autoshard.runtime.SimWorld).")
+            if not (dist.is_available() and dist.is_initialized()) and self.mesh.size != 1:
+                raise MeshError(f"mesh {self.mesh} has {self.mesh.size} ranks, but torch.distributed is not "
+                                "initialised. Launch with torchrun (and init_process_group), or run the plan "
+                                "in the simulator (autoshard.runtime.SimWorld).")
             from autoshard.runtime.dist import DistCommunicator
 
             self._comm = DistCommunicator(self.mesh, timeout=self._timeout)
@@ -212,24 +358,62 @@ class ShardedModule(torch.nn.Module):
         (``bucket_cap_mb`` not 0)."""
         return self.bucket_cap_mb is None or self.bucket_cap_mb > 0
 
+    def train(self, mode: bool = True):
+        """As the model's own ``train()``/``eval()``: the next call runs the program traced in that mode."""
+        if not isinstance(mode, bool):
+            raise TypeError("training mode is expected to be boolean")
+        self.training = mode
+        for program in (self.local, *self._other_box):
+            if program is not None:
+                program.train(mode)
+        return self
+
     def forward(self, *args, **kwargs):
         comm = self.communicator()
         if self.plan is None:
-            gargs, gkwargs = self._global_examples(args, kwargs)
-            self.plan = build_plan(self._source[0], self.mesh, gargs, gkwargs, self.options)
-        if self.local is None:
-            local = self.plan.rank_module(comm.rank, bucket_grads=self.bucketing)
-            if self.bucketing:
-                from autoshard.runtime.buckets import GradBucketer
-
-                self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb)
-            self.local = local
-            self._expected = self._expected_local_shapes()
+            self._build_plan(*self._global_examples(args, kwargs))
+        self.materialize()
+        if not self._initialised:
+            raise AutoshardError("this rank's shards are uninitialised memory (the model was built on the meta "
+                                 "device): call sharded.init_weights() or autoshard.load(sharded, path) first.")
         self._check_inputs(args, kwargs)
+        program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.runtime.comm import use
 
         with use(comm):
-            return self.local(*args, **kwargs)
+            return program(*args, **kwargs)
+
+    def _program_of_other_mode(self) -> torch.fx.GraphModule:
+        """The program of the mode the plan was not traced in: the skeleton traced in that mode, every
+        parameter and buffer pinned to its layout in the plan, sharing this rank's tensors."""
+        if self._other_box:
+            return self._other_box[0]
+        import dataclasses
+
+        from autoshard.codegen import rank_program
+
+        plan = self._need_plan()
+        specs = plan.param_specs()
+        pinned = dataclasses.replace(self.options, annotations=(*self.options.annotations,
+                                                                  *((name, spec) for name, spec in specs.items())))
+        skeleton = self._skeleton
+        was = skeleton.training
+        skeleton.train(self.training)
+        try:
+            other = build_plan(skeleton, self.mesh, *self._examples, pinned)
+        finally:
+            skeleton.train(was)
+        moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}
+        if moved:
+            first = min(moved)
+            raise PlanError(f"the {'training' if self.training else 'eval'}-mode program lays out "
+                            f"{sorted(moved)[:3]} differently from the plan ({moved[first]}), so it "
+                            "cannot share this rank's tensors. Annotate those parameters (plan=...) to fix one layout.")
+        program = rank_program(other.graph_module, self.mesh, self.communicator().rank, other.context.options,
+                               bucket_grads=self.bucketing, local_weights=self.local)
+        program.train(self.training)
+        self._other_box = (program,)
+        return program
 
     def _global_examples(self, args, kwargs):
         n = self.mesh.axis_size(self.options.data_axis) if self.options.data_axis in self.mesh.names else 1

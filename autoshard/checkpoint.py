@@ -87,8 +87,8 @@ class _View:
 
         plan = sharded._need_plan()
         self.comm = sharded.communicator()  # refuses a communicator of another mesh
-        self.mesh, self.source = plan.mesh, sharded._source[0]
-        local = _local_module(sharded)
+        self.mesh, self.source = plan.mesh, sharded._skeleton  # names only: the skeleton holds meta tensors
+        local = sharded.materialize()
         persistent = set(self.source.state_dict().keys())
         self.local, self.specs, self.shapes, self.groups, self.params = {}, {}, {}, [], {}
         for n in plan.graph_module.graph.nodes:
@@ -105,12 +105,12 @@ class _View:
             self.groups.append(tuple(a for a in aliases if a != canon) + (canon,))
             if isinstance(t, torch.nn.Parameter):
                 self.params[id(t)] = (canon, t)
-        # Entries the graph never reads (unused parameters, buffers): saved whole from the source model.
+        # Entries the graph never reads (unused parameters, buffers): saved whole, as the ShardedModule keeps them.
         covered = {a for g in self.groups for a in g}
         for names in _alias_groups(self.source):
             if not covered.intersection(names):
                 canon = names[-1]
-                t = self.source.state_dict(keep_vars=True)[names[0]]
+                t = sharded._unread[names[0]]
                 self.local[canon] = t
                 self.specs[canon] = None  # whole on every rank, not part of the plan
                 self.shapes[canon] = tuple(t.shape)
@@ -154,23 +154,6 @@ def _alias_groups(model: torch.nn.Module) -> list[tuple[str, ...]]:
     for name, t in state.items():
         groups.setdefault(id(t), []).append(name)
     return [tuple(g) for g in groups.values()]
-
-
-def _local_module(sharded) -> torch.fx.GraphModule:
-    """The rank module of a ShardedModule, made now when it has a plan but has not run yet."""
-    if sharded.local is None:
-        # What ShardedModule.forward does on its first call, short of running it.
-        comm = sharded.communicator()
-        bucket = getattr(sharded, "bucketing", False)
-        local = sharded.plan.rank_module(comm.rank, bucket_grads=True) if bucket else \
-            sharded.plan.rank_module(comm.rank)
-        if bucket:
-            from autoshard.runtime.buckets import GradBucketer
-
-            sharded.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=sharded.bucket_cap_mb)
-        sharded.local = local
-        sharded._expected = sharded._expected_local_shapes()
-    return sharded.local
 
 
 # ---- full state dict ------------------------------------------------------------------------------------

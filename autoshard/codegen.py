@@ -38,11 +38,15 @@ def program_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def rank_program(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, options: Options | None = None,
-                 weights: torch.nn.Module | None = None, bucket_grads: bool = False) -> torch.fx.GraphModule:
-    """Rank ``rank``'s program: the rank phase of the pass list over a copy of the global program ``gm``."""
+                 weights: torch.nn.Module | None = None, bucket_grads: bool = False,
+                 local_weights: torch.nn.Module | None = None) -> torch.fx.GraphModule:
+    """Rank ``rank``'s program: the rank phase of the pass list over a copy of the global program ``gm``.
+    ``weights``: the full tensors to take this rank's slices of (default: ``gm``'s own); ``local_weights``: a
+    program of this rank whose tensors are shared as they are (another mode's program of the same plan)."""
     mesh._check_rank(rank)
     options = options or Options()
-    ctx = RankContext(mesh, options, rank=rank, weights=weights, bucket_grads=bucket_grads)
+    ctx = RankContext(mesh, options, rank=rank, weights=weights, bucket_grads=bucket_grads,
+                      local_weights=local_weights)
     passes = pass_list(options, program=ProgramOptions(bucket_grads))["rank"]
     return run_passes(program_copy(gm), ctx, passes, ran=tuple(gm.meta.get(M.PASSES_RUN, ())))
 

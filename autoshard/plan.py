@@ -44,6 +44,27 @@ class Plan:
         self._check_signature(module, rank, bucket_grads)
         return module
 
+    def release_weights(self) -> None:
+        """Replace every tensor the global program holds by a meta tensor of the same shape and dtype: the plan
+        then keeps nothing of the model alive (a rank that made its program needs no full weight again; later
+        ``rank_module`` calls give meta tensors, to be filled by init or a checkpoint)."""
+        gm = self.graph_module
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            owner, _, name = node.target.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            t = getattr(module, name, None)
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            meta = torch.empty_like(t, device="meta")
+            if isinstance(t, torch.nn.Parameter):
+                module._parameters[name] = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+            elif name in module._buffers:
+                module._buffers[name] = meta
+            else:
+                setattr(module, name, meta)
+
     def _check_signature(self, module: torch.fx.GraphModule, rank: int, bucket_grads: bool) -> None:
         """Every rank's program must issue the same collectives in the same order as the first one made."""
         signature = collective_signature(module)

@@ -41,12 +41,24 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
         raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
+    if on_meta(model):
+        # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
+        args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
     if reuse_layers:
         try:
             return _finish(_export_reusing_layers(model, args, kwargs), model)
         except Exception:  # _CannotReuse: layers that differ, or a structure the copy does not handle; or export
             pass  # failed inside the reuse machinery: export every layer (which reports a real failure)
     return _finish(_export(model, args, kwargs), model)
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _to_meta(x):
+    return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
 
 
 def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:

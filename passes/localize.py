@@ -32,8 +32,10 @@ from autoshard.trace import fetch_attr
 
 @dataclass(frozen=True)
 class Localize:
-    """Rank ``ctx.rank``'s GraphModule from the global program: local shapes, local forms, local weights (from
-    ``ctx.weights``, default the graph module itself). Graph-level metadata (``gm.meta``) is carried over."""
+    """Rank ``ctx.rank``'s GraphModule from the global program: local shapes, local forms, local weights (this
+    rank's slices of ``ctx.weights``, default the graph module itself; or, with ``ctx.local_weights``, that rank
+    program's own tensors, shared — another program of the same rank, e.g. its eval-mode one). Graph-level
+    metadata (``gm.meta``) is carried over."""
 
     name: str = "localize"
     phase: str = "rank"
@@ -47,7 +49,9 @@ class Localize:
         for old in gm.graph.nodes:
             new = graph.node_copy(old, lambda n: env[n])
             new.meta = {k: v for k, v in old.meta.items() if k != "val"}
-            if old.op == "get_attr":
+            if old.op == "get_attr" and ctx.local_weights is not None:
+                attrs[old.target] = fetch_attr(ctx.local_weights, old.target)
+            elif old.op == "get_attr":
                 attrs[old.target] = _local_attr(fetch_attr(weights, old.target), old.meta.get(M.SPEC), mesh, rank)
             elif old.op == "call_function" and (localize := entry(old.target).localize) is not None:
                 new = localize(graph, new, old, mesh, rank)

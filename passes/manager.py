@@ -54,11 +54,13 @@ class Pass(Protocol):
 @dataclass
 class RankContext(Context):
     """The context of the rank phase: the plan's context plus the rank whose program is made and the weights to
-    shard (None: the global graph module's own)."""
+    shard (None: the global graph module's own) — or ``local_weights``, a program of this rank whose tensors the
+    new program shares as they are."""
 
     rank: int = 0
     weights: torch.nn.Module | None = None
     bucket_grads: bool = False
+    local_weights: torch.nn.Module | None = None
 
 
 @dataclass(frozen=True)
