@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoshard.context import Options
-from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError
+from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.placements import Spec, local_shape, parse_placement
 from autoshard.plan import Plan, build_plan
@@ -183,7 +183,7 @@ class ShardedModule(torch.nn.Module):
             raise AutoshardError(f"bucket_cap_mb is {bucket_cap_mb!r}, but must be a number of MiB >= 0 (0 turns "
                                  "gradient bucketing off).")
         if not isinstance(model, torch.nn.Module):
-            raise AutoshardError(f"autoshard.compile got a {type(model).__name__}, but shards a torch.nn.Module.")
+            raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
         self.bucket_cap_mb = bucket_cap_mb
         self.bucketer = None
         self.mesh = mesh
