@@ -49,21 +49,20 @@ class Plan:
         then keeps nothing of the model alive (a rank that made its program needs no full weight again; later
         ``rank_module`` calls give meta tensors, to be filled by init or a checkpoint)."""
         gm = self.graph_module
-        for node in gm.graph.nodes:
-            if node.op != "get_attr":
-                continue
-            owner, _, name = node.target.rpartition(".")
-            module = gm.get_submodule(owner) if owner else gm
-            t = getattr(module, name, None)
-            if not isinstance(t, torch.Tensor) or t.is_meta:
-                continue
-            meta = torch.empty_like(t, device="meta")
-            if isinstance(t, torch.nn.Parameter):
-                module._parameters[name] = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
-            elif name in module._buffers:
-                module._buffers[name] = meta
-            else:
-                setattr(module, name, meta)
+        metas: dict[int, torch.Tensor] = {}  # one meta tensor per tensor: tied names stay tied
+        for module in gm.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None or t.is_meta:
+                        continue
+                    if id(t) not in metas:
+                        meta = torch.empty_like(t, device="meta")
+                        metas[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                            t, torch.nn.Parameter) else meta
+                    table[name] = metas[id(t)]
+            for name, t in list(vars(module).items()):  # plain tensor attributes (constants)
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    setattr(module, name, torch.empty_like(t, device="meta"))
 
     def _check_signature(self, module: torch.fx.GraphModule, rank: int, bucket_grads: bool) -> None:
         """Every rank's program must issue the same collectives in the same order as the first one made."""

@@ -1,0 +1,193 @@
+"""ShardedModule keeps PyTorch's habits: train()/eval() as the model's own, parameters() right after compile,
+example_kwargs alone, only this rank's shards kept (the plan releases the model's weights).
+
+Eval losses equal eager bit for bit (dropout off); in training mode anything traced with ``self.training`` follows
+the mode (a Python branch on it, dropout) — dropout's masks are autoshard's one global mask per call, not eager's
+stream, so training losses are compared with eager only where the mode changes values deterministically.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.runtime import SimWorld, spawn
+from examples import models
+
+
+class ModeModel(nn.Module):
+    """Dropout, and a Python branch on ``self.training`` (traced into the graph as a constant)."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 32)
+        self.drop = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(32, hidden)
+
+    def forward(self, x, target):
+        h = self.drop(torch.relu(self.fc1(x)))
+        if self.training:
+            h = h * 2.0  # a branch the trace specialises on
+        return nn.functional.mse_loss(self.fc2(h), target)
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+def _megatron_mlp(mesh):
+    return {"fc1.weight": (autoshard.Replicate(), autoshard.Shard(0)),
+            "fc1.bias": (autoshard.Replicate(), autoshard.Shard(0)),
+            "fc2.weight": (autoshard.Replicate(), autoshard.Shard(1))}
+
+
+@pytest.mark.parametrize("traced_in", ["train", "eval"])
+def test_eval_and_train_follow_the_mode_as_eager_does(traced_in):
+    torch.manual_seed(0)
+    model = ModeModel()
+    x, y = _data()
+    mesh = autoshard.Mesh(data=2, model=2)
+    model.train(traced_in == "train")
+    ref = copy.deepcopy(model)
+    ref_eval = ref.eval()(x, y).item()
+
+    def body(rank):
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), plan=_megatron_mlp(mesh))
+        xs, ys = autoshard.data_shard(x, mesh, rank), autoshard.data_shard(y, mesh, rank)
+        sharded.eval()
+        assert not sharded.training
+        with torch.no_grad():
+            eval_loss = sharded(xs, ys).item()
+        sharded.train()
+        train_losses = [sharded(xs, ys) for _ in range(2)]
+        train_losses[0].backward()
+        grads = {n: p.grad is not None for n, p in sharded.named_parameters()}
+        sharded.eval()
+        again = sharded(xs, ys).item()
+        return eval_loss, [t.item() for t in train_losses], grads, again
+
+    out = SimWorld(mesh).run(body)
+    for eval_loss, train_losses, grads, again in out:
+        assert eval_loss == pytest.approx(ref_eval, rel=1e-6, abs=1e-7)
+        assert again == pytest.approx(ref_eval, rel=1e-6, abs=1e-7)
+        assert all(grads.values()) and grads
+        # training mode: the branch doubles h and dropout draws masks: not the eval value, and two calls differ
+        assert abs(train_losses[0] - ref_eval) > 1e-3
+        assert train_losses[0] != train_losses[1]
+    assert len({round(o[1][0], 6) for o in out}) == 1  # the global loss is the same on every rank
+
+
+def test_eval_mode_without_dropout_equals_eager_training_branch_too():
+    """With p=0 the training-mode program is deterministic: its loss equals eager model.train()'s."""
+    torch.manual_seed(1)
+    model = ModeModel()
+    model.drop.p = 0.0
+    x, y = _data(1)
+    mesh = autoshard.Mesh(model=2)
+    model.eval()
+    ref_train = copy.deepcopy(model).train()(x, y).item()
+    ref_eval = copy.deepcopy(model).eval()(x, y).item()
+
+    def body(rank):
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), plan={"fc1.weight": (autoshard.Shard(0),)})
+        a = sharded(x, y).item()
+        b = sharded.train()(x, y).item()
+        return a, b
+
+    for a, b in SimWorld(mesh).run(body):
+        assert a == pytest.approx(ref_eval, rel=1e-6)
+        assert b == pytest.approx(ref_train, rel=1e-6)
+
+
+def test_parameters_right_after_compile_and_example_kwargs_alone():
+    model, args, kwargs = models.gpt(layers=1)
+    mesh = autoshard.Mesh(data=2)
+    world = SimWorld(mesh)
+
+    def body(rank):
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, example_kwargs={"ids": args[0], "labels": args[1]},
+                                    comm=world.communicator(rank))
+        names = [n for n, _ in sharded.named_parameters()]
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)  # before any call
+        ids = autoshard.data_shard(args[0], mesh, rank)
+        labels = autoshard.data_shard(args[1], mesh, rank)
+        loss = sharded(ids=ids, labels=labels)
+        loss.backward()
+        opt.step()
+        return names, loss.item()
+
+    ref = model(*args).item()
+    for names, loss in world.run(body):
+        assert names and all(not n.startswith("_skeleton") for n in names)
+        assert loss == pytest.approx(ref, rel=1e-5)
+
+
+def test_the_plan_keeps_no_weight_once_the_rank_program_exists():
+    model, args, kwargs = models.gpt(layers=1)
+    mesh = autoshard.Mesh(model=2)
+    world = SimWorld(mesh)
+
+    def body(rank):
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, plan=models.megatron(mesh, "gpt"),
+                                    comm=world.communicator(rank))
+        plan_tensors = [*sharded.plan.graph_module.parameters(), *sharded.plan.graph_module.buffers()]
+        skeleton = [*sharded._skeleton.parameters(), *sharded._skeleton.buffers()]
+        local = sum(p.numel() for p in sharded.parameters())
+        return all(t.is_meta for t in plan_tensors), all(t.is_meta for t in skeleton), local
+
+    full = sum(p.numel() for p in model.parameters())
+    for plan_meta, skeleton_meta, local in world.run(body):
+        assert plan_meta and skeleton_meta
+        assert local < 0.75 * full  # this rank's shards, not the model
+
+
+def test_meta_built_model_needs_init_or_load_before_running():
+    from examples.models import GPT
+
+    _, args, _ = models.gpt(layers=1)
+    with torch.device("meta"):
+        model = GPT(layers=1)
+    mesh = autoshard.Mesh(model=2)
+    world = SimWorld(mesh)
+
+    def body(rank):
+        sharded = autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"),
+                                    comm=world.communicator(rank), device="cpu")
+        devices = {p.device.type for p in sharded.parameters()}
+        try:
+            sharded(*args)
+        except autoshard.AutoshardError as e:
+            return devices, str(e)
+        return devices, ""
+
+    for devices, message in world.run(body):
+        assert devices == {"cpu"}
+        assert "init_weights()" in message and "autoshard.load" in message
+
+
+def _gloo_modes_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = ModeModel()
+    x, y = _data()
+    mesh = autoshard.Mesh(data=2, model=2)
+    ref_eval = copy.deepcopy(model).eval()(x, y).item()
+    sharded = autoshard.compile(model, mesh, (x, y), plan=_megatron_mlp(mesh), timeout=60)
+    xs, ys = autoshard.data_shard(x, mesh, rank), autoshard.data_shard(y, mesh, rank)
+    sharded.eval()
+    with torch.no_grad():
+        got = sharded(xs, ys).item()
+    sharded.train()
+    train = sharded(xs, ys).item()
+    return ref_eval, got, train
+
+
+@pytest.mark.gloo
+def test_eval_mode_on_gloo_equals_eager():
+    for ref_eval, got, train in spawn(_gloo_modes_worker, 4, timeout=120, start_method="forkserver"):
+        assert got == pytest.approx(ref_eval, rel=1e-6, abs=1e-7)
+        assert abs(train - ref_eval) > 1e-3
