@@ -1,6 +1,6 @@
 """Train a GPT on a data=2 x model=2 mesh with torchrun, and check the losses against one process.
 
-    torchrun --nproc-per-node 4 examples/train_gpt.py            # gloo on CPU, NCCL on GPUs
+    torchrun --nproc-per-node 4 examples/train_gpt.py            # gloo on CPU; NCCL on cuda:LOCAL_RANK with GPUs
     python examples/train_gpt.py --simulate                       # all 4 ranks in this process
 
 Every rank builds the same model (same seed), compiles it lazily (the plan is made on the first call from that
@@ -38,7 +38,9 @@ def train(rank: int, mesh: autoshard.Mesh, steps: int, model, comm=None, referen
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr) if ref is not None else None
     losses, ref_losses = [], []
     for ids, labels in batches(steps, 8, 16, 128):
-        loss = sharded(autoshard.data_shard(ids, mesh, rank), autoshard.data_shard(labels, mesh, rank))
+        ids_local = autoshard.data_shard(ids, mesh, rank).to(sharded.device)  # the rank's device (cuda:LOCAL_RANK)
+        labels_local = autoshard.data_shard(labels, mesh, rank).to(sharded.device)
+        loss = sharded(ids_local, labels_local)
         if opt is None:  # parameters exist once the lazy plan has been made by the first call
             opt = torch.optim.Adam(sharded.parameters(), lr=lr)
         loss.backward()
@@ -70,8 +72,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--simulate", action="store_true", help="run all ranks in this process (threads)")
+    parser.add_argument("--mesh", default="data=2,model=2", help="mesh axes, e.g. data=2 for two processes")
     args = parser.parse_args()
-    mesh = autoshard.Mesh(data=2, model=2)
+    mesh = autoshard.Mesh.parse(args.mesh)
     if args.simulate:
         from autoshard.runtime import SimWorld
 
@@ -86,6 +89,8 @@ def main() -> int:
     import torch.distributed as dist
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # autoshard.compile's default device too
     dist.init_process_group(backend)
     rank = dist.get_rank()
     try:
