@@ -76,7 +76,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     if pipeline is not None:
         from autoshard.pipeline import PipelinedModule
 
-        return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout)
+        return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout, device)
     return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb, device)
 
 
@@ -261,7 +261,8 @@ class ShardedModule(torch.nn.Module):
         return self.communicator().rank
 
     def _rank_known(self) -> bool:
-        if self._comm is not None or self.mesh.size == 1:
+        """Whether this process's rank is known without a call (a communicator given, or torch.distributed up)."""
+        if self._comm is not None:
             return True
         import torch.distributed as dist
 
@@ -317,7 +318,7 @@ class ShardedModule(torch.nn.Module):
     def _parameters_ready(self) -> None:
         if self.local is not None:
             return
-        if self.plan is not None and self._rank_known():
+        if self.plan is not None and (self._rank_known() or self.mesh.size == 1):
             self.materialize()
             return
         if self.plan is not None:
@@ -340,13 +341,18 @@ class ShardedModule(torch.nn.Module):
         if self._comm is None:
             import torch.distributed as dist
 
-            if not (dist.is_available() and dist.is_initialized()) and self.mesh.size != 1:
-                raise MeshError(f"mesh {self.mesh} has {self.mesh.size} ranks, but torch.distributed is not "
-                                "initialised. Launch with torchrun (and init_process_group), or run the plan "
-                                "in the simulator (autoshard.runtime.SimWorld).")
-            from autoshard.runtime.dist import DistCommunicator
+            if not (dist.is_available() and dist.is_initialized()):
+                if self.mesh.size != 1:
+                    raise MeshError(f"mesh {self.mesh} has {self.mesh.size} ranks, but torch.distributed is not "
+                                    "initialised. Launch with torchrun (and init_process_group), or run the plan "
+                                    "in the simulator (autoshard.runtime.SimWorld).")
+                from autoshard.runtime.sim import SimWorld
 
-            self._comm = DistCommunicator(self.mesh, timeout=self._timeout)
+                self._comm = SimWorld(self.mesh, timeout=self._timeout).communicator(0)  # one rank: no peers
+            else:
+                from autoshard.runtime.dist import DistCommunicator
+
+                self._comm = DistCommunicator(self.mesh, timeout=self._timeout)
         if self._comm.mesh != self.mesh:
             raise MeshError(f"the ShardedModule's communicator runs on {self._comm.mesh}, but its plan is for "
                             f"{self.mesh}: compile for the mesh you run on (or run on the mesh you compiled for).")

@@ -279,9 +279,11 @@ def _marker(view: _View, optimizer, optim: dict) -> dict:
 def _device_mesh(view: _View):
     import torch.distributed as dist
 
-    key = (view.mesh, id(dist.group.WORLD))
+    # the device type of this rank's tensors: "cuda" under NCCL, "cpu" under gloo
+    device_type = next((t.device.type for t in view.local.values() if not t.is_meta), "cpu")
+    key = (view.mesh, id(dist.group.WORLD), device_type)
     if key not in _DEVICE_MESHES:
-        _DEVICE_MESHES[key] = view.mesh.to_device_mesh()
+        _DEVICE_MESHES[key] = view.mesh.to_device_mesh(device_type)
     return _DEVICE_MESHES[key]
 
 

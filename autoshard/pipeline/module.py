@@ -28,9 +28,10 @@ class PipelineRunner:
     microbatch's backward (:func:`autoshard.runtime.pipeline.sync_grads_once`), not once per microbatch."""
 
     def __init__(self, pplan: PipelinePlan, rank: int | None = None, comm=None, timeout: float = 300.0,
-                 sync_once: bool = True):
+                 sync_once: bool = True, device=None):
         import torch.distributed as dist
 
+        from autoshard.api import default_device
         from autoshard.plan import loss_of
         from autoshard.runtime import pipeline as rt
         from autoshard.runtime.dist import DistCommunicator
@@ -44,16 +45,18 @@ class PipelineRunner:
         self.comm = comm
         self.plan = pplan
         self.sync_once = sync_once
+        self.device = torch.device(device) if device is not None else default_device()
         self.rank = comm.rank if rank is None else rank
         self.group = comm.process_group(pplan.pipeline.axis)
         p = pplan.pipeline
         self.modules: list = []
         stages = []
         for s in pplan.stages_of(self.rank):
-            module = rt.StageModule(pplan.stage_module(s, self.rank, bucket_grads=sync_once), pplan.stages[s].inputs)
+            module = rt.StageModule(pplan.stage_module(s, self.rank, bucket_grads=sync_once).to(self.device),
+                                    pplan.stages[s].inputs)
             self.modules.append(module)
             stages.append(rt.make_stage(module, s, pplan.num_stages, pplan.act_meta(s, self.rank, "acts"),
-                                        pplan.act_meta(s, self.rank, "outputs"), self.group))
+                                        pplan.act_meta(s, self.rank, "outputs"), self.group, self.device))
         self.is_last = pplan.num_stages - 1 in pplan.stages_of(self.rank)
         out_spec = getattr(pplan.plan.graph_module, "_out_spec", None)
         loss_fn = rt.model_loss(out_spec, p.loss_fn, loss_of)
@@ -143,7 +146,7 @@ class PipelinedModule(torch.nn.Module):
     as pipeline schedules interleave them) and returns the loss."""
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs, example_kwargs, pipeline: Pipeline,
-                 comm=None, timeout: float = 300.0):
+                 comm=None, timeout: float = 300.0, device=None):
         super().__init__()
         if example_inputs is None and example_kwargs is None:
             raise PlanError("a pipelined compile needs example_inputs= (the global batch): the split and the "
@@ -153,6 +156,7 @@ class PipelinedModule(torch.nn.Module):
         self.plan = build_pipeline_plan(model, mesh, tuple(args or ()), example_kwargs, options, pipeline)
         self._comm = comm
         self._timeout = timeout
+        self._device = device
         self._runner: PipelineRunner | None = None
 
     def show(self, console=None) -> None:
@@ -166,7 +170,7 @@ class PipelinedModule(torch.nn.Module):
 
     def runner(self) -> PipelineRunner:
         if self._runner is None:
-            self._runner = PipelineRunner(self.plan, comm=self._comm, timeout=self._timeout)
+            self._runner = PipelineRunner(self.plan, comm=self._comm, timeout=self._timeout, device=self._device)
         return self._runner
 
     def parameters(self, recurse: bool = True):
