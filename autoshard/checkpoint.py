@@ -346,10 +346,21 @@ def read_marker(path: str | os.PathLike) -> dict:
 def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Restore ``target``'s tensors (and ``optimizer``'s state) from the checkpoint at ``path``, resharding to
     ``target``'s plan. Collective on a ShardedModule. Returns the checkpoint's marker (mesh, specs, hyper-
-    parameters)."""
+    parameters).
+
+    A Hugging Face directory (``model.safetensors`` or ``model.safetensors.index.json``, no commit marker) is read
+    by :func:`autoshard.materialize.load_pretrained` instead: each rank reads only its slices; returns
+    ``{"bytes_read": ..., "tensors": ...}``."""
     import torch.distributed.checkpoint as dcp
 
+    from autoshard.materialize import is_pretrained_dir, load_pretrained
+
     path = os.fspath(path)
+    if is_pretrained_dir(path):
+        if optimizer is not None:
+            raise CheckpointError(f"{path!r} is a Hugging Face directory, which holds no optimizer state, but load "
+                                  "was given optimizer=: load without it (or from an autoshard.save checkpoint).")
+        return load_pretrained(target, path)
     marker = read_marker(path)
     view = _View(target)
     saved = marker["tensors"]
