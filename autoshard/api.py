@@ -312,8 +312,42 @@ class ShardedModule(torch.nn.Module):
         return super().parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's parameters under the model's own names, in the model's order (a tied weight under its first
+        name, as ``model.named_parameters()`` gives it): name-based parameter groups work as on one device."""
         self._parameters_ready()
-        return super().named_parameters(prefix, recurse, remove_duplicate)
+        for name, t in self._named_local(self._skeleton.named_parameters(remove_duplicate=remove_duplicate)):
+            yield prefix + name, t
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        self._parameters_ready()
+        for name, t in self._named_local(self._skeleton.named_buffers(remove_duplicate=remove_duplicate)):
+            yield prefix + name, t
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This rank's shards under the keys of ``model.state_dict()`` (every name of a tied weight), plus the
+        entries the program never reads, whole. ``autoshard.full_state_dict(sharded)`` gathers the global values."""
+        self._parameters_ready()
+        out = {} if destination is None else destination
+        for name, t in self._named_local(self._skeleton.state_dict(keep_vars=True).items()):
+            out[prefix + name] = t if keep_vars else t.detach()
+        return out
+
+    def _named_local(self, model_items):
+        """(model name, this rank's tensor) for each (model name, skeleton tensor) the program holds or keeps."""
+        from autoshard import meta as M
+        from autoshard.trace import fetch_attr
+
+        by_alias = {}
+        for n in self.plan.graph_module.graph.nodes:
+            if n.op == "get_attr":
+                t = fetch_attr(self.local, n.target)
+                if isinstance(t, torch.Tensor):
+                    for alias in n.meta.get(M.ALIASES, (n.target,)):
+                        by_alias[alias] = t
+        for name, _ in model_items:
+            t = by_alias.get(name, self._unread.get(name))
+            if t is not None:
+                yield name, t
 
     def _parameters_ready(self) -> None:
         if self.local is not None:
