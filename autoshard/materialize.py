@@ -226,7 +226,7 @@ class _Run(TorchFunctionMode):
             index, zero = rank_index(target.shape, target.spec, self.mesh, self.rank)
             if restored and nan is not None and not zero and bool(nan[index].any()):
                 raise AutoshardError(
-                    f"the init of module `{module_name}` read tensor `{info.names[0]}` outside this rank's slice "
+                    f"the init of module `{module_name or '(the model)'}` read tensor `{info.names[0]}` outside this rank's slice "
                     "after its own module had initialised it (e.g. a norm over the whole tensor): a rank keeps only "
                     "its slice of a tensor between modules. Initialise that tensor in its own module's init, or pass "
                     "init= to sharded.init_weights.")
