@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, size: str, path: str):
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return dict(rank=rank, path=path, peak=peak, baseline=baseline, full=full_bytes, local=local_bytes,
-                loss=float(loss), seconds=seconds)
+                loss=float(loss.detach()), seconds=seconds)
 
 
 def main() -> None:
