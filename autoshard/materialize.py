@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
@@ -49,6 +50,10 @@ __all__ = ["init_local", "init_weights", "is_pretrained_dir", "load_local", "loa
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+# Simulated ranks (threads) initialise one at a time: transformers patches torch.nn.init process-wide while it
+# initialises, and the skeleton's tensors are swapped for temporaries during each step.
+_INIT_LOCK = threading.RLock()
 
 
 # ---- where each tensor lives in the rank program ------------------------------------------------------------
@@ -185,7 +190,7 @@ class _Run(TorchFunctionMode):
                     if t is not None and id(t) in self.tensors:
                         self.tensors[id(t)].slots.append((module, kind, key))
         self.touched: dict[int, torch.Tensor] = {}  # id(meta) -> temporary made by the mode during one step
-        self._touched_meta: dict[int, tuple[int, bool]] = {}  # id(meta) -> (its version when made, restored)
+        self._touched_state: dict[int, tuple[int, bool]] = {}  # id(meta) -> (its version when made, restored)
         self.live = 0
         self.peak = 0
 
@@ -246,7 +251,7 @@ class _Run(TorchFunctionMode):
                 if id(x) not in self.touched:
                     full, restored = self.make(self.tensors[id(x)])
                     self.touched[id(x)] = full
-                    self._touched_meta[id(x)] = (full._version, restored)
+                    self._touched_state[id(x)] = (full._version, restored)
                 return self.touched[id(x)]
             return x
 
@@ -275,7 +280,7 @@ def init_local(skeleton: torch.nn.Module, local: torch.nn.Module, plan, rank: in
         steps = [(m, c) for m, c in steps if id(m) in owners]
     flags = {id(m): (m, m.__dict__.get("_is_hf_initialized", _ABSENT)) for m in skeleton.modules()}
     count = 0
-    with torch.no_grad(), _hf_guard(skeleton):
+    with _INIT_LOCK, torch.no_grad(), _hf_guard(skeleton):
         try:
             for module, call in steps:
                 if getattr(module, "_is_hf_initialized", False) and init is None and _is_hf(skeleton):
@@ -325,10 +330,11 @@ def _step(run: _Run, module, name: str, call, keepers) -> None:
                 new.__dict__.update(t.__dict__)  # flags such as _is_hf_initialized
             else:
                 new = full
+                new.__dict__.update(t.__dict__)
             getattr(module, kind)[key] = new
             swapped.append((kind, key, t))
             own.append((info, new, new._version, restored, keep))
-    run.touched, run._touched_meta = {}, {}
+    run.touched, run._touched_state = {}, {}
     try:
         with run:
             call(module)
@@ -341,9 +347,9 @@ def _step(run: _Run, module, name: str, call, keepers) -> None:
         else:
             run.live -= full.numel() * full.element_size()
     for key, full in run.touched.items():
-        version, restored = run._touched_meta[key]
+        version, restored = run._touched_state[key]
         run.write_back(run.tensors[key], full, version, restored, name)
-    run.touched, run._touched_meta = {}, {}
+    run.touched, run._touched_state = {}, {}
 
 
 def init_weights(sharded, init=None) -> dict:
