@@ -354,7 +354,9 @@ def _step(run: _Run, module, name: str, call, keepers) -> None:
 
 def init_weights(sharded, init=None) -> dict:
     """``sharded.init_weights(init)``: initialise this rank's shards of a :class:`~autoshard.ShardedModule` (see
-    the module docstring)."""
+    the module docstring). Returns :func:`init_local`'s statistics. A Hugging Face model built off meta has every
+    module flagged ``_is_hf_initialized``, so (as its own ``initialize_weights()``) this then changes nothing
+    unless ``init=`` is given; a tensor no init writes is an error only while the shards are uninitialised."""
     local = sharded.materialize()
     unread = getattr(sharded, "_unread", None)
     stats = init_local(sharded._skeleton, local, sharded.plan, sharded.rank, sharded.device, init,
