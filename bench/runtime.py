@@ -1,7 +1,9 @@
 """Runtime speed of autoshard's per-rank programs next to DTensor (tensor parallel) and DDP (data parallel).
 
-Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model, the same data and the same
-2-rank mesh, forward + backward steps (gradients set to None before each; no optimizer) of:
+Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model, the same data, the same
+2-rank mesh and the same transport (gloo's collectives: autoshard's ``DistCommunicator`` calls
+``torch.distributed`` on its process groups, as DTensor and DDP do), forward + backward steps (gradients set to
+None before each; no optimizer) of:
 
 * tensor parallel, ``Mesh(model=2)``, Megatron plan (column-parallel q/k/v and first MLP linear, row-parallel
   output projections; embeddings and LM head replicated):
@@ -14,10 +16,7 @@ Two gloo processes on 127.0.0.1 run, side by side in one run, on the same model,
     (``bucket_cap_mb=25``: the buckets DDP cuts with that cap, launched asynchronously as they fill; the loss
     all-reduce left in flight), and the unbucketed program (one blocking all-reduce per parameter);
   - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``, and DDP plus an async all-reduce of its loss (waited
-    at the end of backward): DDP returns each rank's local loss, autoshard the global one;
-* the transport's share: autoshard's programs again with every all-reduce gloo's own (``DistCommunicator(...,
-  pair_exchange=False)``: no two-rank exchange, no shared memory), and DDP with a comm hook that all-reduces each
-  bucket with autoshard's communicator (through shared memory, then divided by 2 as DDP averages).
+    at the end of backward): DDP returns each rank's local loss, autoshard the global one.
 
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved: in each, every system in turn (the
 order rotating) runs one untimed step and then two timed steps back to back, as a training loop runs its steps
@@ -163,13 +162,6 @@ def _peak_bytes(fn, params, modules) -> int | None:
         return None
 
 
-def _mapping_bytes(comm) -> int:
-    """Bytes of ``comm``'s shared-memory mappings (``MemTracker`` counts a mapping in full once a step uses it)."""
-    from autoshard.runtime.shm import mapping_bytes
-
-    return sum(mapping_bytes(pair) for pair in getattr(comm, "_shared", {}).values())
-
-
 def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     import copy
     import warnings
@@ -191,9 +183,6 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     reps_of = {name: reps or sizes["reps"][name] for name in cases}
     tp_mesh, dp_mesh = autoshard.Mesh(model=2), autoshard.Mesh(data=2)
     tp_comm, dp_comm = DistCommunicator(tp_mesh, timeout=300), DistCommunicator(dp_mesh, timeout=300)
-    # the same programs with every all-reduce as gloo's (no pair exchange, no shared memory): the transport's share
-    tp_gloo = DistCommunicator(tp_mesh, timeout=300, pair_exchange=False)
-    dp_gloo = DistCommunicator(dp_mesh, timeout=300, pair_exchange=False)
     device_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("model",))
     out = {}
     for name in cases:
@@ -201,7 +190,8 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         systems = {}
         # ---- tensor parallel ----
         tp_plan = autoshard.compile(model, tp_mesh, args, plan={k: (v,) for k, v in ann.items()}).plan
-        tp_mod = tp_plan.rank_module(rank, bucket_grads=True)  # as ShardedModule runs it (bucket_cap_mb=25)
+        # as ShardedModule runs it (bucket_cap_mb=25); the weights given again: compiling on a known rank released them
+        tp_mod = tp_plan.rank_module(rank, weights=model, bucket_grads=True)
         GradBucketer(tp_mod, comm=tp_comm, bucket_cap_mb=25)
         tp_args, _ = tp_plan.shard_inputs(rank, args)
 
@@ -210,19 +200,11 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
                 return loss_of(m(*a))
 
         systems["tp/autoshard"] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
-        tp_mod_g = tp_plan.rank_module(rank, bucket_grads=True)
-        GradBucketer(tp_mod_g, comm=tp_gloo, bucket_cap_mb=25)
-
-        def as_tp_gloo(m=tp_mod_g, a=tp_args):
-            with use(tp_gloo):
-                return loss_of(m(*a))
-
-        systems["tp/autoshard, gloo all-reduce"] = (as_tp_gloo, list(tp_mod_g.parameters()), [tp_mod_g], tp_gloo)
         if name == "block":  # sequence parallelism: the block's input and residual sharded along the sequence
             sp_plan = autoshard.compile(
                 model, tp_mesh, args, plan={**{k: (v,) for k, v in ann.items()}, "x": ("S(1)",)}, sequence_parallel=True
             ).plan
-            sp_mod = sp_plan.rank_module(rank, bucket_grads=True)
+            sp_mod = sp_plan.rank_module(rank, weights=model, bucket_grads=True)
             GradBucketer(sp_mod, comm=tp_comm, bucket_cap_mb=25)
             sp_args, _ = sp_plan.shard_inputs(rank, args)
 
@@ -245,9 +227,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         # ---- data parallel ----
         dp_plan = autoshard.compile(model, dp_mesh, args).plan
         dp_args, _ = dp_plan.shard_inputs(rank, args)
-        dp_mod = dp_plan.rank_module(rank, bucket_grads=True)
+        dp_mod = dp_plan.rank_module(rank, weights=model, bucket_grads=True)
         GradBucketer(dp_mod, comm=dp_comm, bucket_cap_mb=25)
-        dp_plain = dp_plan.rank_module(rank)
+        dp_plain = dp_plan.rank_module(rank, weights=model)
 
         def as_dp(m=dp_mod, a=dp_args):
             with use(dp_comm):
@@ -262,31 +244,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         def ddp_step(m=ddp, a=dp_args):
             return m(*a)
 
-        dp_mod_g = dp_plan.rank_module(rank, bucket_grads=True)
-        GradBucketer(dp_mod_g, comm=dp_gloo, bucket_cap_mb=25)
-
-        def as_dp_gloo(m=dp_mod_g, a=dp_args):
-            with use(dp_gloo):
-                return loss_of(m(*a))
-
-        # DDP with autoshard's transport: a comm hook that all-reduces each bucket as autoshard does (through
-        # shared memory here) and averages, as DDP's own all-reduce does
-        ddp_s = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=25)
-
-        def shared_memory_hook(state, bucket):
-            flat = bucket.buffer()
-            dp_comm.all_reduce_(flat, "data").div_(2)
-            fut = torch.futures.Future()
-            fut.set_result(flat)
-            return fut
-
-        ddp_s.register_comm_hook(None, shared_memory_hook)
-
-        def ddp_shared_step(m=ddp_s, a=dp_args):
-            return m(*a)
-
         systems["dp/autoshard"] = (as_dp, list(dp_mod.parameters()), [dp_mod], dp_comm)
-        systems["dp/autoshard, gloo all-reduce"] = (as_dp_gloo, list(dp_mod_g.parameters()), [dp_mod_g], dp_gloo)
         systems["dp/autoshard-unbucketed"] = (as_dp_plain, list(dp_plain.parameters()), [dp_plain], dp_comm)
         systems["dp/DDP"] = (ddp_step, list(ddp.parameters()), [ddp], None)
         # DDP returns each rank's local loss; autoshard returns the global one (for a mean cross-entropy, the exact
@@ -306,7 +264,6 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             return loss
 
         systems["dp/DDP+loss all-reduce"] = (ddp_global_loss_step, list(ddp_g.parameters()), [ddp_g], None)
-        systems["dp/DDP, shared-memory hook"] = (ddp_shared_step, list(ddp_s.parameters()), [ddp_s], None)
 
         # warm-up, losses, bytes and collective counts of one step
         info = {}
@@ -325,7 +282,6 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             else:  # DTensor's collectives (CommDebugMode sees DTensor dispatch, not DDP's reducer)
                 rec["n_coll"] = cdm.get_total_counts() if key.startswith("tp/") else "-"
             rec["peak"] = _peak_bytes(fn, params, mods)
-            rec["mapping"] = _mapping_bytes(dp_comm if key == "dp/DDP, shared-memory hook" else comm)
             info[key] = rec
         times = {k: [] for k in systems}
         keys = list(systems)
@@ -383,7 +339,6 @@ def report(results, cases) -> str:
             "step (ms)",
             "ratio [95% CI]",
             "peak mem/rank",
-            "shm mapping",
             "bytes/rank/step",
             "analytic bytes",
             "wire bytes (analytic)",
@@ -429,7 +384,6 @@ def report(results, cases) -> str:
                 else:
                     b_txt = _fmt_bytes(bytes_) if bytes_ is not None else "-"
                 peak = max((pr[key]["peak"] or 0) for pr in per_rank) or None
-                mapping = max(pr[key]["mapping"] for pr in per_rank)
                 wire_analytic = analytic  # Megatron and DDP only all-reduce: 2(n-1)/n = 1 for n=2
                 wire = _fmt_bytes(rec["wire"]) if "wire" in rec else "-"
                 rows.append(
@@ -439,7 +393,6 @@ def report(results, cases) -> str:
                         f"{t:.1f}",
                         "{:.2f} [{:.2f}, {:.2f}]".format(ratio, *interval),
                         _fmt_bytes(peak),
-                        _fmt_bytes(mapping) if mapping else "-",
                         b_txt,
                         _fmt_bytes(analytic),
                         f"{wire} ({_fmt_bytes(wire_analytic)})",

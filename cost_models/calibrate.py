@@ -6,7 +6,9 @@
 1. times all_reduce, all_gather and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
    :mod:`autoshard.cost_models.comm`: the reduced tensor, the gathered output, the exchanged buffer), the fastest
    of ``repeats`` calls, each right after a barrier, sizes interleaved (:func:`_min_times`), keeping the slowest
-   rank's;
+   rank's. The calls are the runtime's own: a :class:`~autoshard.runtime.dist.DistCommunicator` over a
+   one-axis mesh of all the ranks, so what is measured is the transport a compiled model uses (the backend's
+   collectives on a process group made by the communicator, with the communicator's own copies around them);
 2. times a 512×512 fp32 matmul (peak FLOP/s) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
    once, so that ranks share the machine as they will in a run, and averages the rates over ranks.
 
@@ -175,33 +177,40 @@ def _min_times(fns: list, repeats: int) -> list[float]:
     return best
 
 
-def _collective_call(kind: str, nbytes: int, world_size: int):
-    import torch.distributed as dist
+#: The one mesh axis of the calibration's communicator.
+AXIS = "ranks"
 
+
+def _collective_call(comm, kind: str, nbytes: int, world_size: int):
+    """``(b, fn)``: ``fn`` runs collective ``kind`` of ``b`` bytes (:mod:`~autoshard.cost_models.comm`'s ``b``)
+    through ``comm``, the runtime's communicator."""
     numel = max(world_size, nbytes // 4 // world_size * world_size)  # even splits
     if kind == "all_reduce":
         t = torch.ones(numel)
-        return numel * 4, lambda: dist.all_reduce(t)
+        return numel * 4, lambda: comm.all_reduce_(t, AXIS)
     if kind == "all_gather":
-        out, inp = torch.empty(numel), torch.ones(numel // world_size)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return numel * 4, lambda: gather(out, inp)
-    out, inp = torch.empty(numel), torch.ones(numel)
-    return numel * 4, lambda: dist.all_to_all_single(out, inp)
+        inp = torch.ones(numel // world_size)  # b is the gathered output
+        return numel * 4, lambda: comm.all_gather(inp, AXIS, 0)
+    inp = torch.ones(numel)
+    return numel * 4, lambda: comm.all_to_all(inp, AXIS, 0, 0)
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[int, ...], repeats: int,
             timeout: float, out_path: str) -> None:
     import torch.distributed as dist
 
+    from autoshard.mesh import Mesh
+    from autoshard.runtime.dist import DistCommunicator
+
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
+        comm = DistCommunicator(Mesh(**{AXIS: world_size}), timeout=timeout)
         samples: dict[str, list[list[float]]] = {}
         for kind in COLLECTIVES:
-            calls = [_collective_call(kind, size, world_size) for size in sizes]
+            calls = [_collective_call(comm, kind, size, world_size) for size in sizes]
             best = _min_times([fn for _, fn in calls], repeats)
             samples[kind] = [[nbytes, t] for (nbytes, _), t in zip(calls, best)]
         a, c = torch.randn(_MATMUL_N, _MATMUL_N), torch.empty(_MATMUL_N, _MATMUL_N)
@@ -215,8 +224,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
         rates /= world_size
         if rank == 0:
             flat = iter(times.tolist())
+            counts = {kind: sum(1 for r in comm.log if r.kind == kind) for kind in COLLECTIVES}
             result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
-                      "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item()}
+                      "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
+                      "transport": type(comm).__name__, "calls": counts}
             Path(out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -1,11 +1,11 @@
-"""Smoke runs of the compile-time and plan-quality benchmarks (``bench/*.py --quick``), in this process."""
+"""Smoke runs of the compile-time and plan-quality benchmarks (``bench/*.py --quick``), in this process: their
+rows and tables are consistent. How long anything takes is the benchmarks' to report, not these tests'."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import sys
-import time
 from pathlib import Path
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -21,9 +21,7 @@ def _load(name: str):
 
 def test_compile_time_quick(capsys):
     bench = _load("compile_time")
-    start = time.perf_counter()
     rows = bench.main(["--quick"])
-    assert time.perf_counter() - start < 60
     out = capsys.readouterr().out
     assert [r["layers"] for r in rows] == [2, 4]
     for r in rows:
@@ -40,9 +38,7 @@ def test_compile_time_quick(capsys):
 
 def test_plan_quality_quick(capsys):
     bench = _load("plan_quality")
-    start = time.perf_counter()
     rows = bench.main(["--quick"])
-    assert time.perf_counter() - start < 60
     out = capsys.readouterr().out
     assert {(r["mesh"], r["profile"]) for r in rows} == {
         (m, p) for m in ("data=2xmodel=2", "model=4") for p in ("gpu-8x-nvlink", "multi-node")

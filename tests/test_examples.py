@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,7 @@ def test_train_gpt_under_torchrun_matches_one_process():
     cmd += ["--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             str(ROOT / "examples" / "train_gpt.py"), "--steps", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        # Seen once in ~10 runs on this machine: one rank aborts in C++ (gloo) with no Python error. Known and
-        # unexplained (see the closing note of the runtime issue); run once more and say so.
-        warnings.warn("train_gpt under torchrun: a rank aborted (std::terminate); retrying once\n" + proc.stderr[-2000:])
-        cmd[cmd.index("--master-port") + 1] = str(free_port())
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "max |sharded - single| over 20 steps" in proc.stdout
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]

@@ -3,8 +3,13 @@ checkpoint interrupted by a dying rank is never taken for a complete one.
 
 ``spawn`` kills every survivor a second after the first failure, which is right for tests but would hide what
 the survivors do on their own; :func:`launch` here lets every process run to its own end and reports each one's
-exit code, error text and the time of its error, so the tests can check that each survivor raised by itself,
-within the configured timeout.
+exit code and error text, so the tests can check that each survivor raised by itself, and with which error.
+
+No test measures how fast anything happened. What shows that the compile ``timeout`` (6 s) bounds a survivor's
+wait is the error itself (gloo raised its timeout on the communicator's groups, or a closed connection) and the
+hang bound: the default group's timeout is 10 minutes and :func:`launch` kills whatever still runs after
+:data:`DEADLINE`, so a survivor that waited on anything but the 6 s groups would have no report at all. The
+messages are also checked against the README's error table (:func:`tests.test_error_catalogue.assert_row`).
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ import autoshard
 from autoshard.errors import CheckpointError
 from autoshard.runtime.launch import free_port
 from examples import models
+from tests.test_error_catalogue import assert_row
 
 pytestmark = pytest.mark.gloo
 
 TIMEOUT = 6.0  # seconds: the communicator timeout the sharded model is compiled with
-PG_TIMEOUT = 60.0  # the default group's: much longer, so the compile option is what must bound the wait
+PG_TIMEOUT = 600.0  # the default group's: much longer than DEADLINE, so the compile option must bound the wait
+DEADLINE = 240.0  # seconds launch lets the processes run (start-up and compiling included) before killing them
 MESH = {"data": 2, "model": 2}
 
 
@@ -42,9 +49,9 @@ def _child(fn, rank, world, port, out, args):
     try:
         fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - the parent reports every failure
-        _report(out, rank, (type(e).__name__, str(e), time.time(), traceback.format_exc()))
+        _report(out, rank, (type(e).__name__, str(e), traceback.format_exc()))
         os._exit(1)  # like an uncaught exception under torchrun: non-zero, and no teardown that could block
-    _report(out, rank, ("ok", "", time.time(), ""))
+    _report(out, rank, ("ok", "", ""))
     os._exit(0)
 
 
@@ -53,11 +60,12 @@ def _report(out: str, rank: int, report: tuple) -> None:
         json.dump(report, f)
 
 
-def launch(fn, world: int, out: str, *args, deadline: float = 120.0) -> tuple[dict, dict]:
+def launch(fn, world: int, out: str, *args, deadline: float = DEADLINE) -> tuple[dict, dict]:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; every process runs to its own end.
 
-    Returns ({rank: exit code}, {rank: (error class, message, time.time() of the error, traceback)}) (reports
-    travel through files in ``out``: a process that ends with ``os._exit`` may not flush a pipe).
+    Returns ({rank: exit code}, {rank: (error class, message, traceback)}) (reports travel through files in
+    ``out``: a process that ends with ``os._exit`` may not flush a pipe). A process still running after
+    ``deadline`` seconds is killed: it has no report.
     """
     ctx = mp.get_context("forkserver")
     port = free_port()
@@ -113,65 +121,61 @@ def _steps(rank: int, n: int, fault=None, save_to: str | None = None):
     return sharded, opt
 
 
-def _stamp(path: str) -> None:
-    with open(path, "w") as f:  # when the peer failed, for the survivors' clocks
-        f.write(repr(time.time()))
-
-
-def dies_mid_step(rank: int, world: int, stamp: str):
+def dies_mid_step(rank: int, world: int):
     def fault(step, sharded, opt):
         if rank == 3 and step == 1:
-            _stamp(stamp)
             os._exit(17)
 
     _steps(rank, 3, fault)
 
 
-def hangs_mid_step(rank: int, world: int, stamp: str):
+def hangs_mid_step(rank: int, world: int):
     def fault(step, sharded, opt):
         if rank == 3 and step == 1:
-            _stamp(stamp)
-            time.sleep(2 * TIMEOUT + 3)  # alive, sockets open, but never joins the backward; outlives the others
+            # alive, sockets open, but never joins the backward; it outlives the others' 6 s timeout (exiting
+            # earlier would close its sockets: its peers would report a closed connection, not a timeout)
+            time.sleep(2 * TIMEOUT + 3)
             os._exit(18)
 
     _steps(rank, 3, fault)
 
 
-def _check_survivors(codes, reports, stamp, culprit_code, expect):
-    failed_at = float(Path(stamp).read_text())
+def _check_survivors(codes, reports, culprit_code, expect, row):
     assert codes[3] == culprit_code, (codes, reports)
     for rank in (0, 1, 2):
         assert codes[rank] not in (0, None), (rank, codes, reports)
-        cls, msg, when, tb = reports[rank]
-        print(f"rank {rank}: {cls} {when - failed_at:.2f} s after rank 3 failed: {msg}")
+        assert rank in reports, f"rank {rank} was still waiting after {DEADLINE:g} s and was killed: {codes}"
+        cls, msg, tb = reports[rank]
         assert cls == "CollectiveTimeoutError", (rank, cls, msg, tb)
-        assert when - failed_at < 2 * TIMEOUT, (rank, when - failed_at, msg)
         assert re.search(expect, msg), (rank, msg)
+        if row is not None:
+            assert_row(row, cls, msg)
 
 
 def test_a_rank_dying_mid_step_makes_every_other_rank_fail_within_the_timeout(tmp_path):
-    stamp = str(tmp_path / "failed_at")
-    codes, reports = launch(dies_mid_step, 4, str(tmp_path), stamp, deadline=PG_TIMEOUT + 60)
+    codes, reports = launch(dies_mid_step, 4, str(tmp_path))
     # Every survivor names the collective, its group and the peer it lost (a direct peer of rank 3 names it;
     # ranks further away see their own peer go as the failure spreads).
-    _check_survivors(codes, reports, stamp, 17,
+    _check_survivors(codes, reports, 17,
                      r"^(all_reduce|all_gather|reduce_scatter|all_to_all) on axis `(data|model)` \(group of ranks "
-                     r"\[\d, \d\]\) did not complete on rank \d \(timeout 6 s\): peer rank \d (closed its "
-                     r"connection|exited \(pid \d+\))")
-    assert any(re.search("peer rank 3 (closed|exited)", reports[r][1]) for r in (1, 2))
+                     r"\[\d, \d\]\) did not complete on rank \d \(timeout 6 s\): peer rank \d closed its connection",
+                     "peer-died")
+    assert any("peer rank 3 closed" in reports[r][1] for r in (1, 2))
 
 
 def test_a_rank_hanging_mid_step_makes_every_other_rank_time_out(tmp_path):
-    stamp = str(tmp_path / "failed_at")
-    codes, reports = launch(hangs_mid_step, 4, str(tmp_path), stamp, deadline=PG_TIMEOUT + 60)
-    _check_survivors(codes, reports, stamp, 18,
+    codes, reports = launch(hangs_mid_step, 4, str(tmp_path))
+    _check_survivors(codes, reports, 18,
                      r"^(all_reduce|all_gather|reduce_scatter|all_to_all) on axis `(data|model)` \(group of ranks "
-                     r"\[\d, \d\]\) did not complete (within 6 s|on rank)")
-    # the direct peers of the hanging rank hit the timeout itself
-    assert any("did not complete within 6 s" in reports[r][1] for r in (1, 2))
+                     r"\[\d, \d\]\) did not complete (within 6 s|on rank)", None)
+    # the direct peers of the hanging rank hit the timeout itself (it still had its sockets open)
+    timed_out = [reports[r][1] for r in (1, 2) if "did not complete within 6 s" in reports[r][1]]
+    assert timed_out, reports
+    for msg in timed_out:
+        assert_row("peer-hangs", "CollectiveTimeoutError", msg)
 
 
-def dies_while_saving(rank: int, world: int, path: str, stamp: str):
+def dies_while_saving(rank: int, world: int, path: str):
     sharded, opt = _steps(rank, 1)
     autoshard.save(sharded, path, optimizer=opt)  # a complete checkpoint of step 1
     _steps_more(sharded, opt, rank)
@@ -182,7 +186,6 @@ def dies_while_saving(rank: int, world: int, path: str, stamp: str):
 
         def write_then_die(self, plan, planner):
             write(self, plan, planner).wait()  # its shards reach the disk, then the process is gone
-            _stamp(stamp)
             os._exit(19)
 
         FileSystemWriter.write_data = write_then_die
@@ -197,17 +200,16 @@ def _steps_more(sharded, opt, rank):
 
 
 def test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads(tmp_path):
-    path, stamp = str(tmp_path / "ckpt"), str(tmp_path / "failed_at")
-    codes, reports = launch(dies_while_saving, 4, str(tmp_path), path, stamp, deadline=PG_TIMEOUT + 60)
-    failed_at = float(Path(stamp).read_text())
+    path = str(tmp_path / "ckpt")
+    codes, reports = launch(dies_while_saving, 4, str(tmp_path), path)
     assert codes[1] == 19
     for rank in (0, 2, 3):
         assert codes[rank] not in (0, None), (rank, codes, reports)
-        cls, msg, when, tb = reports[rank]
-        print(f"rank {rank}: {cls} {when - failed_at:.2f} s after rank 1 died: {msg[:300]}")
+        assert rank in reports, f"rank {rank} was still waiting after {DEADLINE:g} s and was killed: {codes}"
+        cls, msg, tb = reports[rank]
         assert cls == "CheckpointError", (rank, cls, msg, tb)
         assert f"save to '{path}' failed on rank {rank} before its commit" in msg
-        assert when - failed_at < 2 * TIMEOUT
+        assert_row("checkpoint-save-interrupted", cls, msg)
     partial = [n for n in os.listdir(tmp_path) if n.startswith("ckpt.tmp-")]
     assert len(partial) == 1 and any(n.endswith(".distcp") for n in os.listdir(tmp_path / partial[0]))
     with pytest.raises(CheckpointError, match="has no commit marker autoshard.json"):

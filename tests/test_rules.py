@@ -414,11 +414,26 @@ def test_every_covered_op_is_swept():
     assert ops_swept == {c.op for c in CASES}
 
 
-def test_coverage_report(capsys):
-    """Not an assertion on the table: prints the ops with a rule that no case reaches (see with ``pytest -s``)."""
-    missing = uncovered_ops()
-    with capsys.disabled():
-        print(f"\nops with a rule but no op case ({len(missing)} of {len(rule_ops())}): {', '.join(missing)}")
+#: Ops with a rule that no op case reaches, and why none can: a new rule needs an op case, or an entry here.
+NO_OP_CASE = {
+    # allocate without initialising: no values to compare with eager
+    "aten.empty.memory_format": "uninitialised values",
+    "aten.empty_like.default": "uninitialised values",
+    "aten.new_empty.default": "uninitialised values",
+    # the expert-parallel graph ops exist only inside ExpertRewrite's output, checked end to end by tests/moe
+    # and tests/test_expert_rewrite.py
+    **{f"autoshard.moe.graph_ops.{name}": "MoE rewrite only"
+       for name in ("attach", "aux_terms", "combine_groups", "dispatch_groups", "first_fraction", "gate_groups",
+                    "route_groups", "routing_stats")},
+}
+
+
+def test_every_op_with_a_rule_has_an_op_case_or_says_why_not():
+    """Every op of the rule table is reached by an op case (swept numerically above) or listed in
+    :data:`NO_OP_CASE` with the reason; every listed op still has a rule and still has no case (no stale entry)."""
+    missing = set(uncovered_ops())
+    assert sorted(missing - set(NO_OP_CASE)) == [], "ops with a rule but no op case: add a case to tests/opcases.py"
+    assert sorted(set(NO_OP_CASE) - missing) == [], "NO_OP_CASE lists ops that now have a case or no rule"
 
 
 # ---------------------------------------------------------------------------------------------------------

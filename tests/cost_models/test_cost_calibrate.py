@@ -1,4 +1,5 @@
-"""Calibration: the fits on synthetic samples, one real run on gloo, the CLI entry."""
+"""Calibration: the fits on synthetic samples, one real run on gloo through the runtime's communicator, the CLI
+entry."""
 
 from __future__ import annotations
 
@@ -64,8 +65,19 @@ def test_bad_arguments():
 
 
 @pytest.mark.gloo
-def test_real_run_on_two_gloo_processes(tmp_path):
+def test_real_run_on_two_gloo_processes(tmp_path, monkeypatch):
+    raw = {}
+    run_workers = cal_mod._run_workers
+
+    def keep(*args):
+        raw.update(run_workers(*args))
+        return raw
+
+    monkeypatch.setattr(cal_mod, "_run_workers", keep)
     cal = measure(world_size=2, sizes=(1 << 10, 1 << 20, 1 << 22), repeats=5, timeout=60)
+    # measured through the runtime's communicator: every timed call (2 warm-up + 5 per size) is in its log
+    assert raw["transport"] == "DistCommunicator"
+    assert raw["calls"] == {"all_reduce": 3 * 7, "all_gather": 3 * 7, "all_to_all": 3 * 7}
     assert [f.kind for f in cal.fits] == ["all_reduce", "all_gather", "all_to_all"]
     for f in cal.fits:
         assert [b for b, _ in f.samples] == [1 << 10, 1 << 20, 1 << 22]
@@ -73,8 +85,10 @@ def test_real_run_on_two_gloo_processes(tmp_path):
         assert math.isfinite(f.alpha) and f.alpha > 0
         assert math.isfinite(f.beta) and f.beta > 0
     assert cal.link.alpha > 0 and cal.link.beta > 0
-    assert cal.peak_flops > 1e8 and cal.mem_bandwidth > 1e8 and cal.memory_bytes > 0
-    assert cal.seconds < 60
+    for rate in (cal.peak_flops, cal.mem_bandwidth):
+        assert math.isfinite(rate) and rate > 0
+    assert cal.memory_bytes > 0
+    assert cal.seconds > 0
     profile = cal.profile("here")
     path = tmp_path / "here.toml"
     from autoshard.cost_models.profile import save_profile
