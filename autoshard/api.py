@@ -167,8 +167,8 @@ def meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
 class ShardedModule(torch.nn.Module):
     """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``).
 
-    What it holds: the plan, this rank's program (``local``, built by :meth:`materialize` — at once when the rank
-    is known at compile time, else on the first call) with only this rank's shards on :attr:`device`, and the
+    What it holds: the plan, this rank's program (``local``, built by :meth:`materialize` on first use —
+    ``parameters()``, ``init_weights()``, a call) with only this rank's shards on :attr:`device`, and the
     model's module tree on the meta device (``_skeleton``: no tensor memory) for ``init_weights`` and for the
     program of the other training mode. ``train()``/``eval()`` switch programs as the model's own modes do:
     the plan is traced in the model's mode at compile time; the other mode's program is traced from the skeleton on
@@ -205,8 +205,6 @@ class ShardedModule(torch.nn.Module):
             args = () if example_inputs is None else (
                 example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
             self._build_plan(tuple(args), dict(example_kwargs or {}))
-            if self._rank_known():
-                self.materialize()
 
     @property
     def _skeleton(self) -> torch.nn.Module:
@@ -269,7 +267,7 @@ class ShardedModule(torch.nn.Module):
         return dist.is_available() and dist.is_initialized()
 
     def materialize(self) -> torch.fx.GraphModule:
-        """Make this rank's program now (done by compile when the rank is known, else by the first call): only
+        """Make this rank's program now (done on first use: ``parameters()``, ``init_weights()``, a call): only
         this rank's shards, on :attr:`device` — copied from the model, or uninitialised memory for a model built on
         the meta device (then :meth:`init_weights` or ``autoshard.load`` fills them). The plan keeps no weight
         afterwards."""
