@@ -126,6 +126,21 @@ def hf_llama(batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, h
     return model, (), {"input_ids": ids, "labels": labels}
 
 
+
+def llama3_8b_meta(batch: int = 2, seq: int = 16, layers: int = 32, vocab: int = 128256):
+    """A Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 heads, 8 KV heads, FFN 14336) built under
+    ``torch.device("meta")``: no weight memory, for planning and ``autoshard show`` only (fill real weights with
+    ``sharded.init_weights()`` or ``autoshard.load``). The example inputs are small CPU tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=vocab, max_position_embeddings=8192, rope_theta=500000.0,
+                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
 #: Megatron plans (vocabulary-parallel embeddings and LM head, column-parallel then row-parallel linears, heads
 #: split on the model axis), per model, as
 #: {glob: placement on the model axis}; ``megatron(mesh, name)`` expands them to one placement per mesh axis.
@@ -144,6 +159,7 @@ MEGATRON = {
                  "model.layers.*.mlp.gate_proj.weight": "S(0)", "model.layers.*.mlp.up_proj.weight": "S(0)",
                  "model.layers.*.mlp.down_proj.weight": "S(1)"},
 }
+MEGATRON["llama3_8b_meta"] = MEGATRON["hf_llama"]
 
 
 class BlockLoss(nn.Module):
@@ -174,3 +190,98 @@ def megatron(mesh, name: str, model_axis: str = "model") -> dict:
 
 
 FACTORIES = {"mlp": mlp, "gpt": gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
+
+
+# ---- tiny models of other families (op coverage: tests/test_op_coverage.py) -------------------------------
+class ConvBN(nn.Module):
+    """A small CNN: Conv2d + BatchNorm2d + ReLU twice, global average pool, a linear head, cross-entropy."""
+
+    def __init__(self, channels: int = 8, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(2 * channels)
+        self.head = nn.Linear(2 * channels, classes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return F.cross_entropy(self.head(x.mean((2, 3))), target)
+
+
+def conv_bn(batch: int = 4, channels: int = 8, size: int = 8, classes: int = 10, seed: int = 0):
+    torch.manual_seed(seed)
+    model = ConvBN(channels, classes)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, 3, size, size, generator=g)
+    return model, (x, torch.randint(0, classes, (batch,), generator=g)), {}
+
+
+def _hf_seq2seq(cls, cfg, batch, seq, vocab, seed):
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    ids, labels = _ids(batch, seq, vocab, seed + 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
+
+def hf_t5(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, vocab: int = 64,
+          seed: int = 0):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden, num_layers=layers,
+                   num_decoder_layers=layers, num_heads=heads, relative_attention_num_buckets=8,
+                   relative_attention_max_distance=16, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+                   pad_token_id=0, eos_token_id=1)
+    return _hf_seq2seq(T5ForConditionalGeneration, cfg, batch, seq, vocab, seed)
+
+
+def hf_bart(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, vocab: int = 64,
+            seed: int = 0):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+                     encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=2 * hidden,
+                     decoder_ffn_dim=2 * hidden, max_position_embeddings=seq + 2, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, use_cache=False, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                     decoder_start_token_id=2, forced_eos_token_id=None)
+    return _hf_seq2seq(BartForConditionalGeneration, cfg, batch, seq, vocab, seed)
+
+
+def hf_vit(batch: int = 4, image: int = 8, patch: int = 4, layers: int = 1, hidden: int = 32, heads: int = 4,
+           classes: int = 10, seed: int = 0):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    cfg = ViTConfig(image_size=image, patch_size=patch, num_channels=3, hidden_size=hidden, num_hidden_layers=layers,
+                    num_attention_heads=heads, intermediate_size=2 * hidden, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, num_labels=classes)
+    model = ViTForImageClassification(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, 3, image, image, generator=g)
+    return model, (), {"pixel_values": x, "labels": torch.randint(0, classes, (batch,), generator=g)}
+
+
+def hf_bloom(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, vocab: int = 64,
+             seed: int = 0):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = BloomConfig(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=heads, hidden_dropout=0.0,
+                      attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = BloomForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, seed + 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
+
+def hf_gptj(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, vocab: int = 64,
+            seed: int = 0):
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTJConfig(vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
+                     rotary_dim=hidden // heads // 2, n_inner=2 * hidden, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = GPTJForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, seed + 1)
+    return model, (), {"input_ids": ids, "labels": labels}

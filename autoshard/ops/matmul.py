@@ -92,3 +92,18 @@ def _matmul(info: OpInfo) -> DimMap:
     if len(a) == 1 or len(b) == 1:
         return replicate_only(info)
     return einsum("...ij,...jk->...ik")(info)
+
+
+@op(aten.einsum.default)
+def _einsum(info: OpInfo) -> DimMap:
+    """``torch.einsum(equation, operands)``: the equation is the rule (multilinear in the operands). An equation
+    with a label repeated within one operand (a diagonal) or an implicit output runs whole."""
+    equation = info.arg(0, "equation").replace(" ", "")
+    if "->" not in equation:
+        return replicate_only(info)
+    lhs, _ = equation.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(info.in_shapes) or any(len(set(t.replace("...", ""))) != len(t.replace("...", ""))
+                                                for t in terms):
+        return replicate_only(info)
+    return einsum(equation)(info)

@@ -9,7 +9,7 @@ import math
 import torch
 
 from autoshard.graph_utils import tensor_inputs
-from autoshard.ops.dimmap import DimMap, OpInfo, keep_dims_whole, reduce_rule
+from autoshard.ops.dimmap import DimMap, OpInfo, keep_dims_whole, out_labels, reduce_rule
 from autoshard.ops.local import input_spec, scale_by
 from autoshard.ops.registry import Shapes, op
 from autoshard.placements import local_shape
@@ -77,3 +77,21 @@ def _sort(info: OpInfo) -> DimMap:
 @op(aten.cumsum.default)
 def _cumsum(info: OpInfo) -> DimMap:
     return keep_dims_whole(info, [info.arg(1, "dim")], "sum")
+
+
+# ---- cumulative ops and histograms (issue "Any model: op coverage") --------------------------------------
+op(aten.cumprod, aten.cummax, aten.cummin, aten.logcumsumexp, aten.histc, flops=reduce_flops, saves=())
+
+
+@op(aten.cumprod.default, aten.cummax.default, aten.cummin.default, aten.logcumsumexp.default)
+def _scan(info: OpInfo) -> DimMap:
+    """Scans keep their dim whole (nonlinear ones: no Partial through them)."""
+    return keep_dims_whole(info, [info.arg(1, "dim")])
+
+
+@op(aten.histc.default)
+def _histc(info: OpInfo) -> DimMap:
+    """``histc(x, bins, min, max)`` counts over all of x: any sharded dim of x gives a Partial histogram (the
+    histograms of the shards add up), the bins dim stays whole."""
+    n = len(info.in_shapes[0])
+    return DimMap((tuple(out_labels(n)),), ((None,),))

@@ -143,3 +143,72 @@ def _broadcast_tensors(info: OpInfo) -> DimMap:
     labels = out_labels(len(out))
     ins = tuple(broadcast_labels(s, out, labels) for s in info.in_shapes)
     return DimMap(ins, tuple(tuple(labels) for _ in info.out_shapes), "sum")
+
+
+# ---- select, scatters into slices, repeats, roll, flip (issue "Any model: op coverage") ---------------------
+op(aten.repeat_interleave, aten.select_scatter, aten.slice_scatter, flops=zero, saves=())
+
+
+@op(aten.select.int)
+def _select(info: OpInfo) -> DimMap:
+    """``x.select(dim, i)``: the selected dim stays whole and disappears; the others keep their labels."""
+    n = len(info.in_shapes[0])
+    dim = norm_dim(info.arg(1, "dim"), n)
+    labels = tuple(None if d == dim else f"d{d}" for d in range(n))
+    return DimMap((labels,), (tuple(lab for d, lab in enumerate(labels) if d != dim),), "sum")
+
+
+@op(aten.select_scatter.default)
+def _select_scatter(info: OpInfo) -> DimMap:
+    """``select_scatter(base, src, dim, i)``: base with ``base.select(dim, i)`` replaced by src (the functional
+    form of ``base[..., i] = src``): linear in (base, src) together."""
+    n = len(info.in_shapes[0])
+    dim = norm_dim(info.arg(2, "dim"), n)
+    labels = tuple(None if d == dim else f"d{d}" for d in range(n))
+    src = tuple(lab for d, lab in enumerate(labels) if d != dim)
+    return DimMap((labels, src), (labels,), "sum")
+
+
+@op(aten.slice_scatter.default)
+def _slice_scatter(info: OpInfo) -> DimMap:
+    """``slice_scatter(base, src, dim, start, end, step)``: the sliced dim stays whole (unless the slice is all of
+    it); linear in (base, src) together."""
+    n = len(info.in_shapes[0])
+    dim = norm_dim(info.arg(2, "dim", 0), n)
+    whole = info.in_shapes[0][dim] == info.in_shapes[1][dim]
+    labels = tuple(None if d == dim and not whole else f"d{d}" for d in range(n))
+    return DimMap((labels, labels), (labels,), "sum")
+
+
+@op(aten.repeat.default)
+def _repeat(info: OpInfo) -> DimMap:
+    """``x.repeat(r0, r1, ...)``: a dim repeated once keeps its label; a repeated dim and new leading dims stay
+    whole. The repeat counts are the same on every rank (a sharded dim is repeated once)."""
+    n, out = len(info.in_shapes[0]), info.out_shapes[0]
+    reps = list(info.arg(1, "repeats"))
+    off = len(out) - n
+    labels = [f"d{d}" if reps[off + d] == 1 else None for d in range(n)]
+    return DimMap((tuple(labels),), (tuple([None] * off + labels),), "sum")
+
+
+@op(aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor)
+def _repeat_interleave(info: OpInfo) -> DimMap:
+    """``x.repeat_interleave(r, dim)``: the repeated dim stays whole; without a dim (flattened) all of x does."""
+    dim = info.arg(2, "dim")
+    if dim is None:
+        return DimMap(tuple(None if s is None else (None,) * len(s) for s in info.in_shapes),
+                      ((None,),), "sum", (0,))
+    return keep_dims_whole(info, [dim], "sum")
+
+
+@op(aten.roll.default)
+def _roll(info: OpInfo) -> DimMap:
+    """``x.roll(shifts, dims)``: rolled dims stay whole; a roll of the flattened tensor (no dims) keeps all whole."""
+    n = len(info.in_shapes[0])
+    dims = list(info.arg(2, "dims", []) or [])
+    return keep_dims_whole(info, dims if dims else list(range(n)), "sum")
+
+
+@op(aten.flip.default)
+def _flip(info: OpInfo) -> DimMap:
+    return keep_dims_whole(info, list(info.arg(1, "dims")), "sum")
