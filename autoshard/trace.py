@@ -100,18 +100,91 @@ def _cause(e: BaseException, kind: type):
 
 
 def _export(model, args, kwargs) -> torch.fx.GraphModule:
-    name = type(model).__name__
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        with _quiet_export_logs():
+            ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean the same thing to the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TraceError(
-            f"model {name} could not be traced by torch.export (strict=False): {type(e).__name__}: {first}. "
-            "autoshard needs a graph with static shapes: remove data-dependent Python control flow (branches on "
-            "tensor values, .item()), pass every input as a tensor argument, and for Hugging Face models set "
-            "use_cache=False. See torch.export's error above for the exact line."
-        ) from e
+        raise export_error(model, e) from e
     return ep.module()
+
+
+def export_error(model: torch.nn.Module, e: BaseException) -> TraceError:
+    """A :class:`TraceError` for torch.export's failure ``e``: names the model's source line that failed (file,
+    line and code) and the cause in one line, and says what to change. Printed, it is a few lines: its traceback
+    ends at that source line, and the attached ``__cause__`` (``e`` itself, message intact) shows only the model's
+    own frames; torch's internal frames stay readable as text in ``err.export_traceback``."""
+    import traceback
+
+    full = "".join(traceback.format_exception(e))
+    frames = [(tb, fs) for tb, fs in zip(_tb_entries(e.__traceback__), traceback.extract_tb(e.__traceback__))
+              if not _internal(fs.filename)]
+    where = ""
+    if frames:
+        fs = frames[-1][1]
+        code = (fs.line or "").strip()
+        where = f" {fs.filename}:{fs.lineno} in {fs.name}" + (f", `{code}`," if code else "")
+    text = " ".join(str(e).split("\n\n")[0].split()) or type(e).__name__
+    cause = f"{type(e).__name__}: {text if len(text) <= 240 else text[:237] + '...'}"
+    err = TraceError(
+        f"model {type(model).__name__} could not be traced by torch.export (strict=False):{where} raised {cause}. "
+        "autoshard needs a graph with static shapes: remove data-dependent Python control flow (branches on "
+        "tensor values, .item()), pass every input as a tensor argument, and for Hugging Face models set "
+        "use_cache=False. torch.export's error is attached as __cause__ (its full traceback: .export_traceback).")
+    err.export_traceback = full
+    user_tb = _chain([tb for tb, _ in frames])
+    e.__traceback__ = user_tb  # the model's frames only; torch.export's internals are in err.export_traceback
+    e.__suppress_context__ = True  # torch's own internal chain stays reachable as e.__context__
+    if user_tb is not None:
+        last = user_tb
+        while last.tb_next is not None:
+            last = last.tb_next
+        err = err.with_traceback(_chain([last]))  # printed, this error's traceback ends at the failing line
+    return err
+
+
+def _tb_entries(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _chain(entries: list):
+    """A new traceback through ``entries`` (traceback objects), in order."""
+    import types
+
+    out = None
+    for tb in reversed(entries):
+        out = types.TracebackType(out, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
+    return out
+
+
+def _internal(filename: str) -> bool:
+    """Frames of torch, of autoshard itself, of the standard library and generated code: not the model's."""
+    import os
+    import sysconfig
+
+    import autoshard
+
+    path = os.path.abspath(filename)
+    roots = (os.path.dirname(torch.__file__), os.path.dirname(autoshard.__file__),
+             sysconfig.get_paths()["stdlib"])
+    return filename.startswith("<") or any(path.startswith(r + os.sep) for r in roots)
+
+
+class _quiet_export_logs:
+    """Drop torch's "Unable to find user code corresponding to {u0}" warnings (a graph dump on stderr per
+    data-dependent value) while exporting: the TraceError names the line instead."""
+
+    def __enter__(self):
+        import logging
+
+        self._logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+        self._filter = lambda record: not str(record.msg).startswith("Unable to find user code")
+        self._logger.addFilter(self._filter)
+
+    def __exit__(self, *exc):
+        self._logger.removeFilter(self._filter)
+        return False
 
 
 def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphModule:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -427,3 +428,26 @@ def test_pass_failure_names_the_pass_and_those_before_it():
                                              r"the pass$") as info:
         run_passes(gm, Context(Mesh(data=2), Options()), passes=(Propagate(), _Broken()))
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_untraceable_model_error_names_the_source_line_and_stays_short():
+    import traceback
+
+    with pytest.raises(TraceError) as info:
+        autoshard.compile(Branchy(), Mesh(data=2), (_x(),))
+    err = info.value
+    msg = str(err)
+    line = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "if x.sum() > 0:" in text)
+    # the model's own line (file:line and code) and torch.export's one-line cause
+    assert f"{__file__}:{line} in forward, `if x.sum() > 0:" in msg, msg
+    assert "`, raised GuardOnDataDependentSymNode: Could not guard on data-dependent expression" in msg, msg
+    assert "\n" not in msg
+    # printed without its chain: a few lines, ending at the model's line, none of torch's internal frames
+    own = "".join(traceback.format_exception(err, chain=False))
+    assert len(own.splitlines()) <= 25, own
+    assert "site-packages/torch" not in own and own.splitlines()[-3].strip().startswith("if x.sum() > 0:"), own
+    # the cause is kept (torch.export's own exception, with only the model's frames) and so is the full text
+    assert type(err.__cause__).__name__ == "GuardOnDataDependentSymNode"
+    printed = "".join(traceback.format_exception(err))
+    assert len(printed.splitlines()) < 80 and "site-packages/torch" not in printed, printed
+    assert "symbolic_shapes.py" in err.export_traceback
