@@ -17,6 +17,7 @@ from autoshard.errors import (
     CheckpointError,
     CollectiveTimeoutError,
     MeshError,
+    PeerDiedError,
     PlanError,
     RuntimeShapeError,
     TraceError,
@@ -32,7 +33,7 @@ _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_sha
 
 __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
-           "CollectiveTimeoutError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
+           "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
            "MoE", "moe_losses", "moe_stats"]
 
 

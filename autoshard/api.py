@@ -470,16 +470,20 @@ class ShardedModule(torch.nn.Module):
         for n in self.plan.graph_module.graph.nodes:
             if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
                 spec: Spec = n.meta[M.SPEC]
-                out.append((n.name, local_shape(n.meta["val"].shape, spec, self.mesh)))
+                out.append((n.name, local_shape(n.meta["val"].shape, spec, self.mesh), n.meta["val"].dtype))
         return out
 
     def _check_inputs(self, args, kwargs) -> None:
         leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if len(leaves) != len(self._expected):
             return
-        for x, (name, want) in zip(leaves, self._expected):
+        for x, (name, want, dtype) in zip(leaves, self._expected):
             if tuple(x.shape) != tuple(want):
                 raise RuntimeShapeError(
                     f"input `{name}` has local shape {list(x.shape)}, but the plan was compiled for {list(want)} on "
                     f"this rank. Shapes are static: pad or batch to the compiled shape, or compile a new "
                     f"ShardedModule for the new shape.")
+            if x.dtype != dtype:
+                raise RuntimeShapeError(
+                    f"input `{name}` has dtype {x.dtype}, but the plan was compiled for {dtype}. Cast the input "
+                    f"(x.to({dtype})) or compile a new ShardedModule with example inputs of dtype {x.dtype}.")

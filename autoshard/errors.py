@@ -36,5 +36,11 @@ class CollectiveTimeoutError(AutoshardError):
     """A collective did not complete within the configured timeout (a peer died or hangs)."""
 
 
+class PeerDiedError(CollectiveTimeoutError):
+    """A collective could not complete because a peer's process died or left it (its connection closed): reported
+    at once, not after a timeout. A subclass of :class:`CollectiveTimeoutError`, so handlers of a lost peer catch
+    both."""
+
+
 class CheckpointError(AutoshardError):
     """A checkpoint is missing, incomplete (no commit marker) or does not fit the model or optimizer loading it."""

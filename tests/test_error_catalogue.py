@@ -123,6 +123,18 @@ def _runtime_shape():
     world.run(lambda r: body(r, world.communicator(r)))
 
 
+def _runtime_dtype():
+    m, (x, t), _ = _mlp()
+    mesh = autoshard.Mesh(data=2)
+    world = autoshard.runtime.SimWorld(mesh, timeout=30)
+
+    def body(rank, comm):
+        sharded = autoshard.compile(m, mesh, (x, t), comm=comm)
+        return sharded(x[:4].double(), t[:4])  # a float64 input to a float32 plan
+
+    world.run(lambda r: body(r, world.communicator(r)))
+
+
 def _sim_timeout():
     world = autoshard.runtime.SimWorld(autoshard.Mesh(x=2), timeout=0.5)
 
@@ -251,6 +263,7 @@ TRIGGERS = {
     "pipeline-too-few-microbatches": _pipeline({"pipe": 4}, microbatches=2, schedule="1f1b"),
     # running
     "runtime-shape": _runtime_shape,
+    "runtime-dtype": _runtime_dtype,
     "no-plan-yet": lambda: autoshard.compile(_mlp()[0], autoshard.Mesh(data=2)).show(),
     "no-parameters-yet": lambda: list(autoshard.compile(_mlp()[0], autoshard.Mesh(data=2)).parameters()),
     "no-loss": lambda: autoshard.compile(NoLoss(), autoshard.Mesh(x=2), (torch.ones(4, 8),)).plan.simulate(

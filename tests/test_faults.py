@@ -146,7 +146,7 @@ def _check_survivors(codes, reports, culprit_code, expect, row):
         assert codes[rank] not in (0, None), (rank, codes, reports)
         assert rank in reports, f"rank {rank} was still waiting after {DEADLINE:g} s and was killed: {codes}"
         cls, msg, tb = reports[rank]
-        assert cls == "CollectiveTimeoutError", (rank, cls, msg, tb)
+        assert cls in ("CollectiveTimeoutError", "PeerDiedError"), (rank, cls, msg, tb)
         assert re.search(expect, msg), (rank, msg)
         if row is not None:
             assert_row(row, cls, msg)
@@ -158,8 +158,7 @@ def test_a_rank_dying_mid_step_makes_every_other_rank_fail_within_the_timeout(tm
     # ranks further away see their own peer go as the failure spreads).
     _check_survivors(codes, reports, 17,
                      r"^(all_reduce|all_gather|reduce_scatter|all_to_all) on axis `(data|model)` \(group of ranks "
-                     r"\[\d, \d\]\) did not complete on rank \d \(timeout 6 s\): peer rank \d closed its connection",
-                     "peer-died")
+                     r"\[\d, \d\]\) did not complete on rank \d: peer rank \d closed its connection", "peer-died")
     assert any("peer rank 3 closed" in reports[r][1] for r in (1, 2))
 
 

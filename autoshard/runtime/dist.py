@@ -49,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from autoshard.errors import CollectiveTimeoutError, MeshError
+from autoshard.errors import CollectiveTimeoutError, MeshError, PeerDiedError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, Handle
 
@@ -142,9 +142,9 @@ class DistCommunicator(Communicator):
                 if peers is None:
                     peers = [r for r in (self.group(axis) if axis else range(self.mesh.size)) if r != self.rank]
                 peer = f"peer rank {peers[0]}" if len(peers) == 1 else f"one of peer ranks {peers}"
-                raise CollectiveTimeoutError(
-                    f"{what}{where} did not complete on rank {self.rank} (timeout {self.timeout:g} s): {peer} "
-                    f"closed its connection: that process died or left the collective. Backend said: {first}") from e
+                raise PeerDiedError(
+                    f"{what}{where} did not complete on rank {self.rank}: {peer} closed its connection: that "
+                    f"process died or left the collective (nothing timed out). Backend said: {first}") from e
             if "timed out" not in low and "timeout" not in low:
                 raise
             raise CollectiveTimeoutError(
