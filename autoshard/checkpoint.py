@@ -21,19 +21,33 @@ parameter is saved under ``optim.<fqn>.<key>``: tensors shaped like the paramete
 the parameter groups (``lr``, ``betas``, ...) go into the marker.
 
 Atomic commit: everything is written under ``<path>.tmp-<uuid>``; after every rank has finished (DCP's own
-final gather, then a barrier) rank 0 writes ``autoshard.json``, fsyncs it and renames the directory to ``path``
-(an existing checkpoint there is moved aside first and removed after). A save interrupted by a dying rank thus
-leaves only a ``.tmp-`` directory without marker, and :func:`load` refuses anything without the marker with a
-:class:`~autoshard.errors.CheckpointError`.
+final gather, then a barrier) every rank checksums a share of the written files, rank 0 writes ``autoshard.json``
+(via ``autoshard.json.part``, fsynced, renamed), moves an existing checkpoint at ``path`` aside to
+``<path>.old-<uuid>`` (the commit point), renames the new directory to ``path`` and removes the old one and every
+leftover of earlier interrupted saves. A save interrupted before its commit leaves the previous checkpoint at
+``path``; one interrupted between the two renames leaves no ``path`` but two complete directories, and
+:func:`load` then reads the newer one and says so (``warnings.warn`` naming it). :func:`load` refuses a directory
+without the marker with a :class:`~autoshard.errors.CheckpointError`.
+
+Integrity: the marker records, for every file DCP wrote (``__<rank>_<n>.distcp`` and ``.metadata``), its size and
+crc32, and for every stored tensor chunk (``storage_data`` of DCP's metadata: file, byte range) the crc32 of its
+bytes; the marker carries the crc32 of its own canonical JSON. :func:`load` checks the marker, then the size of
+every file, then every checksum (split over the ranks on ``torch.distributed``, gathered so every rank raises the
+same error) before DCP reads anything: a damaged, truncated or missing file raises ``CheckpointError`` naming the
+file and the tensors it holds. DCP's, JSON's and the OS's exceptions are re-raised as ``CheckpointError`` (chained).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
+import time
 import uuid
+import warnings
+import zlib
 
 import torch
 
@@ -44,7 +58,9 @@ __all__ = ["MARKER", "full_state_dict", "load", "save"]
 
 #: The commit marker: a checkpoint directory without it is incomplete.
 MARKER = "autoshard.json"
-FORMAT = "autoshard-dcp/1"
+FORMAT = "autoshard-dcp/2"
+FORMAT_V1 = "autoshard-dcp/1"  # written before checksums: loads unverified, with a warning
+_BLOCK = 1 << 22  # bytes read at a time when checksumming
 
 _DCP_LOCK = threading.Lock()  # simulated ranks (threads) read and write one at a time
 _DEVICE_MESHES: dict = {}
@@ -201,14 +217,22 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
         try:
             dcp.save(_dtensor_state(view, optim), checkpoint_id=tmp)
             view.comm.barrier()
-        except Exception as e:  # DCP wraps a dead peer's "connection closed" in its own exception types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            integrity = _integrity(view, tmp)
+        except _dcp_errors() as e:  # DCP wraps a dead peer's "connection closed" in its own exception types
+            if isinstance(e, CheckpointError):
+                raise
             raise CheckpointError(f"save to {path!r} failed on rank {view.rank} before its commit (did another "
-                                  f"rank die?): {type(e).__name__}: {first}. Nothing was committed: {path!r} is "
+                                  f"rank die?): {_describe(e)}. Nothing was committed: {path!r} is "
                                   f"unchanged and the partial data in {tmp!r} will never load.") from e
+        failed = [None]
         if view.rank == 0:
-            _commit(tmp, path, marker)
-        view.comm.barrier()
+            try:
+                _commit(tmp, path, _sealed(marker, integrity))
+            except CheckpointError as e:
+                failed = [str(e)]
+        dist.broadcast_object_list(failed, src=0)  # every rank returns (or raises) once rank 0 has committed
+        if failed[0] is not None:
+            raise CheckpointError(failed[0] if view.rank == 0 else f"rank 0: {failed[0]}")
         return path
     full = _gather_all(view)
     full_optim = {k: (canon, view.full(canon, t) if shaped else t.detach().clone())
@@ -217,12 +241,49 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         state = {f"model.{k}": v for k, v in full.items()}
         state.update({k: v for k, (_, v) in full_optim.items()})
-        with _DCP_LOCK:
-            dcp.save(state, checkpoint_id=tmp, no_dist=True)
-        _commit(tmp, path, marker)
+        try:
+            with _DCP_LOCK:
+                dcp.save(state, checkpoint_id=tmp, no_dist=True)
+            integrity = _integrity(view, tmp)
+        except _dcp_errors() as e:
+            _discard(tmp)
+            raise CheckpointError(f"save to {path!r} failed before its commit: {_describe(e)}. Nothing was "
+                                  f"committed: {path!r} is unchanged and the partial data was removed.") from e
+        _commit(tmp, path, _sealed(marker, integrity))
     if view.comm is not None:
         view.comm.barrier()
     return path
+
+
+def _dcp_errors() -> tuple:
+    """What DCP raises: its ``CheckpointException`` derives from BaseException, not Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _inner(e: BaseException) -> BaseException | None:
+    """The first rank's exception wrapped in DCP's CheckpointException (None for other exceptions)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return inner
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: first line`` of ``e``; for DCP's CheckpointException, of the first rank's wrapped exception."""
+    inner = _inner(e)
+    if inner is not None:
+        return f"{type(e).__name__} ({type(inner).__name__}: {_first_line(inner)})"
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _optimizer_state(view: _View, optimizer) -> dict[str, tuple[str, torch.Tensor, bool]]:
@@ -303,24 +364,240 @@ def _dtensor_state(view: _View, optim: dict) -> dict:
     return state
 
 
-def _commit(tmp: str, path: str, marker: dict) -> None:
-    """Rank 0, after every rank has written: marker last, then the rename that makes the checkpoint visible."""
-    with open(os.path.join(tmp, MARKER), "w") as f:
+# ---- integrity ----------------------------------------------------------------------------------------------
+def _crc_hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
+
+
+def _canonical(marker: dict) -> bytes:
+    """The bytes the marker's own checksum covers: its JSON without ``crc32``, keys sorted, no spaces."""
+    body = {k: v for k, v in marker.items() if k != "crc32"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _sealed(marker: dict, integrity: dict) -> dict:
+    out = dict(marker, saved_ns=time.time_ns(), integrity=integrity)
+    out["crc32"] = _crc_hex(zlib.crc32(_canonical(out)))
+    return out
+
+
+def _data_files(directory: str) -> list[str]:
+    """The files DCP wrote into ``directory`` (every file but our marker), sorted."""
+    return sorted(n for n in os.listdir(directory)
+                  if not n.startswith(MARKER) and os.path.isfile(os.path.join(directory, n)))
+
+
+def _scan(file_path: str, chunks: list[dict]) -> dict:
+    """Size and crc32 of the file, and the crc32 of each chunk's byte range (``start``, ``length``), in one
+    sequential read."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i]["start"])
+    crcs = [0] * len(chunks)
+    whole, pos, first = 0, 0, 0
+    with open(file_path, "rb") as f:
+        while block := f.read(_BLOCK):
+            view = memoryview(block)
+            end = pos + len(block)
+            whole = zlib.crc32(view, whole)
+            k = first
+            while k < len(order) and chunks[order[k]]["start"] < end:
+                c = chunks[order[k]]
+                lo, hi = max(c["start"], pos) - pos, min(c["start"] + c["length"], end) - pos
+                if hi > lo:
+                    crcs[order[k]] = zlib.crc32(view[lo:hi], crcs[order[k]])
+                k += 1
+            while first < len(order) and chunks[order[first]]["start"] + chunks[order[first]]["length"] <= end:
+                first += 1
+            pos = end
+    return {"size": pos, "crc32": _crc_hex(whole), "chunks": [_crc_hex(c) for c in crcs]}
+
+
+def _integrity(view: _View, tmp: str) -> dict:
+    """The checksums of a just-written DCP directory: ``{"algorithm": "crc32", "files": {name: {"size", "crc32",
+    "chunks": [{"tensor", "offsets", "start", "length", "crc32"}]}}}``. On ``torch.distributed`` every rank reads
+    a share of the files (file ``i`` on rank ``i % world``) and the results are gathered; collective."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    files = _data_files(tmp)
+    chunks: dict[str, list[dict]] = {f: [] for f in files}
+    for index, info in FileSystemReader(tmp).read_metadata().storage_data.items():
+        chunks.setdefault(info.relative_path, []).append(
+            {"tensor": index.fqn, "offsets": [int(o) for o in index.offset], "start": int(info.offset),
+             "length": int(info.length)})
+    world = torch.distributed.get_world_size() if view.is_dist() else 1
+    rank = view.rank if view.is_dist() else 0
+    mine, error = {}, None
+    try:
+        for name in files[rank::world]:
+            scanned = _scan(os.path.join(tmp, name), chunks.get(name, []))
+            listed = [dict(c, crc32=crc) for c, crc in zip(chunks.get(name, []), scanned["chunks"])]
+            mine[name] = {"size": scanned["size"], "crc32": scanned["crc32"], "chunks": listed}
+    except OSError as e:
+        error = f"rank {rank} could not checksum the files it wrote in {tmp!r}: {_describe(e)}"
+    parts = [(mine, error)]
+    if view.is_dist():
+        parts = [None] * world
+        with view.comm._guard("checkpoint checksum exchange", None):
+            torch.distributed.all_gather_object(parts, (mine, error))
+    out: dict[str, dict] = {}
+    for got, err in parts:
+        if err is not None:
+            raise CheckpointError(err)
+        out.update(got)
+    missing = sorted(set(chunks) - set(out))
+    if missing:
+        raise CheckpointError(f"save to {tmp!r}: DCP's metadata lists files {missing} that were not written.")
+    return {"algorithm": "crc32", "files": {f: out[f] for f in sorted(out)}}
+
+
+def _holds(info: dict) -> str:
+    if not info.get("chunks"):
+        return "DCP's metadata" if info.get("name") == ".metadata" else "no tensor chunks"
+    names = list(dict.fromkeys(c["tensor"] for c in info["chunks"]))
+    shown = ", ".join(f"`{n}`" for n in names[:4])
+    return f"chunks of {shown}" + (f" and {len(names) - 4} more tensors" if len(names) > 4 else "")
+
+
+def _file_problem(directory: str, name: str, info: dict) -> str | None:
+    """What is wrong with one listed file, or None: missing, of another size, or checksums that differ."""
+    file_path = os.path.join(directory, name)
+    holds = _holds(dict(info, name=name))
+    try:
+        size = os.stat(file_path).st_size
+    except FileNotFoundError:
+        return (f"checkpoint {directory!r} is missing its file {name!r} ({holds}), but its commit marker lists it: "
+                "it was deleted or moved after the save. Restore the file or save again.")
+    except OSError as e:
+        return f"checkpoint file {file_path!r} ({holds}) cannot be read: {_describe(e)}."
+    if size != info["size"]:
+        return (f"checkpoint file {file_path!r} ({holds}) has {size} bytes, but the save wrote {info['size']}: it "
+                "was truncated or overwritten after the save. Restore the file or save again.")
+    try:
+        scanned = _scan(file_path, info.get("chunks", []))
+    except OSError as e:
+        return f"checkpoint file {file_path!r} ({holds}) cannot be read: {_describe(e)}."
+    bad = [(c, got) for c, got in zip(info.get("chunks", []), scanned["chunks"]) if got != c["crc32"]]
+    after = "the file was changed after the save. Restore the file or save again."
+    if bad:
+        c, got = bad[0]
+        more = ""
+        if len(bad) > 1:
+            more = f"; {len(bad) - 1} more damaged chunks: " + ", ".join(f"`{b['tensor']}`" for b, _ in bad[1:5])
+        return (f"checkpoint file {file_path!r} holds damaged data: tensor `{c['tensor']}` (chunk at offsets "
+                f"{c['offsets']}, bytes {c['start']}..{c['start'] + c['length']}) has crc32 {got}, but the save "
+                f"wrote {c['crc32']}{more}: {after}")
+    if scanned["crc32"] != info["crc32"]:
+        return (f"checkpoint file {file_path!r} ({holds}) holds damaged data: its crc32 is {scanned['crc32']}, but "
+                f"the save wrote {info['crc32']}: {after}")
+    return None
+
+
+def _verify_files(view: _View, directory: str, marker: dict) -> None:
+    """Check every file the marker lists (sizes first, then checksums) before DCP reads any; on
+    ``torch.distributed`` rank ``r`` checks files ``r, r + world, ...`` and every rank raises the same error."""
+    integrity = marker.get("integrity")
+    if integrity is None:  # FORMAT_V1: read_marker warned
+        return
+    files = sorted(integrity["files"])
+    dist_ = view.is_dist()
+    world = torch.distributed.get_world_size() if dist_ else 1
+    rank = view.rank if dist_ else 0
+    mine = files[rank::world]
+    problems = [p for p in (_file_problem(directory, n, integrity["files"][n]) for n in mine) if p]
+    if dist_:
+        gathered = [None] * world
+        with view.comm._guard("checkpoint verification exchange", None):
+            torch.distributed.all_gather_object(gathered, problems)
+        problems = [p for part in gathered for p in part]
+    if problems:
+        extra = f" ({len(problems) - 1} more damaged files: {problems[1:3]})" if len(problems) > 1 else ""
+        raise CheckpointError(problems[0] + extra)
+
+
+# ---- commit -------------------------------------------------------------------------------------------------
+_LEFTOVER = r"\.(tmp|old)-[0-9a-f]{32}"
+
+
+def _rename(src: str, dst: str) -> None:
+    """Every rename of a commit (tests replace it to crash at each step)."""
+    os.replace(src, dst)
+
+
+def _rmtree(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _discard(directory: str) -> None:
+    """Remove a directory of ours: its marker first, so a half-removed directory never looks complete."""
+    try:
+        os.remove(os.path.join(directory, MARKER))
+    except OSError:
+        pass
+    _rmtree(directory)
+
+
+def _leftovers(path: str) -> list[str]:
+    """``<path>.tmp-<uuid>`` and ``<path>.old-<uuid>`` directories beside ``path`` (only names save makes)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return []
+    pattern = re.compile(re.escape(base) + _LEFTOVER)
+    return sorted(os.path.join(os.path.dirname(path), n) for n in os.listdir(parent)
+                  if pattern.fullmatch(n) and os.path.isdir(os.path.join(parent, n)))
+
+
+def _write_marker(tmp: str, marker: dict) -> None:
+    part = os.path.join(tmp, MARKER + ".part")
+    with open(part, "w") as f:
         json.dump(marker, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    old = None
-    if os.path.exists(path):
-        old = f"{path}.old-{uuid.uuid4().hex}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _rename(part, os.path.join(tmp, MARKER))
+    _fsync_dir(tmp)
+
+
+def _commit(tmp: str, path: str, marker: dict) -> None:
+    """Rank 0, after every rank has written: marker last, then the renames that make the checkpoint visible.
+
+    Crash points and what :func:`load` finds: before the marker is renamed into place, ``tmp`` is incomplete and
+    ``path`` the previous checkpoint; before ``path`` moves aside, ``tmp`` is complete but not committed (load
+    reads ``path``, warning); between the two renames there is no ``path`` (load reads ``tmp``, the newer
+    complete directory, warning); after them, ``path`` is the new checkpoint and the next save removes what is
+    left over."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        _write_marker(tmp, marker)
+        old = None
+        if os.path.lexists(path):
+            old = f"{path}.old-{uuid.uuid4().hex}"
+            _rename(path, old)  # the commit point: from here on load reads the new checkpoint
+        _rename(tmp, path)
+        _fsync_dir(parent)
+    except OSError as e:
+        raise CheckpointError(f"save to {path!r} failed during its commit: {_describe(e)}. load({path!r}) reads the "
+                              "last complete checkpoint (the previous one, or this one from its leftover directory, "
+                              "with a warning).") from e
+    for leftover in _leftovers(path):  # the previous checkpoint and every earlier interrupted save
+        _discard(leftover)
 
 
 # ---- load ---------------------------------------------------------------------------------------------------
 def read_marker(path: str | os.PathLike) -> dict:
-    """The commit marker of the checkpoint at ``path``; :class:`CheckpointError` if there is none."""
+    """The commit marker of the checkpoint directory ``path``, its own checksum verified; :class:`CheckpointError`
+    if there is none or it is damaged."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -335,11 +612,82 @@ def read_marker(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {path!r} has no commit marker {MARKER}, but every complete autoshard "
                               "checkpoint has one (written last): the save that wrote it did not finish (a rank "
                               "died or timed out). Save again from a healthy run.")
-    with open(marker_path) as f:
-        marker = json.load(f)
+
+    def damaged(detail: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path!r} has a damaged commit marker {marker_path!r}: {detail}: it was "
+                               "changed after the save. Restore the file or save again.")
+
+    try:
+        with open(marker_path, "rb") as f:
+            marker = json.loads(f.read())
+    except OSError as e:
+        raise damaged(f"reading it failed ({_describe(e)})") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise damaged(f"it is not valid JSON ({_describe(e)})") from e
+    if not isinstance(marker, dict):
+        raise damaged(f"it holds a JSON {type(marker).__name__}, not an object")
+    if "crc32" in marker:
+        got = _crc_hex(zlib.crc32(_canonical(marker)))
+        if got != marker["crc32"]:
+            raise damaged(f"its contents have crc32 {got}, but the save wrote {marker['crc32']!r}")
+    elif marker.get("format") == FORMAT_V1 and "integrity" not in marker:
+        warnings.warn(f"checkpoint {path!r} has format {FORMAT_V1!r}, written without checksums: it loads "
+                      "unverified. Save it again to add them.", stacklevel=3)
+        return marker
+    elif marker.get("format") == FORMAT or "integrity" in marker:
+        raise damaged("it has no checksum (crc32), but every marker of this format has one")
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} has format {marker.get('format')!r}, but this autoshard reads "
                               f"{FORMAT!r}.")
+    if not isinstance(marker.get("integrity"), dict) or not isinstance(marker.get("tensors"), dict):
+        raise damaged("it lacks its tensor list or checksums")
+    return marker
+
+
+def _resolve(path: str) -> tuple[str, dict]:
+    """The directory to load for ``path`` and its marker. ``path`` itself when it exists (damage there raises);
+    when a save was interrupted between moving the previous checkpoint aside and renaming the new one into place,
+    the newest complete leftover (``.tmp-``: the new one; ``.old-``: the previous one). Warns whenever leftovers
+    of interrupted saves sit beside ``path``, naming the directory it loads."""
+    leftovers = _leftovers(path)
+    if os.path.isdir(path) or not leftovers:
+        marker = read_marker(path)
+        if leftovers:
+            newer = [d for d in leftovers if ".tmp-" in os.path.basename(d) and _complete(d) is not None]
+            note = (f"; {newer} hold(s) a complete save that was interrupted before its commit, not loaded" if newer
+                    else "")
+            warnings.warn(f"checkpoint {path!r}: loading {path!r} itself, the last committed checkpoint{note}. "
+                          f"Leftovers of interrupted saves sit beside it ({[os.path.basename(d) for d in leftovers]}); "
+                          "the next save to it removes them.", stacklevel=3)
+        return path, marker
+    complete = [(m.get("saved_ns", 0), d, m) for d in leftovers if (m := _complete(d)) is not None]
+    if not complete:
+        return path, read_marker(path)  # raises: no checkpoint directory (partial data beside it)
+    _, used, marker = max(complete, key=lambda c: (c[0], ".tmp-" in os.path.basename(c[1])))
+    which = "the new checkpoint" if ".tmp-" in os.path.basename(used) else "the previous checkpoint"
+    others = [os.path.basename(d) for d in leftovers if d != used]
+    warnings.warn(f"checkpoint {path!r} is missing: a save to it was interrupted between moving the previous "
+                  f"checkpoint aside and renaming the new one into place. Loading {which} from {used!r} (complete: "
+                  f"its commit marker and file sizes check out)"
+                  + (f"; also left over: {others}" if others else "")
+                  + f". The next save to {path!r} removes the leftovers.", stacklevel=3)
+    return used, marker
+
+
+def _complete(directory: str) -> dict | None:
+    """The marker of a leftover directory if it is a complete checkpoint (marker and file sizes), else None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            marker = read_marker(directory)
+    except CheckpointError:
+        return None
+    for name, info in (marker.get("integrity") or {}).get("files", {}).items():
+        try:
+            if os.stat(os.path.join(directory, name)).st_size != info["size"]:
+                return None
+        except OSError:
+            return None
     return marker
 
 
@@ -347,6 +695,10 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     """Restore ``target``'s tensors (and ``optimizer``'s state) from the checkpoint at ``path``, resharding to
     ``target``'s plan. Collective on a ShardedModule. Returns the checkpoint's marker (mesh, specs, hyper-
     parameters).
+
+    Every file is checked against the marker's sizes and checksums first (a damaged one raises
+    :class:`CheckpointError` naming it); when a save to ``path`` was interrupted mid-commit, the last complete
+    checkpoint is loaded from its leftover directory, with a warning naming it.
 
     A Hugging Face directory (``model.safetensors`` or ``model.safetensors.index.json``, no commit marker) is read
     by :func:`autoshard.materialize.load_pretrained` instead: each rank reads only its slices; returns
@@ -361,7 +713,7 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
             raise CheckpointError(f"{path!r} is a Hugging Face directory, which holds no optimizer state, but load "
                                   "was given optimizer=: load without it (or from an autoshard.save checkpoint).")
         return load_pretrained(target, path)
-    marker = read_marker(path)
+    used, marker = _resolve(path)
     view = _View(target)
     saved = marker["tensors"]
     name_of = {a: canon for canon, info in saved.items() for a in info["aliases"]}
@@ -376,13 +728,14 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
             raise CheckpointError(f"checkpoint tensor `{hit}` has shape {have}, but the model's `{group[-1]}` has "
                                   f"shape {want}: the checkpoint belongs to a model of another size.")
         plan[group[-1]] = hit
+    _verify_files(view, used, marker)  # before DCP reads a byte, and before the optimizer is touched
     optim = _prepare_optimizer(view, optimizer, marker, path) if optimizer is not None else {}
     if view.is_dist():
         dm = _device_mesh(view)
         state = {f"model.{plan[c]}": _dtensor(view, dm, c, t) for c, t in view.local.items()}
         for key, (canon, t, shaped) in optim.items():
             state[key] = _dtensor(view, dm, canon, t) if shaped else t
-        dcp.load(state, checkpoint_id=path)
+        _read(used, lambda: dcp.load(state, checkpoint_id=used))
         with torch.no_grad():
             for c, t in view.local.items():
                 t.copy_(state[f"model.{plan[c]}"].to_local())
@@ -394,7 +747,7 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     for key, (canon, t, shaped) in optim.items():
         full[key] = torch.empty(view.shapes[canon], dtype=t.dtype) if shaped else torch.empty_like(t)
     with _DCP_LOCK:
-        dcp.load(full, checkpoint_id=path, no_dist=True)
+        _read(used, lambda: dcp.load(full, checkpoint_id=used, no_dist=True))
     with torch.no_grad():
         for c, t in view.local.items():
             t.copy_(_mine(view, c, full[f"model.{plan[c]}"]))
@@ -403,6 +756,22 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     if view.comm is not None:
         view.comm.barrier()
     return marker
+
+
+def _read(directory: str, fn) -> None:
+    """Run DCP's read; its exceptions (and the OS's) become a CheckpointError naming the file where one is known."""
+    try:
+        fn()
+    except _dcp_errors() as e:
+        if isinstance(e, CheckpointError):
+            raise
+        inner = _inner(e) or e
+        text = f"{e} {inner}"
+        names = [n for n in sorted(os.listdir(directory)) if n in text] if os.path.isdir(directory) else []
+        filename = getattr(inner, "filename", None)
+        where = f" in {filename!r}" if filename else f" in {os.path.join(directory, names[0])!r}" if names else ""
+        raise CheckpointError(f"checkpoint {directory!r} could not be read{where}: torch.distributed.checkpoint "
+                              f"raised {_describe(e)}. Restore its files or save again.") from e
 
 
 def _mine(view: _View, canon: str, full: torch.Tensor) -> torch.Tensor:
