@@ -25,7 +25,7 @@ from autoshard.plan import Plan, build_plan
 
 
 def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
-            plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "error",
+            plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "replicate",
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
             bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,

@@ -19,7 +19,7 @@ class Options:
 
     annotations: tuple[tuple[str, Spec], ...] = ()
     data_axis: str = "data"
-    on_unsupported: str = "error"  # error | replicate
+    on_unsupported: str = "replicate"  # replicate (default: unsupported ops run replicated, one warning) | error
     on_indivisible: str = "error"  # error | replicate
     output_keep_data_shard: bool = True
     planner: str = "greedy"  # greedy (fewest bytes, op by op) | search (exact, cost model)

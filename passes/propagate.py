@@ -52,6 +52,7 @@ class Propagate:
     name: str = "propagate"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        functionalize(gm)
         mark_requires_grad(gm)
         fixed = seed_specs(gm, ctx)
         pinned = pinned_values(gm)
@@ -77,7 +78,157 @@ class Propagate:
             if node.op == "get_attr" and node.meta.get(M.SPEC) is None:
                 node.meta[M.SPEC] = (Replicate(),) * ctx.mesh.ndim
         ctx.report[self.name] = {"ops": decisions}
+        unsupported = ctx.report.get("unsupported")
+        if unsupported:
+            lines = "\n".join(f"  - {where}" for where in unsupported.values())
+            ctx.warn(f"{len(unsupported)} op(s) have no sharding rule and run replicated (inputs gathered, result "
+                     f"replicated on every rank; on_unsupported='error' refuses them instead):\n{lines}")
+        warn_axis_use(gm, ctx)
         return gm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-place ops: functional forms before planning
+# ---------------------------------------------------------------------------------------------------------
+#: views through which an in-place write reaches its base, and how to write the result back: the view's
+#: ``*_scatter`` twin (base, value, then the view's own arguments after the input)
+_VIEW_SCATTER = {torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default,
+                 torch.ops.aten.select.int: torch.ops.aten.select_scatter.default}
+_ALIASES = {torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
+def mutates_first_arg(target) -> bool:
+    """Whether ``target`` (an aten overload) writes its first argument in place (``add_``, ``copy_``, ``fill_``)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def functional_twin(target):
+    """``aten.add_.Tensor`` → ``aten.add.Tensor`` (None when there is none)."""
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    twin = getattr(packet, target._overloadname, None) if packet is not None else None
+    return None if twin is None or mutates_first_arg(twin) else twin
+
+
+def functionalize(gm: torch.fx.GraphModule) -> list[str]:
+    """Rewrite in-place ops on activations (``x.add_(y)``, ``x[..., 1:] = y`` as ``copy_`` into a slice,
+    ``x[:, 0] = v`` as ``fill_`` into a select, ``masked_fill_``) into their functional forms, so every value is
+    written once and a sharded plan cannot lose a write to a redistributed copy: ``y = op(x, ...)``; a write
+    into a slice/select view of a base becomes ``base' = slice_scatter(base, y, ...)``; later readers of the
+    written tensor (and of its base) read the new value. Writes into parameters and buffers (BatchNorm's
+    ``num_batches_tracked.add_(1)``) stay in place: the buffer is updated on every rank as on one device, and
+    propagation keeps its layout (:func:`_choose`). Returns the names of in-place nodes left as they were (no
+    functional form, or an alias of the base read after the write)."""
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    left = []
+    for node in list(g.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if not mutates_first_arg(node.target):
+            continue
+        chain, cur = [], node.args[0]
+        while isinstance(cur, torch.fx.Node) and cur.op == "call_function" and (
+                cur.target in _VIEW_SCATTER or cur.target in _ALIASES):
+            chain.append(cur)
+            cur = cur.args[0]
+        twin = functional_twin(node.target)
+        if not isinstance(cur, torch.fx.Node) or cur.op == "get_attr" or twin is None:
+            if not (isinstance(cur, torch.fx.Node) and cur.op == "get_attr" and not chain):
+                left.append(node.name)
+            continue
+        at = order[node]
+        # every alias of the base made before the write and read after it would read the old value
+        aliases = _aliases_of(cur)
+        if any(a is not node.args[0] and a not in chain and any(order[u] > at for u in a.users) for a in aliases
+               if order[a] < at):
+            left.append(node.name)
+            continue
+        with g.inserting_before(node):
+            value = g.call_function(twin, node.args, dict(node.kwargs))
+            value.meta.update(node.meta)
+            new = value
+            for view in chain:
+                base = view.args[0]
+                if view.target in _ALIASES:
+                    continue
+                new = g.call_function(_VIEW_SCATTER[view.target], (base, new) + tuple(view.args[1:]),
+                                      dict(view.kwargs))
+                new.meta.update({k: v for k, v in view.meta.items() if k != "val"})
+                new.meta["val"] = base.meta["val"]
+        node.replace_all_uses_with(value)
+        written = [node.args[0]] + chain
+        for old, fresh in ((node.args[0], value), (cur, new)):
+            for user in list(old.users):
+                if user in order and order[user] > at and user not in written:
+                    user.replace_input_with(old, fresh)
+        g.erase_node(node)
+        order = {n: i for i, n in enumerate(g.nodes)}
+    g.eliminate_dead_code()
+    gm.recompile()
+    return left
+
+
+def _aliases_of(base: torch.fx.Node) -> list[torch.fx.Node]:
+    """Views of ``base`` (transitively) made by view ops of the graph."""
+    out, stack = [], [base]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "call_function" and getattr(u.target, "_schema", None) is not None and u.target._schema.returns \
+                    and u.target._schema.returns[0].alias_info is not None and not mutates_first_arg(u.target) \
+                    and u.args and u.args[0] is n:
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def axis_use(gm: torch.fx.GraphModule, mesh) -> dict[str, tuple[int, int]]:
+    """Per mesh axis: (FLOPs of ops whose work is split on it, FLOPs of ops every rank of it runs whole)."""
+    from autoshard.cost_models.compute import flops
+
+    use = {name: [0, 0] for name in mesh.names}
+    for n in gm.graph.nodes:
+        strat = n.meta.get(M.STRATEGY)
+        if n.op != "call_function" or strat is None or is_getitem(n):
+            continue
+        work = flops(n)
+        if not work:
+            continue
+        outs = strat.output_spec if strat.output_spec and isinstance(strat.output_spec[0], tuple) else (
+            strat.output_spec,)
+        specs = [s for s in (*strat.input_specs, *outs) if s]
+        for a, name in enumerate(mesh.names):
+            split = any(not isinstance(s[a], Replicate) for s in specs)
+            use[name][0 if split else 1] += work
+    return {k: (v[0], v[1]) for k, v in use.items()}
+
+
+def warn_axis_use(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """One warning when the plan leaves a mesh axis unused, or runs more of the work whole than split on it:
+    every rank of that axis then repeats that work (a plan that says what it does)."""
+    notes = []
+    for name, (split, whole) in axis_use(gm, ctx.mesh).items():
+        size = ctx.mesh.axis_size(name)
+        if size == 1 or split + whole == 0:
+            continue
+        if split == 0:
+            notes.append(f"axis `{name}` (size {size}) is unused: its {size} ranks all run the whole model on the "
+                         "same data")
+        elif whole > split:
+            notes.append(f"axis `{name}` (size {size}) replicates more than it shards: "
+                         f"{100 * whole / (split + whole):.0f}% of the forward FLOPs run whole on each of its "
+                         f"{size} ranks")
+    ctx.report["axis_use"] = axis_use(gm, ctx.mesh)
+    if notes:
+        ctx.warn("plan: " + "; ".join(notes) + ". Annotate parameters (plan=...), use planner='search', or use a "
+                 "smaller mesh.")
 
 
 def mark_requires_grad(gm: torch.fx.GraphModule) -> None:
@@ -213,6 +364,15 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
                 raise PlanError(f"{node_location(node)} was given strategy {planned}, but its rule does not "
                                 "allow it.")
             candidates = [planned]
+    if mutates_first_arg(node.target) and inputs and inputs[0].meta.get(M.SPEC) is not None:
+        # a buffer written in place keeps its layout: a redistributed copy would take the write
+        have = inputs[0].meta[M.SPEC]
+        kept = [s for s in candidates if s.input_specs[0] == have]
+        if not kept:
+            raise PlanError(f"{node_location(node)} writes `{inputs[0].name}` in place, laid out as "
+                            f"{format_spec(have)}, but no strategy of its rule takes it so; a redistributed copy "
+                            "would take the write.")
+        candidates = kept
     blocked = []  # (pinned input, layout a rejected strategy wanted)
     scored, forbidden = [], []  # forbidden: priced only to be named as the rejected alternative
     for strat in candidates:
@@ -229,13 +389,14 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
         specs = ", ".join(f"`{x.name}` {format_spec(x.meta.get(M.SPEC))}" for x in inputs)
         raise PlanError(f"{node_location(node)} has inputs {specs}, but no strategy of its rule accepts them. "
                         "Check the annotations feeding this op.")
+    gathers = _batch_gathers(inputs, ctx)
     if ctx.options.sequence_parallel:
         # Sequence parallelism: at equal bytes, keep activations sharded (less activation memory per rank).
         def order(cs):
-            return cs[0], _replicated_axes(cs[1].output_spec)
+            return gathers(cs[1]), cs[0], _replicated_axes(cs[1].output_spec)
     else:
         def order(cs):
-            return cs[0]
+            return gathers(cs[1]), cs[0]
     scored.sort(key=order)
     best_cost, best = scored[0]
     rest = sorted(scored[1:] + forbidden, key=order)
@@ -245,12 +406,37 @@ def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: 
             x.meta[M.SPEC] = spec
         paid.add((x, spec))
         paid.add((x, spec, tuple(sync)))
+    if node.name in ctx.report.get("unsupported", {}):
+        best = M.Strategy(best.input_specs, best.output_spec, best.grad_sync, f"{best.note} (no rule: replicated)")
     node.meta[M.STRATEGY] = best
     node.meta[M.SPEC] = best.output_spec
     if planned is not None and M.DECISION in node.meta:
         return  # the planner's own explanation (the search's) stays
     node.meta[M.DECISION] = M.Decision(best_cost, alt[1] if alt else None, alt[0] if alt else None,
                                        "fewest bytes communicated")
+
+
+def _batch_gathers(inputs, ctx: Context):
+    """``strategy -> 0/1``: 1 when the strategy runs the op whole on the data axis although an input arrives
+    sharded on it — it would gather the batch and repeat the op's work on every data rank. The greedy walk
+    ranks such strategies last whatever the bytes (fewer bytes never buy the loss of data parallelism); inputs
+    the user laid out replicated on the data axis are not sharded there, so nothing is forced."""
+    mesh, axis = ctx.mesh, ctx.options.data_axis
+    if axis not in mesh.names or mesh.axis_size(axis) == 1:
+        return lambda strat: 0
+    a = mesh.index(axis)
+    sharded = any(isinstance((x.meta.get(M.SPEC) or (None,) * mesh.ndim)[a], Shard) for x in inputs
+                  if x.op != "get_attr")
+    if not sharded:
+        return lambda strat: 0
+
+    def gathers(strat) -> int:
+        outs = strat.output_spec if strat.output_spec and isinstance(strat.output_spec[0], tuple) else (
+            strat.output_spec,)
+        specs = [s for s in (*strat.input_specs, *outs) if s]
+        return int(all(isinstance(s[a], Replicate) for s in specs))
+
+    return gathers
 
 
 def _replicated_axes(spec) -> int:
@@ -264,15 +450,27 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
     info = OpInfo([shape(x) for x in inputs], [tuple(v.shape) for v in out_vals(node)], node.args,
                   dict(node.kwargs), [v.dtype for v in out_vals(node)])
     rule = rule_for(node.target)
+    in_place = mutates_first_arg(node.target)
+    if in_place:
+        written = node.args[0] if node.args else None
+        if not (isinstance(written, torch.fx.Node) and written.op == "get_attr"):
+            # functionalize() left it: no functional form, or an alias of the base is read after the write. Run
+            # replicated, a redistributed copy would take the write and the original keep the old value.
+            raise UnsupportedOpError(
+                f"{node_location(node)} writes its input in place, and autoshard could not rewrite it as a "
+                "functional op (no out-of-place form, or a view of the written tensor is read after the write), "
+                "so no plan can guarantee the write reaches every reader. Write it out of place (y = x.op(...) "
+                "instead of x.op_(...)), or register a rule for it in autoshard/ops.")
+        if rule is None and functional_twin(node.target) is not None:
+            rule = rule_for(functional_twin(node.target))  # a buffer written in place: its layout is kept
     if rule is None:
         if ctx.options.on_unsupported != "replicate":
             raise UnsupportedOpError(
                 f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Register a "
                 "rule for this op in autoshard/ops (op(..., rule=...)), or pass on_unsupported='replicate' to run it "
                 "unsharded.")
-        if node.name not in ctx.report.setdefault("unsupported", []):
-            ctx.report["unsupported"].append(node.name)
-            ctx.warn(f"{node_location(node)} has no sharding rule: it runs replicated (on_unsupported='replicate').")
+        unsupported = ctx.report.setdefault("unsupported", {})
+        unsupported.setdefault(node.name, node_location(node))
         rule = replicate_only
     strategies = strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
     # A parameter is never Partial: every rank would compute its whole gradient while holding a share of it.

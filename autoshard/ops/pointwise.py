@@ -66,24 +66,24 @@ op(aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, a
 
 # ---- more elementwise ops real models use (issue "Any model: op coverage") --------------------------------
 # activations and maps whose derivative needs their input
-op(aten.hardtanh, aten.relu6, aten.hardsigmoid, aten.selu, aten.celu, aten.softsign, aten.log1p, aten.expm1,
+op(aten.hardtanh, aten.relu6, aten.hardsigmoid, aten.selu, aten.celu, aten.log1p, aten.expm1,
    aten.tan, aten.atan, aten.clamp_min, aten.clamp_max, aten.fmod, aten.remainder, aten.lerp, aten.nan_to_num,
    flops=elementwise, saves=(0,))
 # no gradient (piecewise constant) or nothing kept
 op(aten.bitwise_not, aten.bitwise_xor, aten.logical_or, aten.logical_xor, aten.floor_divide, aten.sign,
    aten.floor, aten.ceil, aten.round, aten.trunc, aten.isnan, aten.isinf, aten.fill, flops=elementwise, saves=())
-op(aten.min.other, aten.max.other, flops=elementwise, saves=(0, 1))
+op(aten.min.other, aten.max.other, rule=pointwise(), flops=elementwise, saves=(0, 1))  # min(a, b), max(a, b)
 
 op(aten.softplus.default, aten.hardtanh.default, aten.relu6.default, aten.hardsigmoid.default,
    aten.hardswish.default, aten.elu.default, aten.selu.default, aten.celu.default, aten.leaky_relu.default,
-   aten.mish.default, aten.log_sigmoid.default, aten.softsign.default, aten.log1p.default, aten.expm1.default,
+   aten.mish.default, aten.log_sigmoid.default, aten.log1p.default, aten.expm1.default,
    aten.tan.default, aten.atan.default, aten.sign.default, aten.floor.default, aten.ceil.default,
    aten.round.default, aten.trunc.default, aten.isnan.default, aten.isinf.default, aten.nan_to_num.default,
    aten.bitwise_not.default, aten.bitwise_xor.Tensor, aten.logical_or.default, aten.logical_xor.default,
    aten.floor_divide.default, aten.floor_divide.Scalar, aten.remainder.Tensor, aten.remainder.Scalar,
    aten.fmod.Tensor, aten.fmod.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
    aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default, aten.clamp_min.Tensor, aten.clamp_max.Tensor,
-   aten.min.other, aten.max.other, aten.lerp.Scalar, aten.lerp.Tensor, aten.fill.Scalar, aten.fill.Tensor,
+   aten.lerp.Scalar, aten.lerp.Tensor, aten.fill.Scalar, aten.fill.Tensor,
    rule=pointwise())
 # copy(dst, src): src broadcast into dst's shape and dtype (the functional form of ``dst.copy_(src)``); linear in
 # src (dst gives only a shape) when the result is floating (a cast to int is not linear)
