@@ -219,8 +219,6 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
             view.comm.barrier()
             integrity = _integrity(view, tmp)
         except _dcp_errors() as e:  # DCP wraps a dead peer's "connection closed" in its own exception types
-            if isinstance(e, CheckpointError):
-                raise
             raise CheckpointError(f"save to {path!r} failed on rank {view.rank} before its commit (did another "
                                   f"rank die?): {_describe(e)}. Nothing was committed: {path!r} is "
                                   f"unchanged and the partial data in {tmp!r} will never load.") from e
@@ -439,13 +437,13 @@ def _integrity(view: _View, tmp: str) -> dict:
         with view.comm._guard("checkpoint checksum exchange", None):
             torch.distributed.all_gather_object(parts, (mine, error))
     out: dict[str, dict] = {}
-    for got, err in parts:
+    for got, err in parts:  # the callers re-raise these as CheckpointError
         if err is not None:
-            raise CheckpointError(err)
+            raise OSError(err)
         out.update(got)
     missing = sorted(set(chunks) - set(out))
     if missing:
-        raise CheckpointError(f"save to {tmp!r}: DCP's metadata lists files {missing} that were not written.")
+        raise OSError(f"DCP's metadata in {tmp!r} lists files {missing} that were not written")
     return {"algorithm": "crc32", "files": {f: out[f] for f in sorted(out)}}
 
 
