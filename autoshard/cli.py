@@ -3,6 +3,8 @@
     $ autoshard show examples.models:gpt --mesh data=2,model=2 --megatron          # the annotated graph (rich)
     $ autoshard show examples.models:gpt --mesh model=2 --megatron --code --rank 1  # rank 1's generated code
     $ autoshard show examples.models:mlp --mesh data=2 --json                       # the plan as JSON
+    $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (80 columns)
+    $ autoshard show examples.models:llama3_8b_meta --mesh model=4 --megatron --nodes # every node
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
     $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
     $ autoshard show examples.models:gpt --mesh pipe=2,model=2 --megatron --pipeline microbatches=4,schedule=1f1b
@@ -16,6 +18,11 @@ holds ``{glob: [placement per mesh axis]}`` as JSON, or the same under a ``[plan
 Everything a user can get wrong (a bad ``MODULE:FACTORY``, a missing or malformed plan file, any
 :class:`~autoshard.errors.AutoshardError` from the compiler) is reported as one red ``error: ...`` line on
 stderr with exit code 2, never a traceback. ``rich`` is used only here; the formatters stay plain text.
+
+Graphs over 300 nodes print :func:`autoshard.report.format_overview` (module kinds with repeated layers folded,
+parameter placements, collectives per layer, memory and step time) fitted to the terminal's width; ``--nodes``
+prints every node. ``--json`` gives JSON with every subcommand and mode (``--pipeline``: the stages). Building,
+compiling and searching show a spinner on stderr when they take over a second on a terminal, nothing when piped.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +84,11 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--rank", type=int, default=0, help="rank whose code --code prints (default 0)")
     out = show.add_mutually_exclusive_group()
     out.add_argument("--code", action="store_true", help="print the generated Python code of --rank")
-    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--json", action="store_true", help="print the plan as JSON (with --pipeline: its stages)")
+    out.add_argument("--nodes", action="store_true", help="print the full per-node table (the default up to "
+                     "300 nodes; larger graphs get the summary)")
+    out.add_argument("--summary", action="store_true", help="print the summary (module kinds with repeated "
+                     "layers folded, parameter placements, collectives per layer, memory and step time)")
     show.add_argument("--factory-arg", metavar="KEY=VALUE", action="append", default=[], dest="factory_args",
                       help="keyword argument of FACTORY (int, float or str), repeatable, e.g. layers=1")
     show.add_argument("--on-unsupported", choices=("error", "replicate"), default="error",
@@ -99,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``autoshard`` command line; returns the exit code (0 ok, 2 user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["calibrate"]:
-        from autoshard.cost_models.calibrate import main as calibrate_main
-
-        return calibrate_main(argv[1:])
+        return calibrate(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse already printed usage and the reason
@@ -111,6 +121,34 @@ def main(argv: list[str] | None = None) -> int:
     except AutoshardError as e:
         print_error(str(e))
         return USAGE_ERROR
+
+
+def calibrate(argv: list[str]) -> int:
+    """``autoshard calibrate`` (its own parser, in autoshard.cost_models.calibrate); ``--json`` prints the profile
+    it wrote as JSON instead of the fit table. A spinner shows on a terminal while the processes measure."""
+    import contextlib
+    import io
+
+    from autoshard.cost_models.calibrate import main as calibrate_main
+    from autoshard.progress import slow_step
+
+    want_json = "--json" in argv
+    rest = [a for a in argv if a != "--json"]
+    if "-h" in rest or "--help" in rest:
+        return calibrate_main(rest)
+    with slow_step("autoshard: calibrating this machine (spawning processes)"):
+        if not want_json:
+            return calibrate_main(rest)
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = calibrate_main(rest)
+    if code:
+        return code
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("-o", "--output", default="calibrated.toml")
+    path = Path(where.parse_known_args(rest)[0].output)
+    profile = _toml_module().loads(path.read_text())
+    sys.stdout.write(json.dumps({"profile_file": str(path), "profile": profile}, indent=1, default=str) + "\n")
+    return 0
 
 
 def print_error(message: str) -> None:
@@ -123,38 +161,58 @@ def print_error(message: str) -> None:
 
 # ---- show -----------------------------------------------------------------------------------------------------
 def show(args: argparse.Namespace) -> int:
-    """The ``show`` subcommand: compile and print the table, the code of ``args.rank`` or the JSON."""
+    """The ``show``/``plan`` subcommands: compile and print the table (the summary for graphs over
+    ``SUMMARY_NODES`` nodes), the code of ``args.rank`` or the JSON (``--pipeline``: the stages)."""
     import autoshard
-    from autoshard.report import plan_json
+    from autoshard.progress import slow_step
+    from autoshard.report import SUMMARY_NODES, format_overview, format_symbolic, plan_json, plan_overview, stages_json
 
     mesh = autoshard.Mesh.parse(args.mesh)
     factory, name = load_factory(args.factory)
-    model, example_args, example_kwargs = call_factory(factory, args.factory, parse_factory_args(args.factory_args))
+    with slow_step(f"autoshard: building the model ({args.factory})"):
+        model, example_args, example_kwargs = call_factory(factory, args.factory,
+                                                           parse_factory_args(args.factory_args))
     annotations: dict[str, Any] = {}
     if args.megatron:
         annotations.update(megatron_plan(mesh, name))
     if args.plan is not None:
         annotations.update(load_plan(args.plan, mesh.names))
-    sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
-                           data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
-                           profile=args.profile, memory_limit=args.memory_limit,
-                           pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,
-                           moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None)
+    with slow_step(f"autoshard: compiling {type(model).__name__} on {mesh}"):
+        sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
+                               data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
+                               profile=args.profile, memory_limit=args.memory_limit,
+                               pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,
+                               moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None)
+    symbolic = getattr(args, "symbolic", False)
     if args.pipeline:  # the stages (or --rank's program of its stage)
-        sys.stdout.write(sm.code(args.rank) if args.code else sm.format())
+        if args.json:
+            sys.stdout.write(json.dumps(stages_json(sm.plan), indent=1, default=str) + "\n")
+        else:
+            sys.stdout.write(sm.code(args.rank) if args.code else sm.format())
         return 0
     plan = sm.plan
     if args.code:
         sys.stdout.write(plan.code(args.rank))
     elif args.json:
-        sys.stdout.write(plan_json(plan) + "\n")
+        doc = json.loads(plan_json(plan))
+        doc["overview"] = plan_overview(plan)
+        if symbolic:
+            doc["symbolic"] = format_symbolic(plan).splitlines()[1:]
+        sys.stdout.write(json.dumps(doc, indent=1, default=str) + "\n")
     else:
-        plan.show(_stdout_console())
-        if getattr(args, "symbolic", False):
-            from autoshard.report import format_symbolic
-
+        summary = args.summary or (not args.nodes and len(plan.graph_module.graph.nodes) > SUMMARY_NODES)
+        if summary:
+            sys.stdout.write(format_overview(plan, width=_width()))
+        else:
+            plan.show(_stdout_console())
+        if symbolic:
             sys.stdout.write(format_symbolic(plan))
     return 0
+
+
+def _width() -> int:
+    """The terminal's width (``COLUMNS`` when set); 80 when piped."""
+    return max(60, shutil.get_terminal_size((80, 24)).columns)
 
 
 def _stdout_console():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -223,3 +224,285 @@ def _node_path(plan, name: str) -> str:
         if n.name == name:
             return M.module_path(n)
     return ""
+
+
+# ---- the summary of a large plan ----------------------------------------------------------------------------
+#: ``autoshard show`` prints :func:`format_overview` instead of the per-node table above this many nodes.
+SUMMARY_NODES = 300
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _fold(path: str, foldable: set[str]) -> str:
+    """``model.layers.7.mlp`` -> ``model.layers.*.mlp`` when ``model.layers`` holds identical layers (in
+    ``foldable``): repeated layers share one kind; a Sequential's different children keep their indices."""
+    parts = path.split(".") if path else []
+    return ".".join("*" if p.isdigit() and ".".join(parts[:i]) in foldable else p for i, p in enumerate(parts))
+
+
+def _foldable(nodes) -> set[str]:
+    """Containers (module paths) whose numbered children are the same kind of layer: the same parameters (relative
+    names, shapes, dtypes). Ops may differ (the first layer may slice a mask the others reuse)."""
+    sigs: dict[str, dict[str, list]] = {}
+    for n, path in nodes:
+        parts = path.split(".") if path else []
+        val = n.meta.get("val")
+        for i, p in enumerate(parts):
+            if p.isdigit():
+                sig = sigs.setdefault(".".join(parts[:i]), {}).setdefault(p, [])
+                if n.op == "get_attr" and isinstance(val, torch.Tensor):
+                    name = str(n.meta.get(M.PARAM, n.target)).split(".")[i + 1:]
+                    sig.append((".".join(name), tuple(val.shape), str(val.dtype)))
+    return {container for container, members in sigs.items()
+            if len(members) > 1 and len({tuple(sorted(sig)) for sig in members.values()}) == 1}
+
+
+def _owner(n) -> str:
+    """The module a node belongs to: its own module path, a parameter's module, a collective's operand's."""
+    if n.op == "get_attr":
+        return str(n.meta.get(M.PARAM, n.target)).rpartition(".")[0]
+    path = M.module_path(n)
+    if not path and M.COLLECTIVE in n.meta and n.args and hasattr(n.args[0], "op"):
+        return _owner(n.args[0])
+    return path
+
+
+def _spec_text(spec) -> str:
+    if isinstance(spec, tuple) and spec and isinstance(spec[0], tuple):
+        return " ".join(format_spec(s) for s in spec)
+    return format_spec(spec)
+
+
+def plan_overview(plan) -> dict:
+    """The plan summarised for a large model, as data (``--json`` gives it as is; :func:`format_overview` prints it).
+
+    ``modules``: one entry per module kind (repeated layers folded: ``model.layers.*.mlp``) with its instances,
+    ops, parameter bytes per rank and collective bytes per instance; ``groups``: each folded container with its
+    indices; ``params``: one entry per parameter kind with shape, spec and bytes per rank; ``collectives``: per
+    unit (a folded layer, or a module) and collective kind, the count and bytes per rank per instance;
+    ``cost``: estimated step time and memory per rank (``plan.cost()``)."""
+    from autoshard.placements import local_shape
+
+    gm, mesh = plan.graph_module, plan.mesh
+    modules: dict[str, dict] = {}
+    params: dict[str, dict] = {}
+    colls: dict[tuple[str, str], dict] = {}
+    groups: dict[str, set] = {}
+    total_params = 0
+    nodes = [(n, _owner(n)) for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    foldable = _foldable(nodes)
+    for n, path in nodes:
+        kind = _fold(path, foldable)
+        parts = path.split(".") if path else []
+        for i, p in enumerate(parts):
+            if p.isdigit() and ".".join(parts[:i]) in foldable:
+                groups.setdefault(_fold(".".join(parts[:i + 1]), foldable), set()).add(int(p))
+        m = modules.setdefault(kind, {"module": kind, "instances": set(), "ops": 0, "param_bytes": 0,
+                                      "comm_bytes": 0})
+        m["instances"].add(path)
+        info = n.meta.get(M.COLLECTIVE)
+        val = n.meta.get("val")
+        if info is not None:
+            m["comm_bytes"] += info.bytes_forward + info.bytes_backward
+            unit = kind.rpartition("*")[0] + "*" if "*" in kind else kind
+            key = f"{info.kind}[{','.join(info.axes)}]"
+            c = colls.setdefault((unit, key), {"unit": unit, "collective": key, "count": 0, "bytes_forward": 0,
+                                                "bytes_backward": 0, "in": set()})
+            c["count"] += 1
+            c["bytes_forward"] += info.bytes_forward
+            c["bytes_backward"] += info.bytes_backward
+            c["in"].add(".".join(parts[:len(unit.split("."))]))
+        elif n.op == "get_attr" and isinstance(val, torch.Tensor):
+            spec = n.meta.get(M.SPEC)
+            local = local_shape(val.shape, spec, mesh) if spec is not None else tuple(val.shape)
+            nbytes = math.prod(local) * val.element_size()
+            total_params += val.numel()
+            m["param_bytes"] += nbytes
+            name = _fold(str(n.meta.get(M.PARAM, n.target)), foldable)
+            p = params.setdefault(name, {"param": name, "count": 0, "shape": list(val.shape),
+                                         "spec": _spec_text(spec), "local_shape": list(local),
+                                         "bytes_per_rank": nbytes, "dtype": str(val.dtype).replace("torch.", "")})
+            p["count"] += 1
+        elif n.op == "call_function":
+            m["ops"] += 1
+    for m in modules.values():
+        k = max(1, len(m["instances"]))
+        m["instances"] = k
+        m["ops"] //= k
+        m["param_bytes"] //= k
+        m["comm_bytes"] //= k
+    for c in colls.values():  # per instance when every instance has it, else the total over those that do
+        k = len(groups.get(c["unit"], ())) or 1
+        c["instances"] = k
+        c["in"] = len(c["in"])
+        c["per_instance"] = c["in"] == k and c["count"] % k == 0
+        if c["per_instance"]:
+            for f in ("count", "bytes_forward", "bytes_backward"):
+                c[f] //= k
+    first = {}
+    for name in modules:  # list each folded container's members together, in graph order
+        first.setdefault(_top_fold(name), len(first))
+    order = sorted(modules, key=lambda name: first[_top_fold(name)])
+    modules = {name: modules[name] for name in order}
+    coll_list = sorted(colls.values(), key=lambda c: first.get(_top_fold(c["unit"]), len(first)))
+    cost = plan.cost()
+    search = plan.context.report.get("plan_search")
+    return {"model": plan.model_name, "mesh": dict(mesh.axes), "nodes": len(gm.graph.nodes),
+            "parameters": total_params,
+            "groups": {g: sorted(ix) for g, ix in groups.items()},
+            "modules": list(modules.values()), "params": list(params.values()), "collectives": coll_list,
+            "cost": {"step_time_s": cost.step_time, "compute_time_s": cost.compute_time,
+                     "comm_time_s": cost.comm_time, "memory_per_rank_bytes": cost.memory_per_rank,
+                     "param_bytes_per_rank": cost.parameter_bytes, "comm_bytes_per_axis": dict(cost.comm_bytes),
+                     "profile": str(plan.context.options.profile),
+                     "memory_limit_bytes": search["memory_limit"] if search else None}}
+
+
+def _top_fold(name: str) -> str:
+    """The outermost folded container of a folded name (``model.layers.*``), or the name itself."""
+    return name[:name.index("*") + 1] if "*" in name else name
+
+
+def _indices(ix: list[int]) -> str:
+    if ix == list(range(ix[0], ix[-1] + 1)):
+        return f"{ix[0]}–{ix[-1]}" if len(ix) > 1 else str(ix[0])
+    return ",".join(map(str, ix[:3])) + ("…" if len(ix) > 3 else "")
+
+
+def _tree(names: list[str], groups: dict[str, list[int]]) -> list[tuple[str, str | None]]:
+    """Display rows for folded names in order: a header row (text, None) before the first member of each folded
+    container, then each name relative to its innermost container, indented by depth."""
+    rows: list[tuple[str, str | None]] = []
+    seen: set[str] = set()
+    for name in names:
+        parts = name.split(".") if name else []
+        stars = [i for i, p in enumerate(parts) if p == "*"]
+        depth, start = 0, 0
+        for i in stars:
+            prefix = ".".join(parts[:i + 1])
+            if prefix not in seen:
+                seen.add(prefix)
+                ix = groups.get(prefix, [])
+                label = ".".join(parts[start:i]) + (f".{_indices(ix)}" if ix else ".*")
+                rows.append(("  " * depth + label + f" ×{len(ix)}", None))
+            depth, start = depth + 1, i + 1
+        rows.append(("  " * depth + (".".join(parts[start:]) or "(its own ops)" if parts else "(top level)"), name))
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int], width: int) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    over = sum(widths) + 2 * (len(widths) - 1) - width
+    if over > 0:  # shorten the first (name) column, keeping its end
+        widths[0] = max(12, widths[0] - over)
+
+    def cell(v: str, i: int) -> str:
+        if i == 0 and len(v) > widths[0]:
+            v = v[:widths[0] - 1] + "…"
+        return v.rjust(widths[i]) if i in right else v.ljust(widths[i])
+
+    return ["  ".join(cell(v, i) for i, v in enumerate(r)).rstrip() for r in [header, *rows]]
+
+
+def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
+    """A large plan in under a screen at ``width`` columns: per module kind (repeated layers folded, ``×32``) its
+    ops, parameter and communication bytes per rank; each parameter kind's placement; the collectives per layer
+    with bytes; memory per rank and the estimated step time. ``autoshard show --nodes`` prints every node."""
+    o = overview or plan_overview(plan)
+    groups = o["groups"]
+    lines = [f"plan for {o['model']} on {plan.mesh}: {o['nodes']} nodes, {o['parameters'] / 1e9:.2f}B parameters"
+             if o["parameters"] >= 1e8 else
+             f"plan for {o['model']} on {plan.mesh}: {o['nodes']} nodes, {o['parameters']:,} parameters",
+             f"(repeated layers folded; spec: placement per axis {', '.join(plan.mesh.names)}; --nodes: all)",
+             ""]
+    mods = {m["module"]: m for m in o["modules"]}
+    rows = []
+    for text, name in _tree(list(mods), groups):
+        if name is None:
+            rows.append([text, "", "", "", ""])
+            continue
+        m = mods[name]
+        rows.append([text, str(m["instances"]), str(m["ops"]), _bytes(m["param_bytes"]) if m["param_bytes"] else "",
+                     _bytes(m["comm_bytes"]) if m["comm_bytes"] else ""])
+    lines += _table(["module", "×", "ops", "params/rank", "comm/rank"], rows, {1, 2, 3, 4}, width)
+    lines.append("")
+    prm = {p["param"]: p for p in o["params"]}
+    rows = []
+    for text, name in _tree(list(prm), groups):
+        if name is None:
+            rows.append([text, "", "", ""])
+            continue
+        p = prm[name]
+        rows.append([text, "[" + ", ".join(map(str, p["shape"])) + "]", p["spec"], _bytes(p["bytes_per_rank"])])
+    lines += _table(["parameter", "shape", "spec", "per rank"], rows, {3}, width)
+    lines.append("")
+    rows = []
+    last = None
+    tot_n = tot_f = tot_b = 0
+    for c in o["collectives"]:
+        unit = c["unit"]
+        label = ""
+        if unit != last:
+            ix = groups.get(unit)
+            label = (unit[:-2] + f".{_indices(ix)} (each)") if ix else (unit or "(top level)")
+            last = unit
+        k = c["instances"] if c["per_instance"] else 1
+        tot_n += c["count"] * k
+        tot_f += c["bytes_forward"] * k
+        tot_b += c["bytes_backward"] * k
+        kind = c["collective"] + ("" if c["per_instance"] or c["instances"] == 1 else f" in {c['in']}/{c['instances']}")
+        rows.append([label, kind, str(c["count"]), _bytes(c["bytes_forward"]) if c["bytes_forward"]
+                     else "-", _bytes(c["bytes_backward"]) if c["bytes_backward"] else "-"])
+    rows.append(["total per step", "", str(tot_n), _bytes(tot_f), _bytes(tot_b)])
+    lines += _table(["collectives", "kind[axes]", "×", "fwd/rank", "bwd/rank"], rows, {2, 3, 4}, width)
+    lines.append("")
+    cost = o["cost"]
+    limit = cost["memory_limit_bytes"]
+    lines.append(f"memory per rank: {_bytes(cost['memory_per_rank_bytes'])} (parameters "
+                 f"{_bytes(cost['param_bytes_per_rank'])})" + (f" of {_bytes(limit)} allowed" if limit else ""))
+    lines.append(f"estimated step: {cost['step_time_s'] * 1e3:.1f} ms = compute {cost['compute_time_s'] * 1e3:.1f} + "
+                 f"communication {cost['comm_time_s'] * 1e3:.1f} ({cost['profile']})")
+    lines.append("bytes per step per axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in
+                                                          cost["comm_bytes_per_axis"].items()))
+    out = []
+    for ln in lines:  # prose lines wrap at width; table rows were fitted above
+        while len(ln) > width:
+            cut = ln.rfind(" ", 0, width)
+            cut = cut if cut > 0 else width
+            out.append(ln[:cut])
+            ln = "  " + ln[cut:].lstrip()
+        out.append(ln)
+    return "\n".join(out) + "\n"
+
+
+def stages_json(pplan) -> dict:
+    """A pipelined plan's stages as data (what :func:`format_stages` prints): per stage its ranks, estimated time
+    and memory, modules; the boundary tensors with bytes; the imbalance, bubble and estimated step."""
+    from autoshard.pipeline.options import bubble_fraction
+
+    split, p = pplan.split, pplan.pipeline
+    stages = []
+    for s, cost in enumerate(split.costs):
+        ranks = [r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)]
+        stages.append({"stage": s, "ranks": ranks, "time_per_microbatch_s": cost, "compute_s": split.compute[s],
+                       "transfer_s": split.transfer[s], "memory_bytes": pplan.stage_memory(s, ranks[0]),
+                       "modules": list(split.modules[s])})
+    boundaries = [{"from": k, "to": k + 1, "bytes_per_microbatch": b.nbytes,
+                   "tensors": [{"name": n, "shape": list(sh), "dtype": str(dt).replace("torch.", "")}
+                               for n, sh, dt in zip(b.names, b.shapes, b.dtypes)]}
+                  for k, b in enumerate(split.boundaries)]
+    v = p.stages_per_rank if p.schedule == "interleaved" else 1
+    bubble = bubble_fraction(pplan.pipe, p.microbatches, v)
+    per_rank = [sum(split.costs[s] for s in pplan.stages_of(r)) for r in range(pplan.mesh.size)]
+    return {"model": pplan.model_name, "mesh": dict(pplan.mesh.axes), "submesh": dict(pplan.submesh.axes),
+            "schedule": p.schedule, "microbatches": p.microbatches, "batch": pplan.batch,
+            "split": "manual" if split.manual else "auto", "stages": stages, "boundaries": boundaries,
+            "shared_parameters": [{"param": n, "stages": list(s)} for n, s in pplan.shared_params()],
+            "imbalance": split.imbalance, "bubble": bubble,
+            "estimated_step_s": max(per_rank) * p.microbatches / (1 - bubble)}

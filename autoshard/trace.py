@@ -24,6 +24,7 @@ from autoshard import layer_reuse
 from autoshard import meta as M
 from autoshard.errors import TraceError
 from autoshard.layer_reuse import find_groups
+from autoshard.progress import slow_step
 
 #: ``gm.meta`` key: container path -> [traced layer index, copied layer indices...] (see autoshard.layer_reuse)
 REUSED_LAYERS = "autoshard.reused_layers"
@@ -44,12 +45,13 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     if on_meta(model):
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
-    if reuse_layers:
-        try:
-            return _finish(_export_reusing_layers(model, args, kwargs), model)
-        except Exception:  # _CannotReuse: layers that differ, or a structure the copy does not handle; or export
-            pass  # failed inside the reuse machinery: export every layer (which reports a real failure)
-    return _finish(_export(model, args, kwargs), model)
+    with slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
+        if reuse_layers:
+            try:
+                return _finish(_export_reusing_layers(model, args, kwargs), model)
+            except Exception:  # _CannotReuse: layers that differ, or a structure the copy does not handle; or
+                pass  # export failed inside the reuse machinery: export every layer (which reports a real failure)
+        return _finish(_export(model, args, kwargs), model)
 
 
 def on_meta(model: torch.nn.Module) -> bool:
