@@ -151,7 +151,16 @@ def functionalize(gm: torch.fx.GraphModule) -> list[str]:
             left.append(node.name)
             continue
         with g.inserting_before(node):
-            value = g.call_function(twin, node.args, dict(node.kwargs))
+            if node.target == torch.ops.aten.copy_.default:
+                # aten.copy has no derivative: dst.copy_(src) is src cast to dst's dtype, expanded to its shape
+                dst, src = node.args[0], node.args[1]
+                dval = dst.meta["val"]
+                cast = g.call_function(torch.ops.aten._to_copy.default, (src,), {"dtype": dval.dtype})
+                cast.meta.update(node.meta)
+                cast.meta["val"] = src.meta["val"].to(dval.dtype) if isinstance(src, torch.fx.Node) else dval
+                value = g.call_function(torch.ops.aten.expand.default, (cast, list(dval.shape)))
+            else:
+                value = g.call_function(twin, node.args, dict(node.kwargs))
             value.meta.update(node.meta)
             new = value
             for view in chain:

@@ -10,18 +10,20 @@ import warnings
 
 import pytest
 import torch
+from autoshard.passes.propagate import functionalize, mutates_first_arg
 
 import autoshard
 from autoshard import Mesh
+from autoshard import meta as M
 from autoshard.errors import UnsupportedOpError
-from autoshard.ops import registered, unregister
+from autoshard.placements import Shard
 from autoshard.plan import loss_of
 from examples import models
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
 MESH = Mesh(data=2, model=2)
-TOL = dict(rtol=1e-4, atol=1e-4)
+TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _check(factory, *, mesh=MESH, **kw):
@@ -38,8 +40,8 @@ def _check(factory, *, mesh=MESH, **kw):
     loss.backward()
     for r, out in enumerate(sim.outputs):
         torch.testing.assert_close(loss_of(out).detach(), loss.detach(), **TOL, msg=f"loss on rank {r}")
-    grads = dict(ref.named_parameters())
-    assert set(sim.grads) == {n for n, p in grads.items() if p.grad is not None}
+    grads = dict(ref.named_parameters(remove_duplicate=False))  # a tied weight under any of its names
+    assert {id(grads[n]) for n in sim.grads} == {id(p) for p in grads.values() if p.grad is not None}
     for name, g in sim.grads.items():
         torch.testing.assert_close(g, grads[name].grad, **TOL, msg=f"grad of {name}")
     return plan, [str(w.message) for w in caught]
@@ -52,7 +54,7 @@ def _unsupported_warnings(messages):
 @pytest.mark.parametrize("factory", [models.hf_t5, models.hf_bart, models.hf_vit, models.hf_bloom, models.hf_gptj],
                          ids=lambda f: f.__name__)
 def test_hf_architectures_match_one_device(factory):
-    plan, messages = _check(factory)
+    _, messages = _check(factory)
     assert not _unsupported_warnings(messages), messages  # every op of these models has a rule
 
 
@@ -63,8 +65,8 @@ def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
 
     plan, messages = _check(models.conv_bn)
     assert not _unsupported_warnings(messages)
-    bn = [n for n in plan.graph_module.graph.nodes if "batch_norm" in str(n.target)]
-    assert bn and any(any(getattr(p, "dim", None) == 0 for p in n.meta["autoshard.spec"]) for n in bn) or True
+    bn = [n for n in plan.graph_module.graph.nodes if n.target == torch.ops.aten.batch_norm.default]
+    assert len(bn) == 2 and all(n.meta[M.SPEC][0] == Shard(0) for n in bn)  # batch-sharded: SyncBN
     model, args, kwargs = models.conv_bn()
     ref = copy.deepcopy(model)
     ref(*args).backward()
@@ -76,7 +78,7 @@ def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
         return {n: b.detach().clone() for n, b in module.named_buffers()}
 
     buffers = SimWorld(plan.mesh, timeout=60).run(body)
-    specs = plan.param_specs() if hasattr(plan, "param_specs") else {}
+    specs = plan.param_specs()
     for name, want in ref.named_buffers():
         for rank, got in enumerate(buffers):
             key = name if name in got else name.replace(".", "_")
@@ -91,7 +93,8 @@ def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
 def test_in_place_writes_are_functionalised():
     """T5/BART's shift_tokens_right (copy_ into a slice, fill_ into a select, masked_fill_) and T5's add_ leave
     no in-place op on activations; BatchNorm's num_batches_tracked.add_ stays (a buffer, updated in place)."""
-    from autoshard.passes.propagate import functionalize, mutates_first_arg
+    from autoshard.passes.propagate import mutates_first_arg
+
     from autoshard.trace import trace
 
     model, args, kwargs = models.hf_t5()
@@ -101,6 +104,37 @@ def test_in_place_writes_are_functionalised():
     assert not any(mutates_first_arg(n.target) for n in gm.graph.nodes if n.op == "call_function")
     targets = {str(n.target) for n in gm.graph.nodes}
     assert {"aten.slice_scatter.default", "aten.select_scatter.default"} <= targets
+
+
+class _WritesIntoSlices(torch.nn.Module):
+    """Float in-place writes with gradients: ``z[:, 2:] = y``, ``z[:, 0] = 1``, ``z.mul_(...)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.fc2 = torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        z = self.fc(x) * 1.0
+        z[:, 2:] = self.fc2(x)
+        z[:, 0] = 1.0
+        z.mul_(torch.sigmoid(x))
+        z.masked_fill_(x > 1.5, 0.0)
+        return z.square().mean()
+
+
+def test_float_in_place_writes_match_one_device():
+    torch.manual_seed(0)
+    model, x = _WritesIntoSlices(), torch.randn(4, 8)
+    plan = autoshard.compile(model, MESH, example_inputs=(x,)).plan
+    assert not any(mutates_first_arg(n.target) for n in plan.graph_module.graph.nodes if n.op == "call_function")
+    sim = plan.simulate((x,))
+    ref = copy.deepcopy(model)
+    loss = ref(x)
+    loss.backward()
+    torch.testing.assert_close(sim.outputs[0].detach(), loss.detach(), **TOL)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sim.grads[name], p.grad, **TOL, msg=name)
 
 
 class _Unsupported(torch.nn.Module):
@@ -131,7 +165,6 @@ def test_unsupported_op_runs_replicated_with_one_warning(twice_op):
     assert len(msgs) == 1 and "twice" in msgs[0] and "File" in msgs[0]
     node = next(n for n in plan.graph_module.graph.nodes if n.target == twice_op)
     assert "no rule" in node.meta["autoshard.strategy"].note
-    assert "twice" in plan.report() if hasattr(plan, "report") else True
     sim = plan.simulate((x,))
     ref = copy.deepcopy(model)
     ref(x).backward()
