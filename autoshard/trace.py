@@ -102,12 +102,16 @@ def _cause(e: BaseException, kind: type):
 
 
 def _export(model, args, kwargs) -> torch.fx.GraphModule:
-    try:
-        with _quiet_export_logs():
+    from autoshard.moe import hf_blocks
+
+    try:  # Hugging Face sparse-MoE experts run a static-shape op while exporting (the model is restored after)
+        with _quiet_export_logs(), hf_blocks.swapped(model) as moe_blocks:
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean the same thing to the user
         raise export_error(model, e) from e
-    return ep.module()
+    gm = ep.module()
+    gm.meta[hf_blocks.FOUND] = moe_blocks
+    return gm
 
 
 def export_error(model: torch.nn.Module, e: BaseException) -> TraceError:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class MLP(nn.Module):
@@ -283,5 +283,40 @@ def hf_gptj(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, hea
                      rotary_dim=hidden // heads // 2, n_inner=2 * hidden, resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = GPTJForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, seed + 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
+
+# ---- Hugging Face Mixture-of-Experts models (tests/test_hf_moe.py; moe=autoshard.MoE(existing=True)) --------
+def hf_mixtral(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+               experts: int = 4, top_k: int = 2, vocab: int = 64, aux_loss: bool = True, seed: int = 0):
+    """Tiny Mixtral (every layer a sparse-MoE block, top-2 of 4 experts); ``aux_loss``: the router's
+    load-balancing loss (``output_router_logits``) is added to the LM loss, as Hugging Face trains it."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=seq,
+                        output_router_logits=aux_loss, router_aux_loss_coef=0.02, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = MixtralForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, seed + 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
+
+def hf_qwen2_moe(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+                 experts: int = 4, top_k: int = 2, vocab: int = 64, aux_loss: bool = True, seed: int = 0):
+    """Tiny Qwen2-MoE: routed experts (top-k weights not renormalised) plus a shared expert behind a sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                         moe_intermediate_size=hidden, shared_expert_intermediate_size=2 * hidden,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=seq,
+                         output_router_logits=aux_loss, router_aux_loss_coef=0.02, use_cache=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = Qwen2MoeForCausalLM(cfg)
     ids, labels = _ids(batch, seq, vocab, seed + 1)
     return model, (), {"input_ids": ids, "labels": labels}

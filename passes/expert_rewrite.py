@@ -108,6 +108,10 @@ class ExpertRewrite:
         opts = getattr(ctx.options, "moe", None)
         if opts is None:
             return gm
+        if opts.existing:  # the model's own sparse-MoE blocks (Hugging Face): autoshard/moe/hf_blocks.py
+            from autoshard.moe.hf_blocks import rewrite_existing
+
+            return rewrite_existing(gm, ctx, opts, self.name)
         mesh = ctx.mesh
         n = mesh.axis_size(opts.expert_axis) if opts.expert_axis in mesh.names else 1
         if opts.num_experts % n:

@@ -28,14 +28,21 @@ class MoE:
     Gaussian ``noise`` times each weight's std), ``"random"`` draws fresh weights like ``nn.Linear``. The router
     (float32 even when the model is not) is drawn from ``N(0, router_std²)`` with ``seed``.
     ``expert_axis``: the mesh axis the experts are sharded over (when the mesh has it). ``groups``: routing groups
-    (default: the size of the expert axis, one per data rank).
+    (default: the size of the expert axis, one per data rank). ``capacity_factor=None``: dropless (capacity = every
+    token of a group, so nothing is ever dropped).
+
+    ``existing=True``: the model already has sparse-MoE blocks (Hugging Face Mixtral, Qwen2-MoE, others on
+    transformers' experts interface; :mod:`autoshard.moe.hf_blocks`): nothing is created, the blocks' own router,
+    experts and auxiliary loss are kept, and their experts run sharded over ``expert_axis`` with all-to-all
+    dispatch. Only ``expert_axis``, ``capacity_factor``, ``groups`` and (to pick some blocks) ``layers``/``every``
+    apply; the expert count, top-k and losses are the model's.
     """
 
     layers: str | tuple[str, ...] = "*.mlp"
     every: int = 1
     num_experts: int = 8
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float | None = 1.25
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 1e-3
     expert_axis: str = "data"
@@ -44,6 +51,7 @@ class MoE:
     router_std: float = 0.02
     seed: int = 0
     groups: int | None = None
+    existing: bool = False
 
     def __post_init__(self):
         if isinstance(self.layers, list):
@@ -57,9 +65,22 @@ class MoE:
             raise PlanError(f"MoE top_k has {self.top_k!r}, but must lie in [1, num_experts={self.num_experts}]. "
                             "Use top_k=1 (Switch) or top_k=2 (GShard) with at least that many experts.")
         cf = self.capacity_factor
-        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not (math.isfinite(cf) and cf > 0):
-            raise PlanError(f"MoE capacity_factor has {cf!r}, but must be a finite number > 0. Use 1.0-2.0 for "
-                            "training (1.25 is common), larger to drop nothing.")
+        if not isinstance(self.existing, bool):
+            raise PlanError(f"MoE existing has {self.existing!r}, but must be True (the model's own MoE blocks) or "
+                            "False (turn dense FFNs into MoE layers).")
+        if self.existing:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            own = [name for name in ("num_experts", "top_k", "init", "noise", "router_std", "seed", "aux_loss_weight",
+                                     "z_loss_weight") if getattr(self, name) != defaults[name]]
+            if own:
+                raise PlanError(f"MoE(existing=True) has {', '.join(f'{n}={getattr(self, n)!r}' for n in own)}, but "
+                                "with existing=True the expert count, top-k, router and auxiliary losses are the "
+                                "model's own. Leave them out; set only expert_axis, capacity_factor (None: "
+                                "dropless), groups, layers/every.")
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                               or not (math.isfinite(cf) and cf > 0)):
+            raise PlanError(f"MoE capacity_factor has {cf!r}, but must be a finite number > 0, or None (dropless). "
+                            "Use 1.0-2.0 for training (1.25 is common), None to drop nothing.")
         if not isinstance(self.every, int) or self.every < 1:
             raise PlanError(f"MoE every has {self.every!r}, but must be an int >= 1 (2: every other layer).")
         if self.init not in ("upcycle", "random"):
@@ -86,6 +107,12 @@ class MoE:
                 if not value.lstrip("-").isdigit():
                     raise PlanError(f"MoE option {key} is {value!r}, but must be an integer.")
                 fields[key] = int(value)
+            elif key == "existing":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise PlanError(f"MoE option existing is {value!r}, but must be true or false.")
+                fields[key] = value.lower() in ("true", "1")
+            elif key == "capacity_factor" and value.lower() == "none":
+                fields[key] = None
             elif key in ("capacity_factor", "aux_loss_weight", "z_loss_weight", "noise", "router_std"):
                 try:
                     fields[key] = float(value)
@@ -113,5 +140,7 @@ class MoE:
 
 def capacity_of(tokens_per_group: int, options: MoE) -> int:
     """Slots per expert per routing group of ``tokens_per_group`` tokens under ``options``
-    (:func:`autoshard.moe.routing.capacity`)."""
+    (:func:`autoshard.moe.routing.capacity`); ``capacity_factor=None`` (dropless): every token of the group."""
+    if options.capacity_factor is None:
+        return tokens_per_group
     return capacity(tokens_per_group, options.num_experts, options.top_k, options.capacity_factor)

@@ -1,0 +1,425 @@
+"""Hugging Face sparse-MoE blocks (Mixtral, Qwen2-MoE, and others on transformers' experts interface) run with
+experts sharded over an expert axis: ``autoshard.compile(..., moe=autoshard.MoE(existing=True, ...))``.
+
+A transformers 5 sparse-MoE block is a router child (``gate``/``router``: a ``weight [E, h]`` and ``top_k``)
+that returns HF's own ``(router_logits, top_k_weights, top_k_index)`` with static shapes, and an ``experts`` child
+holding every expert's weights stacked (``gate_up_proj [E, 2f, h]``, ``down_proj [E, h, f]``; transposed and
+biased variants too) whose *forward* loops over per-expert token lists (data-dependent shapes: it does not
+trace) or calls ``grouped_mm`` (no sharding rule). Only the experts' forward is replaced; the router, the shared
+expert (Qwen2-MoE's sigmoid-gated one), the block's own code and HF's ``output_router_logits`` load-balancing loss
+stay Hugging Face's, so their definitions (softmax dtype, top-k, whether the top-k weights are renormalised, the
+aux loss over all tokens) are HF's by construction.
+
+Two steps, one at trace time and one in ``passes/expert_rewrite.py``:
+
+1. :func:`swapped` (around ``torch.export`` in :mod:`autoshard.trace`): every recognised block's experts module
+   gets, for the duration of the export only, an instance ``forward`` that calls one static-shape op,
+   ``torch.ops.autoshard.hf_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, ...)``. The
+   parameters are passed as they are, so the graph reads them by their HF FQNs (checkpoints, annotations and
+   parameter names match the HF model). The instance attribute is removed afterwards: the user's model is left
+   exactly as it was. What was found (and why other candidates were not taken) goes to ``gm.meta[FOUND]``.
+   Without ``moe=`` the op stays in the graph: its eager form is dropless and exact, and its rule shards it on
+   tokens (plain data parallelism, experts replicated).
+2. :func:`rewrite_existing` (``MoE(existing=True)``): each ``hf_experts`` node becomes the expert rewrite's
+   capacity-bounded subgraph, made from the same group ops (:mod:`autoshard.moe.graph_ops`)::
+
+       xg, ei, w  = reshape(hidden | top_k_index | top_k_weights, [G, T_g, ...])   # routing groups
+       pos, keep  = slot_groups(ei, E, C)               # GShard positions of HF's choices (first choices first)
+       buf        = dispatch_groups(xg, ei, pos, keep, E, C)                       # [E, G, C, h]: all-to-all
+       gu         = bmm(buf.view(E, G*C, h), gate_up_proj.transpose(1, 2))         # experts sharded Shard(0)
+       hid        = act(gu[..., :f]) * gu[..., f:]                                 # HF's _apply_gate
+       y          = bmm(hid, down_proj.transpose(1, 2)).view(E, G, C, h)           # all-to-all back
+       out        = combine_groups(y, ei, pos, w, keep).view(T, h)                 # HF's routing weights
+
+   ``C = T_g`` when ``capacity_factor=None`` (dropless: an expert gets at most one choice per token, so every
+   routed token fits and the result is Hugging Face's), else ``min(T_g, ceil(k·T_g/E·cf))`` with over-capacity
+   choices dropped as the expert rewrite drops them (their weight is not renormalised). The expert parameters
+   are annotated ``Shard(0)`` on the expert axis through ``gm.meta[autoshard.meta.IMPLIED_ANNOTATIONS]``:
+   propagation puts one all-to-all before the experts and one after, 4 per layer per step with backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import Tensor
+
+from autoshard import meta as M
+from autoshard.errors import PlanError
+from autoshard.ops.dimmap import DimMap, OpInfo
+from autoshard.ops.registry import elementwise, op
+
+__all__ = ["FOUND", "Block", "find_blocks", "rewrite_existing", "slot_groups", "swapped"]
+
+#: ``gm.meta`` key: what :func:`swapped` found in the traced model (a :class:`Found`)
+FOUND = "autoshard.hf_moe_blocks"
+
+#: activation name -> function; an experts module's ``act_fn`` is identified by its values on a probe
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "relu": F.relu,
+}
+_ROUTER_NAMES = ("gate", "router")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One recognised sparse-MoE block: its path, the router and experts children, and the experts' layout."""
+
+    path: str
+    router: str  # child name of the router (gate / router)
+    experts: int  # E
+    top_k: int
+    activation: str
+    has_gate: bool  # gate_up_proj (gated) or up_proj
+    transposed: bool  # weights stored [E, in, out] rather than [E, out, in]
+    concatenated: bool  # gate_up = [gate; up] (else interleaved gate0, up0, gate1, ...)
+    has_bias: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What :func:`swapped` saw: the model class, the recognised blocks, and near misses with the reason."""
+
+    model: str
+    blocks: tuple[Block, ...]
+    rejected: tuple[tuple[str, str], ...]  # (path, why not)
+
+
+# ---- recognition ---------------------------------------------------------------------------------------------
+def _activation(fn) -> str | None:
+    probe = torch.linspace(-6, 6, 97)
+    try:
+        with torch.no_grad():
+            got = fn(probe)
+    except (TypeError, ValueError, RuntimeError, AttributeError):
+        return None
+    for name, ref in ACTIVATIONS.items():
+        if isinstance(got, Tensor) and got.shape == probe.shape and torch.allclose(got, ref(probe), atol=1e-6):
+            return name
+    return None
+
+
+def _param3(module, name):
+    p = getattr(module, name, None)
+    return p if isinstance(p, torch.nn.Parameter) and p.dim() == 3 else None
+
+
+def _recognise(path: str, module: torch.nn.Module) -> Block | str:
+    """The :class:`Block` ``module`` is, or why it is not one (it has an ``experts`` child)."""
+    experts = module.experts
+    has_gate = bool(getattr(experts, "has_gate", True))
+    up = _param3(experts, "gate_up_proj" if has_gate else "up_proj")
+    down = _param3(experts, "down_proj")
+    if up is None or down is None:
+        return ("its `experts` child has no stacked 3-D `gate_up_proj`/`up_proj` and `down_proj` parameters "
+                "(transformers' experts interface)")
+    n = up.shape[0]
+    router = next((r for r in _ROUTER_NAMES if isinstance(getattr(module, r, None), torch.nn.Module)
+                   and isinstance(getattr(getattr(module, r), "weight", None), Tensor)
+                   and getattr(module, r).weight.dim() == 2 and getattr(module, r).weight.shape[0] == n), None)
+    if router is None:
+        return f"no router child ({' or '.join(_ROUTER_NAMES)}) with a weight [{n}, hidden]"
+    top_k = getattr(getattr(module, router), "top_k", None) or getattr(module, "top_k", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= n:
+        return f"router `{router}` has no top_k in [1, {n}]"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "experts with a post-expert norm"
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if has_gate and apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        return f"a custom gating function {type(experts).__name__}._apply_gate"
+    activation = _activation(getattr(experts, "act_fn", None))
+    if activation is None:
+        return f"an activation {type(getattr(experts, 'act_fn', None)).__name__} not among {sorted(ACTIVATIONS)}"
+    has_bias = bool(getattr(experts, "has_bias", False))
+    if has_bias and (getattr(experts, "gate_up_proj_bias" if has_gate else "up_proj_bias", None) is None
+                     or getattr(experts, "down_proj_bias", None) is None):
+        return "has_bias without the bias parameters"
+    if down.shape[0] != n:
+        return f"{up.shape[0]} in-projections but {down.shape[0]} down projections"
+    return Block(path, router, n, top_k, activation, has_gate, bool(getattr(experts, "is_transposed", False)),
+                 bool(getattr(experts, "is_concatenated", True)), has_bias)
+
+
+def find_blocks(model: torch.nn.Module) -> Found:
+    """Every sparse-MoE block of ``model`` (modules with an ``experts`` child), recognised or not."""
+    blocks, rejected = [], []
+    for path, module in model.named_modules():
+        if isinstance(getattr(module, "experts", None), torch.nn.Module) and not isinstance(
+                module.experts, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            got = _recognise(path, module)
+            (blocks if isinstance(got, Block) else rejected).append(got if isinstance(got, Block) else (path, got))
+        elif isinstance(getattr(module, "experts", None), torch.nn.ModuleList):
+            rejected.append((path, "experts as a ModuleList of per-expert modules (transformers 4 layout)"))
+    return Found(type(model).__name__, tuple(blocks), tuple(rejected))
+
+
+# ---- the static-shape experts op (trace time) ------------------------------------------------------------------
+def _expert_ffn(x: Tensor, up: Tensor, down: Tensor, up_bias, down_bias, act: str, has_gate: bool,
+                transposed: bool, concatenated: bool) -> Tensor:
+    """Every expert on every token: ``[E, T, h]`` (the eager oracle's arithmetic, batched over experts)."""
+    w1 = up if transposed else up.transpose(1, 2)  # [E, h, out]
+    w2 = down if transposed else down.transpose(1, 2)  # [E, f, h]
+    xe = x.unsqueeze(0).expand(w1.shape[0], *x.shape)
+    gu = torch.bmm(xe, w1) if up_bias is None else torch.baddbmm(up_bias.unsqueeze(1), xe, w1)
+    hid = ACTIVATIONS[act](gu) if not has_gate else _gated(gu, act, concatenated)
+    return torch.bmm(hid, w2) if down_bias is None else torch.baddbmm(down_bias.unsqueeze(1), hid, w2)
+
+
+def _gated(gu: Tensor, act: str, concatenated: bool) -> Tensor:
+    if concatenated:
+        gate, up = gu.chunk(2, dim=-1)
+    else:
+        gate, up = gu[..., 0::2], gu[..., 1::2]
+    return ACTIVATIONS[act](gate) * up
+
+
+def experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed,
+                      concatenated) -> Tensor:
+    """Dropless, static shapes: ``Σ_c w[t, c] · expert_{i[t, c]}(x[t])`` (every expert runs on every token)."""
+    y = _expert_ffn(hidden, up, down, up_bias, down_bias, act, has_gate, transposed, concatenated)  # [E, T, h]
+    experts = torch.arange(y.shape[0], device=hidden.device)
+    weight = ((top_k_index.unsqueeze(0) == experts.view(-1, 1, 1)) * top_k_weights.unsqueeze(0)).sum(-1)  # [E, T]
+    return (y * weight.unsqueeze(-1)).sum(0).to(hidden.dtype)
+
+
+@torch.library.custom_op("autoshard::hf_experts", mutates_args=())
+def hf_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, up: Tensor, down: Tensor,
+               up_bias: Tensor | None, down_bias: Tensor | None, act: str, has_gate: bool, transposed: bool,
+               concatenated: bool) -> Tensor:
+    with torch.no_grad():
+        return experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate,
+                                 transposed, concatenated)
+
+
+@hf_experts.register_fake
+def _(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed, concatenated):
+    return torch.empty_like(hidden)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*(t for t in inputs[:7] if t is not None))
+    ctx.present = tuple(t is not None for t in inputs[:7])
+    ctx.static = inputs[7:]
+
+
+def _backward(ctx, grad):
+    saved = iter(ctx.saved_tensors)
+    tensors = [next(saved) if p else None for p in ctx.present]
+    diff = [i for i, t in enumerate(tensors) if t is not None and t.is_floating_point()]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(i in diff) if t is not None else None for i, t in enumerate(tensors)]
+        out = experts_reference(*leaves, *ctx.static)
+        grads = torch.autograd.grad(out, [leaves[i] for i in diff], grad, allow_unused=True)
+    result = [None] * 7
+    for i, g in zip(diff, grads):
+        result[i] = g
+    return (*result, None, None, None, None)
+
+
+hf_experts.register_autograd(_backward, setup_context=_setup)
+
+
+@op(torch.ops.autoshard.hf_experts.default, flops=elementwise, saves=(0, 1, 2, 3, 4))
+def _hf_experts_rule(info: OpInfo) -> DimMap:
+    # token-parallel: hidden, top-k index and weights share the token dim; the experts' weights are whole
+    tok = lambda s: None if s is None else (("t",) + (None,) * (len(s) - 1))
+    ins = tuple(tok(s) if i < 3 else (None if s is None else (None,) * len(s)) for i, s in enumerate(info.in_shapes))
+    return DimMap(ins, (tok(info.out_shapes[0]),))
+
+
+def _static_forward(module: torch.nn.Module, block: Block):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        up = module.gate_up_proj if block.has_gate else module.up_proj
+        up_bias = (module.gate_up_proj_bias if block.has_gate else module.up_proj_bias) if block.has_bias else None
+        down_bias = module.down_proj_bias if block.has_bias else None
+        return torch.ops.autoshard.hf_experts(hidden_states, top_k_index, top_k_weights, up, module.down_proj,
+                                              up_bias, down_bias, block.activation, block.has_gate,
+                                              block.transposed, block.concatenated)
+
+    return forward
+
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module):
+    """While exporting: each recognised block's experts run :func:`hf_experts` (an instance ``forward``); the
+    model is restored on exit, whatever happened. Yields the :class:`Found`."""
+    found = find_blocks(model)
+    patched = []
+    try:
+        for block in found.blocks:
+            experts = model.get_submodule(block.path).experts if block.path else model.experts
+            had = experts.__dict__.get("forward", _MISSING)
+            experts.forward = _static_forward(experts, block)
+            patched.append((experts, had))
+        yield found
+    finally:
+        for experts, had in reversed(patched):
+            if had is _MISSING:
+                experts.__dict__.pop("forward", None)
+            else:
+                experts.forward = had
+
+
+_MISSING = object()
+
+
+# ---- the expert rewrite of existing blocks (plan time) ---------------------------------------------------------
+def slot_groups(expert_index: Tensor, num_experts: int, capacity: int):
+    """GShard positions of given choices ``expert_index[G, T, k]`` per group: (position, keep), each ``[G, T, k]``.
+
+    A choice's position counts the choices routed to the same expert before it in choice-major order (every
+    first choice in token order, then every second choice, ...), as :func:`autoshard.moe.routing.route` does;
+    ``keep = position < capacity``."""
+    groups, tokens, k = expert_index.shape
+    flat = expert_index.transpose(1, 2).reshape(groups, tokens * k)  # choice-major per group
+    by_expert = torch.argsort(flat, dim=1, stable=True)
+    counts = torch.zeros(groups, num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(1, flat, torch.ones_like(flat))
+    first_rank = torch.cumsum(counts, 1) - counts
+    rank = torch.arange(tokens * k, device=flat.device).expand(groups, -1)
+    sorted_expert = torch.gather(flat, 1, by_expert)
+    pos_sorted = rank - torch.gather(first_rank, 1, sorted_expert)
+    position = torch.empty_like(flat).scatter_(1, by_expert, pos_sorted)
+    position = position.view(groups, k, tokens).transpose(1, 2).contiguous()
+    return position, position < capacity
+
+
+@op(slot_groups, flops=elementwise, saves=())
+def _slot_rule(info: OpInfo) -> DimMap:
+    g = lambda s: tuple("g" if d == 0 else None for d in range(len(s)))
+    return DimMap((g(info.in_shapes[0]),), tuple(g(s) for s in info.out_shapes))
+
+
+def _is_experts(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target == torch.ops.autoshard.hf_experts.default
+
+
+def _block_of(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Found | None) -> Block:
+    up = node.args[3]
+    path = str(up.target).rsplit(".experts.", 1)[0] if up.op == "get_attr" else M.module_path(node)
+    for block in (found.blocks if found else ()):
+        if block.path == path:
+            return block
+    act, has_gate, transposed, concatenated = node.args[7:11]
+    e = up.meta["val"].shape[0]
+    return Block(path, "gate", e, int(node.args[1].meta["val"].shape[-1]), act, has_gate, transposed, concatenated,
+                 node.args[5] is not None)
+
+
+def _project(b, inp: torch.fx.Node, w: torch.fx.Node, bias, transposed: bool) -> torch.fx.Node:
+    """``inp[E, n, in] @ w[e]ᵀ (+ bias)`` for HF's stacked ``w[E, out, in]`` (``[E, in, out]`` when transposed)."""
+    aten = torch.ops.aten
+    wt = w if transposed else b.call(aten.transpose.int, w, 1, 2)
+    if bias is None:
+        return b.call(aten.bmm.default, inp, wt)
+    return b.call(aten.baddbmm.default, b.call(aten.unsqueeze.default, bias, 1), inp, wt)
+
+
+def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
+    """``MoE(existing=True)``: expand every ``hf_experts`` node (see the module docstring). Returns the
+    :class:`~autoshard.moe.MoERewrite`."""
+    from autoshard.moe import graph_ops
+    from autoshard.moe.records import new_key
+    from autoshard.moe.result import MoELayer, MoERewrite
+    from autoshard.moe.routing import capacity
+    from autoshard.passes.expert_rewrite import _Builder
+    from autoshard.placements import Replicate, Shard
+
+    found: Found | None = gm.meta.get(FOUND)
+    nodes = [n for n in gm.graph.nodes if _is_experts(n)]
+    if not nodes:
+        model = found.model if found else "the model"
+        why = "".join(f"; `{p}`: {r}" for p, r in (found.rejected if found else ()))
+        raise PlanError(f"MoE(existing=True) was given, but {model} has no sparse-MoE block autoshard recognises "
+                        "(looked for a module with a router child `gate`/`router` holding weight [E, hidden] and "
+                        "top_k, and an `experts` child with stacked 3-D `gate_up_proj`/`up_proj` and `down_proj` "
+                        f"parameters: transformers' experts interface, as Mixtral and Qwen2-MoE{why}). Use "
+                        "MoE(layers=..., num_experts=...) to turn dense FFNs into MoE layers instead.")
+    mesh = ctx.mesh
+    n = mesh.axis_size(opts.expert_axis) if opts.expert_axis in mesh.names else 1
+    groups = opts.groups if opts.groups is not None else n
+    if groups % n:
+        raise PlanError(f"MoE groups has {groups}, but it must be a multiple of the size {n} of expert axis "
+                        f"`{opts.expert_axis}` (each rank routes whole groups).")
+    blocks = [(node, _block_of(gm, node, found)) for node in nodes]
+    if opts.layers != "*.mlp" or opts.every != 1:  # the defaults take every recognised block
+        chosen = set(opts.select([b.path for _, b in blocks]))
+        blocks = [(node, b) for node, b in blocks if b.path in chosen]
+    key = new_key()
+    layers, annotations = [], []
+    aten = torch.ops.aten
+    for node, block in blocks:
+        hidden, index, weights, up, down, up_bias, down_bias = node.args[:7]
+        E, k = block.experts, block.top_k
+        if E % n:
+            raise PlanError(f"MoE block `{block.path}` has {E} experts, but they must divisible by the size {n} of "
+                            f"expert axis `{opts.expert_axis}`. Use a mesh whose `{opts.expert_axis}` size "
+                            f"divides {E}.")
+        xval = hidden.meta["val"]
+        tokens, h = (int(s) for s in xval.shape)
+        if tokens % groups:
+            raise PlanError(f"MoE block `{block.path}` routes {tokens} tokens, but they must be divisible by the "
+                            f"{groups} routing groups (one per rank of expert axis `{opts.expert_axis}`). Use a "
+                            f"batch that is a multiple of {groups}.")
+        per_group = tokens // groups
+        cf = opts.capacity_factor
+        cap = per_group if cf is None else min(per_group, capacity(per_group, E, k, cf))
+        b = _Builder(gm, node, xval.fake_mode, node.meta.get("nn_module_stack"), node.meta.get("stack_trace"))
+        xg = b.call(aten.reshape.default, hidden, [groups, per_group, h])
+        ei = b.call(aten.reshape.default, index, [groups, per_group, k])
+        wg = b.call(aten.reshape.default, weights, [groups, per_group, k])
+        pos, keep = b.items(b.call(slot_groups, ei, E, cap), 2)
+        buf = b.call(graph_ops.dispatch_groups, xg, ei, pos, keep, E, cap)
+        flat = b.call(aten.reshape.default, buf, [E, groups * cap, h])
+
+        gu = _project(b, flat, up, up_bias, block.transposed)
+        width = int(gu.meta["val"].shape[-1])
+        act = {"silu": (aten.silu.default, {}), "gelu": (aten.gelu.default, {}), "relu": (aten.relu.default, {}),
+               "gelu_tanh": (aten.gelu.default, {"approximate": "tanh"})}[block.activation]
+        if block.has_gate:
+            f = width // 2
+            if block.concatenated:
+                g_part = b.call(aten.slice.Tensor, gu, 2, 0, f)
+                u_part = b.call(aten.slice.Tensor, gu, 2, f, width)
+            else:
+                g_part = b.call(aten.slice.Tensor, gu, 2, 0, width, 2)
+                u_part = b.call(aten.slice.Tensor, gu, 2, 1, width, 2)
+            hid = b.call(aten.mul.Tensor, b.call(act[0], g_part, **act[1]), u_part)
+        else:
+            f = width
+            hid = b.call(act[0], gu, **act[1])
+        y = b.call(aten.reshape.default, _project(b, hid, down, down_bias, block.transposed), [E, groups, cap, h])
+        out = b.call(graph_ops.combine_groups, y, ei, pos, wg, keep)
+        terms = b.call(aten.zeros.default, [groups, 2], dtype=torch.float32, device=xval.device)
+        stats = b.call(graph_ops.routing_stats, ei, keep, terms, E)
+        out = b.call(graph_ops.attach, out, terms, stats, key, block.path, 0.0, 0.0, k)
+        result = b.call(aten.reshape.default, out, [tokens, h])
+        if result.meta["val"].dtype != xval.dtype:
+            result = b.call(aten._to_copy.default, result, dtype=xval.dtype)
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        params = tuple(str(t.target) for t in (up, up_bias, down, down_bias)
+                       if isinstance(t, torch.fx.Node) and t.op == "get_attr")
+        if n > 1:
+            spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
+            annotations += [(p, spec) for p in params]
+        router = f"{block.path}.{block.router}.weight" if block.path else f"{block.router}.weight"
+        layers.append(MoELayer(path=block.path, experts=E, top_k=k, groups=groups, tokens_per_group=per_group,
+                               capacity=cap, capacity_factor=opts.capacity_factor, gated=block.has_gate, hidden=h,
+                               ffn=f, buffer_bytes=E * groups * cap * h * xval.element_size(), expert_params=params,
+                               router=router, init="existing"))
+    gm.graph.lint()
+    gm.recompile()
+    result = MoERewrite(tuple(layers), groups, opts.expert_axis, key)
+    gm.meta[M.MOE_REWRITE] = result
+    gm.meta[M.IMPLIED_ANNOTATIONS] = tuple(annotations) + gm.meta.get(M.IMPLIED_ANNOTATIONS, ())
+    ctx.report[name] = result.report()
+    return gm
+
