@@ -44,7 +44,7 @@ import torch.fx
 from autoshard.cost_models.memory import optimizer_state_bytes
 from autoshard.cost_models.plan_cost import _local_numel, grad_sync_time, op_times, redistribution_time_of
 from autoshard.cost_models.profile import HardwareProfile, load_profile
-from autoshard.passes.propagate import (annotation_error, keeps_layout, mark_requires_grad, node_strategies,
+from autoshard.passes.propagate import (annotation_error, functionalize, keeps_layout, mark_requires_grad, node_strategies,
                                         pin_conflict, pinned_values, seed_specs)
 
 from autoshard import meta as M
@@ -532,6 +532,7 @@ class PlanSearch:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
         t0 = time.perf_counter()
+        functionalize(gm)  # in-place writes on activations as functional ops, as propagation sees them
         mark_requires_grad(gm)
         seed_specs(gm, ctx)
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers)
