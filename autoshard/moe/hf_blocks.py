@@ -359,7 +359,7 @@ def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
         hidden, index, weights, up, down, up_bias, down_bias = node.args[:7]
         E, k = block.experts, block.top_k
         if E % n:
-            raise PlanError(f"MoE block `{block.path}` has {E} experts, but they must divisible by the size {n} of "
+            raise PlanError(f"MoE block `{block.path}` has {E} experts, but they must be divisible by the size {n} of "
                             f"expert axis `{opts.expert_axis}`. Use a mesh whose `{opts.expert_axis}` size "
                             f"divides {E}.")
         xval = hidden.meta["val"]
