@@ -47,7 +47,7 @@ class Head(nn.Module):
 
 
 class Flipping(nn.Module):
-    """A linear layer, then torch.flip (no sharding rule) over the batch dim inside a submodule."""
+    """A linear layer, then torch.renorm (no sharding rule) over the batch dim inside a submodule."""
 
     def __init__(self):
         super().__init__()
@@ -62,7 +62,7 @@ class Flipping(nn.Module):
 
 class FlipBlock(nn.Module):
     def forward(self, h):
-        return torch.flip(h, dims=(0,))
+        return torch.renorm(h, 2, 0, 1.0)
 
 
 class Branchy(nn.Module):
@@ -120,12 +120,12 @@ def _line_of(func, text: str) -> int:
 # Unsupported ops
 # ---------------------------------------------------------------------------------------------------------
 def test_unsupported_op_names_op_node_module_and_source_line():
-    assert rule_for(aten.flip.default) is None, "pick another op without a rule for this test"
-    line = _line_of(FlipBlock.forward, "torch.flip")
+    assert rule_for(aten.renorm.default) is None, "pick another op without a rule for this test"
+    line = _line_of(FlipBlock.forward, "torch.renorm")
     with pytest.raises(UnsupportedOpError) as info:
-        autoshard.compile(Flipping(), Mesh(data=2), (_x(),))
+        autoshard.compile(Flipping(), Mesh(data=2), (_x(),), on_unsupported="error")
     msg = str(info.value)
-    assert "node `flip` (aten.flip.default)" in msg  # subject: node and op
+    assert "node `renorm` (aten.renorm.default)" in msg  # subject: node and op
     assert "in module `block`" in msg  # where in the model
     assert re.search(rf'test_errors\.py", line {line}\b', msg), msg  # the user's source line
     assert "has no sharding rule" in msg  # cause
@@ -136,8 +136,8 @@ def test_unsupported_op_names_op_node_module_and_source_line():
 def test_unsupported_op_replicated_on_request_warns_and_stays_correct(planner):
     model = Flipping()
     x = _x()
-    with pytest.warns(UserWarning, match=r"node `flip` \(aten\.flip\.default\) in module `block`.* has no sharding "
-                                         r"rule: it runs replicated \(on_unsupported='replicate'\)"):
+    with pytest.warns(UserWarning, match=r"(?s)1 op\(s\) have no sharding rule and run replicated.*node `renorm` "
+                                         r"\(aten\.renorm\.default\) in module `block`"):
         sm = autoshard.compile(model, Mesh(data=2), (x,), on_unsupported="replicate", planner=planner)
     _check_simulation(model, sm.plan, x)
 

@@ -107,7 +107,7 @@ def test_lookup_goes_overload_then_packet_then_defaults():
     mm = entry(aten.mm.default)
     assert mm.rule is not None and mm.backward == 2.0 and mm.saves == (0, 1)  # rule on the overload, cost on mm
     assert entry(aten.mm.out).rule is None and entry(aten.mm.out).backward == 2.0  # cost only, from the packet
-    assert entry(aten.flip.default).rule is None and entry(aten.flip.default).flops is zero  # priced, not sharded
+    assert entry(aten.diagonal.default).rule is None and entry(aten.diagonal.default).flops is zero  # priced, not sharded
     unknown = entry(aten.cosh.default)
     assert unknown == DEFAULTS and DEFAULTS.rule is None and DEFAULTS.flops is elementwise
 
@@ -116,8 +116,8 @@ def test_an_op_is_registered_once_and_facets_are_checked():
     with pytest.raises(ValueError, match="registered twice"):
         op(aten.mm.default, flops=zero)
     with pytest.raises(ValueError, match="saves"):
-        op(aten.flip.default, saves=[0])
-    assert aten.flip.default not in registered()
+        op(aten.diagonal.default, saves=[0])
+    assert aten.diagonal.default not in registered()
 
 
 # ---------------------------------------------------------------------------------------------------------

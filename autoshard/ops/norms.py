@@ -30,7 +30,8 @@ op(aten.special_softmax, aten.special_log_softmax, flops=softmax_flops)
 op(aten.layer_norm, aten.native_layer_norm, aten.group_norm, aten.batch_norm, aten.native_batch_norm,
    flops=norm_flops, saves=(0,))
 op(aten.native_group_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
-   aten.instance_norm, flops=norm_flops)
+   flops=norm_flops)
+op(aten.instance_norm, flops=norm_flops, saves=(0,))
 op(aten.rms_norm, flops=rms_norm_flops, saves=(0,))
 op(aten._fused_rms_norm, flops=rms_norm_flops)
 
