@@ -167,13 +167,14 @@ def loss_of(out) -> torch.Tensor:
                          "first element is the loss, or an object with a .loss attribute.")
 
 
-# torch.export keeps process-wide dispatch state: simulated ranks (threads) that compile lazily trace one at a time.
-_TRACE_LOCK = threading.Lock()
+# torch.export keeps process-wide dispatch state, and graphs traced from one model share its fake mode (the FakeTensors
+# in node.meta["val"]): simulated ranks (threads) that compile lazily trace and run the plan passes one at a time.
+_TRACE_LOCK = threading.RLock()
 
 
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:
     with _TRACE_LOCK:
         gm = trace(model, args, kwargs)
-    ctx = Context(mesh, options)
-    gm = run_passes(gm, ctx, pass_list(options)["plan"])
+        ctx = Context(mesh, options)
+        gm = run_passes(gm, ctx, pass_list(options)["plan"])
     return Plan(gm, mesh, ctx, type(model).__name__)

@@ -137,6 +137,7 @@ def export_error(model: torch.nn.Module, e: BaseException) -> TraceError:
         "tensor values, .item()), pass every input as a tensor argument, and for Hugging Face models set "
         "use_cache=False. torch.export's error is attached as __cause__ (its full traceback: .export_traceback).")
     err.export_traceback = full
+    _release(e)
     user_tb = _chain([tb for tb, _ in frames])
     e.__traceback__ = user_tb  # the model's frames only; torch.export's internals are in err.export_traceback
     e.__suppress_context__ = True  # torch's own internal chain stays reachable as e.__context__
@@ -146,6 +147,25 @@ def export_error(model: torch.nn.Module, e: BaseException) -> TraceError:
             last = last.tb_next
         err = err.with_traceback(_chain([last]))  # printed, this error's traceback ends at the failing line
     return err
+
+
+def _release(e: BaseException) -> None:
+    """Let torch.export's failed run finish unwinding now: its frames hold context managers (a fake mode's
+    in-kernel flag, dispatch modes) whose exits only run when the frames go; kept alive by the exception chain, they
+    would leave that state set for the next trace in this process. The frames' text is in ``export_traceback``."""
+    import gc
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for tb in _tb_entries(e.__traceback__):
+            if _internal(tb.tb_frame.f_code.co_filename):
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # a frame still executing (this one's callers)
+                    pass
+        e = e.__cause__ or e.__context__
+    gc.collect()
 
 
 def _tb_entries(tb):

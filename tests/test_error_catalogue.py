@@ -83,13 +83,13 @@ class Branchy(nn.Module):
         return -self.fc(x)
 
 
-class Flip(nn.Module):
+class Det(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        return torch.flip(self.fc(x), dims=(0,)).sum()  # no sharding rule for flip
+        return torch.linalg.det(self.fc(x).view(-1, 2, 2)).sum()  # no sharding rule for linalg_det
 
 
 class NoLoss(nn.Module):
@@ -222,8 +222,8 @@ TRIGGERS = {
     # model capture and ops
     "model-not-module": lambda: autoshard.compile(lambda x: x, autoshard.Mesh(x=2), (torch.ones(2),)),
     "untraceable-model": lambda: autoshard.compile(Branchy(), autoshard.Mesh(x=2), (torch.ones(4, 8),)),
-    "unsupported-op": lambda: autoshard.compile(Flip(), autoshard.Mesh(x=2), (torch.ones(4, 8),),
-                                                plan={"fc.weight": ("S(0)",)}),
+    "unsupported-op": lambda: autoshard.compile(Det(), autoshard.Mesh(x=2), (torch.ones(4, 8),),
+                                                plan={"fc.weight": ("S(0)",)}, on_unsupported="error"),
     # meshes
     "mesh-no-axes": lambda: autoshard.Mesh(),
     "mesh-axis-name": lambda: autoshard.Mesh({"2d": 2}),
@@ -286,6 +286,10 @@ TRIGGERS = {
     "checkpoint-save-interrupted":
         "tests/test_faults.py::test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads",
 }
+
+from tests.test_checkpoint_integrity import CATALOGUE_TRIGGERS  # noqa: E402  (the checkpoint integrity rows)
+
+TRIGGERS.update(CATALOGUE_TRIGGERS)
 
 
 def test_every_row_has_a_trigger_and_every_trigger_a_row():

@@ -227,14 +227,14 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
                             f"but the data axis `{options.data_axis}` of size {d} must divide it: use a batch that "
                             f"is a multiple of {pipeline.microbatches * d}.")
     sub_options = _strip_axis(options, mesh, pipeline.axis)
-    with _TRACE_LOCK:
-        gm = trace(model, margs, mkwargs)
     ctx = Context(sub, sub_options)
     stages = mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
     # the plan phase of the one pass list, with the pipeline split enabled
     passes = pass_list(sub_options, pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
-    gm = run_passes(gm, ctx, passes["plan"])
+    with _TRACE_LOCK:  # as build_plan: one trace and its passes at a time per process
+        gm = trace(model, margs, mkwargs)
+        gm = run_passes(gm, ctx, passes["plan"])
     stage_split = stage_split_of(gm)
     plan = Plan(gm, sub, ctx, type(model).__name__)
     return PipelinePlan(plan, mesh, sub, pipeline, stage_split, build_stage_graphs(gm, stage_split), batch,
