@@ -6,6 +6,8 @@ records. The package keeps them apart:
 ``moe/routing.py``          the routing math of one group: capacity, route, dispatch, combine, losses, expert
                             FFN, and the dense one-hot references (pure functions, no options, no records)
 ``moe/graph_ops.py``        the group ops the expert rewrite emits (``route_groups`` ... ``attach``)
+``moe/hf_blocks.py``        Hugging Face sparse-MoE blocks (``MoE(existing=True)``): recognition, the
+                            static-shape experts op swapped in while tracing, its expansion into the group ops
 ``moe/result.py``           :class:`MoERewrite`, the rewrite's typed result on ``gm.meta`` (plan time)
 ``moe/records.py``          the losses and statistics of each forward, per compiled model and rank (run time):
                             :func:`moe_losses`, :func:`moe_stats`, :func:`clear_records`
@@ -14,6 +16,9 @@ records. The package keeps them apart:
 ``autoshard.compile(model, mesh, example_inputs, moe=autoshard.MoE(layers="blocks.*.mlp", every=2, ...))`` runs
 ``passes/expert_rewrite.py`` before propagation: each selected dense FFN becomes a capacity-bounded MoE layer built
 from the ops of :mod:`autoshard.moe.graph_ops` (see that pass for the graph it emits).
+``moe=autoshard.MoE(existing=True, expert_axis="data", capacity_factor=None)`` instead keeps a Hugging Face
+model's own sparse-MoE blocks (Mixtral, Qwen2-MoE, ...) and runs their experts sharded over ``expert_axis`` with
+the same group ops (:mod:`autoshard.moe.hf_blocks`); ``capacity_factor=None`` is dropless (Hugging Face's result).
 
 Routing groups (GShard): tokens are routed in ``G`` groups, by default one per coordinate of the expert axis
 (``G = mesh.axis_size(expert_axis)``; ``MoE(groups=...)`` overrides it). Group ``g`` is the ``g``-th contiguous
@@ -36,8 +41,10 @@ forward and read with :func:`moe_losses` / :func:`moe_stats`, e.g. to log ``loss
 
 from __future__ import annotations
 
+from autoshard.moe.hf_blocks import find_blocks as find_hf_blocks
 from autoshard.moe.options import MoE, capacity_of
 from autoshard.moe.records import clear_records, moe_losses, moe_stats
 from autoshard.moe.result import MoELayer, MoERewrite
 
-__all__ = ["MoE", "MoELayer", "MoERewrite", "capacity_of", "clear_records", "moe_losses", "moe_stats"]
+__all__ = ["MoE", "MoELayer", "MoERewrite", "capacity_of", "clear_records", "find_hf_blocks", "moe_losses",
+           "moe_stats"]
