@@ -91,7 +91,7 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
                      "layers folded, parameter placements, collectives per layer, memory and step time)")
     show.add_argument("--factory-arg", metavar="KEY=VALUE", action="append", default=[], dest="factory_args",
                       help="keyword argument of FACTORY (int, float or str), repeatable, e.g. layers=1")
-    show.add_argument("--on-unsupported", choices=("error", "replicate"), default="error",
+    show.add_argument("--on-unsupported", choices=("error", "replicate"), default="replicate",
                       help="what to do with ops that have no sharding rule (default: error)")
     show.add_argument("--data-axis", default="data", help="mesh axis the batch is split over (default: data)")
     show.add_argument("--pipeline", metavar="OPTIONS",
