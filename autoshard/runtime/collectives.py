@@ -223,14 +223,15 @@ def _reduce_scatter_op(x, axis, dim, size):
     return _reduce_scatter(x, axis, dim, size, "forward")
 
 
-def _reduce_scatter_backward(ctx, grad):
+def _gather_the_gradient(ctx, grad):
+    """Backward of ops whose output is this rank's slice (reduce_scatter, local_slice): all-gather the gradient."""
     dim, size = ctx.ints
     with _comm_of(ctx):
         return _all_gather(grad, ctx.axis, dim, size, "backward"), None, None, None
 
 
 _reduce_scatter_op.register_fake(lambda x, axis, dim, size: x.new_empty(_scattered_shape(x, dim, size)))
-_reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_setup_dims)
+_reduce_scatter_op.register_autograd(_gather_the_gradient, setup_context=_setup_dims)
 
 
 @_op("all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size) -> Tensor")
@@ -242,8 +243,6 @@ def _all_to_all_backward(ctx, grad):
     split_dim, cat_dim, size = ctx.ints
     with _comm_of(ctx):
         return _all_to_all(grad, ctx.axis, cat_dim, split_dim, size, "backward"), None, None, None, None
-
-
 
 
 @_all_to_all_op.register_fake
@@ -259,14 +258,8 @@ def _local_slice_op(x, axis, dim, size):
     return _chunk(x, axis, dim, size)
 
 
-def _local_slice_backward(ctx, grad):
-    dim, size = ctx.ints
-    with _comm_of(ctx):
-        return _all_gather(grad, ctx.axis, dim, size, "backward"), None, None, None
-
-
 _local_slice_op.register_fake(lambda x, axis, dim, size: x.new_empty(_scattered_shape(x, dim, size)))
-_local_slice_op.register_autograd(_local_slice_backward, setup_context=_setup_dims)
+_local_slice_op.register_autograd(_gather_the_gradient, setup_context=_setup_dims)
 
 
 @_op("all_gather_sync", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
