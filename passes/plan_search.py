@@ -167,6 +167,7 @@ class Problem:
     memory_limit: float | None
     fixed_memory: float = 0.0
     canon: dict = field(default_factory=dict)
+    data_axis: str | None = None  # ties between plans are broken against parameters sharded on this axis
 
 
 def _canon(canon, n):
@@ -295,7 +296,8 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
         for (i, axes) in term.syncs:
             term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
         terms.append(term)
-    return Problem(mesh, decisions, index, terms, memory_limit, fixed_memory, canon)
+    data_axis = ctx.options.data_axis if ctx.options.data_axis in mesh.names else None
+    return Problem(mesh, decisions, index, terms, memory_limit, fixed_memory, canon, data_axis)
 
 
 def _output_requirements(gm, ctx: Context) -> dict:
@@ -365,7 +367,9 @@ def evaluate(problem: Problem, choice: list[int]) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------------------
 # The ILP
 # ---------------------------------------------------------------------------------------------------------
-def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
+def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None) -> list[int]:
+    """One option per decision. ``info`` (when given) receives ``optimal`` (False when HiGHS stopped at
+    ``time_limit`` seconds with a feasible plan that is not proven optimal), ``gap`` and ``message``."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -376,6 +380,7 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
     cost: list[float] = []
     for d in problem.decisions:
         cost.extend(d.cost)
+    _break_ties(problem, cost)
     integer = [1] * nvar
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
@@ -509,6 +514,8 @@ def solve(problem: Problem, time_limit: float = 120.0) -> list[int]:
         limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
         raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
                         "larger mesh, or relax the annotations.")
+    if info is not None:
+        info.update(optimal=res.status == 0, gap=float(getattr(res, "mip_gap", None) or 0.0), message=res.message)
     choice = []
     for i, d in enumerate(problem.decisions):
         vals_d = res.x[offsets[i]: offsets[i] + len(d.options)]
@@ -538,7 +545,8 @@ class PlanSearch:
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
-            choice = solve(problem)
+            status: dict = {}
+            choice = solve(problem, info=status)
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice)
         why = explain(problem, choice)
@@ -559,8 +567,29 @@ class PlanSearch:
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
             "binding": _binding(problem, memory),
+            "optimal": status["optimal"], "gap": status["gap"],  # not optimal: HiGHS's time limit was reached
         }
         return gm
+
+
+# Added to the solver's objective (not to ``evaluate``) per free parameter sharded on the data axis: among plans of
+# equal estimated step time (e.g. tensor parallelism on `data` with the batch gathered, or the same on `model`),
+# the one that leaves the data axis to the batch. 1e-12 s is far below any real cost difference (alpha ~1e-6 s,
+# one flop ~1e-14 s but ops are >1e3 flops) and above the solver's tolerances (the objective is solved in ns).
+TIE_BREAK = 1e-12
+
+
+def _break_ties(problem: Problem, cost: list[float]) -> None:
+    if problem.data_axis is None:
+        return
+    axis = problem.mesh.names.index(problem.data_axis)
+    col = 0
+    for d in problem.decisions:
+        if d.node.op == "get_attr":
+            for k, spec in enumerate(d.options):
+                if isinstance(spec[axis], Shard):
+                    cost[col + k] += TIE_BREAK * d.copies
+        col += len(d.options)
 
 
 def _integral(values: np.ndarray, tol: float = 1e-9) -> bool:
