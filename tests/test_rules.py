@@ -425,6 +425,10 @@ NO_OP_CASE = {
     **{f"autoshard.moe.graph_ops.{name}": "MoE rewrite only"
        for name in ("attach", "aux_terms", "combine_groups", "dispatch_groups", "first_fraction", "gate_groups",
                     "route_groups", "routing_stats")},
+    # the Hugging Face MoE blocks' ops exist only inside the HF-block rewrite (tests/test_hf_moe.py checks them
+    # end to end against the Hugging Face model)
+    "autoshard.hf_experts.default": "HF MoE rewrite only",
+    "autoshard.moe.hf_blocks.slot_groups": "HF MoE rewrite only",
 }
 
 
