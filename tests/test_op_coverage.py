@@ -58,15 +58,12 @@ def test_hf_architectures_match_one_device(factory):
     assert not _unsupported_warnings(messages), messages  # every op of these models has a rule
 
 
-def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
-    """Conv + BatchNorm: batch-sharded BatchNorm uses the global batch's statistics (SyncBN), and every rank's
-    running statistics (and num_batches_tracked) after a step equal one device's."""
+def check_running_stats(plan) -> None:
+    """After one step of ``plan`` on the CNN, every rank's buffers (BatchNorm's running statistics and
+    num_batches_tracked; a buffer sharded on channels reassembled) equal one device's."""
+    from autoshard.placements import assemble
     from autoshard.runtime.sim import SimWorld
 
-    plan, messages = _check(models.conv_bn)
-    assert not _unsupported_warnings(messages)
-    bn = [n for n in plan.graph_module.graph.nodes if n.target == torch.ops.aten.batch_norm.default]
-    assert len(bn) == 2 and all(n.meta[M.SPEC][0] == Shard(0) for n in bn)  # batch-sharded: SyncBN
     model, args, kwargs = models.conv_bn()
     ref = copy.deepcopy(model)
     ref(*args).backward()
@@ -85,9 +82,18 @@ def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
             assert key in got, (name, sorted(got))
             value = got[key]
             if value.shape != want.shape:  # a buffer sharded on channels: this rank's piece
-                from autoshard.placements import assemble
                 value = assemble([b[key] for b in buffers], specs.get(name), plan.mesh)
             torch.testing.assert_close(value.float(), want.float(), **TOL, msg=f"{name} on rank {rank}")
+
+
+def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
+    """Conv + BatchNorm: batch-sharded BatchNorm uses the global batch's statistics (SyncBN), and every rank's
+    running statistics (and num_batches_tracked) after a step equal one device's."""
+    plan, messages = _check(models.conv_bn)
+    assert not _unsupported_warnings(messages)
+    bn = [n for n in plan.graph_module.graph.nodes if n.target == torch.ops.aten.batch_norm.default]
+    assert len(bn) == 2 and all(n.meta[M.SPEC][0] == Shard(0) for n in bn)  # batch-sharded: SyncBN
+    check_running_stats(plan)
 
 
 def test_in_place_writes_are_functionalised():

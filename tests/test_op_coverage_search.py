@@ -16,14 +16,13 @@ import functools
 import warnings
 
 import pytest
-import torch
 from autoshard.passes import plan_search
 
 import autoshard
 from autoshard.placements import Shard
 from examples import models
 from tests.test_hf_moe import DROPLESS
-from tests.test_op_coverage import MESH, TOL, _check
+from tests.test_op_coverage import MESH, _check, check_running_stats
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -67,28 +66,5 @@ def test_limited_search_shards_on_model_and_matches_one_device(monkeypatch, name
 
 
 def test_limited_search_cnn_matches_one_device_and_running_stats(monkeypatch):
-    from autoshard.placements import assemble
-    from autoshard.plan import loss_of
-    from autoshard.runtime.sim import SimWorld
-
     plan, _ = _check_limited(monkeypatch, models.conv_bn)
-    model, args, kwargs = models.conv_bn()
-    ref = copy.deepcopy(model)
-    ref(*args).backward()
-
-    def body(rank):
-        module = plan.rank_module(rank)
-        a, k = plan.shard_inputs(rank, args, kwargs)
-        loss_of(module(*a, **k)).backward()
-        return {n: b.detach().clone() for n, b in module.named_buffers()}
-
-    buffers = SimWorld(plan.mesh, timeout=60).run(body)
-    specs = plan.param_specs()
-    for name, want in ref.named_buffers():
-        for rank, got in enumerate(buffers):
-            key = name if name in got else name.replace(".", "_")
-            assert key in got, (name, sorted(got))
-            value = got[key]
-            if value.shape != want.shape:  # a buffer sharded on channels: this rank's piece
-                value = assemble([b[key] for b in buffers], specs.get(name), plan.mesh)
-            torch.testing.assert_close(value.float(), want.float(), **TOL, msg=f"{name} on rank {rank}")
+    check_running_stats(plan)
