@@ -701,6 +701,34 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     A Hugging Face directory (``model.safetensors`` or ``model.safetensors.index.json``, no commit marker) is read
     by :func:`autoshard.materialize.load_pretrained` instead: each rank reads only its slices; returns
     ``{"bytes_read": ..., "tensors": ...}``."""
+    marker = _load_checkpoint(target, path, optimizer)
+    if getattr(target, "_initialised", True) is False:
+        _compute_unsaved(target, path)
+    return marker
+
+
+def _compute_unsaved(sharded, path) -> None:
+    """After an autoshard checkpoint filled a meta-built ShardedModule: the tensors a checkpoint never holds
+    (non-persistent buffers such as rotary ``inv_freq``) are computed by their modules' init, as ``init_weights``
+    computes them; then the module may run."""
+    from autoshard import meta as M
+    from autoshard.errors import AutoshardError
+    from autoshard.materialize import init_local
+
+    persistent = set(sharded._skeleton.state_dict().keys())
+    unsaved = {n.target for n in sharded.plan.graph_module.graph.nodes if n.op == "get_attr"
+               and isinstance(n.meta.get("val"), torch.Tensor)
+               and not any(a in persistent for a in n.meta.get(M.ALIASES, (n.target,)))}
+    if unsaved:
+        try:
+            init_local(sharded._skeleton, sharded.local, sharded.plan, sharded.rank, sharded.device, only=unsaved)
+        except AutoshardError as e:
+            raise CheckpointError(f"checkpoint {os.fspath(path)!r} loaded, but {sorted(unsaved)} (never saved: "
+                                  f"non-persistent buffers) could not be computed by their modules' init: {e}") from e
+    sharded._initialised = True
+
+
+def _load_checkpoint(target, path, optimizer) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from autoshard.materialize import is_pretrained_dir, load_pretrained

@@ -280,7 +280,11 @@ def init_local(skeleton: torch.nn.Module, local: torch.nn.Module, plan, rank: in
         steps = [(m, c) for m, c in steps if id(m) in owners]
     flags = {id(m): (m, m.__dict__.get("_is_hf_initialized", _ABSENT)) for m in skeleton.modules()}
     count = 0
-    with _INIT_LOCK, torch.no_grad(), _hf_guard(skeleton):
+    from autoshard.plan import _TRACE_LOCK
+
+    # the skeleton may be the user's meta model itself, shared by simulated ranks: never init it while another
+    # thread traces it (the trace lock), nor two inits at once
+    with _TRACE_LOCK, _INIT_LOCK, torch.no_grad(), _hf_guard(skeleton):
         try:
             for module, call in steps:
                 if getattr(module, "_is_hf_initialized", False) and init is None and _is_hf(skeleton):
