@@ -6,6 +6,10 @@ reads the device once from the program's first parameter (or, with none, its fir
 ``rank_device = weight.device`` — and passes that node wherever the trace wrote a device. Programs then run
 on whatever device their weights are on (``torch.compile`` reads the attribute as a constant of the guarded
 inputs). A program with no tensor to read it from drops the device argument (the default device).
+
+A trace cannot tell a device the model names on purpose (``x.to("cpu")`` to offload) from the device it happened
+to be traced on, so every device the trace wrote follows the rank's: a model that moves tensors between devices
+inside ``forward`` runs them all on the rank's device (README, "A model that never exists whole on a rank").
 """
 
 from __future__ import annotations
