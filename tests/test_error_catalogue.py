@@ -111,28 +111,22 @@ def _compile(mesh, plan=None, model=None, **kw):
                              plan=plan, **kw)
 
 
-def _runtime_shape():
+def _run_mlp_on_data2(call):
+    """Compile the MLP on data=2 in the simulator and, on each rank, ``call(sharded, x, t)``."""
     m, (x, t), _ = _mlp()
     mesh = autoshard.Mesh(data=2)
     world = autoshard.runtime.SimWorld(mesh, timeout=30)
+    world.run(lambda r: call(autoshard.compile(m, mesh, (x, t), comm=world.communicator(r)), x, t))
 
-    def body(rank, comm):
-        sharded = autoshard.compile(m, mesh, (x, t), comm=comm)
-        return sharded(x[:4], t[:4]), sharded(x[:2], t[:2])  # the compiled local batch is 4, then 2
 
-    world.run(lambda r: body(r, world.communicator(r)))
+def _runtime_shape():
+    # the compiled local batch is 4, then a call with 2
+    _run_mlp_on_data2(lambda sharded, x, t: (sharded(x[:4], t[:4]), sharded(x[:2], t[:2])))
 
 
 def _runtime_dtype():
-    m, (x, t), _ = _mlp()
-    mesh = autoshard.Mesh(data=2)
-    world = autoshard.runtime.SimWorld(mesh, timeout=30)
-
-    def body(rank, comm):
-        sharded = autoshard.compile(m, mesh, (x, t), comm=comm)
-        return sharded(x[:4].double(), t[:4])  # a float64 input to a float32 plan
-
-    world.run(lambda r: body(r, world.communicator(r)))
+    # a float64 input to a float32 plan
+    _run_mlp_on_data2(lambda sharded, x, t: sharded(x[:4].double(), t[:4]))
 
 
 def _sim_timeout():
@@ -287,7 +281,7 @@ TRIGGERS = {
         "tests/test_faults.py::test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads",
 }
 
-from tests.test_checkpoint_integrity import CATALOGUE_TRIGGERS  # noqa: E402  (the checkpoint integrity rows)
+from tests.test_checkpoint_integrity import CATALOGUE_TRIGGERS  # the checkpoint integrity rows
 
 TRIGGERS.update(CATALOGUE_TRIGGERS)
 
