@@ -22,6 +22,7 @@ from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeE
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.placements import Spec, local_shape, parse_placement
 from autoshard.plan import Plan, build_plan
+from autoshard.trace import GRAPH_LOCK
 
 
 def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
@@ -152,16 +153,17 @@ def meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
     """``model``'s module tree with every parameter and buffer on the meta device (same classes, same names, tied
     parameters still one object): what ``init_weights`` runs the model's own init on, module by module, and what
     eval/train programs are traced from. Costs no tensor memory; a model already on meta is its own skeleton."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if all(t.is_meta for t in tensors):
-        return model
-    memo: dict[int, object] = {}
-    for t in tensors:
-        if id(t) not in memo:
-            meta = torch.empty_like(t, device="meta")
-            memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
-                t, torch.nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    with GRAPH_LOCK:  # torch.export swaps a model's tensors for FakeTensors while it traces it (in another thread)
+        tensors = [*model.parameters(), *model.buffers()]
+        if all(t.is_meta for t in tensors):
+            return model
+        memo: dict[int, object] = {}
+        for t in tensors:
+            if id(t) not in memo:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                    t, torch.nn.Parameter) else meta
+        return copy.deepcopy(model, memo)
 
 
 class ShardedModule(torch.nn.Module):
@@ -213,10 +215,11 @@ class ShardedModule(torch.nn.Module):
     # ---- the plan ---------------------------------------------------------------------------------------
     def _build_plan(self, args: tuple, kwargs: dict) -> None:
         model = self._model[0]
-        self._traced_training = model.training
-        self.plan = build_plan(model, self.mesh, args, kwargs, self.options)
-        self._examples = (args, kwargs)
-        self._unread = self._unread_state(model)
+        with GRAPH_LOCK:  # the model may be shared with simulated ranks (threads) that trace it now
+            self._traced_training = model.training
+            self.plan = build_plan(model, self.mesh, args, kwargs, self.options)
+            self._examples = (args, kwargs)
+            self._unread = self._unread_state(model)
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
 
     def _unread_state(self, model) -> dict[str, torch.Tensor]:

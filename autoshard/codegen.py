@@ -17,6 +17,7 @@ from autoshard.context import Options
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import ProgramOptions, RankContext, pass_list, run_passes
 from autoshard.placements import Spec
+from autoshard.trace import GRAPH_LOCK
 
 __all__ = ["local_param_specs", "program_copy", "rank_program"]
 
@@ -48,7 +49,8 @@ def rank_program(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, options: Optio
     ctx = RankContext(mesh, options, rank=rank, weights=weights, bucket_grads=bucket_grads,
                       local_weights=local_weights)
     passes = pass_list(options, program=ProgramOptions(bucket_grads))["rank"]
-    return run_passes(program_copy(gm), ctx, passes, ran=tuple(gm.meta.get(M.PASSES_RUN, ())))
+    with GRAPH_LOCK:  # the copy shares gm's FakeTensors (and their fake mode) with other ranks' programs
+        return run_passes(program_copy(gm), ctx, passes, ran=tuple(gm.meta.get(M.PASSES_RUN, ())))
 
 
 

@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError, CheckpointError
 from autoshard.placements import Partial, Shard, Spec
+from autoshard.trace import GRAPH_LOCK
 
 __all__ = ["init_local", "init_weights", "is_pretrained_dir", "load_local", "load_pretrained"]
 
@@ -280,11 +281,10 @@ def init_local(skeleton: torch.nn.Module, local: torch.nn.Module, plan, rank: in
         steps = [(m, c) for m, c in steps if id(m) in owners]
     flags = {id(m): (m, m.__dict__.get("_is_hf_initialized", _ABSENT)) for m in skeleton.modules()}
     count = 0
-    from autoshard.plan import _TRACE_LOCK
 
     # the skeleton may be the user's meta model itself, shared by simulated ranks: never init it while another
     # thread traces it (the trace lock), nor two inits at once
-    with _TRACE_LOCK, _INIT_LOCK, torch.no_grad(), _hf_guard(skeleton):
+    with GRAPH_LOCK, _INIT_LOCK, torch.no_grad(), _hf_guard(skeleton):
         try:
             for module, call in steps:
                 if getattr(module, "_is_hf_initialized", False) and init is None and _is_hf(skeleton):

@@ -7,7 +7,6 @@ questions about itself without any process group: ``show()``, ``format()``, ``co
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import collective_signature, pass_list, run_passes
 from autoshard.placements import Spec, assemble, shard_tensor
-from autoshard.trace import trace
+from autoshard.trace import GRAPH_LOCK, trace
 
 
 @dataclass
@@ -167,13 +166,8 @@ def loss_of(out) -> torch.Tensor:
                          "first element is the loss, or an object with a .loss attribute.")
 
 
-# torch.export keeps process-wide dispatch state, and graphs traced from one model share its fake mode (the FakeTensors
-# in node.meta["val"]): simulated ranks (threads) that compile lazily trace and run the plan passes one at a time.
-_TRACE_LOCK = threading.RLock()
-
-
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:
-    with _TRACE_LOCK:
+    with GRAPH_LOCK:
         gm = trace(model, args, kwargs)
         ctx = Context(mesh, options)
         gm = run_passes(gm, ctx, pass_list(options)["plan"])

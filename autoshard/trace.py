@@ -17,6 +17,8 @@ layer), and both ways give the same code.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.fx
 
@@ -25,6 +27,11 @@ from autoshard import meta as M
 from autoshard.errors import TraceError
 from autoshard.layer_reuse import find_groups
 from autoshard.progress import slow_step
+
+# torch.export keeps process-wide dispatch state, and every graph traced from one model shares its fake mode (the
+# FakeTensors in node.meta["val"], which the plan and rank passes compute with): simulated ranks (threads) that
+# compile lazily trace, run passes and make rank programs one at a time. Re-entrant: a pass may trace again.
+GRAPH_LOCK = threading.RLock()
 
 #: ``gm.meta`` key: container path -> [traced layer index, copied layer indices...] (see autoshard.layer_reuse)
 REUSED_LAYERS = "autoshard.reused_layers"

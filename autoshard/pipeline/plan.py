@@ -211,8 +211,8 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
                         pipeline: Pipeline) -> PipelinePlan:
     from autoshard.passes.manager import PipelineOptions, pass_list, run_passes
     from autoshard.passes.pipeline_split import build_stage_graphs, stage_split_of
-    from autoshard.plan import _TRACE_LOCK, Plan
-    from autoshard.trace import trace
+    from autoshard.plan import Plan
+    from autoshard.trace import GRAPH_LOCK, trace
 
     if not isinstance(pipeline, Pipeline):
         raise PlanError(f"pipeline= has type {type(pipeline).__name__}, but must be autoshard.Pipeline(...).")
@@ -232,12 +232,13 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
     # the plan phase of the one pass list, with the pipeline split enabled
     passes = pass_list(sub_options, pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
-    with _TRACE_LOCK:  # as build_plan: one trace and its passes at a time per process
+    with GRAPH_LOCK:  # as build_plan: one trace and its passes at a time per process
         gm = trace(model, margs, mkwargs)
         gm = run_passes(gm, ctx, passes["plan"])
-    stage_split = stage_split_of(gm)
+        stage_split = stage_split_of(gm)
+        stage_graphs = build_stage_graphs(gm, stage_split)
     plan = Plan(gm, sub, ctx, type(model).__name__)
-    return PipelinePlan(plan, mesh, sub, pipeline, stage_split, build_stage_graphs(gm, stage_split), batch,
+    return PipelinePlan(plan, mesh, sub, pipeline, stage_split, stage_graphs, batch,
                         type(model).__name__)
 
 
