@@ -30,7 +30,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
             bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
-            device=None) -> ShardedModule:
+            device=None, zero: int | str = 0, recompute: str | None = None, precision=None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -63,6 +63,15 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     reduce-scatter + all-gather in place of each all-reduce, less activation memory per rank). Annotate the
     input's sequence dim, e.g. ``plan={"x": (Replicate(), Shard(1))}``, to start the model in that layout.
 
+    ``zero``: how parameters are stored over the data axis, apart from the layout they compute in (ZeRO/FSDP):
+    0 as computed; 1 sharded (optimizer state sharded too; gradients all-reduced, this rank's slice kept); 2 as 1
+    with gradients reduce-scattered; 3 as 2 with the gathered copy freed after forward and gathered again for
+    backward (FSDP's reshard-after-forward); ``"auto"`` (``planner="search"``) picks a stage per parameter under
+    ``memory_limit``. ``recompute``: recompute activations in backward instead of saving them — None (only the
+    model's own ``torch.utils.checkpoint`` regions), a glob over module paths (``"model.layers.*"``) or ``"auto"``
+    (``planner="search"``). ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``:
+    compute in ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
+
     ``device``: where this rank's shards live (default: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU).
     The model may be built under ``torch.device("meta")``: nothing is allocated until this rank's shards are, on
     ``device``; fill them with ``sharded.init_weights()`` (the model's own init, module by module) or
@@ -71,7 +80,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     """
     mesh = as_mesh(mesh)
     options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer,
-                           sequence_parallel)
+                           sequence_parallel, zero, recompute, precision)
     if moe is not None:
         options = _with_moe(options, moe)
     if pipeline is not None:
@@ -109,7 +118,8 @@ def parse_bytes(value) -> float | None:
 
 def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "greedy",
                  profile="cpu-gloo", memory_limit=None, optimizer: str = "adam",
-                 sequence_parallel: bool = False) -> Options:
+                 sequence_parallel: bool = False, zero: int | str = 0, recompute: str | None = None,
+                 precision=None) -> Options:
     if planner not in ("search", "greedy"):
         raise PlanError(f"option planner is {planner!r}, but must be 'search' or 'greedy'.")
     if optimizer not in ("adam", "adamw", "sgd", "sgd_momentum"):
@@ -124,9 +134,24 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner:
             raise PlanError(f"annotation {pattern!r} has {spec!r}, but must be a tuple with one placement per "
                             f"mesh axis {list(mesh.names)}, e.g. (Replicate(), Shard(0)).")
         annotations.append((pattern, tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)))
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3, "auto"):
+        raise PlanError(f"option zero is {zero!r}, but must be 0, 1, 2, 3 or 'auto'.")
+    if recompute is not None and not isinstance(recompute, str):
+        raise PlanError(f"option recompute is {recompute!r}, but must be None, a glob over module paths such as "
+                        "'model.layers.*', or 'auto'.")
+    for name, value in (("zero", zero), ("recompute", recompute)):
+        if value == "auto" and planner != "search":
+            raise PlanError(f"option {name}='auto' lets the plan search choose, but planner is {planner!r}: pass "
+                            f"planner='search' (with a memory_limit), or give {name} explicitly.")
+    if precision is not None:
+        from autoshard.precision import MixedPrecision
+
+        if not isinstance(precision, MixedPrecision):
+            raise PlanError(f"option precision has type {type(precision).__name__}, but must be "
+                            "autoshard.MixedPrecision(param_dtype=..., reduce_dtype=...) or None.")
     return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported,
                    planner=planner, profile=profile, memory_limit=parse_bytes(memory_limit), optimizer=optimizer,
-                   sequence_parallel=bool(sequence_parallel))
+                   sequence_parallel=bool(sequence_parallel), zero=zero, recompute=recompute, precision=precision)
 
 
 def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Tensor:

@@ -30,6 +30,14 @@ class Options:
     #: (norms, residuals, dropout sharded along the sequence: Megatron's sequence parallelism)
     sequence_parallel: bool = False
     moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
+    #: ZeRO/FSDP storage of parameters over the data axis (passes/shard_storage.py): 0 | 1 | 2 | 3 for every
+    #: parameter, or "auto" (planner="search" picks a stage per parameter under memory_limit)
+    zero: int | str = 0
+    #: activation recomputation (passes/recompute.py): None (only the model's own torch.utils.checkpoint regions),
+    #: a glob over module paths ("model.layers.*"), or "auto" (planner="search" picks the layers)
+    recompute: str | None = None
+    #: autoshard.MixedPrecision(param_dtype, reduce_dtype, output_dtype) or None (the model's own dtypes)
+    precision: Any = None
 
 
 @dataclass

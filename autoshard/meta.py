@@ -43,6 +43,28 @@ PLANNED = "autoshard.planned_strategy"
 #: Who wrote :data:`PLANNED` (a str, the pass name): ``"plan_search"`` drew it from the node's own rule options
 #: (:func:`passes.propagate.node_strategies`), so propagation does not enumerate them again to check it.
 PLANNED_BY = "autoshard.planned_by"
+#: On get_attr nodes of parameters: the ZeRO stage chosen for the parameter's storage (an int 0-3), written by the
+#: plan search under ``zero="auto"`` and read by the ``shard_storage`` pass (which applies ``Options.zero`` otherwise).
+PLANNED_ZERO = "autoshard.planned_zero"
+#: On get_attr nodes of parameters, after ``shard_storage``: a :class:`Storage` (stage, compute spec, stored spec).
+STORAGE = "autoshard.storage"
+#: On call_function nodes: the id (a str, the module path) of the recomputation region the node belongs to; its
+#: activations are recomputed in backward, not saved (passes/recompute.py). Written by trace (the model's own
+#: torch.utils.checkpoint regions), by the ``recompute=`` glob and by the plan search under ``recompute="auto"``.
+RECOMPUTE = "autoshard.recompute"
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a parameter is stored apart from how it is computed with (ZeRO/FSDP): ``stage`` 0 stores it in its
+    compute layout; 1-3 store it additionally sharded over the data axis (``stored``) and all-gather it to
+    ``compute`` for use — 1: gradient all-reduced then sliced; 2: gradient reduce-scattered, gathered copy kept from
+    forward to backward; 3: as 2, but the gathered copy is freed after forward use and gathered again in backward."""
+
+    stage: int
+    compute: tuple
+    stored: tuple
+    axis: str = "data"
 
 
 @dataclass(frozen=True)
