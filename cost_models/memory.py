@@ -43,6 +43,7 @@ __all__ = [
     "optimizer_state_bytes",
     "param_bytes",
     "training_state_bytes",
+    "zero_state_bytes",
 ]
 
 
@@ -85,6 +86,36 @@ def training_state_bytes(local_numel: int, dtype: torch.dtype = torch.float32, o
     """Parameters + gradients + optimizer state of ``local_numel`` parameter elements on one rank."""
     p = param_bytes(local_numel, dtype)
     return 2 * p + optimizer_state_bytes(p, optimizer, dtype)
+
+
+def zero_state_bytes(local_numel: int, stage: int, data_size: int, dtype: torch.dtype = torch.float32,
+                     optimizer: str = "adam", compute_dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Per-rank bytes of one parameter by kind under ZeRO ``stage`` (:class:`autoshard.meta.Storage`).
+
+    ``local_numel``: elements of the parameter in its compute layout on one rank; ``data_size``: ranks it is stored
+    sharded over (stages 1-3); ``dtype``: the stored (master) dtype; ``compute_dtype``: the dtype it is gathered and
+    used in (mixed precision; default ``dtype``). Kinds:
+
+    - ``parameters``: the stored tensor (what the optimizer steps) — the compute layout at stage 0, 1/data_size of
+      it at stages 1-3; plus, under mixed precision at stage 0, the compute copy;
+    - ``gradients``: the stored tensor's gradient (same size and dtype);
+    - ``optimizer``: its optimizer state (:func:`optimizer_state_bytes`);
+    - ``gathered``: the all-gathered compute copy that stays alive from its forward use to its backward use
+      (stages 1 and 2 keep it; stage 3 frees it after forward and gathers again: 0 here, the one layer being
+      gathered at a time is counted once by the caller).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise PlanError(f"ZeRO stage {stage!r} does not exist: use 0, 1, 2 or 3.")
+    compute_dtype = compute_dtype or dtype
+    stored = local_numel if stage == 0 else -(-local_numel // max(1, data_size))
+    p = param_bytes(stored, dtype)
+    out = {"parameters": p, "gradients": grad_bytes(stored, dtype), "optimizer": optimizer_state_bytes(p, optimizer, dtype),
+           "gathered": 0}
+    if stage == 0 and compute_dtype != dtype:
+        out["parameters"] += param_bytes(local_numel, compute_dtype)
+    if stage in (1, 2):
+        out["gathered"] = param_bytes(local_numel, compute_dtype)
+    return out
 
 
 def _saves(node: Node) -> tuple:
