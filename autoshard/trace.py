@@ -13,10 +13,20 @@ Removed after export: the input guard module (it checks *global* shapes, but ran
 model's order and ops renamed from their targets, so the graph does not depend on how it was made: a list of
 identical layers is traced once and copied (:mod:`autoshard.layer_reuse`; ``reuse_layers=False`` exports every
 layer), and both ways give the same code.
+
+The model's own ``torch.utils.checkpoint`` regions: export inlines them (their ops appear in the graph like any
+other, with nothing that says they were checkpointed). While exporting, :class:`_checkpoint_regions` wraps the
+function every ``use_reentrant=False`` checkpoint call goes through (``_checkpoint_without_reentrant_generator``,
+looked up at call time, so a ``from torch.utils.checkpoint import checkpoint`` or a ``functools.partial`` of it is
+seen too; ``use_reentrant=True`` exports as a no-grad ``wrap_with_set_grad_enabled`` submodule, not marked) so that
+the ops of each call are annotated (``torch.fx.traceback.annotate``); :func:`_mark_checkpoint_regions` turns the annotations
+into :data:`autoshard.meta.RECOMPUTE` ids — the region's module path (the common prefix of its ops' paths, ``#2``,
+``#3`` for further calls of one module), distinct per call. A nested call belongs to the outermost region.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -54,7 +64,7 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
     with slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
         if reuse_layers:
-            try:
+            try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
                 return _finish(_export_reusing_layers(model, args, kwargs), model)
             except Exception:  # _CannotReuse: layers that differ, or a structure the copy does not handle; or
                 pass  # export failed inside the reuse machinery: export every layer (which reports a real failure)
@@ -78,6 +88,8 @@ def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
         try:
             with layer_reuse.reuse_layers(model, groups):
                 gm = _export(model, args, kwargs)
+            if any(_CHECKPOINT_KEY in (n.meta.get("custom") or {}) for n in gm.graph.nodes):
+                raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
         except Exception as e:  # a copy called with other inputs: lead its group from there (once per group)
             mismatch = _cause(e, layer_reuse.LayerMismatch)
             if mismatch is None or attempt == 3:
@@ -112,7 +124,7 @@ def _export(model, args, kwargs) -> torch.fx.GraphModule:
     from autoshard.moe import hf_blocks
 
     try:  # Hugging Face sparse-MoE experts run a static-shape op while exporting (the model is restored after)
-        with _quiet_export_logs(), hf_blocks.swapped(model) as moe_blocks:
+        with _quiet_export_logs(), _checkpoint_regions(), hf_blocks.swapped(model) as moe_blocks:
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean the same thing to the user
         raise export_error(model, e) from e
@@ -220,8 +232,97 @@ class _quiet_export_logs:
         return False
 
 
+#: key in a node's ``meta["custom"]`` (torch.fx.traceback.annotate) of the checkpoint call that made it
+_CHECKPOINT_KEY = "autoshard.checkpoint_call"
+_CHECKPOINT_STATE = threading.local()
+
+
+class _checkpoint_regions:
+    """While exporting on this thread, annotate the ops of every ``torch.utils.checkpoint`` call with the call's
+    number (``meta["custom"][_CHECKPOINT_KEY]``). The wrappers stay installed process-wide while any thread exports
+    (a counter), and do nothing on threads that are not exporting."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _saved = None
+
+    def __enter__(self):
+        import torch.utils.checkpoint as ckpt
+
+        with self._lock:
+            if type(self)._users == 0:
+                generator = ckpt._checkpoint_without_reentrant_generator
+                type(self)._saved = generator
+                ckpt._checkpoint_without_reentrant_generator = _annotated_generator(generator)
+            type(self)._users += 1
+        self._was = getattr(_CHECKPOINT_STATE, "calls", None)
+        _CHECKPOINT_STATE.calls = 0
+        return self
+
+    def __exit__(self, *exc):
+        import torch.utils.checkpoint as ckpt
+
+        _CHECKPOINT_STATE.calls = self._was
+        with self._lock:
+            type(self)._users -= 1
+            if type(self)._users == 0:
+                ckpt._checkpoint_without_reentrant_generator = type(self)._saved
+        return False
+
+
+@contextlib.contextmanager
+def _checkpoint_call():
+    """Annotate the ops made inside (the outermost checkpoint call only) with a new call number."""
+    import torch.fx.traceback as fx_traceback
+
+    calls = getattr(_CHECKPOINT_STATE, "calls", None)
+    inside = getattr(_CHECKPOINT_STATE, "inside", False)
+    if calls is None or inside:  # not exporting on this thread, or nested in an annotated call
+        yield
+        return
+    _CHECKPOINT_STATE.calls = calls + 1
+    _CHECKPOINT_STATE.inside = True
+    try:
+        with fx_traceback.preserve_node_meta(), fx_traceback.annotate({_CHECKPOINT_KEY: calls + 1}):
+            yield
+    finally:
+        _CHECKPOINT_STATE.inside = False
+
+
+def _annotated_generator(generator):
+    def checkpoint_without_reentrant_generator(*args, **kwargs):
+        with _checkpoint_call():
+            yield from generator(*args, **kwargs)
+    return checkpoint_without_reentrant_generator
+
+
+def _mark_checkpoint_regions(gm: torch.fx.GraphModule) -> None:
+    """:data:`autoshard.meta.RECOMPUTE` on the ops of every checkpoint call: the common module path of the call's
+    ops (``blocks.0``), with ``#2``, ``#3``... for further calls with the same path."""
+    calls: dict[int, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        call = (node.meta.get("custom") or {}).get(_CHECKPOINT_KEY)
+        if call is not None and node.op == "call_function":
+            calls.setdefault(call, []).append(node)
+    seen: dict[str, int] = {}
+    for nodes in calls.values():
+        paths = [M.module_path(n).split(".") if M.module_path(n) else [] for n in nodes]
+        common = paths[0]
+        for p in paths[1:]:
+            k = 0
+            while k < min(len(common), len(p)) and common[k] == p[k]:
+                k += 1
+            common = common[:k]
+        path = ".".join(common) or "checkpoint"
+        seen[path] = seen.get(path, 0) + 1
+        region = path if seen[path] == 1 else f"{path}#{seen[path]}"
+        for n in nodes:
+            n.meta[M.RECOMPUTE] = region
+
+
 def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphModule:
     _clean(gm)
+    _mark_checkpoint_regions(gm)
     _order_attrs(gm, model)
     _annotate_params(gm, model)
     for node in gm.graph.nodes:
