@@ -26,6 +26,8 @@ not activations. Two views of one saved tensor both count (an over-estimate that
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx import Node
 
@@ -42,6 +44,7 @@ __all__ = [
     "grad_bytes",
     "optimizer_state_bytes",
     "param_bytes",
+    "recompute_region",
     "training_state_bytes",
     "zero_state_bytes",
 ]
@@ -144,19 +147,33 @@ def _is_param(node: Node) -> bool:
         node = node.args[0]
 
 
-def activation_bytes(node: Node, local_numel: int | None = None) -> int:
+def activation_bytes(node: Node, local_numel: int | None = None,
+                     region_of: Callable[[Node], str | None] | None = None) -> int:
     """Bytes of ``node``'s output that stay alive for the backward on one rank (the module docstring says which).
 
     ``local_numel`` is the number of elements of the output a rank holds (the global numel when omitted).
+    ``region_of``: the recomputation region of a node (default: its :data:`autoshard.meta.RECOMPUTE`, written by
+    trace, the ``recompute=`` glob or the plan search; ``lambda n: None`` prices the plan without recomputation).
+    A region saves only its inputs (the checkpoint keeps them to run the region again in backward): a node inside
+    one counts only where a reader outside the region saves it (or is another region's input), its dropout mask
+    never; a node outside counts where it saves itself, a reader saves it, or a region reads it.
     """
     tensors = output_tensors(node)
     if not tensors or node.op == "output" or _is_param(node):
         return 0
+    region_of = region_of or recompute_region
     numel = sum(t.numel() for t in tensors) if local_numel is None else int(local_numel)
     itemsize = tensors[0].dtype.itemsize
-    saved = OUTPUT in _saves(node) or any(
-        any(x is node for x in _saved_inputs(u)) for u in node.users if u.op == "call_function")
+    mine = region_of(node)
+    readers = [u for u in node.users if u.op == "call_function" and (mine is None or region_of(u) != mine)]
+    saved = (mine is None and OUTPUT in _saves(node)) or any(
+        region_of(u) is not None or any(x is node for x in _saved_inputs(u)) for u in readers)
     total = numel * itemsize if saved else 0
-    if MASK in _saves(node):
+    if MASK in _saves(node) and mine is None:
         total += numel  # the boolean mask
     return total
+
+
+def recompute_region(node: Node) -> str | None:
+    """The recomputation region (:data:`autoshard.meta.RECOMPUTE`) of a call_function node, None elsewhere."""
+    return node.meta.get(M.RECOMPUTE) if node.op == "call_function" else None
