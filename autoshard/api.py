@@ -445,8 +445,9 @@ class ShardedModule(torch.nn.Module):
         self._check_inputs(args, kwargs)
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.runtime.comm import use
+        from autoshard.runtime.zero import running
 
-        with use(comm):
+        with use(comm), running(program):
             return program(*args, **kwargs)
 
     def _program_of_other_mode(self) -> torch.fx.GraphModule:
@@ -460,8 +461,13 @@ class ShardedModule(torch.nn.Module):
 
         plan = self._need_plan()
         specs = plan.param_specs()
-        pinned = dataclasses.replace(self.options, annotations=(*self.options.annotations,
-                                                                  *((name, spec) for name, spec in specs.items())))
+        # pinned in their compute layout, stored as the plan stores them (ZeRO stage per parameter)
+        storage = plan.param_storage()
+        compute = {name: storage[name].compute if name in storage else spec for name, spec in specs.items()}
+        stages = tuple((name, st.stage) for name, st in storage.items())
+        pinned = dataclasses.replace(self.options, annotations=(*self.options.annotations, *compute.items()),
+                                     zero=stages if stages else (0 if self.options.zero == "auto" else
+                                                                 self.options.zero))
         skeleton = self._skeleton
         was = skeleton.training
         skeleton.train(self.training)

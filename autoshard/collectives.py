@@ -42,6 +42,8 @@ class CollectiveKind:
     #: argument layout after the tensor: the axis argument, then ``dims``, then the axis size where ``sized``
     sized: bool = True
     doc: str = ""
+    #: backward runs the forward primitive again first (ZeRO-3: the gathered parameter is gathered again)
+    regather: bool = False
 
     @property
     def overload(self) -> torch._ops.OpOverload:
@@ -63,6 +65,8 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    doc="Replicate → Shard(d) without communication; backward all-gathers"),
     CollectiveKind("all_gather_sync", "all_gather_sync", "all_gather", "reduce_scatter",
                    doc="all_gather + grad_all_reduce fused (sequence parallel): backward one reduce-scatter"),
+    CollectiveKind("all_gather_reshard", "all_gather_reshard", "all_gather", "reduce_scatter", regather=True,
+                   doc="all_gather_sync of a ZeRO-3 parameter: not kept for backward, gathered again there"),
     CollectiveKind("linears_grad_all_reduce", "linears_grad_all_reduce", None, "all_reduce", sized=False,
                    doc="grad_all_reduce feeding linears: backward all-reduce overlapped with weight grads"),
 )}
@@ -103,6 +107,8 @@ def wire_bytes(kind: str, b: float, n: int, requires_grad: bool = True) -> tuple
     k = KINDS[kind]
     fwd = collective_bytes_on_wire(k.forward, b, n) if k.forward else 0.0
     bwd = collective_bytes_on_wire(k.backward, b, n) if k.backward and requires_grad else 0.0
+    if k.regather and requires_grad:
+        bwd += fwd
     return float(fwd), float(bwd)
 
 
@@ -113,4 +119,6 @@ def time(kind: str, b: float, n: int, link, requires_grad: bool = True) -> tuple
     k = KINDS[kind]
     fwd = collective_time(k.forward, b, n, link) if k.forward else 0.0
     bwd = collective_time(k.backward, b, n, link) if k.backward and requires_grad else 0.0
+    if k.regather and requires_grad:
+        bwd += fwd
     return fwd, bwd

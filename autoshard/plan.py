@@ -97,13 +97,15 @@ class Plan:
         """
         from autoshard.runtime.comm import current
         from autoshard.runtime.sim import SimWorld
+        from autoshard.runtime.zero import running
 
         world = SimWorld(self.mesh, timeout=timeout)
 
         def body(rank):
             module = self.rank_module(rank)
             a, k = self.shard_inputs(rank, args, kwargs)
-            out = module(*a, **k)
+            with running(module):
+                out = module(*a, **k)
             if backward:
                 loss_of(out).backward()
             grads = {n: p.grad for n, p in module.named_parameters()}
@@ -121,7 +123,14 @@ class Plan:
 
     # ---- questions --------------------------------------------------------------------------------------
     def param_specs(self) -> dict[str, Spec]:
+        """{parameter FQN: the spec it is stored in}."""
         return local_param_specs(self.graph_module)
+
+    def param_storage(self) -> dict[str, M.Storage]:
+        """{parameter FQN: its :class:`~autoshard.meta.Storage`} of every parameter stored apart from its compute
+        layout (ZeRO stage > 0)."""
+        return {n.meta.get(M.PARAM, n.target): n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
+                if n.op == "get_attr" and M.STORAGE in n.meta}
 
     def cost(self, profile=None, optimizer: str | None = None):
         """Estimated step time (compute + communication), memory per rank and bytes per axis of this plan, for

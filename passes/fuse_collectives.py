@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
+from autoshard.passes.shard_storage import stage_of
 
 from autoshard import meta as M
 from autoshard.collectives import KINDS, is_kind
@@ -34,19 +35,42 @@ class FuseGatherGradSync:
                 continue
             gathered = node.args[0]
             x, axis, dim, size = gathered.args
+            stage = stage_of(x) if axis == ctx.options.data_axis else 0
+            if stage == 1:
+                continue  # ZeRO-1: the gradient is all-reduced, then sliced (passes/shard_storage.py)
+            kind = KINDS["all_gather_reshard" if stage == 3 else "all_gather_sync"]
             with graph.inserting_after(gathered):
-                fused = graph.create_node("call_function", KINDS["all_gather_sync"].overload,
-                                          (x, axis, dim, size, list(node.args[1])), name="all_gather_sync")
+                fused = graph.create_node("call_function", kind.overload,
+                                          (x, axis, dim, size, list(node.args[1])), name=kind.name)
             fused.meta = dict(node.meta)
             if M.COLLECTIVE in node.meta:
                 info = gathered.meta[M.COLLECTIVE]
-                fused.meta[M.COLLECTIVE] = replace(info, kind="all_gather_sync", axes=tuple(node.args[1]),
-                                                   bytes_backward=node.meta[M.COLLECTIVE].bytes_backward)
+                bwd = node.meta[M.COLLECTIVE].bytes_backward + (info.bytes_forward if kind.regather else 0)
+                fused.meta[M.COLLECTIVE] = replace(info, kind=kind.name, axes=tuple(node.args[1]), bytes_backward=bwd)
             node.replace_all_uses_with(fused)
             graph.erase_node(node)
             graph.erase_node(gathered)
+        _reshard_unsynced_gathers(graph, ctx)
         gm.recompile()
         return gm
+
+
+def _reshard_unsynced_gathers(graph: torch.fx.Graph, ctx: Context) -> None:
+    """A ZeRO-3 parameter's all-gather with no gradient sync after it (its users compute replicated over the data
+    axis) is still not kept for backward: ``all_gather_reshard`` with no axes to sum (backward: this rank's slice)."""
+    for node in list(graph.nodes):
+        if not is_kind(node, "all_gather") or node.args[1] != ctx.options.data_axis or stage_of(node.args[0]) != 3:
+            continue
+        x, axis, dim, size = node.args
+        kind = KINDS["all_gather_reshard"]
+        with graph.inserting_after(node):
+            new = graph.create_node("call_function", kind.overload, (x, axis, dim, size, []), name=kind.name)
+        new.meta = dict(node.meta)
+        if M.COLLECTIVE in node.meta:
+            info = node.meta[M.COLLECTIVE]
+            new.meta[M.COLLECTIVE] = replace(info, kind=kind.name, bytes_backward=info.bytes_forward)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
 
 
 def _is_gather_then_sync(node: torch.fx.Node) -> bool:

@@ -25,6 +25,9 @@ op                             forward                          backward
 ``all_to_all``                 Shard(cat) → Shard(split)        the inverse all-to-all
 ``local_slice``                Replicate → Shard(dim), no comm  all-gather along ``dim``
 ``all_gather_sync``            all-gather (sequence parallel)   reduce-scatter on ``axis``, all-reduce others
+``all_gather_reshard``         all-gather of a ZeRO-3 shard     as ``all_gather_sync``; the gathered copy is not
+                               (FSDP's reshard after forward)   saved for backward but gathered again there
+                                                                (:mod:`autoshard.runtime.zero`)
 ``linears_grad_all_reduce``    ``linear(f(x), w_i, b_i)``       input grad's all-reduce overlapped with the
                                                                 weight grads (Megatron's async column-parallel)
 =============================  ===============================  ============================================
@@ -286,6 +289,26 @@ def _all_gather_sync_backward(ctx, grad):
 
 _all_gather_sync_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(_gathered_shape(x, dim, size)))
 _all_gather_sync_op.register_autograd(_all_gather_sync_backward, setup_context=_setup_gather_sync)
+
+
+@_op("all_gather_reshard", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
+def _all_gather_reshard_op(x, axis, dim, size, axes):
+    from autoshard.runtime.zero import remember_gathered
+
+    return remember_gathered(_all_gather(x, axis, dim, size, "forward"), x, axis, dim, size)
+
+
+def _all_gather_reshard_backward(ctx, grad):
+    # the gradient as all_gather_sync's (reduce-scatter on ``axis``, all-reduce over the other axes); where ``axis``
+    # is not summed over (replicated compute), this rank's slice as all_gather's
+    if ctx.axis in ctx.axes:
+        return _all_gather_sync_backward(ctx, grad)
+    with _comm_of(ctx):
+        return _chunk(_sum_over(grad, ctx.axes), ctx.axis, ctx.dim, ctx.size), None, None, None, None
+
+
+_all_gather_reshard_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(_gathered_shape(x, dim, size)))
+_all_gather_reshard_op.register_autograd(_all_gather_reshard_backward, setup_context=_setup_gather_sync)
 
 
 # ---- linear(f(x), w_i, b_i) for several i, with an overlapped backward ------------------------------------
