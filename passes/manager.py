@@ -7,11 +7,12 @@ given options::
     plan phase (once, on the global graph)            rank phase (per rank, on a copy of the global program)
     ─────────────────────────────────────             ──────────────────────────────────────────────────────
     expert_rewrite      (moe=...)                      fuse_gather_grad_sync
+    mark_recompute      (recompute="<glob>")
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
-    shard_storage       (zero=1|2|3|"auto")            follow_rank_device    (the program names no device)
-    insert_collectives
+    insert_collectives                                 follow_rank_device    (the program names no device)
     pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
+                                                       recompute             (regions → checkpointed child modules)
 
 Passes exchange results only through namespaced node/graph metadata (:mod:`autoshard.meta`) — never through
 another pass's state or the user's options. After every pass :func:`verify` checks autoshard's own invariants
@@ -33,8 +34,8 @@ from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
 from autoshard.passes.localize import Localize
 from autoshard.passes.propagate import Propagate
+from autoshard.passes.recompute import MarkRecompute, Recompute
 from autoshard.passes.rank_device import FollowRankDevice
-from autoshard.passes.shard_storage import ShardStorage
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
@@ -93,10 +94,10 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
     program = program or ProgramOptions()
     plan = [
         ExpertRewrite() if getattr(options, "moe", None) is not None else None,
+        MarkRecompute(options.recompute) if options.recompute not in (None, "auto") else None,
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
         if options.planner == "search" else None,
         Propagate(),
-        ShardStorage() if options.zero != 0 else None,
         InsertCollectives(),
         PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
     ]
@@ -106,6 +107,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         Localize(),
         FollowRankDevice(),
         FuseLinearsGradSync(),
+        Recompute(),
     ]
     return {"plan": [p for p in plan if p is not None], "rank": [p for p in rank if p is not None]}
 
@@ -160,6 +162,8 @@ def collective_signature(gm: torch.fx.GraphModule) -> tuple:
     a plan, or ranks would wait on each other forever."""
     sig = []
     for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(region := getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            sig.extend(collective_signature(region))  # a recomputed region's collectives (passes/recompute.py)
         k = kind_of(node)
         if k is not None:
             sig.append((k.name, tuple(a for a in pytree.tree_leaves(node.args) if not isinstance(a, torch.fx.Node))))

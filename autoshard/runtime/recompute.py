@@ -1,0 +1,69 @@
+"""Run a region of a rank program so that backward recomputes it instead of keeping its activations.
+
+Rank programs call :func:`checkpoint` on a child module made by the ``recompute`` pass
+(``passes/recompute.py``): ``torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False)`` keeps the
+region's inputs and runs it again when backward first needs one of its saved tensors. Two settings matter here:
+
+- ``early_stop=False``: the recomputation runs the whole region, so every collective in it runs again on every rank,
+  in program order; with early stop a rank would stop after the last tensor *its* backward needs.
+- autoshard's dropout (``torch.ops.autoshard.dropout``) seeds its mask from the communicator's count of random calls,
+  not from torch's RNG state (which ``preserve_rng_state`` restores): :func:`_same_random_calls` sets the count back
+  to its value at the region's forward for the recomputation, so every mask is drawn again identical, and restores it
+  after.
+
+Without autograd (``torch.no_grad()``, inference) the region is simply called.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.utils.checkpoint
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime.comm import current
+
+__all__ = ["checkpoint"]
+
+
+def checkpoint(region, *inputs):
+    """``region(*inputs)``, its activations recomputed in backward instead of saved."""
+    if not torch.is_grad_enabled():
+        return region(*inputs)
+    return torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True,
+                                             early_stop=False, context_fn=_same_random_calls)
+
+
+def _same_random_calls():
+    """(forward context, recomputation context) of one checkpoint call: the recomputation draws dropout masks with
+    the random-call count the forward started from."""
+    start: list[int] = []
+
+    @contextmanager
+    def forward():
+        comm = _communicator()
+        start.append(comm.random_calls if comm is not None else 0)
+        yield
+
+    @contextmanager
+    def recompute():
+        comm = _communicator()
+        if comm is None:
+            yield
+            return
+        after = comm.random_calls
+        comm.random_calls = start[0]
+        try:
+            yield
+        finally:
+            comm.random_calls = after
+
+    return forward(), recompute()
+
+
+def _communicator():
+    try:
+        return current()
+    except AutoshardError:  # no communicator: a region without collectives or dropout run outside a rank
+        return None
