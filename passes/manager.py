@@ -10,7 +10,8 @@ given options::
     mark_recompute      (recompute="<glob>")
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
-    insert_collectives                                 follow_rank_device    (the program names no device)
+    shard_storage       (zero=1|2|3|"auto")            follow_rank_device    (the program names no device)
+    insert_collectives
     pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
                                                        recompute             (regions → checkpointed child modules)
 
@@ -36,6 +37,7 @@ from autoshard.passes.localize import Localize
 from autoshard.passes.propagate import Propagate
 from autoshard.passes.recompute import MarkRecompute, Recompute
 from autoshard.passes.rank_device import FollowRankDevice
+from autoshard.passes.shard_storage import ShardStorage
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
@@ -98,6 +100,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
         if options.planner == "search" else None,
         Propagate(),
+        ShardStorage() if options.zero != 0 else None,
         InsertCollectives(),
         PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
     ]
