@@ -52,6 +52,9 @@ STORAGE = "autoshard.storage"
 #: activations are recomputed in backward, not saved (passes/recompute.py). Written by trace (the model's own
 #: torch.utils.checkpoint regions), by the ``recompute=`` glob and by the plan search under ``recompute="auto"``.
 RECOMPUTE = "autoshard.recompute"
+#: On the cast nodes of mixed precision (passes/mixed_precision.py): True on ``_to_copy(master, dtype=param_dtype)``
+#: after a parameter or floating input; the ZeRO pass moves a parameter's data-axis storage shard through it.
+PRECISION_CAST = "autoshard.precision_cast"
 
 
 @dataclass(frozen=True)

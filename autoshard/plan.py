@@ -19,6 +19,7 @@ from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import collective_signature, pass_list, run_passes
 from autoshard.placements import Spec, assemble, shard_tensor
+from autoshard.precision import trace_with_precision
 from autoshard.trace import GRAPH_LOCK, trace
 
 
@@ -177,7 +178,8 @@ def loss_of(out) -> torch.Tensor:
 
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:
     with GRAPH_LOCK:
-        gm = trace(model, args, kwargs)
+        gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
+            model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
         ctx = Context(mesh, options)
         gm = run_passes(gm, ctx, pass_list(options)["plan"])
     return Plan(gm, mesh, ctx, type(model).__name__)

@@ -8,10 +8,13 @@ given options::
     ─────────────────────────────────────             ──────────────────────────────────────────────────────
     expert_rewrite      (moe=...)                      fuse_gather_grad_sync
     mark_recompute      (recompute="<glob>")
+    inline_autocast     (torch.autocast regions)
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
+    mixed_precision     (precision=...)
     shard_storage       (zero=1|2|3|"auto")            follow_rank_device    (the program names no device)
     insert_collectives
+    reduce_precision    (precision reduce_dtype)
     pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
                                                        recompute             (regions → checkpointed child modules)
 
@@ -34,6 +37,7 @@ from autoshard.passes.bucket_grad_sync import BucketGradSync
 from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
 from autoshard.passes.localize import Localize
+from autoshard.passes.mixed_precision import InlineAutocast, MixedPrecisionCasts, ReducePrecision
 from autoshard.passes.propagate import Propagate
 from autoshard.passes.recompute import MarkRecompute, Recompute
 from autoshard.passes.rank_device import FollowRankDevice
@@ -94,14 +98,19 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
     from autoshard.passes.plan_search import PlanSearch
 
     program = program or ProgramOptions()
+    mp = options.precision
     plan = [
         ExpertRewrite() if getattr(options, "moe", None) is not None else None,
         MarkRecompute(options.recompute) if options.recompute not in (None, "auto") else None,
+        InlineAutocast(),
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
         if options.planner == "search" else None,
         Propagate(),
+        MixedPrecisionCasts(mp.param_dtype, mp.output_dtype) if mp else None,
         ShardStorage() if options.zero != 0 else None,
         InsertCollectives(),
+        ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp and mp.grad_reduce_dtype != mp.param_dtype
+        else None,
         PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
     ]
     rank = [

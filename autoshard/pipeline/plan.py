@@ -15,6 +15,7 @@ from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.pipeline.options import Pipeline
 from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
+from autoshard.precision import trace_with_precision
 
 
 @dataclass
@@ -233,7 +234,8 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     # the plan phase of the one pass list, with the pipeline split enabled
     passes = pass_list(sub_options, pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
     with GRAPH_LOCK:  # as build_plan: one trace and its passes at a time per process
-        gm = trace(model, margs, mkwargs)
+        gm = trace(model, margs, mkwargs) if options.precision is None else trace_with_precision(
+            model, margs, mkwargs, options.precision)
         gm = run_passes(gm, ctx, passes["plan"])
         stage_split = stage_split_of(gm)
         stage_graphs = build_stage_graphs(gm, stage_split)
