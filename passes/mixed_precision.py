@@ -277,6 +277,8 @@ def _emit_region(gm: torch.fx.GraphModule, hop: torch.fx.Node, hop_args: tuple, 
         if n.op == "get_attr":  # a nested region's sub-graph
             env[n] = getattr(sub, n.target)
             continue
+        if n.target is aten._assert_tensor_metadata.default and not n.users:
+            continue  # dtype asserts without effect on values, dropped from the main graph by trace as well
         args = pytree.tree_map_only(torch.fx.Node, env.__getitem__, n.args)
         kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__, n.kwargs)
         if n.target is _AUTOCAST:

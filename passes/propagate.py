@@ -310,7 +310,9 @@ def pinned_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
         elif n.op == "call_function":
             srcs = n.all_input_nodes
             if srcs and all(x in pinned for x in srcs):
-                pinned[n] = False
+                # a dtype cast of a parameter (autocast's, mixed precision's) is that parameter: as strict
+                pinned[n] = pinned[srcs[0]] if n.target is torch.ops.aten._to_copy.default and len(srcs) == 1 \
+                    else False
     return pinned
 
 
