@@ -157,7 +157,7 @@ def _example_glob(paths: list[str]) -> str:
         m = re.match(r"^(.*?\.)\d+$", p)
         if m:
             return m.group(1) + "*"
-    return (paths[0] + ".*") if paths else "layers.*"
+    return paths[0] if paths else "layers.*"
 
 
 # ---- rank phase: outline and checkpoint ----------------------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Activation recomputation (passes/recompute.py): the model's own torch.utils.checkpoint regions and
+``recompute="<glob>"`` regions are recomputed in backward, not saved — loss and every gradient as without them, and
+fewer bytes kept by autograd between forward and backward (measured with saved_tensors_hooks)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import autoshard
+from autoshard import meta as M
+from autoshard.cost_models.memory import activation_bytes
+from autoshard.errors import PlanError
+from autoshard.passes.recompute import module_regions, recompute_regions, region_cost
+from autoshard.plan import loss_of
+from autoshard.runtime import SimWorld
+from examples import models
+
+MESH = autoshard.Mesh(data=2, model=2)
+
+
+class DropBlock(models.Block):
+    """The example GPT block with dropout on the MLP branch."""
+
+    def __init__(self, hidden: int, heads: int, p: float):
+        super().__init__(hidden, heads)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class CkptGPT(models.GPT):
+    """The example GPT whose blocks the model itself checkpoints (``ckpt=False``: the same model without)."""
+
+    def __init__(self, ckpt: bool = True, p: float = 0.1, layers: int = 2):
+        super().__init__(vocab=128, hidden=64, heads=4, layers=layers, seq=16)
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList(DropBlock(64, 4, p) for _ in range(layers))
+        self.ckpt = ckpt
+
+    def forward(self, ids, labels):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def _data():
+    return models._ids(4, 16, 128, 1)
+
+
+def _ckpt_gpt(ckpt=True, train=False):
+    torch.manual_seed(0)
+    return CkptGPT(ckpt).train(train)
+
+
+def _sgd_step_per_rank(model, mesh, args, kwargs=None, plan=None, **options):
+    """Compile per rank (simulator), one forward/backward and an SGD step of lr 1: (losses, full state dicts) —
+    the state after the step compares every gradient."""
+    world = SimWorld(mesh, timeout=120)
+    kwargs = kwargs or {}
+
+    def body(rank):
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs or None, plan=plan,
+                                    comm=world.communicator(rank), **options)
+        a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
+        k = {n: autoshard.data_shard(x, mesh, rank) for n, x in kwargs.items()}
+        loss = loss_of(sharded(*a, **k))
+        loss.backward()
+        with torch.no_grad():
+            for p in sharded.parameters():
+                if p.grad is not None:
+                    p -= p.grad
+        regions = [n for n, m in sharded.named_modules() if n.rsplit(".", 1)[-1].startswith("recompute_")]
+        return loss.item(), autoshard.full_state_dict(sharded), regions
+
+    return world.run(body)
+
+
+def _eager_step(model, args, kwargs=None):
+    ref = copy.deepcopy(model)
+    loss = loss_of(ref(*args, **(kwargs or {})))
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.grad is not None:
+                p -= p.grad
+    return loss.item(), ref.state_dict()
+
+
+def _assert_equal_to_eager(results, ref_loss, ref_state, regions: int):
+    for loss, state, found in results:
+        assert loss == pytest.approx(ref_loss, abs=1e-5)
+        assert state.keys() == ref_state.keys()
+        for name, value in ref_state.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert len(found) == regions  # the rank program really calls its regions through checkpoint
+
+
+def _saved_bytes(plan, args, rank=0) -> int:
+    """Bytes autograd keeps from rank ``rank``'s forward for its backward: unique storages packed by
+    saved_tensors_hooks (a recomputed region's inputs are saved by its checkpoint, its inner tensors are not)."""
+    world = SimWorld(plan.mesh, timeout=120)
+
+    def body(r):
+        module = plan.rank_module(r)
+        a, k = plan.shard_inputs(r, args)
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_of(module(*a, **k))
+        loss.backward()
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in params)
+
+    return world.run(body)[rank]
+
+
+# ---- the model's own torch.utils.checkpoint regions ---------------------------------------------------------
+def test_trace_marks_each_checkpoint_call_as_its_own_region():
+    plan = autoshard.compile(_ckpt_gpt(), autoshard.Mesh(data=2), _data()).plan
+    regions = recompute_regions(plan.graph_module)
+    assert list(regions) == ["blocks.0", "blocks.1"]
+    for region, nodes in regions.items():
+        assert all(M.module_path(n).startswith(region) for n in nodes)
+    plain = autoshard.compile(_ckpt_gpt(ckpt=False), autoshard.Mesh(data=2), _data()).plan
+    assert recompute_regions(plain.graph_module) == {}
+    assert "checkpoint" not in plain.code(0)  # nothing changes without regions
+
+
+def test_checkpointed_blocks_megatron_equal_to_one_device():
+    model = _ckpt_gpt()
+    args = _data()
+    results = _sgd_step_per_rank(model, MESH, args, plan=models.megatron(MESH, "gpt"))
+    _assert_equal_to_eager(results, *_eager_step(model, args), regions=2)
+
+
+def test_dropout_in_a_region_draws_the_same_masks_when_recomputed():
+    """Train mode, dropout inside the checkpointed blocks: the same loss and gradients as the same model without
+    checkpoint on one device (autoshard's dropout draws one global mask per call; eager's stream differs)."""
+    args = _data()
+    sharded = autoshard.compile(_ckpt_gpt(train=True), MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    single = autoshard.compile(_ckpt_gpt(ckpt=False, train=True), autoshard.Mesh(data=1), args).plan
+    assert "torch.ops.autoshard.dropout" in single.code(0)
+    got, want = sharded.simulate(args), single.simulate(args)
+    ref = loss_of(want.outputs[0]).item()
+    eval_loss = _ckpt_gpt().eval()(*args).item()
+    assert abs(ref - eval_loss) > 1e-3  # the masks matter
+    for out in got.outputs:
+        assert loss_of(out).item() == pytest.approx(ref, abs=1e-5)
+    assert got.grads.keys() == want.grads.keys()
+    for name, g in want.grads.items():
+        torch.testing.assert_close(got.grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_recomputation_saves_fewer_bytes_than_the_plan_without():
+    args = _data()
+    plan = models.megatron(MESH, "gpt")
+    with_rc = _saved_bytes(autoshard.compile(_ckpt_gpt(), MESH, args, plan=plan).plan, args)
+    without = _saved_bytes(autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, plan=plan).plan, args)
+    print(f"saved for backward on rank 0 (GPT 2 layers, data=2 x model=2): {without} B without recomputation, "
+          f"{with_rc} B with")
+    assert 0 < with_rc < 0.7 * without
+
+
+# ---- recompute="<glob>" -------------------------------------------------------------------------------------
+def test_glob_recomputes_blocks_of_a_model_without_checkpoint_calls():
+    model, args, _ = models.gpt(layers=2)
+    plan = models.megatron(MESH, "gpt")
+    results = _sgd_step_per_rank(model, MESH, args, plan=plan, recompute="blocks.*")
+    _assert_equal_to_eager(results, *_eager_step(model, args), regions=2)
+    glob = autoshard.compile(copy.deepcopy(model), MESH, args, plan=plan, recompute="blocks.*").plan
+    plain = autoshard.compile(copy.deepcopy(model), MESH, args, plan=plan).plan
+    assert list(recompute_regions(glob.graph_module)) == ["blocks.0", "blocks.1"]
+    with_rc, without = _saved_bytes(glob, args), _saved_bytes(plain, args)
+    print(f"saved for backward on rank 0 (recompute='blocks.*'): {without} B without, {with_rc} B with")
+    assert 0 < with_rc < 0.7 * without
+
+
+def test_hf_llama_layers_glob_equal_to_one_device():
+    model, args, kwargs = models.hf_llama(layers=2)
+    mesh = autoshard.Mesh(model=2)
+    results = _sgd_step_per_rank(model, mesh, args, kwargs, plan=models.megatron(mesh, "hf_llama"),
+                                 recompute="model.layers.*")
+    _assert_equal_to_eager(results, *_eager_step(model, args, kwargs), regions=2)
+
+
+def test_glob_matching_no_module_is_an_error_naming_the_paths():
+    model, args, _ = models.gpt(layers=1)
+    with pytest.raises(PlanError) as err:
+        autoshard.compile(model, autoshard.Mesh(data=2), args, recompute="layers.*")
+    text = str(err.value)
+    assert "recompute='layers.*'" in text and "'blocks.0'" in text and "'blocks.*'" in text
+
+
+def test_a_region_with_an_in_place_buffer_write_is_refused():
+    model, args, _ = models.conv_bn()
+    with pytest.raises(PlanError, match="in-place write .* twice"):
+        autoshard.compile(model.train(), autoshard.Mesh(data=2), args, recompute="bn1").plan.rank_module(0)
+
+
+# ---- the memory model -----------------------------------------------------------------------------------------
+def test_activation_bytes_of_the_plan_drop_with_recomputation_and_region_cost_prices_it():
+    model, args, _ = models.gpt(layers=2)
+    plain = autoshard.compile(copy.deepcopy(model), autoshard.Mesh(data=2), args).plan.graph_module
+    glob = autoshard.compile(copy.deepcopy(model), autoshard.Mesh(data=2), args,
+                             recompute="blocks.*").plan.graph_module
+    without = sum(activation_bytes(n) for n in plain.graph.nodes)
+    with_rc = sum(activation_bytes(n) for n in glob.graph.nodes)
+    assert with_rc < 0.7 * without
+    assert sum(activation_bytes(n, region_of=lambda _: None) for n in glob.graph.nodes) == without
+
+    layers = module_regions(plain, "blocks.*")
+    assert list(layers) == ["blocks.0", "blocks.1"]
+    cost = region_cost(layers["blocks.0"])
+    assert 0 < cost.saved_recomputed < cost.saved and cost.peak_extra > 0
+    from autoshard.cost_models.compute import flops
+    assert cost.extra_flops == sum(flops(n) for n in layers["blocks.0"]) > 0
+    # pricing both layers as regions accounts for the whole difference of the two plans
+    both = sum(region_cost(nodes).saving for nodes in layers.values())
+    assert both == without - with_rc
