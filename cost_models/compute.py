@@ -27,7 +27,9 @@ Backward is ≈2× forward for contractions (gradients for both operands), ≈2.
 backward recomputes the scores: 5 matmuls against 2), 1× for the rest, and 0 for ops whose outputs are not
 floating point (no gradient flows). Causal attention is counted in full (the math and CPU kernels compute it).
 
-Time is a roofline, :func:`compute_time`: ``max(flops / peak_flops, bytes / mem_bandwidth) / shard_factor``, where
+Time is a roofline, :func:`compute_time`: ``max(flops / peak_flops(dtype), bytes / mem_bandwidth) / shard_factor``,
+with the profile's FLOP peak for the dtype the op computes in (:func:`compute_dtype`: bf16 matmuls of a
+mixed-precision program at the bf16 tensor-core peak), where
 ``bytes`` (:func:`bytes_accessed`) is every tensor input read once plus the output written once.
 
 :func:`flops_expr` runs the same formulas on symbols instead of sizes, for printing: a linear from ``[b, s, h]`` to
@@ -54,6 +56,7 @@ __all__ = [
     "backward_bytes_accessed",
     "backward_flops",
     "bytes_accessed",
+    "compute_dtype",
     "compute_time",
     "flops",
     "flops_expr",
@@ -177,7 +180,17 @@ def compute_time(node: Node, profile: HardwareProfile, shard_factor: float = 1, 
                         "shard factor is the number of ways the op is split, >= 1.")
     f = backward_flops(node) if backward else flops(node)
     by = backward_bytes_accessed(node) if backward else bytes_accessed(node)
-    return max(f / profile.peak_flops, by / profile.mem_bandwidth) / shard_factor
+    return max(f / profile.flops_for(compute_dtype(node)), by / profile.mem_bandwidth) / shard_factor
+
+
+def compute_dtype(node: Node) -> torch.dtype:
+    """The dtype ``node`` computes in, which picks the FLOP peak of the profile: its first floating tensor input
+    (a matmul's operands; a cast computes nothing), else its first floating output, else float32."""
+    inputs = [x.meta.get("val") for x in node.all_input_nodes]
+    for v in (*inputs, *output_tensors(node)):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.dtype
+    return torch.float32
 
 
 def flops_expr(node: Node, names: Mapping[int, str] | None = None) -> sympy.Expr:

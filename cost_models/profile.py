@@ -1,7 +1,7 @@
 """Hardware profiles: what the cost model needs to know about the machine, per rank.
 
-A :class:`HardwareProfile` holds the compute roofline of one rank (``peak_flops`` in FLOP/s for fp32,
-``mem_bandwidth`` in B/s), its memory (``memory_bytes``), whether communication overlaps compute
+A :class:`HardwareProfile` holds the compute roofline of one rank (``peak_flops`` in FLOP/s for fp32, and per
+dtype in ``dtype_flops`` — bf16 tensor cores run an order of magnitude faster than fp32 —, ``mem_bandwidth`` in B/s), its memory (``memory_bytes``), whether communication overlaps compute
 (``overlap_comm``), and the alpha-beta cost of the links collectives run over: a default :class:`LinkCost` and
 optional per-axis overrides. A link costs ``alpha`` seconds per message step plus ``beta`` seconds per byte
 (``beta = 1 / bandwidth``); see :mod:`autoshard.cost_models.comm` for how the collectives use them.
@@ -18,7 +18,7 @@ Profiles are TOML files; the presets ship in ``cost_models/profiles/`` and load 
 
     name = "cpu-gloo"
     description = "..."
-    peak_flops = 5e10          # FLOP/s per rank (fp32)
+    peak_flops = 5e10          # FLOP/s per rank (fp32); or per dtype: {float32 = 6.7e13, bfloat16 = 9.89e14}
     mem_bandwidth = 1e10       # B/s per rank
     memory_bytes = 8589934592  # per rank
     overlap_comm = false
@@ -63,6 +63,9 @@ __all__ = [
     "profile_to_toml",
     "save_profile",
 ]
+
+#: The dtypes a profile may give a FLOP peak for.
+_FLOP_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 #: Where the preset profiles live (installed as package data).
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -113,8 +116,26 @@ class HardwareProfile:
     link: LinkCost
     axes: tuple[tuple[str, LinkCost], ...] = field(default=())
     description: str = ""
+    #: peak FLOP/s per compute dtype, ``(("bfloat16", 9.89e14), ...)`` (a dict is accepted, and so is a dict as
+    #: ``peak_flops``: its ``float32`` entry becomes ``peak_flops``); a dtype not listed runs at ``peak_flops``
+    dtype_flops: tuple[tuple[str, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        per_dtype = dict(self.dtype_flops.items() if isinstance(self.dtype_flops, Mapping) else self.dtype_flops)
+        if isinstance(self.peak_flops, Mapping):
+            per_dtype = {**self.peak_flops, **per_dtype}
+            if "float32" not in per_dtype:
+                raise PlanError(f"Hardware profile `{self.name}` has peak_flops per dtype {sorted(per_dtype)}, but "
+                                "needs a float32 entry (the default for every dtype not listed).")
+            object.__setattr__(self, "peak_flops", per_dtype["float32"])
+        for key, v in per_dtype.items():
+            if key not in _FLOP_DTYPES:
+                raise PlanError(f"Hardware profile `{self.name}` has peak_flops for {key!r}, but the dtypes are "
+                                f"{list(_FLOP_DTYPES)}.")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise PlanError(f"Hardware profile `{self.name}` has peak_flops {key} = {v!r}, but peak_flops is "
+                                "a finite number > 0 (FLOP/s).")
+        object.__setattr__(self, "dtype_flops", tuple(sorted((k, float(v)) for k, v in per_dtype.items())))
         for what in ("peak_flops", "mem_bandwidth", "memory_bytes"):
             v = getattr(self, what)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -133,6 +154,12 @@ class HardwareProfile:
         object.__setattr__(self, "mem_bandwidth", float(self.mem_bandwidth))
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
         object.__setattr__(self, "overlap_comm", bool(self.overlap_comm))
+
+    def flops_for(self, dtype) -> float:
+        """Peak FLOP/s for ops computing in ``dtype`` (a torch dtype or its name): its ``dtype_flops`` entry, else
+        ``peak_flops``."""
+        key = str(dtype).removeprefix("torch.")
+        return next((v for k, v in self.dtype_flops if k == key), self.peak_flops)
 
     def link_for(self, axis_name: str, axis_index: int | None = None, mesh: Mesh | None = None) -> LinkCost:
         """The link that collectives along mesh axis ``axis_name`` run over.
@@ -203,6 +230,11 @@ def profile_from_dict(data: Mapping, source: str = "<dict>") -> HardwareProfile:
     if unknown:
         raise PlanError(f"Hardware profile {source} has the unknown keys {unknown}; known keys are {sorted(known)}.")
     axes = data.get("axes", {})
+    if isinstance(data["peak_flops"], Mapping):
+        per_dtype = data["peak_flops"]
+        if "float32" not in per_dtype:
+            raise PlanError(f"Hardware profile {source} has peak_flops per dtype {sorted(per_dtype)}, but needs a "
+                            "float32 entry (the default for every dtype not listed).")
     if not isinstance(axes, Mapping):
         raise PlanError(f"Hardware profile {source} has axes={axes!r}, but axes is a table of tables, "
                         'e.g. [axes."data"] alpha = 1e-5 bandwidth = 5e10.')
@@ -254,7 +286,7 @@ def profile_to_toml(profile: HardwareProfile) -> str:
     lines = [
         f"name = {_toml_str(profile.name)}",
         f"description = {_toml_str(profile.description)}",
-        f"peak_flops = {_toml_float(profile.peak_flops)}  # FLOP/s per rank, fp32",
+        _peak_line(profile),
         f"mem_bandwidth = {_toml_float(profile.mem_bandwidth)}  # B/s per rank",
         f"memory_bytes = {profile.memory_bytes}  # {profile.memory_bytes / 2**30:.4g} GiB per rank",
         f"overlap_comm = {'true' if profile.overlap_comm else 'false'}",
@@ -265,6 +297,15 @@ def profile_to_toml(profile: HardwareProfile) -> str:
     for pattern, link in profile.axes:
         lines += ["", f"[axes.{_toml_str(pattern)}]", *_link_lines(link)]
     return "\n".join(lines) + "\n"
+
+
+def _peak_line(profile: HardwareProfile) -> str:
+    if not profile.dtype_flops:
+        return f"peak_flops = {_toml_float(profile.peak_flops)}  # FLOP/s per rank, fp32"
+    entries = dict(profile.dtype_flops)
+    entries["float32"] = profile.peak_flops
+    inner = ", ".join(f"{k} = {_toml_float(v)}" for k, v in sorted(entries.items()))
+    return f"peak_flops = {{{inner}}}  # FLOP/s per rank, per compute dtype"
 
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
@@ -280,7 +321,8 @@ def format_profile(profile: HardwareProfile) -> str:
     def link(lc: LinkCost) -> str:
         return f"alpha={lc.alpha * 1e6:.3g} us, bandwidth={lc.bandwidth / 1e9:.4g} GB/s"
 
-    out = [(f"profile {profile.name}: peak {profile.peak_flops / 1e12:.4g} TFLOP/s, memory bandwidth "
+    per = "".join(f", {k} {v / 1e12:.4g}" for k, v in profile.dtype_flops if k != "float32")
+    out = [(f"profile {profile.name}: peak {profile.peak_flops / 1e12:.4g} TFLOP/s{per}, memory bandwidth "
             f"{profile.mem_bandwidth / 1e9:.4g} GB/s, memory {profile.memory_bytes / 2**30:.4g} GiB per rank, "
             f"overlap_comm={profile.overlap_comm}"),
            f"  link (default): {link(profile.link)}"]
