@@ -176,6 +176,23 @@ def test_recomputation_saves_fewer_bytes_than_the_plan_without():
     assert 0 < with_rc < 0.7 * without
 
 
+def test_a_region_runs_its_collectives_again_in_backward_on_every_rank():
+    args = _data()
+    plan = models.megatron(MESH, "gpt")
+    rc = autoshard.compile(_ckpt_gpt(), MESH, args, plan=plan).plan
+    plain = autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, plan=plan).plan
+    inside = [n for n in rc.rank_module(0).recompute_blocks_0.graph.nodes if n.target is torch.ops.autoshard.all_reduce.default]
+    assert len(inside) == 2  # the block's two Megatron all-reduces (attention out, MLP out)
+    logs, base = rc.simulate(args).logs, plain.simulate(args).logs
+    for log, ref in zip(logs, base):
+        entries = [(r.kind, r.axis, r.phase) for r in log]
+        extra = list(entries)
+        for e in [(r.kind, r.axis, r.phase) for r in ref]:
+            extra.remove(e)
+        assert sorted(extra) == [("all_reduce", "model", "forward")] * 4  # 2 blocks x 2, run again in backward
+    assert len({tuple((r.kind, r.axis, r.numel) for r in log) for log in logs}) == 1  # same order on every rank
+
+
 # ---- recompute="<glob>" -------------------------------------------------------------------------------------
 def test_glob_recomputes_blocks_of_a_model_without_checkpoint_calls():
     model, args, _ = models.gpt(layers=2)
@@ -232,3 +249,42 @@ def test_activation_bytes_of_the_plan_drop_with_recomputation_and_region_cost_pr
     # pricing both layers as regions accounts for the whole difference of the two plans
     both = sum(region_cost(nodes).saving for nodes in layers.values())
     assert both == without - with_rc
+
+
+# ---- real processes --------------------------------------------------------------------------------------------
+def _gloo_plan():
+    args = _data()
+    return args, autoshard.compile(_ckpt_gpt(train=True), MESH, args, plan=models.megatron(MESH, "gpt")).plan
+
+
+def _gloo_worker(rank, world_size):
+    from autoshard.runtime import DistCommunicator, use
+
+    comm = DistCommunicator(MESH, timeout=60)
+    args, plan = _gloo_plan()
+    module = plan.rank_module(rank)
+    a, k = plan.shard_inputs(rank, args)
+    with use(comm):
+        loss = loss_of(module(*a, **k))
+        loss.backward()
+    return (loss.item(), {n: p.grad for n, p in module.named_parameters()},
+            [(r.kind, r.axis, r.numel, r.phase) for r in comm.log])
+
+
+@pytest.mark.gloo
+def test_checkpointed_regions_with_dropout_on_gloo_equal_the_simulator():
+    """4 gloo processes, train mode: each region's collectives run again in backward on every rank, in the same
+    order as the simulator's, and the recomputed dropout masks give the simulator's loss and gradients."""
+    from autoshard.placements import assemble
+    from autoshard.runtime import spawn
+
+    results = spawn(_gloo_worker, 4, timeout=240)
+    args, plan = _gloo_plan()
+    sim = plan.simulate(args)
+    specs = plan.param_specs()
+    for rank in range(4):
+        assert results[rank][0] == pytest.approx(loss_of(sim.outputs[rank]).item(), abs=1e-5)
+        assert results[rank][2] == [(r.kind, r.axis, r.numel, r.phase) for r in sim.logs[rank]]
+    for fqn, spec in specs.items():
+        real = assemble([results[r][1][fqn] for r in range(4)], spec, plan.mesh)
+        torch.testing.assert_close(real, sim.grads[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
