@@ -55,6 +55,10 @@ RECOMPUTE = "autoshard.recompute"
 #: On the cast nodes of mixed precision (passes/mixed_precision.py): True on ``_to_copy(master, dtype=param_dtype)``
 #: after a parameter or floating input; the ZeRO pass moves a parameter's data-axis storage shard through it.
 PRECISION_CAST = "autoshard.precision_cast"
+#: On op nodes inlined from a ``torch.autocast`` region (passes/mixed_precision.py): the casts autocast applies to
+#: the op's parameter inputs, ``((flat argument index, dtype), ...)``, inserted after propagation (the parameter,
+#: not a cast of it, is what the planners see the op consume).
+AUTOCAST_CASTS = "autoshard.autocast_casts"
 
 
 @dataclass(frozen=True)

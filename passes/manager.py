@@ -12,6 +12,7 @@ given options::
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
     mixed_precision     (precision=...)
+    autocast_param_casts  (after inline_autocast)
     shard_storage       (zero=1|2|3|"auto")            follow_rank_device    (the program names no device)
     insert_collectives
     reduce_precision    (precision reduce_dtype)
@@ -37,7 +38,8 @@ from autoshard.passes.bucket_grad_sync import BucketGradSync
 from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
 from autoshard.passes.localize import Localize
-from autoshard.passes.mixed_precision import InlineAutocast, MixedPrecisionCasts, ReducePrecision
+from autoshard.passes.mixed_precision import (AutocastParamCasts, InlineAutocast, MixedPrecisionCasts,
+                                              ReducePrecision)
 from autoshard.passes.propagate import Propagate
 from autoshard.passes.recompute import MarkRecompute, Recompute
 from autoshard.passes.rank_device import FollowRankDevice
@@ -107,6 +109,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         if options.planner == "search" else None,
         Propagate(),
         MixedPrecisionCasts(mp.param_dtype, mp.output_dtype) if mp else None,
+        AutocastParamCasts(),
         ShardStorage() if options.zero != 0 else None,
         InsertCollectives(),
         ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp and mp.grad_reduce_dtype != mp.param_dtype

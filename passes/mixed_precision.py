@@ -11,7 +11,9 @@ plan-phase passes:
   autocast applies to an op is asked of autocast itself, not of a table of ours: the op is traced once with
   ``make_fx`` on FakeTensors of its inputs' dtypes, under the region's ``torch.autocast`` state, and each input
   whose traced path goes through a ``_to_copy`` gets that cast (:func:`autocast_input_dtypes`, cached per op and
-  dtypes). The values are then eager autocast's to the bit, and every op keeps its own sharding rule. Regions
+  dtypes). The values are then eager autocast's to the bit, and every op keeps its own sharding rule. Casts of
+  parameters are left to :class:`AutocastParamCasts` (``autocast_param_casts``, after propagation), so the planners
+  place the parameters for the op that uses them, as without autocast. Regions
   nested in the block (``enabled=False`` inside) follow their own state. A region whose ``device_type`` is not the
   traced tensors' device type does nothing, as in eager PyTorch (autocast("cuda") leaves CPU tensors alone).
 - :class:`MixedPrecisionCasts` (``mixed_precision``, right after ``propagate``): a cast ``_to_copy(x, dtype=param_dtype)``
@@ -45,7 +47,7 @@ from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.precision import fake_like
 
-__all__ = ["InlineAutocast", "MixedPrecisionCasts", "ReducePrecision", "autocast_input_dtypes"]
+__all__ = ["AutocastParamCasts", "InlineAutocast", "MixedPrecisionCasts", "ReducePrecision", "autocast_input_dtypes"]
 
 aten = torch.ops.aten
 _CAST = aten._to_copy.default
@@ -287,34 +289,79 @@ def _emit_region(gm: torch.fx.GraphModule, hop: torch.fx.Node, hop_args: tuple, 
         if n.target is operator.getitem and isinstance(args[0], list):
             env[n] = args[0][args[1]]
             continue
+        deferred = ()
         if state[2] and isinstance(n.target, torch._ops.OpOverload):
-            args, kwargs = _autocast_casts(graph, n, args, kwargs, state, mode)
+            args, kwargs, deferred = _autocast_casts(gm, n, args, kwargs, state, mode)
         new = graph.create_node(n.op, n.target, args, kwargs, name=n.name)
         new.meta.update(n.meta)
+        if deferred:
+            new.meta[M.AUTOCAST_CASTS] = deferred
         if "nn_module_stack" not in new.meta and "nn_module_stack" in hop.meta:
             new.meta["nn_module_stack"] = hop.meta["nn_module_stack"]
         env[n] = new
     raise PlanError(f"autocast region `{hop.name}` has no output node.")
 
 
-def _autocast_casts(graph, n: torch.fx.Node, args, kwargs, state, mode):
-    """``args``/``kwargs`` of op node ``n`` with the casts autocast applies to them in region ``state``."""
+def _autocast_casts(gm, n: torch.fx.Node, args, kwargs, state, mode):
+    """``args``/``kwargs`` of op node ``n`` with the casts autocast applies to them in region ``state``, and the
+    casts of parameters left for :class:`AutocastParamCasts` as ``((flat index, dtype), ...)``."""
+    graph = gm.graph
     flat, spec = pytree.tree_flatten((args, kwargs))
     tensors = tuple(i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)
                     and isinstance(a.meta.get("val"), torch.Tensor))
     if not tensors:
-        return args, kwargs
+        return args, kwargs, ()
     vals = [flat[i].meta["val"] for i in tensors]
     if vals[0].device.type != state[0]:
-        return args, kwargs  # autocast of another device type leaves these tensors alone, as in eager
+        return args, kwargs, ()  # autocast of another device type leaves these tensors alone, as in eager
     others = [None if isinstance(a, torch.fx.Node) else a for a in flat]
     dtypes = autocast_input_dtypes(n.target, tuple((tuple(v.shape), v.dtype) for v in vals), state, others, spec,
                                    tensors)
+    deferred = []
     for i, v, want in zip(tensors, vals, dtypes):
-        if want is not None and want != v.dtype:
+        if want is None or want == v.dtype:
+            continue
+        if flat[i].op == "get_attr" and isinstance(_attr(gm, flat[i].target), torch.nn.Parameter):
+            deferred.append((i, want))  # cast after propagation, where the parameter lies
+        else:
             flat[i] = _cast_node(graph, flat[i], want, n, mode, mark=False)
     args, kwargs = pytree.tree_unflatten(flat, spec)
-    return args, kwargs
+    return args, kwargs, tuple(deferred)
+
+
+@dataclass(frozen=True)
+class AutocastParamCasts:
+    """Autocast's casts of parameters (``meta[AUTOCAST_CASTS]`` of the ops ``inline_autocast`` wrote out), inserted
+    after propagation in the layout the parameter was given — so the planners, which place a free parameter where
+    its first consumer wants it and hold an annotated one to its annotation, see the op consume the parameter
+    itself, exactly as without autocast. One cast per (value, dtype), shared by the ops that read it."""
+
+    name: str = "autocast_param_casts"
+    phase: str = "plan"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        todo = [n for n in gm.graph.nodes if n.meta.get(M.AUTOCAST_CASTS)]
+        if not todo:
+            return gm
+        mode = _fake_mode(gm)
+        made: dict[tuple, torch.fx.Node] = {}
+        for node in todo:
+            flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+            for i, dtype in node.meta.pop(M.AUTOCAST_CASTS):
+                x = flat[i]
+                if x.meta["val"].dtype == dtype:
+                    continue
+                if (x, dtype) not in made:
+                    with gm.graph.inserting_after(x):
+                        made[x, dtype] = _cast_node(gm.graph, x, dtype, node, mode, mark=False)
+                    _same_layout(made[x, dtype], x, note="autocast: a cast in place")
+                flat[i] = made[x, dtype]
+            args, kwargs = pytree.tree_unflatten(flat, spec)
+            node.args, node.kwargs = tuple(args), dict(kwargs)
+        gm.graph.lint()
+        gm.recompile()
+        ctx.report[self.name] = {"casts": len(made)}
+        return gm
 
 
 _PROBED: dict[tuple, tuple] = {}
