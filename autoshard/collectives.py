@@ -26,6 +26,7 @@ import torch
 import torch.fx
 
 import autoshard.runtime.collectives  # noqa: F401  (registers the torch.ops.autoshard collectives)
+import autoshard.runtime.zero  # noqa: F401  (registers all_gather_reshard_group)
 from autoshard.mesh import Mesh
 
 __all__ = ["KINDS", "CollectiveKind", "emit", "kind_of", "time", "wire_bytes"]
@@ -67,6 +68,9 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    doc="all_gather + grad_all_reduce fused (sequence parallel): backward one reduce-scatter"),
     CollectiveKind("all_gather_reshard", "all_gather_reshard", "all_gather", "reduce_scatter", regather=True,
                    doc="all_gather_sync of a ZeRO-3 parameter: not kept for backward, gathered again there"),
+    CollectiveKind("all_gather_reshard_group", "all_gather_reshard_group", "all_gather", "reduce_scatter",
+                   regather=True, doc="all_gather_reshard of a layer's parameters at once: one flat all-gather, one "
+                                      "reduce-scatter (passes/group_gathers.py)"),
     CollectiveKind("linears_grad_all_reduce", "linears_grad_all_reduce", None, "all_reduce", sized=False,
                    doc="grad_all_reduce feeding linears: backward all-reduce overlapped with weight grads"),
 )}

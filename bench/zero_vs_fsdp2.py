@@ -8,6 +8,8 @@ step is the same elementwise update of the same shards in both):
   ``ShardedModule`` as a user runs it: every parameter stored sharded on dim 0 over the data axis, all-gathered
   before use (``all_gather_reshard``), the gathered copy freed after forward and gathered again in backward, the
   gradient reduce-scattered by the gather's backward; the loss is the global batch's (one loss all-reduce).
+* **autoshard-ungrouped**: the same, with the ``group_gathers`` rank pass left out: one all-gather, one
+  re-gather and one reduce-scatter per parameter (autoshard before that pass) — the "before" of the grouping;
 * **FSDP2**: ``fully_shard(block, mesh, reshard_after_forward=True)`` for every block, then on the root (the
   embeddings, final norm and tied head, which FSDP2 keeps gathered between forward and backward); the loss is this
   rank's half (quarter) of the batch, so the max loss difference below compares autoshard's loss with the mean of
@@ -47,10 +49,10 @@ if str(_ROOT) not in sys.path:  # run as a script (and in spawned workers): make
 TIMED = 2
 SIZES = {
     # per-rank batch 4 x 64 tokens; 4 blocks of hidden 256: 3.4M parameters (vocab 1024, tied head)
-    "full": {"batch_per_rank": 4, "seq": 64, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4, "reps": 8},
+    "full": {"batch_per_rank": 4, "seq": 32, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4, "reps": 6},
     "quick": {"batch_per_rank": 2, "seq": 16, "hidden": 64, "heads": 4, "vocab": 128, "layers": 2, "reps": 2},
 }
-SYSTEMS = ("autoshard", "FSDP2")
+SYSTEMS = ("autoshard", "autoshard-ungrouped", "FSDP2")
 
 
 def _counting(log: list):
@@ -111,8 +113,18 @@ def _worker(rank, world, size_name, reps):
 
     mesh = autoshard.Mesh(data=world)
     comm = DistCommunicator(mesh, timeout=300)
+    from autoshard.passes.group_gathers import GroupGathers
+
     with use(comm):
         sharded = autoshard.compile(copy.deepcopy(model), mesh, (ids, labels), zero=3, comm=comm)
+        sharded.materialize()
+        grouped_run = GroupGathers.run
+        GroupGathers.run = lambda self, gm, ctx: gm  # the program as it was before the pass
+        try:
+            ungrouped = autoshard.compile(copy.deepcopy(model), mesh, (ids, labels), zero=3, comm=comm)
+            ungrouped.materialize()
+        finally:
+            GroupGathers.run = grouped_run
     local, _ = sharded.plan.shard_inputs(rank, (ids, labels))
 
     fsdp = copy.deepcopy(model)
@@ -137,16 +149,19 @@ def _worker(rank, world, size_name, reps):
 
     steps = {
         "autoshard": step_of(sharded, lambda: loss_of(sharded(*local))),
+        "autoshard-ungrouped": step_of(ungrouped, lambda: loss_of(ungrouped(*local))),
         "FSDP2": step_of(fsdp, lambda: fsdp(*local)),
     }
-    modules = {"autoshard": sharded, "FSDP2": fsdp}
+    modules = {"autoshard": sharded, "autoshard-ungrouped": ungrouped, "FSDP2": fsdp}
     info = {k: {} for k in SYSTEMS}
     # one step each: losses, gradients, bytes
-    comm.log.clear()
-    loss_a = steps["autoshard"]()
-    records = list(comm.log)
-    info["autoshard"]["bytes"] = _by_kind((r.kind, r.nbytes) for r in records)
-    info["autoshard"]["n"] = len(records)
+    losses = {}
+    for key in ("autoshard-ungrouped", "autoshard"):
+        comm.log.clear()
+        loss_a = losses[key] = float(steps[key]())
+        records = list(comm.log)
+        info[key]["bytes"] = _by_kind((r.kind, r.nbytes) for r in records)
+        info[key]["n"] = len(records)
     fsdp_log.clear()
     loss_f = steps["FSDP2"]()
     info["FSDP2"]["bytes"] = _by_kind(fsdp_log)
@@ -154,18 +169,20 @@ def _worker(rank, world, size_name, reps):
     mean_f = loss_f.detach().clone()
     dist.all_reduce(mean_f)
     mean_f /= world
-    grads_a = dict(sharded.named_parameters())
-    diff = 0.0
-    for name, p in fsdp.named_parameters():
-        mine = grads_a.get(name)
-        if mine is None or mine.grad is None or p.grad is None:
-            continue
-        theirs = p.grad.to_local()
-        if theirs.shape != mine.grad.shape:  # FSDP2 pads dim 0 where it does not divide; none here
-            diff = float("nan")
-            continue
-        diff = max(diff, (theirs - mine.grad).abs().max().item())
-    info["loss"] = (float(loss_a), float(mean_f), abs(float(loss_a) - float(mean_f)), diff)
+    diff, compared = 0.0, 0
+    for key, mod in (("autoshard", sharded), ("autoshard-ungrouped", ungrouped)):
+        grads_a = dict(mod.named_parameters())
+        for name, p in fsdp.named_parameters():
+            mine = grads_a.get(name)
+            if mine is None or mine.grad is None or p.grad is None:
+                continue
+            theirs = p.grad.to_local()
+            compared += 1
+            if theirs.shape != mine.grad.shape:  # FSDP2 pads dim 0 where it does not divide; none here
+                diff = float("nan")
+                continue
+            diff = max(diff, (theirs - mine.grad).abs().max().item())
+    info["loss"] = (loss_a, float(mean_f), max(abs(v - float(mean_f)) for v in losses.values()), diff, compared)
     for key in SYSTEMS:
         info[key]["peak"] = _peak_bytes(steps[key], modules[key])
     times = {k: [] for k in SYSTEMS}
@@ -209,8 +226,10 @@ def summarize(results: list[dict]) -> dict:
                 for bursts in zip(*(r["times"][key] for r in results))]
 
     per_step = {k: [max(s) for rep in zip(*(r["times"][k] for r in results)) for s in zip(*rep)] for k in SYSTEMS}
-    out = {"ratio": statistics.median(a / f for a, f in zip(slower("autoshard"), slower("FSDP2"))),
+    base = slower("FSDP2")
+    out = {"ratio": {k: statistics.median(a / f for a, f in zip(slower(k), base)) for k in SYSTEMS},
            "loss": tuple(max(r["loss"][i] for r in results) for i in (2, 3)),
+           "compared": min(r["loss"][4] for r in results),
            "losses": results[0]["loss"][:2], "params": results[0]["params"]}
     for k in SYSTEMS:
         peaks = [r[k]["peak"] for r in results]
@@ -225,7 +244,7 @@ def report(by_world: dict[int, dict]) -> str:
     for world, s in by_world.items():
         for k in SYSTEMS:
             b = s[k]["bytes"]
-            rows.append((str(world), k, f"{s[k]['ms']:.1f}", f"{s['ratio']:.2f}" if k == "autoshard" else "1.00",
+            rows.append((str(world), k, f"{s[k]['ms']:.1f}", f"{s['ratio'][k]:.2f}",
                          _fmt_bytes(s[k]["peak"]), _fmt_bytes(b.get("all_gather", 0)),
                          _fmt_bytes(b.get("reduce_scatter", 0)), _fmt_bytes(b.get("all_reduce", 0)),
                          _fmt_bytes(sum(b.values())), str(s[k]["n"])))
@@ -238,7 +257,8 @@ def report(by_world: dict[int, dict]) -> str:
     for world, s in by_world.items():
         la, lf = s["losses"]
         lines.append(f"\n{world} ranks: loss autoshard {la:.6f}, FSDP2 (mean of ranks) {lf:.6f}; max |loss diff| "
-                     f"{s['loss'][0]:.2e}, max |grad diff| over shards {s['loss'][1]:.2e}")
+                     f"{s['loss'][0]:.2e}, max |grad diff| over {s['compared']} gradient shards (both autoshard "
+                     f"programs vs FSDP2's) {s['loss'][1]:.2e}")
     return "\n".join(lines)
 
 
@@ -247,7 +267,7 @@ def main(argv=None) -> dict[int, dict]:
     parser.add_argument("--quick", action="store_true", help="small model, 2 repetitions (a smoke run)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=None,
-                        help=f"repetitions (default full 8, quick 2), each 1 untimed + {TIMED} timed steps per system")
+                        help=f"repetitions (default full 6, quick 2), each 1 untimed + {TIMED} timed steps per system")
     a = parser.parse_args(argv)
     from autoshard.runtime import spawn
 
@@ -258,7 +278,7 @@ def main(argv=None) -> dict[int, dict]:
     print(f"GPT {({k: v for k, v in SIZES[size_name].items() if k != 'reps'})}, "
           f"{by_world[a.ranks[0]]['params'] / 1e6:.2f}M parameters; gloo on 127.0.0.1, 1 thread per process; "
           f"forward + backward; step = median over {reps} reps x {TIMED} timed steps (slower rank); ratio = median "
-          "over reps of autoshard / FSDP2 in the same rep; peak = MemTracker (tensor storages, max over ranks); "
+          "over reps of system / FSDP2 in the same rep; peak = MemTracker (tensor storages, max over ranks); "
           "bytes = collective inputs per rank, one step")
     print(report(by_world))
     print(f"\n({time.time() - t0:.0f} s)")

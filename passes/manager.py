@@ -18,6 +18,7 @@ given options::
     reduce_precision    (precision reduce_dtype)
     pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
                                                        recompute             (regions → checkpointed child modules)
+                                                       group_gathers         (ZeRO-3: a layer's gathers as one)
 
 Passes exchange results only through namespaced node/graph metadata (:mod:`autoshard.meta`) — never through
 another pass's state or the user's options. After every pass :func:`verify` checks autoshard's own invariants
@@ -37,6 +38,7 @@ import torch.fx
 from autoshard.passes.bucket_grad_sync import BucketGradSync
 from autoshard.passes.collectives import InsertCollectives
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
+from autoshard.passes.group_gathers import GroupGathers
 from autoshard.passes.localize import Localize
 from autoshard.passes.mixed_precision import (AutocastParamCasts, InlineAutocast, MixedPrecisionCasts,
                                               ReducePrecision)
@@ -123,6 +125,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         FollowRankDevice(),
         FuseLinearsGradSync(),
         Recompute(),
+        GroupGathers(),
     ]
     return {"plan": [p for p in plan if p is not None], "rank": [p for p in rank if p is not None]}
 

@@ -23,7 +23,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.fx
 
-__all__ = ["remember_gathered", "reshard_after_forward", "running"]
+__all__ = ["gather_group", "reduce_group", "remember_gathered", "remember_gathered_group", "reshard_after_forward",
+           "running"]
 
 _LOCAL = threading.local()
 
@@ -103,8 +104,8 @@ def running(program: torch.fx.GraphModule):
     (``all_gather_reshard`` nodes; looked up once per program), else nothing."""
     flag = program.meta.get("autoshard.reshards")
     if flag is None:
-        op = torch.ops.autoshard.all_gather_reshard.default
-        flag = program.meta["autoshard.reshards"] = any(n.target is op for n in program.graph.nodes)
+        ops = (torch.ops.autoshard.all_gather_reshard.default, torch.ops.autoshard.all_gather_reshard_group.default)
+        flag = program.meta["autoshard.reshards"] = any(n.target in ops for n in program.graph.nodes)
     return reshard_after_forward() if flag else nullcontext()
 
 
@@ -122,3 +123,159 @@ def reshard_after_forward():
             yield
     finally:
         _LOCAL.session = None
+
+
+# ---- grouped gathers: one collective per layer (passes/group_gathers.py) --------------------------------------
+def _by_dtype(dtypes) -> list[list[int]]:
+    """Indices of ``dtypes`` grouped by dtype, groups in order of first appearance (the same on every rank)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, dt in enumerate(dtypes):
+        groups.setdefault(dt, []).append(i)
+    return list(groups.values())
+
+
+def gather_group(shards, axis: str, dims, size: int, phase: str) -> list[torch.Tensor]:
+    """Every shard of ``shards`` gathered along its dim of ``dims`` over ``axis``, with one all-gather per dtype:
+    the shards are concatenated into one flat buffer, gathered into ``(size, total)`` (row r: rank r's buffer), and
+    each parameter's columns are copied out into its own tensor, rank chunks concatenated along its dim."""
+    from autoshard.runtime.collectives import _all_gather
+
+    outs: list[torch.Tensor | None] = [None] * len(shards)
+    for idx in _by_dtype([s.dtype for s in shards]):
+        flat = torch.cat([shards[i].reshape(-1) for i in idx])
+        gathered = _all_gather(flat, axis, 0, size, phase).view(size, flat.numel())
+        offset = 0
+        for i in idx:
+            x, d = shards[i], dims[i]
+            n = x.numel()
+            full = list(x.shape)
+            full[d] *= size
+            out = gathered[:, offset:offset + n].reshape(size, *x.shape).movedim(0, d).reshape(full).contiguous()
+            if len(idx) > 1 and out.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr():
+                out = out.clone()  # outputs of one op may not share storage
+            outs[i] = out
+            offset += n
+    return outs
+
+
+def reduce_group(grads, shapes, dtypes, axis: str, dims, size: int, axes) -> list[torch.Tensor]:
+    """The gradients of :func:`gather_group`'s outputs to its shards, with one collective per dtype and axis: the
+    full gradients laid out as ``(size, total)`` (row r: every parameter's chunk r along its dim), summed over the
+    axes of ``axes`` before ``axis``, reduce-scattered on ``axis``, summed over the axes after it — as
+    ``all_gather_sync``'s backward per parameter; where ``axis`` is not in ``axes``, summed over ``axes`` and this
+    rank's row kept (``all_gather_reshard``'s backward with replicated compute)."""
+    from autoshard.runtime.collectives import _chunk, _reduce_scatter, _sum_over
+
+    out: list[torch.Tensor | None] = [None] * len(shapes)
+    for idx in _by_dtype(dtypes):
+        rows = []
+        for i in idx:
+            d, shard = dims[i], shapes[i]
+            full = list(shard)
+            full[d] *= size
+            g = grads[i]
+            if g is None:
+                g = torch.zeros(full, dtype=dtypes[i], device=next((x.device for x in grads if x is not None), None))
+            rows.append(g.reshape(full).unflatten(d, (size, shard[d])).movedim(d, 0).reshape(size, -1))
+        flat = torch.cat(rows, 1)
+        if axis in axes:
+            k = axes.index(axis)
+            flat = _sum_over(flat, axes[:k])
+            row = _reduce_scatter(flat, axis, 0, size, "backward")
+            row = _sum_over(row, axes[k + 1:])
+        else:
+            row = _chunk(_sum_over(flat, axes), axis, 0, size)
+        row = row.reshape(-1)
+        offset = 0
+        for i in idx:
+            n = torch.Size(shapes[i]).numel()
+            out[i] = row[offset:offset + n].view(shapes[i])
+            offset += n
+    return out
+
+
+@torch.library.custom_op("autoshard::all_gather_reshard_group", mutates_args=(),
+                         schema="(Tensor[] xs, str axis, int[] dims, int size, str[] axes) -> Tensor[]")
+def _all_gather_reshard_group_op(xs, axis, dims, size, axes):
+    outs = gather_group(list(xs), axis, list(dims), size, "forward")
+    return remember_gathered_group(outs, list(xs), axis, list(dims), size)
+
+
+@_all_gather_reshard_group_op.register_fake
+def _(xs, axis, dims, size, axes):
+    outs = []
+    for x, d in zip(xs, dims):
+        shape = list(x.shape)
+        shape[d] *= size
+        outs.append(x.new_empty(shape))
+    return outs
+
+
+def _setup_group(ctx, inputs, output):
+    from autoshard.runtime.collectives import _keep_comm
+
+    _keep_comm(ctx)
+    xs, ctx.axis, dims, ctx.size, axes = inputs
+    ctx.dims, ctx.axes = tuple(dims), tuple(axes)
+    ctx.shapes, ctx.dtypes = [tuple(x.shape) for x in xs], [x.dtype for x in xs]
+
+
+def _group_backward(ctx, grads):
+    from autoshard.runtime.collectives import _comm_of
+
+    with _comm_of(ctx):
+        out = reduce_group(list(grads), ctx.shapes, ctx.dtypes, ctx.axis, ctx.dims, ctx.size, ctx.axes)
+    return out, None, None, None, None
+
+
+_all_gather_reshard_group_op.register_autograd(_group_backward, setup_context=_setup_group)
+
+
+class _GatheredGroup:
+    """The shards of one ``all_gather_reshard_group`` call: the first member that backward needs gathers the whole
+    group again (one collective per dtype), the members still saved for backward keep their copies until their
+    last use (FSDP2 re-gathers a layer's parameters at once in its pre-backward hook)."""
+
+    __slots__ = ("axis", "comm", "dims", "members", "shards", "size")
+
+    def __init__(self, shards, axis, dims, size, comm):
+        self.shards, self.axis, self.dims, self.size, self.comm = [s.detach() for s in shards], axis, dims, size, comm
+        self.members: list[_GroupMember] = []
+
+    def gather(self) -> None:
+        from autoshard.runtime.comm import use
+
+        with use(self.comm):
+            outs = gather_group(self.shards, self.axis, self.dims, self.size, "backward")
+        for member, out in zip(self.members, outs):
+            if member.packs > 0:
+                member.copy = out
+
+
+class _GroupMember:
+    """One gathered parameter of a group, with :class:`_Gathered`'s interface for ``_pack``/``_unpack``."""
+
+    __slots__ = ("copy", "group", "packs", "ref")
+
+    def __init__(self, group: _GatheredGroup, out: torch.Tensor):
+        self.group, self.ref, self.packs, self.copy = group, weakref.ref(out), 0, None
+
+    def full(self) -> torch.Tensor:
+        if self.copy is None:
+            self.group.gather()
+        return self.copy
+
+
+def remember_gathered_group(outs, shards, axis: str, dims, size: int):
+    """Called by ``all_gather_reshard_group``'s kernel: note each of ``outs`` as a gathered copy of its shard, to
+    be gathered again with its group in backward (under :func:`reshard_after_forward`)."""
+    session = _session()
+    if session is not None:
+        from autoshard.runtime.comm import current
+
+        group = _GatheredGroup(shards, axis, list(dims), size, current())
+        for out in outs:
+            member = _GroupMember(group, out)
+            group.members.append(member)
+            session[id(out)] = member
+    return outs
