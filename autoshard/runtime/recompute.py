@@ -11,6 +11,10 @@ region's inputs and runs it again when backward first needs one of its saved ten
   to its value at the region's forward for the recomputation, so every mask is drawn again identical, and restores it
   after.
 
+Under ``torch.compile`` the compiled backward does the recomputation and ``context_fn`` must be a selective
+checkpoint policy: :func:`_keep_random_outputs` keeps dropout's outputs (its mask) and recomputes the rest, so the
+compiled program's gradients equal eager's.
+
 Without autograd (``torch.no_grad()``, inference) the region is simply called.
 """
 
@@ -22,6 +26,7 @@ import torch
 import torch.utils.checkpoint
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime import ops as _ops  # noqa: F401  (registers torch.ops.autoshard.dropout)
 from autoshard.runtime.comm import current
 
 __all__ = ["checkpoint"]
@@ -31,6 +36,9 @@ def checkpoint(region, *inputs):
     """``region(*inputs)``, its activations recomputed in backward instead of saved."""
     if not torch.is_grad_enabled():
         return region(*inputs)
+    if torch.compiler.is_compiling():  # the compiled backward recomputes; dropout's outputs are kept (module doc)
+        return torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True,
+                                                 context_fn=_keep_random_outputs)
     return torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True,
                                              early_stop=False, context_fn=_same_random_calls)
 
@@ -60,6 +68,20 @@ def _same_random_calls():
             comm.random_calls = after
 
     return forward(), recompute()
+
+
+def _keep_random_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.autoshard.dropout.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_random_outputs():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_random_policy)
 
 
 def _communicator():
