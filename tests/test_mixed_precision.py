@@ -143,6 +143,55 @@ def test_reduce_dtype_fp32_syncs_gradients_on_the_fp32_masters():
     _check_grads(_by_model_name(sim.grads, plan), _under_policy(model, args, kwargs, policy)[1], tol=6e-2)
 
 
+def test_zero3_gathers_bf16_copies_and_output_dtype_casts_the_loss():
+    model, args, kwargs = _model("gpt")
+    mesh = autoshard.Mesh(**MESH)
+    policy = autoshard.MixedPrecision(torch.bfloat16, output_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # parameters too small to shard over the data axis are named in a warning
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+                                 precision=policy, zero=3).plan
+    gathers = [n for n in plan.graph_module.graph.nodes if M.COLLECTIVE in n.meta
+               and n.meta[M.COLLECTIVE].kind.startswith("all_gather") and n.meta[M.COLLECTIVE].axes == ("data",)]
+    # the cast runs on the stored shard, so the gather moves bf16 bytes (FSDP2 casts at all-gather)
+    assert gathers and all(n.meta["val"].dtype == torch.bfloat16 and n.args[0].meta.get(M.PRECISION_CAST)
+                           for n in gathers)
+    sim = plan.simulate(args, kwargs)
+    ref_loss, ref_grads = _under_policy(model, args, kwargs, policy)
+    loss = loss_of(sim.outputs[0])
+    assert loss.dtype == torch.float32 and loss.item() == loss.to(torch.bfloat16).item()  # bf16 loss, cast
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=8e-3, atol=0)
+    _check_grads(_by_model_name(sim.grads, plan), ref_grads, tol=6e-2)
+
+
+def test_floating_inputs_are_cast_and_get_fp32_gradients():
+    model, (x,), _, plan = models.gpt_block()
+    policy = autoshard.MixedPrecision(torch.bfloat16)
+    compiled = autoshard.compile(copy.deepcopy(model), autoshard.Mesh(model=2), (x,), plan=plan,
+                                 precision=policy).plan
+    holder = next(n for n in compiled.graph_module.graph.nodes if n.op == "placeholder")
+    assert holder.meta["val"].dtype == torch.float32  # the caller passes fp32
+    assert [u.meta.get(M.PRECISION_CAST) for u in holder.users] == [True]
+    world = SimWorld(compiled.mesh)
+
+    def body(rank):
+        xs = x.detach().clone().requires_grad_(True)  # no data axis: every rank takes the whole input
+        loss = compiled.rank_module(rank)(xs)
+        loss.backward()
+        return loss.detach(), xs.grad
+
+    out = world.run(body)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = copy.deepcopy(model)
+    params = {n: p.to(torch.bfloat16) for n, p in ref.named_parameters()}
+    ref_loss = torch.func.functional_call(ref, params, (ref_x.to(torch.bfloat16),))
+    ref_loss.backward()
+    for loss, grad in out:
+        torch.testing.assert_close(loss.float(), ref_loss.detach().float(), rtol=8e-3, atol=0)
+        assert grad.dtype == torch.float32
+        assert _rel(grad, ref_x.grad, 0.0) < 2e-2
+
+
 def test_three_adamw_steps_update_fp32_masters_like_the_policy_on_one_device():
     model, args, kwargs = _model("gpt")
     mesh = autoshard.Mesh(**MESH)
