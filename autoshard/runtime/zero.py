@@ -225,7 +225,7 @@ def _group_backward(ctx, grads):
 
     with _comm_of(ctx):
         out = reduce_group(list(grads), ctx.shapes, ctx.dtypes, ctx.axis, ctx.dims, ctx.size, ctx.axes)
-    return out, None, None, None, None
+    return out, None, None, None, None if ctx.axes else []  # (autograd matches an empty list as a list)
 
 
 _all_gather_reshard_group_op.register_autograd(_group_backward, setup_context=_setup_group)

@@ -1,0 +1,144 @@
+"""Grouped ZeRO-3 gathers (passes/group_gathers.py, runtime/zero.py's ``all_gather_reshard_group``).
+
+The grouped program equals one device (loss and every gradient) on GPT and HF Llama, data=2 and data=2 x model=2
+(simulator); it issues fewer collectives than the per-parameter program for the same bytes; gathered copies are
+still freed after forward and gathered again, per group, in backward; the op itself equals per-tensor gathers for
+mixed dtypes, dims and gradient axes."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.collectives import kind_of
+from autoshard.passes.group_gathers import GroupGathers, layer_of
+from autoshard.plan import loss_of
+from autoshard.runtime import SimWorld
+from autoshard.runtime import zero as zero_runtime
+from autoshard.runtime.comm import current
+from examples import models
+from tests.test_equivalence import reference
+
+MESHES = {"data=2": {"data": 2}, "data=2 x model=2": {"data": 2, "model": 2}}
+
+
+def _plan(name, mesh_axes, layers=2):
+    model, args, kwargs = models.FACTORIES[name](layers=layers)
+    mesh = autoshard.Mesh(**mesh_axes)
+    ann = models.megatron(mesh, name) if "model" in mesh_axes else None
+    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, zero=3).plan
+    return model, args, kwargs, plan
+
+
+def _kinds(module) -> Counter:
+    return Counter(kind_of(n).name for n in module.graph.nodes if kind_of(n) is not None)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_grouped_program_equals_one_device(name, mesh):
+    model, args, kwargs, plan = _plan(name, MESHES[mesh])
+    kinds = _kinds(plan.rank_module(0))
+    assert kinds["all_gather_reshard_group"] == 3  # the root (embeddings, final norm, head) and 2 layers
+    ref_loss, ref_grads = reference(model, args, kwargs)
+    sim = plan.simulate(args, kwargs)
+    for out in sim.outputs:
+        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(sim.grads) == set(plan.param_specs()) & set(ref_grads)
+    for fqn, g in sim.grads.items():
+        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_grouping_drops_the_collectives_and_moves_the_same_bytes(monkeypatch, mesh):
+    _, args, kwargs, grouped = _plan("gpt", MESHES[mesh])
+    sims = {"grouped": grouped.simulate(args, kwargs)}
+    monkeypatch.setattr(GroupGathers, "run", lambda self, gm, ctx: gm)  # the program before the pass
+    _, _, _, single = _plan("gpt", MESHES[mesh])
+    assert _kinds(single.rank_module(0))["all_gather_reshard_group"] == 0
+    sims["single"] = single.simulate(args, kwargs)
+    logs = {k: s.logs[0] for k, s in sims.items()}
+
+    def nbytes(log, kind, phase):
+        return sum(r.nbytes for r in log if r.kind == kind and r.phase == phase and r.axis == "data")
+
+    def count(log, kind):
+        return sum(r.kind == kind and r.axis == "data" for r in log)
+
+    for kind in ("all_gather", "reduce_scatter"):
+        assert count(logs["grouped"], kind) * 4 <= count(logs["single"], kind), kind
+    assert nbytes(logs["grouped"], "all_gather", "forward") == nbytes(logs["single"], "all_gather", "forward")
+    assert nbytes(logs["grouped"], "reduce_scatter", "backward") == nbytes(logs["single"], "reduce_scatter",
+                                                                           "backward")
+    # backward re-gathers whole groups: also the members autograd saved nothing of (biases), a few bytes more
+    regather = [nbytes(logs[k], "all_gather", "backward") for k in ("grouped", "single")]
+    assert regather[1] <= regather[0] <= 1.1 * regather[1]
+    for fqn, g in sims["single"].grads.items():
+        torch.testing.assert_close(sims["grouped"].grads[fqn], g, rtol=1e-6, atol=1e-7)
+
+
+def test_group_copies_are_freed_after_forward_and_gathered_again_once_per_group_in_backward():
+    _, args, kwargs, plan = _plan("gpt", MESHES["data=2"])
+    world = SimWorld(plan.mesh)
+
+    def body(rank):
+        module = plan.rank_module(rank)
+        a, k = plan.shard_inputs(rank, args, kwargs)
+        with zero_runtime.reshard_after_forward():
+            session = zero_runtime._LOCAL.session
+            loss = loss_of(module(*a, **k))
+            alive = sum(g.ref() is not None for g in session.values())
+            members = sum(isinstance(g, zero_runtime._GroupMember) for g in session.values())
+        log = current().log
+        before = len(log)
+        loss.backward()
+        regathers = [r for r in log[before:] if r.kind == "all_gather"]
+        return alive, members, len(regathers)
+
+    for alive, members, regathers in world.run(body):
+        assert members >= 30 and alive == 0, (members, alive)
+        assert 1 <= regathers <= 4  # the 3 groups (and the lone position embedding's gather, if autograd saved it)
+
+
+@pytest.mark.parametrize("mesh_axes, axes", [({"data": 2}, ["data"]), ({"data": 2}, []),
+                                             ({"data": 2, "model": 2}, ["model", "data"]),
+                                             ({"data": 2, "model": 2}, ["data", "model"])])
+def test_the_group_op_equals_one_gather_per_tensor(mesh_axes, axes):
+    """Shards of two dtypes, gathered along dims 0, 1 and 0; gradients summed over ``axes``: the group op's values
+    and gradients equal ``all_gather_reshard``'s per tensor (the ops the pass replaces)."""
+    mesh = autoshard.Mesh(**mesh_axes)
+    world = SimWorld(mesh)
+    shapes, dims, dtypes = [(3, 4), (2, 6), (5,)], [0, 1, 0], [torch.float32, torch.float64, torch.float32]
+
+    def body(rank):
+        g = torch.Generator().manual_seed(rank)
+        shards = [torch.randn(s, generator=g, dtype=dt) for s, dt in zip(shapes, dtypes)]
+        upstream = [torch.randn(*(s[:d] + (2 * s[d],) + s[d + 1:]), generator=g, dtype=dt)
+                    for s, d, dt in zip(shapes, dims, dtypes)]
+        results = []
+        for grouped in (True, False):
+            xs = [s.clone().requires_grad_() for s in shards]
+            if grouped:
+                outs = torch.ops.autoshard.all_gather_reshard_group(xs, "data", dims, 2, axes)
+            else:
+                outs = [torch.ops.autoshard.all_gather_reshard(x, "data", d, 2, axes) for x, d in zip(xs, dims)]
+            sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
+            results.append(([o.detach() for o in outs], [x.grad for x in xs]))
+        n = len(current().log)
+        return results, n
+
+    for (grouped, single), _ in world.run(body):
+        for a, b in zip(grouped[0] + grouped[1], single[0] + single[1]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_layer_of():
+    assert layer_of("blocks.3.attn.q.weight") == "blocks.3"
+    assert layer_of("model.layers.0.mlp.up_proj.weight") == "model.layers.0"
+    assert layer_of("wte.weight") == layer_of("lm_head.weight") == ""
+    assert layer_of("mlp.2.weight") == "mlp.2"
