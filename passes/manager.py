@@ -114,8 +114,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         AutocastParamCasts(),
         ShardStorage() if options.zero != 0 else None,
         InsertCollectives(),
-        ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp and mp.grad_reduce_dtype != mp.param_dtype
-        else None,
+        ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp else None,
         PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
     ]
     rank = [

@@ -24,8 +24,8 @@ plan-phase passes:
   shard through it. It runs after propagation, not before, so that the planners see the parameter itself as the
   consumer's input: an annotated parameter stays a hard constraint for its real consumers, and a free one takes
   the layout its first real consumer wants (a cast planned on its own would choose a layout for itself).
-- :class:`ReducePrecision` (``reduce_precision``, after ``insert_collectives``, when ``reduce_dtype`` differs from
-  ``param_dtype``): each ``grad_all_reduce`` that syncs a parameter's gradient (its input a marked cast, possibly
+- :class:`ReducePrecision` (``reduce_precision``, after ``insert_collectives``; nothing to do when ``reduce_dtype``
+  is ``param_dtype``): each ``grad_all_reduce`` that syncs a parameter's gradient (its input a marked cast, possibly
   through other collectives) is made to run in ``reduce_dtype``: ``master -> grad_all_reduce -> cast`` when the
   cast reads the master directly and ``reduce_dtype`` is the master's dtype (the sum in fp32, the bucketer can take
   it), else ``cast(reduce_dtype) -> grad_all_reduce -> cast(back)``. Forward values are unchanged (the all-reduce is
@@ -154,6 +154,8 @@ class ReducePrecision:
     phase: str = "plan"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        if self.reduce_dtype == self.param_dtype:
+            return gm  # the syncs already run on the param_dtype compute copies
         graph = gm.graph
         mode = _fake_mode(gm)
         count = {"on_master": 0, "cast_around": 0}
