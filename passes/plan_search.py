@@ -41,8 +41,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx
-from autoshard.cost_models.memory import optimizer_state_bytes
-from autoshard.cost_models.plan_cost import _local_numel, grad_sync_time, op_times, redistribution_time_of
+from autoshard.collectives import time as kind_time
+from autoshard.cost_models.compute import compute_time
+from autoshard.cost_models.memory import optimizer_state_bytes, zero_state_bytes
+from autoshard.cost_models.plan_cost import (_link, _local_numel, grad_sync_time, op_times, redistribution_time_of,
+                                             shard_factor)
 from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.passes.propagate import (annotation_error, functionalize, keeps_layout, mark_requires_grad, node_strategies,
                                         pin_conflict, pinned_values, seed_specs)
@@ -66,12 +69,31 @@ def find_layers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
     ``prefix.<i>``. Copies are tied only if their node sequences have the same ops, shapes, argument structure,
     parameter names up to the layer index and annotations.
     """
+    canon: dict[torch.fx.Node, torch.fx.Node] = {}
+    for g, members in layer_copies(gm):
+        # The first and last copies meet the prologue and epilogue and may want other layouts: they stay free;
+        # the interior copies share the variables of the second copy.
+        indices = [i for i in (g.first, *g.copies) if i in members][1:-1]
+        if len(indices) < 2:
+            continue
+        first = members[indices[0]]
+        sig0 = _signature(first, g.prefix, indices[0])
+        for i in indices[1:]:
+            if len(members[i]) == len(first) and _signature(members[i], g.prefix, i) == sig0:
+                for a, b in zip(members[i], first):
+                    canon[a] = b
+    return canon
+
+
+def layer_copies(gm: torch.fx.GraphModule) -> list[tuple]:
+    """``[(group, {index: the copy's call_function and get_attr nodes in graph order})]`` for every group of
+    repeated layers of :func:`autoshard.layer_reuse.find_groups`."""
     from autoshard.layer_reuse import find_groups
     from autoshard.meta import module_path
 
     groups = find_groups(gm, leaves=True)
     if not groups:
-        return {}
+        return []
     owner: dict[str, tuple[int, str]] = {}  # "prefix.i" -> (group number, i)
     for gi, g in enumerate(groups):
         for i in (g.first, *g.copies):
@@ -87,20 +109,7 @@ def find_layers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
             if hit is not None:
                 copies[hit[0]].setdefault(hit[1], []).append(node)
                 break
-    canon: dict[torch.fx.Node, torch.fx.Node] = {}
-    for g, members in zip(groups, copies):
-        # The first and last copies meet the prologue and epilogue and may want other layouts: they stay free;
-        # the interior copies share the variables of the second copy.
-        indices = [i for i in (g.first, *g.copies) if i in members][1:-1]
-        if len(indices) < 2:
-            continue
-        first = members[indices[0]]
-        sig0 = _signature(first, g.prefix, indices[0])
-        for i in indices[1:]:
-            if len(members[i]) == len(first) and _signature(members[i], g.prefix, i) == sig0:
-                for a, b in zip(members[i], first):
-                    canon[a] = b
-    return canon
+    return list(zip(groups, copies))
 
 
 def _signature(nodes: list[torch.fx.Node], prefix: str, index: int) -> tuple:
@@ -141,6 +150,10 @@ class DecisionVar:
     cost: list[float]  # summed over every copy
     memory: list[float]  # per-rank bytes, summed over every copy
     copies: int = 1
+    stages: list[int] | None = None  # parameters: the ZeRO stage of each option (options repeat a spec per stage)
+    forward: list[float] | None = None  # ops: forward seconds of each option (what recomputing it costs again)
+    memory_recomputed: list[float] | None = None  # ops in a recomputation unit: bytes when the unit is recomputed
+    unit: int | None = None  # the recomputation unit (Problem.units) the op lies in
 
 
 @dataclass
@@ -168,6 +181,16 @@ class Problem:
     fixed_memory: float = 0.0
     canon: dict = field(default_factory=dict)
     data_axis: str | None = None  # ties between plans are broken against parameters sharded on this axis
+    units: list = field(default_factory=list)  # recomputation candidates (Unit), when recompute="auto"
+    gathered: dict = field(default_factory=dict)  # decision -> (layer key, compute bytes of one copy per option)
+
+
+@dataclass
+class Unit:
+    """Copies of one layer that are recomputed alike (the interior copies of a tied layer, or one copy): each
+    copy's module path (its own region id) and call_function nodes."""
+
+    copies: dict[str, list[torch.fx.Node]] = field(default_factory=dict)
 
 
 def _canon(canon, n):
@@ -175,24 +198,66 @@ def _canon(canon, n):
 
 
 def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfile, memory_limit, optimizer: str,
-                  tie_layers: bool = True) -> Problem:
+                  tie_layers: bool = True, zero: int | str = 0, recompute: str | None = None) -> Problem:
+    """The program for ``gm``. ``zero``: 0 (parameters stored in their compute layout), 1-3 (every parameter that
+    :func:`~autoshard.passes.shard_storage.stored_spec` can shard is stored at that stage: its memory counts the
+    stored state) or "auto" (each parameter's options repeat each spec at stages 0, 2 and 3).
+    ``recompute="auto"``: every copy of a repeated layer is a recomputation candidate (:class:`Unit`)."""
+    from autoshard.passes.shard_storage import stored_spec
+
     mesh = ctx.mesh
     canon = find_layers(gm) if tie_layers else {}
+    data_axis = ctx.options.data_axis if ctx.options.data_axis in mesh.names else None
+    nd = mesh.axis_size(data_axis) if data_axis else 1
+    link = _link(profile, mesh, data_axis) if data_axis else None
+    units, unit_of, layer_of, copy_of = _units(gm, canon) if recompute == "auto" or zero in ("auto", 3) \
+        else ([], {}, {}, {})
+    if recompute != "auto":
+        units, unit_of = [], {}
     pinned = pinned_values(gm)
     strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
     decisions: list[DecisionVar] = []
     index: dict[torch.fx.Node, int] = {}
     fixed_memory = 0.0
+    gathered: dict = {}
     copies: dict[torch.fx.Node, int] = {}
     for n in gm.graph.nodes:
         c = _canon(canon, n)
         copies[c] = copies.get(c, 0) + 1
 
-    def state_bytes(x: torch.fx.Node, spec: Spec) -> float:
-        b = _local_numel(shape(x), spec, mesh) * itemsize(x)
+    def state_bytes(x: torch.fx.Node, spec: Spec, stage: int = 0) -> float:
+        numel = _local_numel(shape(x), spec, mesh)
         if not x.meta.get(M.REQUIRES_GRAD):
-            return float(b)
-        return float(2 * b + optimizer_state_bytes(b, optimizer))
+            return float(numel * itemsize(x))
+        if stage == 0:
+            b = numel * itemsize(x)
+            return float(2 * b + optimizer_state_bytes(b, optimizer))
+        return float(sum(zero_state_bytes(numel, stage, nd, x.meta["val"].dtype, optimizer).values()))
+
+    def stage_options(x: torch.fx.Node, specs: list) -> tuple[list, list[int]]:
+        """Each spec at every stage it can be stored at (stage 0 alone for buffers and unshardable layouts)."""
+        if zero == 0 or not x.meta.get(M.REQUIRES_GRAD) or data_axis is None:
+            return specs, [0] * len(specs)
+        wanted = (0, 2, 3) if zero == "auto" else (int(zero),)
+        opts, stages = [], []
+        for spec in specs:
+            ok = stored_spec(spec, shape(x), mesh, data_axis) is not None
+            for st in (wanted if ok else (0,)):
+                opts.append(spec)
+                stages.append(st)
+        return opts, stages
+
+    def stage_time(x: torch.fx.Node, spec: Spec, stage: int) -> float:
+        """Seconds a stage adds to the data axis's gradient all-reduce (priced by the value terms): stage 2 an
+        all-gather forward and a reduce-scatter backward in its place, stage 3 one more all-gather in backward."""
+        if stage == 0:
+            return 0.0
+        b = _local_numel(shape(x), spec, mesh) * itemsize(x)
+        kind = {1: "all_gather", 2: "all_gather_sync", 3: "all_gather_reshard"}[stage]
+        extra = sum(kind_time(kind, b, nd, link))
+        if stage > 1:
+            extra -= kind_time("grad_all_reduce", b, nd, link)[1]
+        return max(0.0, extra)
 
     # decisions for ops
     for n in gm.graph.nodes:
@@ -217,7 +282,16 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                     act += _local_numel(v.shape, spec, mesh) * v.element_size()
             mem.append(k * act)
         index[n] = len(decisions)
-        decisions.append(DecisionVar(n, strats, cost, mem, k))
+        dv = DecisionVar(n, strats, cost, mem, k)
+        u = unit_of.get(n)
+        if u is not None:
+            # Recomputed, a unit keeps only what leaves it (its output, which the next layer saves as its input)
+            dv.unit = u
+            dv.memory_recomputed = mem if leaves_unit(n, copy_of[n]) else [0.0] * len(mem)
+            fwd = compute_time(n, profile, 1)
+            vals = [x.meta["val"] for x in tensor_inputs(n)] + out_vals(n)
+            dv.forward = [k * fwd / shard_factor(n, s, mesh, vals) for s in strats]
+        decisions.append(dv)
 
     # decisions for free parameters: any spec a consumer asks for (replicated first)
     wanted: dict[torch.fx.Node, list] = {}
@@ -232,19 +306,26 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                         lst.append(s.input_specs[pos])
     for n in gm.graph.nodes:
         if n.op == "get_attr" and is_tensor_node(n):
-            if n.meta.get(M.SPEC) is not None:
-                fixed_memory += state_bytes(n, n.meta[M.SPEC])
-                continue
             c = _canon(canon, n)
             if c is not n:
                 continue
-            specs = sorted(wanted.get(n, []), key=lambda s: (sum(not isinstance(p, type(s[0])) for p in s),
-                                                              format_spec(s)))
-            repl = tuple(p for p in specs[0]) if specs else None
-            options = specs or [repl]
+            if n.meta.get(M.SPEC) is not None:  # annotated: its layout is fixed, its stage may not be
+                options, stages = stage_options(n, [n.meta[M.SPEC]])
+                if len(options) == 1:
+                    fixed_memory += copies[n] * state_bytes(n, options[0], stages[0])
+                    continue
+            else:
+                specs = sorted(wanted.get(n, []), key=lambda s: (sum(not isinstance(p, type(s[0])) for p in s),
+                                                                  format_spec(s)))
+                repl = tuple(p for p in specs[0]) if specs else None
+                options, stages = stage_options(n, specs or [repl])
             index[n] = len(decisions)
-            decisions.append(DecisionVar(n, options, [0.0] * len(options),
-                                      [copies[n] * state_bytes(n, s) for s in options], copies[n]))
+            decisions.append(DecisionVar(n, options, [copies[n] * stage_time(n, s, st) for s, st in zip(options, stages)],
+                                         [copies[n] * state_bytes(n, s, st) for s, st in zip(options, stages)],
+                                         copies[n], stages=stages))
+            if 3 in stages:
+                gathered[len(decisions) - 1] = (layer_of.get(n, str(n.target)), [_local_numel(shape(n), s, mesh) * itemsize(n)
+                                                              if st == 3 else 0 for s, st in zip(options, stages)])
 
     # value terms: group actual values by (canonical value, canonical consumers)
     groups: dict[tuple, list[torch.fx.Node]] = {}
@@ -296,8 +377,53 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
         for (i, axes) in term.syncs:
             term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
         terms.append(term)
-    data_axis = ctx.options.data_axis if ctx.options.data_axis in mesh.names else None
-    return Problem(mesh, decisions, index, terms, memory_limit, fixed_memory, canon, data_axis)
+    return Problem(mesh, decisions, index, terms, memory_limit, fixed_memory, canon, data_axis, units, gathered)
+
+
+def _units(gm: torch.fx.GraphModule, canon: dict) -> tuple[list[Unit], dict, dict, dict]:
+    """Recomputation units of the repeated layers (the interior copies tied by ``canon`` form one unit; every
+    other copy one each), {canonical call_function node: unit index}, and {get_attr node: its layer copy's path}
+    (what ZeRO-3 gathers at once), {canonical node: the nodes of its own copy}."""
+    units: list[Unit] = []
+    copy_of: dict[torch.fx.Node, frozenset] = {}
+    unit_of: dict[torch.fx.Node, int] = {}
+    layer_of: dict[torch.fx.Node, str] = {}
+    targets = set(canon.values())
+    for g, members in layer_copies(gm):
+        tied: Unit | None = None
+        for i, nodes in members.items():
+            path = f"{g.prefix}.{i}" if g.prefix else i
+            layer_of.update({n: path for n in nodes if n.op == "get_attr"})
+            ops = [n for n in nodes if n.op == "call_function"]
+            if not ops:
+                continue
+            if ops[0] in canon or ops[0] in targets:
+                if tied is None:
+                    tied = Unit()
+                    units.append(tied)
+                unit = tied
+            else:
+                unit = Unit()
+                units.append(unit)
+            unit.copies[path] = ops
+            copy = frozenset(ops)
+            for n in ops:
+                if canon.get(n, n) is n:
+                    unit_of[n] = next(k for k, x in enumerate(units) if x is unit)
+                    copy_of[n] = copy
+    return units, unit_of, layer_of, copy_of
+
+
+def leaves_unit(n: torch.fx.Node, inside: frozenset) -> bool:
+    """Some user of ``n`` (through getitems) lies outside ``inside`` (``n``'s own layer copy): ``n`` is an output
+    of it, which the next layer (or the epilogue) keeps whether or not this one is recomputed."""
+    for u in n.users:
+        if is_getitem(u):
+            if leaves_unit(u, inside):
+                return True
+        elif u not in inside:
+            return True
+    return False
 
 
 def _output_requirements(gm, ctx: Context) -> dict:
@@ -335,6 +461,7 @@ def _producer_options(u, cu, canon, index, decisions, term: ValueTerm) -> None:
 # ---------------------------------------------------------------------------------------------------------
 INFEASIBLE = float("inf")
 _DISP = bool(__import__("os").environ.get("AUTOSHARD_SOLVER_LOG"))
+_DEBUG = bool(__import__("os").environ.get("AUTOSHARD_SEARCH_DEBUG"))
 
 
 def term_cost(term: ValueTerm, choice: list[int]) -> float:
@@ -356,31 +483,95 @@ def term_cost(term: ValueTerm, choice: list[int]) -> float:
     return term.multiplicity * total
 
 
-def evaluate(problem: Problem, choice: list[int]) -> tuple[float, float]:
-    """(estimated step time in seconds, per-rank memory in bytes) of one option per decision."""
-    t = sum(d.cost[choice[i]] for i, d in enumerate(problem.decisions))
+def evaluate(problem: Problem, choice: list[int], recompute=frozenset()) -> tuple[float, float]:
+    """(estimated step time in seconds, per-rank memory in bytes) of one option per decision, the units in
+    ``recompute`` recomputed (memory: the sum plus :func:`transient_bytes`)."""
+    t = sum(option_cost(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
     t += sum(term_cost(term, choice) for term in problem.terms)
-    mem = problem.fixed_memory + sum(d.memory[choice[i]] for i, d in enumerate(problem.decisions))
-    return t, mem
+    mem = problem.fixed_memory + sum(option_memory(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
+    return t, mem + transient_bytes(problem, choice, recompute)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The ILP
 # ---------------------------------------------------------------------------------------------------------
-def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None) -> list[int]:
-    """One option per decision. ``info`` (when given) receives ``optimal`` (False when HiGHS stopped at
-    ``time_limit`` seconds with a feasible plan that is not proven optimal), ``gap`` and ``message``."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+def _share(d: DecisionVar, recompute) -> float:
+    """The share of ``d``'s copies recomputed: ``recompute`` is a set of units (all their copies) or a mapping
+    {unit: share of its copies}."""
+    if d.unit is None:
+        return 0.0
+    if isinstance(recompute, dict):
+        return recompute.get(d.unit, 0.0)
+    return 1.0 if d.unit in recompute else 0.0
+
+
+def option_cost(d: DecisionVar, recompute=frozenset()) -> list[float]:
+    """Seconds of each option of ``d``, its unit's forward run again in backward when the unit is recomputed."""
+    f = _share(d, recompute)
+    return d.cost if not f else [c + f * x for c, x in zip(d.cost, d.forward)]
+
+
+def option_memory(d: DecisionVar, recompute=frozenset()) -> list[float]:
+    f = _share(d, recompute)
+    return d.memory if not f else [(1 - f) * m + f * r for m, r in zip(d.memory, d.memory_recomputed)]
+
+
+def transient_bytes(problem: Problem, choice: list[int], recompute=frozenset()) -> float:
+    """Bytes alive at the peak besides the sum: the ZeRO-3 copies of the largest layer gathered at once (twice: one
+    layer prefetched while the other computes) and, with recomputation, the activations of the largest recomputed
+    layer copy, alive again while its backward runs."""
+    per_layer: dict = {}
+    for d, (layer, gathered) in problem.gathered.items():
+        per_layer[layer] = per_layer.get(layer, 0.0) + gathered[choice[d]]
+    peak = 2 * max(per_layer.values(), default=0.0)
+    live: dict = {}
+    for i, d in enumerate(problem.decisions):
+        if _share(d, recompute):
+            live[d.unit] = live.get(d.unit, 0.0) + d.memory[choice[i]] / (d.copies or 1)
+    return peak + max(live.values(), default=0.0)
+
+
+@dataclass
+class _Program:
+    """The ILP of a problem for one recomputation set, built once and solved for many objectives."""
+
+    c: np.ndarray  # seconds per variable (ties broken)
+    mem: np.ndarray  # bytes per variable (option variables only)
+    a: object
+    lo: list
+    hi: list
+    integer: np.ndarray
+    offsets: list[int]
+
+
+def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None, recompute=frozenset(),
+          reserve: float = 0.0) -> list[int]:
+    """One option per decision: the exact optimum of the ILP with the memory row (``memory_limit`` less
+    ``reserve`` bytes, less the fixed memory). ``info`` (when given) receives ``optimal`` (False when HiGHS stopped
+    at ``time_limit`` seconds with a feasible plan that is not proven optimal), ``gap`` and ``message``."""
+    prog = _program(problem, recompute, reserve)
+    return _solve_program(problem, prog, prog.c, True, time_limit, info)
+
+
+def _option_vectors(problem: Problem, recompute) -> tuple[list[float], list[float]]:
+    """Seconds (ties broken) and bytes of every option variable, in column order."""
+    cost: list[float] = []
+    memory: list[float] = []
+    for d in problem.decisions:
+        cost.extend(option_cost(d, recompute))
+        memory.extend(option_memory(d, recompute))
+    _break_ties(problem, cost)
+    return cost, memory
+
+
+def _program(problem: Problem, recompute=frozenset(), reserve: float = 0.0, memory_row: bool = True) -> _Program:
     from scipy.sparse import coo_matrix
 
     offsets, nvar = [], 0
     for d in problem.decisions:
         offsets.append(nvar)
         nvar += len(d.options)
-    cost: list[float] = []
-    for d in problem.decisions:
-        cost.extend(d.cost)
-    _break_ties(problem, cost)
+    cost, memory = _option_vectors(problem, recompute)
     integer = [1] * nvar
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
@@ -492,25 +683,38 @@ def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None)
             for d, ks in _by_decision(users).items():
                 constraint([(gv, 1.0)] + [(offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
 
-    if problem.memory_limit is not None:
-        entries = []
-        for i, d in enumerate(problem.decisions):
-            entries.extend((offsets[i] + k, mem) for k, mem in enumerate(d.memory) if mem)
-        constraint(entries, -np.inf, problem.memory_limit - problem.fixed_memory)
+    if problem.memory_limit is not None and memory_row:
+        entries = [(col, m) for col, m in enumerate(memory) if m]
+        constraint(entries, -np.inf, problem.memory_limit - problem.fixed_memory - reserve)
 
     a = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
-    upper = np.ones(nvar)
+    mem = np.zeros(nvar)
+    mem[:len(memory)] = memory
+    return _Program(np.array(cost), mem, a, lo, hi, np.array(integer), offsets)
+
+
+def _solve_program(problem: Problem, prog: _Program, cost: np.ndarray, raise_infeasible: bool, time_limit: float,
+                   info: dict | None = None) -> list[int] | None:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    nvar = len(cost)
     # HiGHS also stops at an absolute gap of 1e-6: in seconds that hides real differences, so solve in nanoseconds.
-    c, cons, bounds = np.array(cost) * 1e9, LinearConstraint(a, lo, hi), Bounds(np.zeros(nvar), upper)
-    integer = np.array(integer)
+    c, cons, bounds = cost * 1e9, LinearConstraint(prog.a, prog.lo, prog.hi), Bounds(np.zeros(nvar), np.ones(nvar))
+    integer = prog.integer
     # The LP relaxation first: the marginal formulation is usually tight, and an integral LP optimum is an optimum of
     # the integer program (it is feasible there, and no integer point beats the relaxation). Otherwise branch.
     res = milp(c, constraints=cons, integrality=np.zeros_like(integer), bounds=bounds,
                options={"time_limit": time_limit, "presolve": False, "disp": _DISP})
+    if _DEBUG:
+        print("LP", res.status, None if res.x is None else _integral(res.x[integer == 1]), time.perf_counter())
     if res.x is None or not _integral(res.x[integer == 1]):
         res = milp(c, constraints=cons, integrality=integer, bounds=bounds,
                    options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": False, "disp": _DISP})
+        if _DEBUG:
+            print("MILP", res.status, time.perf_counter())
     if res.x is None:
+        if not raise_infeasible:
+            return None
         limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
         raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
                         "larger mesh, or relax the annotations.")
@@ -518,9 +722,271 @@ def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None)
         info.update(optimal=res.status == 0, gap=float(getattr(res, "mip_gap", None) or 0.0), message=res.message)
     choice = []
     for i, d in enumerate(problem.decisions):
-        vals_d = res.x[offsets[i]: offsets[i] + len(d.options)]
+        vals_d = res.x[prog.offsets[i]: prog.offsets[i] + len(d.options)]
         choice.append(int(np.argmax(vals_d)))
     return choice
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under a memory limit: Lagrangian relaxation of the memory row, then the exact ILP only if a gap is left
+# ---------------------------------------------------------------------------------------------------------
+#: relative gap below which a plan counts as optimal (the solver's own tolerances are ~1e-9 of the objective)
+GAP_TOLERANCE = 1e-6
+
+
+def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None, exact_limit: float = np.inf
+           ) -> tuple[list[int], frozenset | dict]:
+    """(option per decision, recomputed units): the least estimated step time with ``evaluate``'s memory within
+    ``problem.memory_limit``.
+
+    Without a limit, or when the unconstrained optimum fits, that is the exact ILP of :func:`solve`. Otherwise the
+    memory row is relaxed into the objective, ``min T(x) + λ·M(x)`` (:func:`_relaxed`: the program without the
+    memory row keeps its tight structure and solves like the unconstrained one), and λ moves along the breakpoints
+    of the concave dual ``L(λ) = min T + λ(M − limit)``: from the least-time (infeasible) and the least-memory
+    (feasible) plans, λ is the slope between the best infeasible and feasible plans so far, until no plan lies
+    below that line. Every ``L(λ)`` is a lower bound of the optimum (for the recomputation set found); the gap of
+    the best feasible plan to it is reported. Only when that gap exceeds :data:`GAP_TOLERANCE` does HiGHS solve
+    the exact ILP with the memory row, for the rest of ``time_limit``, and a gap still left is reported
+    (``info``: optimal, gap, bound, method). Recomputation units are chosen per λ by coordinate descent: a unit is
+    recomputed when λ times the bytes it frees exceeds its extra forward time under the current plan.
+    """
+    start = time.perf_counter()
+    info = info if info is not None else {}
+    limit = problem.memory_limit
+    if limit is None:
+        choice = solve(problem, time_limit, info)
+        info.update(method="ilp", bound=evaluate(problem, choice)[0])
+        return choice, frozenset()
+    programs: dict = {}
+
+    def relaxed(lam: float, units, memory_only: float = 0.0) -> list[int]:
+        # one program for every recomputation set: only the option columns' seconds and bytes depend on it
+        if not programs:
+            prog = _program(problem, frozenset(), memory_row=False)
+            programs["warm"] = (prog, _WarmLP.create(prog))
+        base, warm = programs["warm"]
+        if units not in programs:
+            c, mem = _option_vectors(problem, units)
+            cost = base.c.copy()
+            cost[:len(c)] = c
+            memory = np.zeros(len(cost))
+            memory[:len(mem)] = mem
+            programs[units] = _Program(cost, memory, base.a, base.lo, base.hi, base.integer, base.offsets)
+        prog = programs[units]
+        left = max(1.0, time_limit - (time.perf_counter() - start))
+        cost = prog.c + lam * prog.mem if not memory_only else prog.mem / memory_only + prog.c * 1e-6 / lo[2]
+        x = warm.solve(cost, left) if warm is not None else None
+        if x is not None and _integral(x[prog.integer == 1]):  # an integral LP optimum is an ILP optimum
+            return [int(np.argmax(x[o: o + len(d.options)])) for o, d in zip(prog.offsets, problem.decisions)]
+        return _solve_program(problem, prog, cost, True, left)
+
+    def point(lam: float, units=frozenset()):
+        for _ in range(4):  # coordinate descent over the recomputed units
+            choice = relaxed(lam, units)
+            better = _best_units(problem, choice, lam)
+            if better == units:
+                break
+            units = better
+        t, m = evaluate(problem, choice, units)
+        return choice, units, t, m, m - transient_bytes(problem, choice, units)  # the last: what λ multiplies
+
+    lo = point(0.0)
+    if lo[3] <= limit:
+        info.update(optimal=True, gap=0.0, bound=lo[2], method="unconstrained optimum within the limit")
+        return lo[0], lo[1]
+    # λ in units of the least-time plan's seconds per byte, raised until memory outweighs time enough to fit
+    everything = frozenset(range(len(problem.units)))
+    for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
+        hi = point(scale * lo[2] / lo[4], everything)
+        if hi[3] <= limit:
+            break
+    else:  # the least memory any plan needs (time only breaks ties), for the message
+        choice = relaxed(0.0, everything, memory_only=lo[4])
+        t, m = evaluate(problem, choice, everything)
+        hi = (choice, everything, t, m, m)
+    if hi[3] > limit:
+        raise PlanError(
+            f"option memory_limit is {_fmt_bytes(limit)} per rank, but the least memory any plan needs is "
+            f"{_fmt_bytes(hi[3])} per rank ({_fmt_bytes(problem.fixed_memory)} of it fixed by annotations and "
+            f"buffers). Raise memory_limit to at least {_fmt_bytes(hi[3])}, use a larger mesh"
+            + ("" if problem.units else ", recompute='auto'") + ", or zero='auto' (ZeRO storage of the parameters).")
+    best, bound, solves, seen = hi, -np.inf, 2, [lo, hi]
+    while time.perf_counter() - start < time_limit:
+        lam = (hi[2] - lo[2]) / max(lo[4] - hi[4], 1e-30)
+        x = point(lam, hi[1] if hi[1] == lo[1] else lo[1] | hi[1])
+        solves += 1
+        seen.append(x)
+        line = lo[2] + lam * lo[4]
+        bound = max(bound, min(x[2] + lam * x[4], line) - lam * limit)
+        if x[2] + lam * x[4] >= line - GAP_TOLERANCE * abs(line):
+            break  # nothing below the segment: λ is the best multiplier
+        if x[3] <= limit:
+            hi = x
+            best = min(best, x, key=lambda p: p[2])
+        else:
+            lo = x
+    for p in seen:
+        fixed = _repair(problem, p[0], p[1])
+        if fixed is not None and fixed[2] < best[2]:
+            best = (*fixed, None)
+    gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
+    info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=f"lagrangian ({solves} solves) + repair",
+                lagrangian_seconds=time.perf_counter() - start)
+    left = min(time_limit - (time.perf_counter() - start), exact_limit)
+    if gap > GAP_TOLERANCE and left > 0.5:
+        exact: dict = {}
+        try:
+            choice = solve(problem, left, exact, best[1], transient_bytes(problem, best[0], best[1]))
+        except PlanError:
+            choice = None
+        if choice is not None:
+            t, m = evaluate(problem, choice, best[1])
+            if exact.get("optimal"):
+                bound = max(bound, t)  # the optimum for this recomputation choice
+            else:
+                bound = max(bound, t * (1 - exact.get("gap", 1.0)))
+            if m <= limit and t < best[2]:
+                best = (choice, best[1], t, m)
+            gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
+            info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=info["method"] + " + exact ILP",
+                        message=exact.get("message"))
+    return best[0], best[1]
+
+
+def _repair(problem: Problem, choice: list[int], units) -> tuple | None:
+    """A plan within the limit from ``choice`` by local moves that keep every layout: a parameter's ZeRO stage, or
+    one more (or one fewer) copy of a unit recomputed. Infeasible: apply the move of least seconds added per byte
+    freed until it fits; then take the moves that save time most while it still fits. (The Lagrangian plans are
+    optimal for their λ, but their memory jumps in steps; these moves fill the slack between the steps.)"""
+    limit = problem.memory_limit
+    choice = list(choice)
+    share = {u: (1.0 if u in units else 0.0) for u in range(len(problem.units))}
+    members: dict = {}
+    for i, d in enumerate(problem.decisions):
+        if d.unit is not None:
+            members.setdefault(d.unit, []).append(i)
+
+    def moves():
+        for i, d in enumerate(problem.decisions):
+            if not d.stages:
+                continue
+            k = choice[i]
+            for k2, spec in enumerate(d.options):
+                if k2 != k and spec == d.options[k]:
+                    yield ("stage", i, k2), d.cost[k2] - d.cost[k], d.memory[k2] - d.memory[k]
+        for u, ds in members.items():
+            step = 1.0 / len(problem.units[u].copies)
+            dt = step * sum(problem.decisions[i].forward[choice[i]] for i in ds)
+            dm = step * sum(problem.decisions[i].memory_recomputed[choice[i]] - problem.decisions[i].memory[choice[i]]
+                            for i in ds)
+            if share[u] < 1.0 - 1e-9:
+                yield ("unit", u, min(1.0, share[u] + step)), dt, dm
+            if share[u] > 1e-9:
+                yield ("unit", u, max(0.0, share[u] - step)), -dt, -dm
+
+    def apply(move):
+        kind, a, b = move
+        old = choice[a] if kind == "stage" else share[a]
+        if kind == "stage":
+            choice[a] = b
+        else:
+            share[a] = b
+        return kind, a, old
+
+    def undo(saved):
+        kind, a, old = saved
+        if kind == "stage":
+            choice[a] = old
+        else:
+            share[a] = old
+
+    comm = sum(term_cost(term, choice) for term in problem.terms)  # the moves keep every layout
+
+    def evaluate_(choice, share):
+        t = comm + sum(option_cost(d, share)[choice[i]] for i, d in enumerate(problem.decisions))
+        m = problem.fixed_memory + sum(option_memory(d, share)[choice[i]] for i, d in enumerate(problem.decisions))
+        return t, m + transient_bytes(problem, choice, share)
+
+    t, m = evaluate_(choice, share)
+    while m > limit:
+        freeing = [(dt / -dm, mv) for mv, dt, dm in moves() if dm < 0]
+        if not freeing:
+            return None
+        apply(min(freeing, key=lambda x: x[0])[1])
+        t, m = evaluate_(choice, share)
+    improved = True
+    while improved:
+        improved = False
+        for _, mv in sorted((dt, mv) for mv, dt, dm in moves() if dt < 0):
+            saved = apply(mv)
+            t2, m2 = evaluate_(choice, share)
+            if m2 <= limit and t2 < t:
+                t, m, improved = t2, m2, True
+                break
+            undo(saved)
+    return choice, share, t, m
+
+
+class _WarmLP:
+    """The LP relaxation of one program kept inside HiGHS, so that a new objective (another λ) is solved from the
+    previous optimal basis: a few simplex pivots instead of a solve from scratch. Uses the HiGHS object that scipy
+    ships (``scipy.optimize._highspy``); where that is missing, :meth:`create` returns None and every λ is solved
+    anew by ``milp``."""
+
+    def __init__(self, highs, n: int):
+        self.highs, self.n = highs, n
+
+    @classmethod
+    def create(cls, prog: _Program):
+        try:
+            from scipy.optimize._highspy import _core as h
+        except ImportError:
+            return None
+        a = prog.a.tocsc()
+        n = a.shape[1]
+        lp = h.HighsLp()
+        lp.num_col_, lp.num_row_ = n, a.shape[0]
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, a.shape[0]
+        lp.a_matrix_.format_ = h.MatrixFormat.kColwise
+        lp.col_cost_ = prog.c * 1e9
+        lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
+        inf = h.kHighsInf
+        lp.row_lower_ = np.array([max(x, -inf) for x in prog.lo], dtype=float)
+        lp.row_upper_ = np.array([min(x, inf) for x in prog.hi], dtype=float)
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+        highs = h._Highs()
+        highs.setOptionValue("output_flag", _DISP)
+        highs.setOptionValue("presolve", "off")
+        highs.passModel(lp)
+        return cls(highs, n)
+
+    def solve(self, cost: np.ndarray, time_limit: float) -> np.ndarray | None:
+        from scipy.optimize._highspy import _core as h
+
+        self.highs.changeColsCost(self.n, np.arange(self.n, dtype=np.int32), cost * 1e9)
+        self.highs.setOptionValue("time_limit", float(time_limit))
+        self.highs.run()
+        if _DEBUG:
+            print("warm LP", self.highs.getModelStatus(), self.highs.getInfo().simplex_iteration_count, time.perf_counter())
+        if self.highs.getModelStatus() != h.HighsModelStatus.kOptimal:
+            return None
+        return np.array(self.highs.getSolution().col_value)
+
+
+def _best_units(problem: Problem, choice: list[int], lam: float) -> frozenset:
+    saving: dict = {}
+    extra: dict = {}
+    for i, d in enumerate(problem.decisions):
+        if d.unit is None:
+            continue
+        k = choice[i]
+        saving[d.unit] = saving.get(d.unit, 0.0) + d.memory[k] - d.memory_recomputed[k]
+        extra[d.unit] = extra.get(d.unit, 0.0) + d.forward[k]
+    return frozenset(u for u in saving if lam * saving[u] > extra[u])
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -534,6 +1000,9 @@ class PlanSearch:
     memory_limit: float | None = None
     optimizer: str = "adam"
     tie_layers: bool = True
+    time_limit: float = 120.0  # seconds for the whole search; a plan stopped by it is reported with its gap
+    #: under a memory limit: seconds for the exact ILP after the Lagrangian search, when that leaves a gap
+    exact_seconds: float = 10.0
     name: str = "plan_search"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
@@ -542,14 +1011,41 @@ class PlanSearch:
         functionalize(gm)  # in-place writes on activations as functional ops, as propagation sees them
         mark_requires_grad(gm)
         seed_specs(gm, ctx)
-        problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers)
+        zero, recompute = ctx.options.zero, ctx.options.recompute
+        problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
+                                zero=zero if zero in (0, 1, 2, 3, "auto") else 0, recompute=recompute)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
             status: dict = {}
-            choice = solve(problem, info=status)
+            choice, units = search(problem, self.time_limit, status, self.exact_seconds)
         t2 = time.perf_counter()
-        total, memory = evaluate(problem, choice)
+        total, memory = evaluate(problem, choice, units)
         why = explain(problem, choice)
+        if not status["optimal"]:
+            ctx.warn(f"plan_search: stopped at its time limit (time_limit={self.time_limit:.0f} s, exact_seconds="
+                     f"{self.exact_seconds:.0f} s) with a plan whose estimated step time is at most {status['gap']:.2%} "
+                     f"above the best possible ({status['method']}); it is used as it is.")
+        stages: dict[str, int] = {}
+        for n in gm.graph.nodes:
+            if n.op != "get_attr" or not n.meta.get(M.REQUIRES_GRAD) or not is_tensor_node(n):
+                continue
+            d = problem.index.get(_canon(problem.canon, n))
+            dv = problem.decisions[d] if d is not None else None
+            stage = dv.stages[choice[d]] if dv is not None and dv.stages else 0
+            if zero == "auto":
+                n.meta[M.PLANNED_ZERO] = stage
+            stages[str(n.target)] = stage
+        regions = []
+        shares = units if isinstance(units, dict) else {u: 1.0 for u in units}
+        for u, share in sorted(shares.items()):
+            paths = list(problem.units[u].copies)
+            regions.extend(paths[:round(share * len(paths))])
+        if recompute == "auto":
+            for u in problem.units:
+                for path, nodes in u.copies.items():
+                    if path in regions:
+                        for n in nodes:
+                            n.meta[M.RECOMPUTE] = path
         for n in gm.graph.nodes:
             d = problem.index.get(_canon(problem.canon, n))
             if d is None or n.op not in ("call_function", "get_attr") or is_getitem(n):
@@ -567,7 +1063,10 @@ class PlanSearch:
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
             "binding": _binding(problem, memory),
-            "optimal": status["optimal"], "gap": status["gap"],  # not optimal: HiGHS's time limit was reached
+            "optimal": status["optimal"], "gap": status["gap"],  # not optimal: the time limit was reached
+            "method": status.get("method"), "lower_bound": status.get("bound"),
+            "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
+            "recomputed": regions,
         }
         return gm
 
@@ -589,6 +1088,8 @@ def _break_ties(problem: Problem, cost: list[float]) -> None:
             for k, spec in enumerate(d.options):
                 if isinstance(spec[axis], Shard):
                     cost[col + k] += TIE_BREAK * d.copies
+                if d.stages and d.stages[k]:  # a ZeRO stage that costs no time: keep the parameter whole
+                    cost[col + k] += TIE_BREAK * d.copies * d.stages[k]
         col += len(d.options)
 
 
