@@ -18,8 +18,8 @@ The model's own ``torch.utils.checkpoint`` regions: export inlines them (their o
 other, with nothing that says they were checkpointed). While exporting, :class:`_checkpoint_regions` wraps the
 function every ``use_reentrant=False`` checkpoint call goes through (``_checkpoint_without_reentrant_generator``,
 looked up at call time, so a ``from torch.utils.checkpoint import checkpoint`` or a ``functools.partial`` of it is
-seen too; ``use_reentrant=True`` exports as a no-grad ``wrap_with_set_grad_enabled`` submodule, not marked) so that
-the ops of each call are annotated (``torch.fx.traceback.annotate``); :func:`_mark_checkpoint_regions` turns the annotations
+seen too; a ``use_reentrant=True`` call, which export turns into a no-grad submodule whose gradients would be lost,
+is a :class:`TraceError` naming its line) so that the ops of each call are annotated (``torch.fx.traceback.annotate``); :func:`_mark_checkpoint_regions` turns the annotations
 into :data:`autoshard.meta.RECOMPUTE` ids — the region's module path (the common prefix of its ops' paths, ``#2``,
 ``#3`` for further calls of one module), distinct per call. A nested call belongs to the outermost region.
 """
@@ -123,11 +123,16 @@ def _cause(e: BaseException, kind: type):
 def _export(model, args, kwargs) -> torch.fx.GraphModule:
     from autoshard.moe import hf_blocks
 
+    regions = _checkpoint_regions()
     try:  # Hugging Face sparse-MoE experts run a static-shape op while exporting (the model is restored after)
-        with _quiet_export_logs(), _checkpoint_regions(), hf_blocks.swapped(model) as moe_blocks:
+        with _quiet_export_logs(), regions, hf_blocks.swapped(model) as moe_blocks:
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean the same thing to the user
+        if regions.reentrant:
+            raise _reentrant_error(model, regions.reentrant) from e
         raise export_error(model, e) from e
+    if regions.reentrant:
+        raise _reentrant_error(model, regions.reentrant)
     gm = ep.module()
     gm.meta[hf_blocks.FOUND] = moe_blocks
     return gm
@@ -244,29 +249,31 @@ class _checkpoint_regions:
 
     _lock = threading.Lock()
     _users = 0
-    _saved = None
+    _saved: tuple = ()
+    reentrant = None
 
     def __enter__(self):
         import torch.utils.checkpoint as ckpt
 
         with self._lock:
             if type(self)._users == 0:
-                generator = ckpt._checkpoint_without_reentrant_generator
-                type(self)._saved = generator
-                ckpt._checkpoint_without_reentrant_generator = _annotated_generator(generator)
+                type(self)._saved = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+                ckpt._checkpoint_without_reentrant_generator = _annotated_generator(type(self)._saved[0])
+                ckpt.CheckpointFunction = _ReentrantCall(type(self)._saved[1])
             type(self)._users += 1
-        self._was = getattr(_CHECKPOINT_STATE, "calls", None)
-        _CHECKPOINT_STATE.calls = 0
+        self._was = getattr(_CHECKPOINT_STATE, "calls", None), getattr(_CHECKPOINT_STATE, "reentrant", None)
+        _CHECKPOINT_STATE.calls, _CHECKPOINT_STATE.reentrant = 0, None
         return self
 
     def __exit__(self, *exc):
         import torch.utils.checkpoint as ckpt
 
-        _CHECKPOINT_STATE.calls = self._was
+        self.reentrant = _CHECKPOINT_STATE.reentrant
+        _CHECKPOINT_STATE.calls, _CHECKPOINT_STATE.reentrant = self._was
         with self._lock:
             type(self)._users -= 1
             if type(self)._users == 0:
-                ckpt._checkpoint_without_reentrant_generator = type(self)._saved
+                ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = type(self)._saved
         return False
 
 
@@ -294,6 +301,34 @@ def _annotated_generator(generator):
         with _checkpoint_call():
             yield from generator(*args, **kwargs)
     return checkpoint_without_reentrant_generator
+
+
+class _ReentrantCall:
+    """``CheckpointFunction`` while exporting: remembers where the model first calls ``checkpoint(...,
+    use_reentrant=True)`` on an exporting thread (the trace then refuses the model), and runs it as before."""
+
+    def __init__(self, function):
+        self._function = function
+
+    def apply(self, *args):
+        if getattr(_CHECKPOINT_STATE, "calls", None) is not None and _CHECKPOINT_STATE.reentrant is None:
+            import traceback
+
+            frames = [f for f in traceback.extract_stack() if not _internal(f.filename)]
+            f = frames[-1] if frames else None
+            _CHECKPOINT_STATE.reentrant = f"{f.filename}:{f.lineno}, `{(f.line or '').strip()}`" if f else "?"
+        return self._function.apply(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._function, name)
+
+
+def _reentrant_error(model: torch.nn.Module, where: str) -> TraceError:
+    return TraceError(
+        f"model {type(model).__name__} calls torch.utils.checkpoint.checkpoint with use_reentrant=True at {where}: "
+        "torch.export traces such a region under no_grad, so its gradients would be lost. Pass "
+        "use_reentrant=False (autoshard then recomputes the region in backward); for Hugging Face models call "
+        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).")
 
 
 def _mark_checkpoint_regions(gm: torch.fx.GraphModule) -> None:

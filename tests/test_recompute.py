@@ -141,6 +141,26 @@ def test_trace_marks_each_checkpoint_call_as_its_own_region():
     assert "checkpoint" not in plain.code(0)  # nothing changes without regions
 
 
+class Reentrant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(self.fc, x, use_reentrant=True).pow(2).mean()
+
+
+def test_a_reentrant_checkpoint_is_an_error_naming_its_line():
+    """export runs a use_reentrant=True region under no_grad: its gradients would be lost."""
+    from autoshard.errors import TraceError
+
+    with pytest.raises(TraceError) as err:
+        autoshard.compile(Reentrant(), autoshard.Mesh(data=2), (torch.randn(4, 8),))
+    text = str(err.value)
+    assert "use_reentrant=True at " in text and "test_recompute.py:" in text and "use_reentrant=False" in text
+    assert "checkpoint(self.fc, x, use_reentrant=True)" in text
+
+
 def test_checkpointed_blocks_megatron_equal_to_one_device():
     model = _ckpt_gpt()
     args = _data()
