@@ -173,16 +173,14 @@ class Recompute:
         regions = recompute_regions(gm)
         if not regions:
             return gm
-        for region in regions:
-            nodes = recompute_regions(gm).get(region)  # earlier outlining may have absorbed nodes of this one
-            if nodes:
-                _outline(gm, region, nodes)
+        for region, nodes in regions.items():  # outlining one region leaves the others' nodes as they are
+            _outline(gm, region, nodes)
         gm.graph.lint()
         gm.recompile()
         return gm
 
 
-def _convex(gm: torch.fx.GraphModule, region: str, nodes: list[torch.fx.Node]) -> tuple[list, set, torch.fx.Node]:
+def _convex(gm: torch.fx.GraphModule, region: str, nodes: list[torch.fx.Node]) -> tuple[list, list, torch.fx.Node]:
     """The region's nodes closed under paths between them (and the getitems of its multi-output nodes), in graph
     order; the nodes of its span that read it without being in it (they move after the call); and its last node
     before the getitems joined (the call goes after it)."""
@@ -223,7 +221,7 @@ def _convex(gm: torch.fx.GraphModule, region: str, nodes: list[torch.fx.Node]) -
                             "module out of the recompute= glob or the torch.utils.checkpoint call (e.g. a BatchNorm "
                             "updating running statistics in training).")
     hull.sort(key=order.__getitem__)
-    readers = {n for n in span if n in down and n not in inside}
+    readers = [n for n in span if n in down and n not in inside]
     return hull, readers, last_node
 
 
@@ -259,7 +257,7 @@ def _outline(gm: torch.fx.GraphModule, region: str, nodes: list[torch.fx.Node]) 
         item.meta = {key: n.meta[key] for key in _KEPT_META if key in n.meta}
         n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
         anchor = item
-    for r in sorted(readers, key=list(graph.nodes).index):  # readers inside the span run after the region
+    for r in readers:  # readers inside the span (in graph order) run after the region
         anchor.append(r)
         anchor = r
     for n in reversed(body):
