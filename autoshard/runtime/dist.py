@@ -180,6 +180,8 @@ class DistCommunicator(Communicator):
                 # gloo accepts only the concatenated output form, (n * t.shape[0], ...).
                 flat = t.new_empty((n * t.shape[0], *t.shape[1:]))
                 _all_gather_tensor(flat, t, group=group)
+                if dim == 0:
+                    return flat  # already the concatenation along dim 0: no second copy
                 pieces = list(flat.chunk(n, 0))
             else:
                 pieces = [torch.empty_like(t) for _ in range(n)]
@@ -192,7 +194,9 @@ class DistCommunicator(Communicator):
             if "reduce_scatter" in self.native_ops:
                 chunks = t.chunk(n, dim)
                 out = t.new_empty(chunks[0].shape)
-                _reduce_scatter_tensor(out, torch.cat(chunks, 0), op=dist.ReduceOp.SUM, group=group)
+                # along dim 0 the (contiguous) input is already the concatenated form; gloo does not write to it
+                _reduce_scatter_tensor(out, t if dim == 0 else torch.cat(chunks, 0), op=dist.ReduceOp.SUM,
+                                       group=group)
                 return out
             total = t.clone()
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
