@@ -29,8 +29,8 @@ with ``param_dtype`` copies, as eager PyTorch does with ``functional_call(model,
 
 Differences from eager PyTorch under this policy are only those of summation order and of rounding the reduced
 gradient in ``reduce_dtype`` — the policy's point. ``torch.autocast`` regions of a model (a ``wrap_with_autocast``
-region in the trace) are a different thing and need no policy: :func:`autoshard.passes.mixed_precision.inline_autocast`
-writes autocast's casts out explicitly so the region shards like any other code.
+region in the trace) are a different thing and need no policy: the ``inline_autocast`` pass
+(:mod:`autoshard.passes.mixed_precision`) writes autocast's casts out so the region shards like any other code.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class MixedPrecisionCasts:
             with graph.inserting_after(anchor):
                 cast = _cast_node(graph, node, self.param_dtype, users[0], mode, mark=True)
             _same_layout(cast, node)
-            node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+            node.replace_all_uses_with(cast, delete_user_cb=lambda u, c=cast: u is not c)
             count[kind] += 1
         if self.output_dtype is not None:
             out = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -174,7 +174,7 @@ class ReducePrecision:
                 with graph.inserting_after(node):
                     down = _cast_node(graph, node, cast.meta["val"].dtype, cast, mode, mark=True)
                 _same_layout(down, node)
-                node.replace_all_uses_with(down, delete_user_cb=lambda u: u is not down)
+                node.replace_all_uses_with(down, delete_user_cb=lambda u, d=down: u is not d)
                 graph.erase_node(cast)
                 count["on_master"] += 1
                 continue
@@ -187,7 +187,7 @@ class ReducePrecision:
             with graph.inserting_after(node):
                 down = _cast_node(graph, node, compute_dtype, x, mode, mark=False)
             _same_layout(down, node)
-            node.replace_all_uses_with(down, delete_user_cb=lambda u: u is not down)
+            node.replace_all_uses_with(down, delete_user_cb=lambda u, d=down: u is not d)
             count["cast_around"] += 1
         graph.lint()
         gm.recompile()

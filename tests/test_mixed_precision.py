@@ -14,22 +14,22 @@ import warnings
 
 import pytest
 import torch
+from autoshard.cost_models.compute import compute_time
+from autoshard.cost_models.profile import HardwareProfile, LinkCost, load_profile, profile_from_dict
+from autoshard.passes.mixed_precision import autocast_input_dtypes
 from torch import nn
 
 import autoshard
 from autoshard import Partial, Shard
 from autoshard import meta as M
 from autoshard.collectives import is_kind
-from autoshard.cost_models.compute import compute_time
-from autoshard.cost_models.profile import HardwareProfile, LinkCost, load_profile, profile_from_dict
 from autoshard.errors import PlanError
-from autoshard.passes.mixed_precision import autocast_input_dtypes
 from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld
 from examples import models
 
 BF16 = autoshard.MixedPrecision(torch.bfloat16)
-MESH = dict(data=2, model=2)
+MESH = {"data": 2, "model": 2}
 
 
 def _model(name, layers=2):
@@ -285,7 +285,7 @@ class AutocastMLP(nn.Module):
 _MLP_PLAN = {"fc1.weight": ("R", "S(0)"), "fc1.bias": ("R", "S(0)"), "fc2.weight": ("R", "S(1)")}
 
 
-@pytest.mark.parametrize("mesh_dims", [dict(data=2), MESH])
+@pytest.mark.parametrize("mesh_dims", [{"data": 2}, MESH])
 def test_autocast_region_shards_and_equals_eager_autocast(mesh_dims):
     torch.manual_seed(0)
     model = AutocastMLP()
@@ -309,8 +309,8 @@ def test_autocast_region_shards_and_equals_eager_autocast(mesh_dims):
     # linear sums bf16 partial products, and gradients of the bf16 weight copies are summed over ranks in bf16
     exact = "model" not in mesh_dims
     for out in sim.outputs:
-        torch.testing.assert_close(out, loss.detach(), **(dict(rtol=1e-6, atol=1e-7) if exact else
-                                                           dict(rtol=2e-3, atol=0)))
+        torch.testing.assert_close(out, loss.detach(), **({"rtol": 1e-6, "atol": 1e-7} if exact else
+                                                           {"rtol": 2e-3, "atol": 0}))
     for name, p in ref.named_parameters():
         torch.testing.assert_close(sim.grads[name], p.grad, rtol=2e-2, atol=2e-3)
         assert _rel(sim.grads[name], p.grad, 0.0) < 1e-2, name
@@ -362,7 +362,7 @@ def test_bad_precision_options_are_refused():
 # one layer of HF Llama on 2 processes (data=2: the gradients all-reduced in bf16 by gloo); data=2 x model=2 and
 # the fp32 reduction are the simulator's tests above
 _GLOO_CASES = {"hf_llama": autoshard.MixedPrecision(torch.bfloat16)}
-_GLOO_MESH = dict(data=2)
+_GLOO_MESH = {"data": 2}
 
 
 def _gloo_worker(rank, world_size):
