@@ -12,10 +12,15 @@ from __future__ import annotations
 import copy
 import warnings
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 import pytest
 import torch
 from autoshard.cost_models.compute import compute_time
-from autoshard.cost_models.profile import HardwareProfile, LinkCost, load_profile, profile_from_dict
+from autoshard.cost_models.profile import HardwareProfile, LinkCost, load_profile, profile_from_dict, profile_to_toml
 from autoshard.passes.mixed_precision import autocast_input_dtypes
 from torch import nn
 
@@ -340,6 +345,7 @@ def test_profiles_carry_flop_peaks_per_dtype_and_compute_time_uses_the_node_dtyp
         return compute_time(node, fast_bf16)
 
     assert matmul_time(torch.float32) == pytest.approx(8 * matmul_time(torch.bfloat16))
+    assert profile_from_dict(tomllib.loads(profile_to_toml(fast_bf16))) == fast_bf16  # written and read back
     with pytest.raises(PlanError, match="float32 entry"):
         HardwareProfile("t", {"bfloat16": 8e12}, 1e9, 1 << 30, False, LinkCost(0, 0))
     with pytest.raises(PlanError, match="int8"):
