@@ -248,7 +248,6 @@ def _outline(gm: torch.fx.GraphModule, region: str, nodes: list[torch.fx.Node]) 
         fetch = graph.get_attr(attr)
     with graph.inserting_after(fetch):
         call = graph.call_function(checkpoint, (fetch, *inputs))
-    call.meta[M.RECOMPUTE] = region
     call.meta["val"] = tuple(n.meta.get("val") for n in outputs)
     anchor = call
     for k, n in enumerate(outputs):
