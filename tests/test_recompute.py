@@ -273,6 +273,50 @@ def test_a_region_with_an_in_place_buffer_write_is_refused():
         autoshard.compile(model.train(), autoshard.Mesh(data=2), args, recompute="bn1").plan.rank_module(0)
 
 
+# ---- the rank pass on a graph of its own ---------------------------------------------------------------------
+def _marked(fn, region: dict[str, str]):
+    gm = torch.fx.symbolic_trace(fn)
+    for n in gm.graph.nodes:
+        if n.name in region:
+            n.meta[M.RECOMPUTE] = region[n.name]
+    return gm
+
+
+def _f(x, w):
+    a = torch.tanh(x @ w)          # region r
+    seen = a * 3.0                 # outside, between the region's ops: reads it (moves after the call)
+    mid = torch.sin(a)             # unmarked, on a path from a to b: joins the region
+    b = torch.sigmoid(mid) * a     # region r
+    return (b.sum() + seen.sum()) ** 2
+
+
+def test_the_rank_pass_makes_a_region_convex_and_moves_its_readers_after_it():
+    from autoshard.passes.recompute import Recompute
+
+    gm = _marked(_f, {"matmul": "r", "tanh": "r", "sigmoid": "r", "mul_1": "r"})
+    out = Recompute().run(gm, None)
+    child = out.recompute_r
+    assert [n.name for n in child.graph.nodes if n.op == "call_function"] == ["matmul", "tanh", "sin", "sigmoid",
+                                                                               "mul_1"]
+    names = [n.name for n in out.graph.nodes]
+    assert names.index("mul") > names.index("checkpoint")  # `seen` runs after the region
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    want = _f(x, w)
+    gx, gw = torch.autograd.grad(want, (x, w))
+    got = out(x, w)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, w)), (gx, gw)):
+        torch.testing.assert_close(a, b)
+
+
+def test_interleaved_regions_are_an_error():
+    from autoshard.passes.recompute import Recompute
+
+    gm = _marked(_f, {"matmul": "r", "sin": "q", "mul_1": "r"})
+    with pytest.raises(PlanError, match="regions 'r' and 'q' interleave"):
+        Recompute().run(gm, None)
+
+
 # ---- the memory model -----------------------------------------------------------------------------------------
 def test_activation_bytes_of_the_plan_drop_with_recomputation_and_region_cost_prices_it():
     model, args, _ = models.gpt(layers=2)
