@@ -141,6 +141,19 @@ def llama3_8b_meta(batch: int = 2, seq: int = 16, layers: int = 32, vocab: int =
     ids, labels = _ids(batch, seq, vocab, 1)
     return model, (), {"input_ids": ids, "labels": labels}
 
+def llama3_70b_meta(batch: int = 2, seq: int = 16, layers: int = 80, vocab: int = 128256):
+    """A Llama-3-70B-shaped ``LlamaForCausalLM`` (hidden 8192, 64 heads, 8 KV heads, FFN 28672) on the meta
+    device, like :func:`llama3_8b_meta`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=vocab, max_position_embeddings=8192, rope_theta=500000.0,
+                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
 #: Megatron plans (vocabulary-parallel embeddings and LM head, column-parallel then row-parallel linears, heads
 #: split on the model axis), per model, as
 #: {glob: placement on the model axis}; ``megatron(mesh, name)`` expands them to one placement per mesh axis.
@@ -160,6 +173,7 @@ MEGATRON = {
                  "model.layers.*.mlp.down_proj.weight": "S(1)"},
 }
 MEGATRON["llama3_8b_meta"] = MEGATRON["hf_llama"]
+MEGATRON["llama3_70b_meta"] = MEGATRON["hf_llama"]
 
 
 class BlockLoss(nn.Module):

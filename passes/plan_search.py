@@ -701,6 +701,7 @@ def _solve_program(problem: Problem, prog: _Program, cost: np.ndarray, raise_inf
     # HiGHS also stops at an absolute gap of 1e-6: in seconds that hides real differences, so solve in nanoseconds.
     c, cons, bounds = cost * 1e9, LinearConstraint(prog.a, prog.lo, prog.hi), Bounds(np.zeros(nvar), np.ones(nvar))
     integer = prog.integer
+    started = time.perf_counter()
     # The LP relaxation first: the marginal formulation is usually tight, and an integral LP optimum is an optimum of
     # the integer program (it is feasible there, and no integer point beats the relaxation). Otherwise branch.
     res = milp(c, constraints=cons, integrality=np.zeros_like(integer), bounds=bounds,
@@ -708,8 +709,9 @@ def _solve_program(problem: Problem, prog: _Program, cost: np.ndarray, raise_inf
     if _DEBUG:
         print("LP", res.status, None if res.x is None else _integral(res.x[integer == 1]), time.perf_counter())
     if res.x is None or not _integral(res.x[integer == 1]):
+        left = max(0.1, time_limit - (time.perf_counter() - started))  # one time limit for both calls
         res = milp(c, constraints=cons, integrality=integer, bounds=bounds,
-                   options={"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": False, "disp": _DISP})
+                   options={"mip_rel_gap": 0.0, "time_limit": left, "presolve": False, "disp": _DISP})
         if _DEBUG:
             print("MILP", res.status, time.perf_counter())
     if res.x is None:
@@ -759,20 +761,25 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
         return choice, frozenset()
     programs: dict = {}
 
-    def relaxed(lam: float, units, memory_only: float = 0.0) -> list[int]:
-        # one program for every recomputation set: only the option columns' seconds and bytes depend on it
+    def program_for(units) -> _Program:
+        # one program for every recomputation choice: only the option columns' seconds and bytes depend on it
         if not programs:
             prog = _program(problem, frozenset(), memory_row=False)
             programs["warm"] = (prog, _WarmLP.create(prog))
-        base, warm = programs["warm"]
-        if units not in programs:
+        base = programs["warm"][0]
+        key = tuple(sorted(units.items())) if isinstance(units, dict) else units
+        if key not in programs:
             c, mem = _option_vectors(problem, units)
             cost = base.c.copy()
             cost[:len(c)] = c
             memory = np.zeros(len(cost))
             memory[:len(mem)] = mem
-            programs[units] = _Program(cost, memory, base.a, base.lo, base.hi, base.integer, base.offsets)
-        prog = programs[units]
+            programs[key] = _Program(cost, memory, base.a, base.lo, base.hi, base.integer, base.offsets)
+        return programs[key]
+
+    def relaxed(lam: float, units, memory_only: float = 0.0) -> list[int]:
+        prog = program_for(units)
+        warm = programs["warm"][1]
         left = max(1.0, time_limit - (time.perf_counter() - start))
         cost = prog.c + lam * prog.mem if not memory_only else prog.mem / memory_only + prog.c * 1e-6 / lo[2]
         x = warm.solve(cost, left) if warm is not None else None
@@ -808,8 +815,10 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
         raise PlanError(
             f"option memory_limit is {_fmt_bytes(limit)} per rank, but the least memory any plan needs is "
             f"{_fmt_bytes(hi[3])} per rank ({_fmt_bytes(problem.fixed_memory)} of it fixed by annotations and "
-            f"buffers). Raise memory_limit to at least {_fmt_bytes(hi[3])}, use a larger mesh"
-            + ("" if problem.units else ", recompute='auto'") + ", or zero='auto' (ZeRO storage of the parameters).")
+            f"buffers). Raise memory_limit to at least {_fmt_bytes(hi[3])}, or use a larger mesh"
+            + ("" if problem.units else ", recompute='auto' (recompute layers in backward)")
+            + ("" if any(d.stages and max(d.stages) > 0 for d in problem.decisions)
+               else ", zero='auto' (store parameters sharded over the data axis)") + ".")
     best, bound, solves, seen = hi, -np.inf, 2, [lo, hi]
     while time.perf_counter() - start < time_limit:
         lam = (hi[2] - lo[2]) / max(lo[4] - hi[4], 1e-30)
@@ -835,10 +844,14 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
     left = min(time_limit - (time.perf_counter() - start), exact_limit)
     if gap > GAP_TOLERANCE and left > 0.5:
         exact: dict = {}
-        try:
-            choice = solve(problem, left, exact, best[1], transient_bytes(problem, best[0], best[1]))
-        except PlanError:
-            choice = None
+        # the relaxed program plus the memory row (less the transient bytes of the best plan), for best's units
+        prog = program_for(best[1])
+        from scipy.sparse import csr_matrix, vstack
+
+        room = limit - problem.fixed_memory - transient_bytes(problem, best[0], best[1])
+        with_row = _Program(prog.c, prog.mem, vstack([prog.a, csr_matrix(prog.mem)]).tocsr(), [*prog.lo, -np.inf],
+                            [*prog.hi, room], prog.integer, prog.offsets)
+        choice = _solve_program(problem, with_row, with_row.c, False, left, exact)
         if choice is not None:
             t, m = evaluate(problem, choice, best[1])
             if exact.get("optimal"):
@@ -986,7 +999,9 @@ def _best_units(problem: Problem, choice: list[int], lam: float) -> frozenset:
 
 
 def _fmt_bytes(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+    if b >= 2**30:
+        return f"{b / 2**30:.2f} GiB"
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1002,7 +1017,7 @@ class PlanSearch:
     tie_layers: bool = True
     time_limit: float = 120.0  # seconds for the whole search; a plan stopped by it is reported with its gap
     #: under a memory limit: seconds for the exact ILP after the Lagrangian search, when that leaves a gap
-    exact_seconds: float = 10.0
+    exact_seconds: float = 2.0
     name: str = "plan_search"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
