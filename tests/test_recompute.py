@@ -251,6 +251,26 @@ def test_glob_recomputes_blocks_of_a_model_without_checkpoint_calls():
     assert 0 < with_rc < 0.7 * without
 
 
+def test_regions_written_by_another_pass_are_honoured():
+    """What the plan search does under recompute="auto": RECOMPUTE on a layer's nodes of the planned graph."""
+    model, args, _ = models.gpt(layers=2)
+    plan = autoshard.compile(copy.deepcopy(model), MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    for path, nodes in module_regions(plan.graph_module, "blocks.1").items():
+        for n in nodes:
+            n.meta[M.RECOMPUTE] = path
+    assert [n for n, _ in plan.rank_module(0).named_children() if n.startswith("recompute_")] == ["recompute_blocks_1"]
+    sim = plan.simulate(args)
+    ref = copy.deepcopy(model)
+    loss = ref(*args)
+    loss.backward()
+    for out in sim.outputs:
+        assert loss_of(out).item() == pytest.approx(loss.item(), abs=1e-5)
+    grads = {name: p.grad for name, p in ref.named_parameters(remove_duplicate=False)}
+    assert sim.grads and all(name in grads for name in sim.grads)
+    for name, g in sim.grads.items():
+        torch.testing.assert_close(g, grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_hf_llama_layers_glob_equal_to_one_device():
     model, args, kwargs = models.hf_llama(layers=2)
     mesh = autoshard.Mesh(model=2)
