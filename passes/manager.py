@@ -43,8 +43,8 @@ from autoshard.passes.localize import Localize
 from autoshard.passes.mixed_precision import (AutocastParamCasts, InlineAutocast, MixedPrecisionCasts,
                                               ReducePrecision)
 from autoshard.passes.propagate import Propagate
-from autoshard.passes.recompute import MarkRecompute, Recompute
 from autoshard.passes.rank_device import FollowRankDevice
+from autoshard.passes.recompute import MarkRecompute, Recompute
 from autoshard.passes.shard_storage import ShardStorage
 from torch.utils import _pytree as pytree
 

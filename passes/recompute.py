@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from autoshard.cost_models.compute import compute_time, flops
+from autoshard.cost_models.memory import activation_bytes
 
 from autoshard import meta as M
 from autoshard.context import Context
-from autoshard.cost_models.compute import compute_time, flops
-from autoshard.cost_models.memory import activation_bytes
 from autoshard.errors import PlanError
 from autoshard.graph_utils import node_location
 from autoshard.runtime.recompute import checkpoint

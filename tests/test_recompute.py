@@ -9,14 +9,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from autoshard.cost_models.memory import activation_bytes
+from autoshard.passes.recompute import module_regions, recompute_regions, region_cost
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import autoshard
 from autoshard import meta as M
-from autoshard.cost_models.memory import activation_bytes
 from autoshard.errors import PlanError
-from autoshard.passes.recompute import module_regions, recompute_regions, region_cost
 from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld
 from examples import models
