@@ -148,6 +148,26 @@ def test_reduce_dtype_fp32_syncs_gradients_on_the_fp32_masters():
     _check_grads(_by_model_name(sim.grads, plan), _under_policy(model, args, kwargs, policy)[1], tol=6e-2)
 
 
+@pytest.mark.parametrize(("reduce_dtype", "zero"), [(torch.float16, 0), (torch.float32, 1)])
+def test_reduce_dtype_between_casts(reduce_dtype, zero):
+    """A sync that cannot sit on the master (another reduce dtype; behind ZeRO's gather) runs between casts."""
+    model, args, kwargs = _model("gpt")
+    mesh = autoshard.Mesh(**MESH)
+    policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=reduce_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # parameters too small to shard over the data axis are named in a warning
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+                                 precision=policy, zero=zero).plan
+    assert plan.context.report["reduce_precision"]["cast_around"] > 0
+    for n in plan.graph_module.graph.nodes:
+        if is_kind(n, "grad_all_reduce") and n.meta["val"].dtype == reduce_dtype and n.args[0].op != "get_attr":
+            up, (down,) = n.args[0], n.users
+            assert up.target is down.target is torch.ops.aten._to_copy.default
+            assert down.meta["val"].dtype == up.args[0].meta["val"].dtype == torch.bfloat16
+    sim = plan.simulate(args, kwargs)
+    _check_grads(_by_model_name(sim.grads, plan), _under_policy(model, args, kwargs, policy)[1], tol=6e-2)
+
+
 def test_zero3_gathers_bf16_copies_and_output_dtype_casts_the_loss():
     model, args, kwargs = _model("gpt")
     mesh = autoshard.Mesh(**MESH)
