@@ -134,14 +134,17 @@ class Plan:
                 if n.op == "get_attr" and M.STORAGE in n.meta}
 
     def cost(self, profile=None, optimizer: str | None = None):
-        """Estimated step time (compute + communication), memory per rank and bytes per axis of this plan, for
-        ``profile`` (default: the one the plan was made for)."""
+        """Estimated step time (compute + communication), memory per rank (``.memory``: by kind — parameters,
+        gradients, optimizer state, buffers, activations, gathered copies — and the step's peak) and bytes per axis
+        of this plan, for ``profile`` (default: the one the plan was made for)."""
         from autoshard.cost_models.plan_cost import plan_cost
         from autoshard.cost_models.profile import HardwareProfile, load_profile
 
         profile = profile or self.context.options.profile
         profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-        return plan_cost(self.graph_module, self.mesh, profile, optimizer or self.context.options.optimizer)
+        precision = self.context.options.precision
+        return plan_cost(self.graph_module, self.mesh, profile, optimizer or self.context.options.optimizer,
+                         precision.param_dtype if precision is not None else None)
 
     def collectives(self) -> list[tuple[str, M.CollectiveInfo]]:
         """(node name, info) of every inserted collective, in graph order."""

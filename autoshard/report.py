@@ -72,9 +72,10 @@ def format_summary(plan) -> str:
         bwd += info.bytes_backward
     parts = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none"
     text = f"collectives: {parts}; bytes per rank forward {fwd}, backward {bwd}"
+    cost = plan.cost()
+    text += f"\nmemory per rank (estimated peak): {_bytes(cost.memory_per_rank)} = {_memory_text(memory_by_kind(cost))}"
     search = plan.context.report.get("plan_search")
     if search is not None:
-        cost = plan.cost()
         axes = ", ".join(f"{a} {b:.0f}B" for a, b in cost.comm_bytes.items())
         limit = search["memory_limit"]
         text += (f"\nestimated step time {cost.step_time * 1e3:.3f} ms (compute {cost.compute_time * 1e3:.3f} ms, "
@@ -84,6 +85,20 @@ def format_summary(plan) -> str:
                  + f"; binding constraint: {search['binding']}; search: {search['decisions']} decisions "
                  "(repeated layers shared), solved exactly")
     return text
+
+
+def memory_by_kind(cost) -> dict:
+    """{kind: bytes per rank} of a :class:`~autoshard.cost_models.plan_cost.PlanCost` (its MemoryBreakdown), with
+    the ZeRO stages as {stage: parameters}."""
+    return cost.memory.as_dict() if cost.memory is not None else {"peak": cost.memory_per_rank}
+
+
+def _memory_text(kinds: dict) -> str:
+    parts = [f"{k} {_bytes(kinds[k])}" for k in ("parameters", "gradients", "optimizer", "activations", "gathered",
+                                                  "temporaries", "buffers") if kinds.get(k)]
+    stages = kinds.get("stages") or {}
+    zero = ", ".join(f"{n} at {s}" for s, n in sorted(stages.items(), key=lambda kv: int(kv[0])) if n)
+    return " + ".join(parts) + (f" (ZeRO stage: parameters {zero})" if zero and set(stages) != {0} else "")
 
 
 def plan_json(plan) -> str:
@@ -325,9 +340,12 @@ def plan_overview(plan) -> dict:
             total_params += val.numel()
             m["param_bytes"] += nbytes
             name = _fold(str(n.meta.get(M.PARAM, n.target)), foldable)
+            storage = n.meta.get(M.STORAGE)
             p = params.setdefault(name, {"param": name, "count": 0, "shape": list(val.shape),
                                          "spec": _spec_text(spec), "local_shape": list(local),
-                                         "bytes_per_rank": nbytes, "dtype": str(val.dtype).replace("torch.", "")})
+                                         "bytes_per_rank": nbytes, "dtype": str(val.dtype).replace("torch.", ""),
+                                         "zero_stage": storage.stage if storage is not None else 0,
+                                         "compute_spec": _spec_text(storage.compute if storage else spec)})
             p["count"] += 1
         elif n.op == "call_function":
             m["ops"] += 1
@@ -360,6 +378,7 @@ def plan_overview(plan) -> dict:
             "cost": {"step_time_s": cost.step_time, "compute_time_s": cost.compute_time,
                      "comm_time_s": cost.comm_time, "memory_per_rank_bytes": cost.memory_per_rank,
                      "param_bytes_per_rank": cost.parameter_bytes, "comm_bytes_per_axis": dict(cost.comm_bytes),
+                     "memory_by_kind": memory_by_kind(cost),
                      "profile": str(plan.context.options.profile),
                      "memory_limit_bytes": search["memory_limit"] if search else None}}
 
@@ -436,11 +455,12 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
     rows = []
     for text, name in _tree(list(prm), groups):
         if name is None:
-            rows.append([text, "", "", ""])
+            rows.append([text, "", "", "", ""])
             continue
         p = prm[name]
-        rows.append([text, "[" + ", ".join(map(str, p["shape"])) + "]", p["spec"], _bytes(p["bytes_per_rank"])])
-    lines += _table(["parameter", "shape", "spec", "per rank"], rows, {3}, width)
+        rows.append([text, "[" + ", ".join(map(str, p["shape"])) + "]", p["spec"], str(p["zero_stage"]),
+                     _bytes(p["bytes_per_rank"])])
+    lines += _table(["parameter", "shape", "spec (stored)", "zero", "per rank"], rows, {3, 4}, width)
     lines.append("")
     rows = []
     last = None
@@ -464,8 +484,8 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
     lines.append("")
     cost = o["cost"]
     limit = cost["memory_limit_bytes"]
-    lines.append(f"memory per rank: {_bytes(cost['memory_per_rank_bytes'])} (parameters "
-                 f"{_bytes(cost['param_bytes_per_rank'])})" + (f" of {_bytes(limit)} allowed" if limit else ""))
+    lines.append(f"memory per rank: {_bytes(cost['memory_per_rank_bytes'])} peak"
+                 + (f" of {_bytes(limit)} allowed" if limit else "") + " = " + _memory_text(cost["memory_by_kind"]))
     lines.append(f"estimated step: {cost['step_time_s'] * 1e3:.1f} ms = compute {cost['compute_time_s'] * 1e3:.1f} + "
                  f"communication {cost['comm_time_s'] * 1e3:.1f} ({cost['profile']})")
     lines.append("bytes per step per axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in

@@ -27,6 +27,7 @@ not activations. Two views of one saved tensor both count (an over-estimate that
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Node
@@ -39,11 +40,13 @@ from .compute import output_tensors
 
 __all__ = [
     "OPTIMIZERS",
+    "MemoryBreakdown",
     "activation_bytes",
     "dtype_bytes",
     "grad_bytes",
     "optimizer_state_bytes",
     "param_bytes",
+    "plan_memory",
     "recompute_region",
     "training_state_bytes",
     "zero_state_bytes",
@@ -177,3 +180,169 @@ def activation_bytes(node: Node, local_numel: int | None = None,
 def recompute_region(node: Node) -> str | None:
     """The recomputation region (:data:`autoshard.meta.RECOMPUTE`) of a call_function node, None elsewhere."""
     return node.meta.get(M.RECOMPUTE) if node.op == "call_function" else None
+
+
+# ---- a plan's memory per rank, by kind ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Estimated bytes per rank of one plan, by kind, and the peak of a training step.
+
+    - ``parameters``, ``gradients``, ``optimizer``: the stored parameters (ZeRO shards where stored so), their
+      gradients and optimizer state (:func:`zero_state_bytes`); ``buffers``: buffers and frozen parameters;
+    - ``activations``: what autograd keeps from forward for backward (:func:`activation_bytes`, at local sizes);
+    - ``gathered``: parameter copies made for compute and kept for backward — every ZeRO-1/2 parameter's gathered
+      copy, for ZeRO-3 the largest layer's (one layer's gathers are alive at a time: the runtime does not prefetch),
+      and the copies other redistributions of a parameter make (a gradient sync's clone, a gather for a layout).
+
+    The step's peak is the larger of two moments: the end of forward (everything but gradients: a step's gradients
+    appear as its activations are freed, so the two are not counted together) and the optimizer step (parameters,
+    gradients and optimizer state, plus the optimizer's temporaries: one parameter-sized buffer of the largest
+    parameter for a per-parameter update).
+    """
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    buffers: int = 0
+    activations: int = 0
+    gathered: int = 0
+    #: the optimizer's temporaries at its step: one buffer of the largest stored parameter (per-parameter update)
+    largest_parameter: int = 0
+    #: backward's first temporaries: the gradient of the largest activation (the logits' at a language model's
+    #: loss), plus the activations of one recomputed region while its backward runs (the largest region's)
+    temporaries: int = 0
+    stages: dict = field(default_factory=dict)  # ZeRO stage -> number of parameters stored at it
+
+    @property
+    def end_of_forward(self) -> int:
+        return self.parameters + self.optimizer + self.buffers + self.activations + self.gathered + self.temporaries
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.buffers + self.largest_parameter
+
+    @property
+    def peak(self) -> int:
+        return max(self.end_of_forward, self.optimizer_step)
+
+    def as_dict(self) -> dict:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "buffers": self.buffers, "activations": self.activations, "gathered": self.gathered,
+                "temporaries": self.temporaries, "peak": self.peak, "stages": dict(self.stages)}
+
+
+def _layer_of(fqn: str) -> str:
+    """The repeated layer a parameter belongs to: its FQN up to the first numeric component (``blocks.3``,
+    ``model.layers.11``); the FQN itself where there is none."""
+    parts = fqn.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return fqn
+
+
+def _walk_to_parameter(node: Node) -> Node | None:
+    """The parameter (get_attr) ``node`` is made from through collectives and precision casts only; else None."""
+    while isinstance(node, Node) and node.op == "call_function" and node.args and (
+            M.COLLECTIVE in node.meta or node.meta.get("autoshard.precision_cast")):
+        node = node.args[0]
+    return node if isinstance(node, Node) and node.op == "get_attr" else None
+
+
+def _gathered_parameter(node: Node) -> Node | None:
+    """The parameter (get_attr) a collective node redistributes, through other collectives and casts; else None."""
+    return _walk_to_parameter(node) if M.COLLECTIVE in node.meta else None
+
+
+def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None) -> MemoryBreakdown:
+    """:class:`MemoryBreakdown` of an annotated global graph (after ``propagate``; ZeRO storage read from
+    :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None: the parameters'
+    own dtype)."""
+    import math
+
+    from autoshard.placements import local_shape
+
+    def local_numel(shape_, spec) -> int:
+        return math.prod(local_shape(tuple(shape_), spec, mesh))
+
+    kinds = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers", "activations", "gathered"), 0)
+    largest = 0
+    stages: dict[int, int] = {}
+    layer_gathers: dict[str, int] = {}
+    largest_activation = 0
+    regions: dict[str, int] = {}
+    by_storage: dict[Node, int] = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "get_attr" and isinstance(val, torch.Tensor):
+            if not n.meta.get(M.REQUIRES_GRAD):
+                kinds["buffers"] += local_numel(val.shape, n.meta[M.SPEC]) * val.element_size()
+                continue
+            storage = n.meta.get(M.STORAGE)
+            stage = storage.stage if storage is not None else 0
+            compute = storage.compute if storage is not None else n.meta[M.SPEC]
+            data = mesh.axis_size(storage.axis) if storage is not None else 1
+            state = zero_state_bytes(local_numel(val.shape, compute), stage, data, val.dtype, optimizer,
+                                     compute_dtype if compute_dtype is not None and val.dtype.is_floating_point
+                                     else None)
+            for k in ("parameters", "gradients", "optimizer", "gathered"):
+                kinds[k] += state[k]
+            largest = max(largest, state["parameters"])
+            stages[stage] = stages.get(stage, 0) + 1
+            if stage == 3:
+                gathered = param_bytes(local_numel(val.shape, compute), compute_dtype or val.dtype)
+                layer = _layer_of(n.meta.get(M.PARAM, str(n.target)))
+                layer_gathers[layer] = layer_gathers.get(layer, 0) + gathered
+        elif n.op == "call_function" and n.meta.get(M.REQUIRES_GRAD) and M.SPEC in n.meta:
+            spec = n.meta[M.SPEC]
+            if n.meta.get("autoshard.precision_cast") and _walk_to_parameter(n) is not None:
+                continue  # a parameter's compute copy: counted with the parameter (zero_state_bytes)
+            source = _gathered_parameter(n)
+            if source is not None:  # a parameter's redistribution: counted above where ZeRO stores it sharded
+                # (a parameter's gradient sync copies nothing: the runtime's bucketer syncs its .grad instead)
+                if M.STORAGE not in source.meta and isinstance(val, torch.Tensor) and M.COLLECTIVE in n.meta and \
+                        n.meta[M.COLLECTIVE].kind != "grad_all_reduce":
+                    kinds["gathered"] += activation_bytes(n, local_numel(val.shape, spec))
+                continue
+            if isinstance(val, torch.Tensor) and isinstance(spec, tuple) and (not spec or not isinstance(spec[0], tuple)):
+                local = local_numel(val.shape, spec)
+                saved = activation_bytes(n, local)
+                if saved:  # one storage counts once, whichever of its aliases (views, same-dtype casts) is saved
+                    base = _storage_base(n)
+                    kinds["activations"] += max(0, saved - by_storage.get(base, 0))
+                    by_storage[base] = max(by_storage.get(base, 0), saved)
+                largest_activation = max(largest_activation, local * val.element_size())
+                region = recompute_region(n)
+                if region is not None:  # what the region saves while its backward runs, recomputed
+                    regions[region] = regions.get(region, 0) + activation_bytes(n, local, region_of=_no_region)
+            else:
+                kinds["activations"] += activation_bytes(n)  # multi-output: at global size (an over-estimate)
+    if layer_gathers:
+        kinds["gathered"] += max(layer_gathers.values())
+    # backward's first temporaries: the largest activation's gradient, and one recomputed region's activations
+    temporaries = largest_activation + max(regions.values(), default=0)
+    return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages)
+
+
+_ALIAS_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")  # (_to_copy always copies)
+
+
+def _storage_base(node: Node) -> Node:
+    """The node whose output ``node``'s output shares storage with: through views, and through casts to the dtype
+    the tensor already has (``x.to(torch.float32)`` of a float32 ``x`` returns ``x``, as Llama's RMSNorm does)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], Node):
+        src = node.args[0]
+        if entry(node.target).bytes == "view":
+            node = src
+            continue
+        val, sval = node.meta.get("val"), src.meta.get("val")
+        if (str(node.target) in _ALIAS_CASTS and isinstance(val, torch.Tensor) and isinstance(sval, torch.Tensor)
+                and val.dtype == sval.dtype):
+            node = src
+            continue
+        break
+    return node
+
+
+def _no_region(node: Node) -> None:
+    return None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from autoshard.cost_models.compute import compute_time
-from autoshard.cost_models.memory import optimizer_state_bytes
+from autoshard.cost_models.memory import MemoryBreakdown, plan_memory
 from autoshard.cost_models.profile import HardwareProfile
 
 from autoshard import meta as M
@@ -91,6 +91,43 @@ def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: Hard
     return sum(kind_time("grad_all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a))[1] for a in axes)
 
 
+def _zero_stage_of_gather(node: torch.fx.Node, info) -> int:
+    """The ZeRO stage of the parameter an all-gather on its storage axis gathers (0: not a ZeRO gather)."""
+    if info.kind != "all_gather":
+        return 0
+    src = node.args[0]
+    while isinstance(src, torch.fx.Node) and src.op == "call_function" and src.meta.get("autoshard.precision_cast"):
+        src = src.args[0]
+    storage = src.meta.get(M.STORAGE) if isinstance(src, torch.fx.Node) else None
+    return storage.stage if storage is not None and storage.axis in info.axes else 0
+
+
+def _zero_regather_time(node, info, mesh: Mesh, profile: HardwareProfile) -> float:
+    """ZeRO-3: the all-gather runs again in backward (``all_gather_reshard``)."""
+    if _zero_stage_of_gather(node, info) != 3:
+        return 0.0
+    return redistribution_time(info.src, info.dst, node.args[0], mesh, profile) or 0.0
+
+
+def _zero_sync_saving(x, info, mesh: Mesh, profile: HardwareProfile) -> float:
+    """ZeRO-2/3: a gathered parameter's gradient sync over the storage axis is a reduce-scatter, not an all-reduce
+    and a slice (``all_gather_sync``/``all_gather_reshard``): the all-reduce priced minus the reduce-scatter."""
+    if not isinstance(x, torch.fx.Node) or M.COLLECTIVE not in x.meta:
+        return 0.0
+    gather = x.meta[M.COLLECTIVE]
+    if _zero_stage_of_gather(x, gather) < 2:
+        return 0.0
+    axis = gather.axes[0]
+    if axis not in info.axes:
+        return 0.0
+    full = _local_numel(shape(x), info.src, mesh) * itemsize(x)
+    link = _link(profile, mesh, axis)
+    n = mesh.axis_size(axis)
+    all_reduce = kind_time("grad_all_reduce", full, n, link)[1]
+    reduce_scatter = kind_time("all_gather_sync", full, n, link)[1]
+    return max(0.0, all_reduce - reduce_scatter)
+
+
 @dataclass(frozen=True)
 class PlanCost:
     step_time: float  # seconds: compute + communication, forward + backward, no overlap
@@ -99,11 +136,17 @@ class PlanCost:
     memory_per_rank: float  # bytes: parameters, gradients, optimizer state, saved activations
     parameter_bytes: float  # bytes of this rank's parameter shards
     comm_bytes: dict  # mesh axis -> bytes each rank sends per step (forward + backward)
+    #: per-rank bytes by kind (parameters, gradients, optimizer, buffers, activations, gathered) and the step's
+    #: peak (``memory_per_rank``): :class:`autoshard.cost_models.memory.MemoryBreakdown`
+    memory: MemoryBreakdown | None = None
 
 
-def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, optimizer: str = "adam") -> PlanCost:
-    """Evaluate an annotated global graph (after propagation and collective insertion)."""
-    compute = comm = memory = params = 0.0
+def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, optimizer: str = "adam",
+              compute_dtype: torch.dtype | None = None) -> PlanCost:
+    """Evaluate an annotated global graph (after propagation and collective insertion). Memory per rank is the
+    step's peak of :func:`autoshard.cost_models.memory.plan_memory` (ZeRO storage, mixed precision's
+    ``compute_dtype`` copies, saved activations, gathered parameters)."""
+    compute = comm = 0.0
     comm_bytes = {name: 0.0 for name in mesh.names}
     for n in gm.graph.nodes:
         info = n.meta.get(M.COLLECTIVE)
@@ -111,20 +154,14 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
             x = n.args[0]
             if info.kind == "grad_all_reduce":
                 comm += grad_sync_time(info.src, info.axes, x, mesh, profile)
+                comm -= _zero_sync_saving(x, info, mesh, profile)
             else:
                 comm += redistribution_time(info.src, info.dst, x, mesh, profile) or 0.0
+                comm += _zero_regather_time(n, info, mesh, profile)
             for axis in info.axes:
                 comm_bytes[axis] += (info.bytes_forward + info.bytes_backward) / len(info.axes)
             continue
-        if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
-            b = _local_numel(shape(n), n.meta[M.SPEC], mesh) * itemsize(n)
-            params += b
-            memory += b if not n.meta.get(M.REQUIRES_GRAD) else 2 * b + optimizer_state_bytes(b, optimizer)
-        elif n.op == "call_function" and M.STRATEGY in n.meta and not is_getitem(n):
-            strat = n.meta[M.STRATEGY]
-            compute += op_time(n, strat, mesh, profile)
-            if n.meta.get(M.REQUIRES_GRAD):
-                outs = strat.output_spec if isinstance(strat.output_spec[0], tuple) else (strat.output_spec,)
-                for v, spec in zip(out_vals(n), outs):
-                    memory += _local_numel(v.shape, spec, mesh) * v.element_size()
-    return PlanCost(compute + comm, compute, comm, memory, params, comm_bytes)
+        if n.op == "call_function" and M.STRATEGY in n.meta and not is_getitem(n):
+            compute += op_time(n, n.meta[M.STRATEGY], mesh, profile)
+    breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
+    return PlanCost(compute + comm, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes, breakdown)
