@@ -202,3 +202,58 @@ def test_three_adamw_steps_on_four_gloo_processes_equal_one_device():
             for k, v in model.state_dict().items():
                 torch.testing.assert_close(results[0][name, stage][1][k], v, rtol=1e-4, atol=1e-5,
                                            msg=lambda m, k=k, s=stage, n=name: f"{n} zero={s} {k}: {m}")
+
+
+def _pipeline_worker(rank, world_size, stage):
+    from autoshard.api import make_options
+    from autoshard.pipeline import Pipeline, PipelineRunner, build_pipeline_plan
+
+    mesh = autoshard.Mesh(pipe=2, data=2)
+    comm = DistCommunicator(mesh, timeout=60)
+    model, args, kwargs = models.gpt(layers=4, hidden=32, heads=4, seq=8, batch=8)
+    pplan = build_pipeline_plan(model, mesh, args, kwargs, make_options(None, "data", "error", mesh, zero=stage),
+                                Pipeline(microbatches=4))
+    runner = PipelineRunner(pplan, comm=comm)
+    return runner.step(*args, **kwargs), runner.grads()
+
+
+@pytest.mark.gloo
+def test_zero_3_composes_with_pipeline_stages_on_gloo():
+    """pipe=2 x data=2 (4 processes), 1F1B over 4 microbatches, ZeRO-3 on the data axis: loss and every gradient
+    equal one device; parameters are stored sharded over the data axis inside each stage."""
+    from autoshard.api import make_options
+    from autoshard.pipeline import Pipeline, build_pipeline_plan
+
+    model, args, kwargs = models.gpt(layers=4, hidden=32, heads=4, seq=8, batch=8)
+    mesh = autoshard.Mesh(pipe=2, data=2)
+    pplan = build_pipeline_plan(copy.deepcopy(model), mesh, args, kwargs,
+                                make_options(None, "data", "error", mesh, zero=3), Pipeline(microbatches=4))
+    assert pplan.plan.param_storage() and all(s.stage == 3 for s in pplan.plan.param_storage().values())
+    results = spawn(_pipeline_worker, 4, 3, timeout=240, start_method="forkserver")
+    ref_loss, ref_grads = reference(model, args, kwargs)
+    for loss, _ in results:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    grads = pplan.assemble_grads([g for _, g in results])
+    assert set(grads) >= {n for n in ref_grads if n in pplan.param_specs()}
+    for fqn, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-4, atol=1e-5, msg=lambda m, f=fqn: f"{f}: {m}")
+
+
+def test_zero_3_composes_with_expert_parallel_moe():
+    """MoE experts sharded over the data axis (expert parallel) stay as they are; the dense parameters are stored
+    ZeRO-3 over it: loss and every gradient equal the same MoE plan without ZeRO."""
+    opts = autoshard.MoE(layers="blocks.*.mlp", every=2, num_experts=4, top_k=2, capacity_factor=2.0, init="random")
+    mesh = autoshard.Mesh(**MESH)
+    out = {}
+    for stage in (0, 3):
+        model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=32)
+        plan = autoshard.compile(model, mesh, args, moe=opts, plan=models.megatron(mesh, "gpt"), zero=stage).plan
+        out[stage] = (plan, plan.simulate(args))
+    plan3, sim3 = out[3]
+    _, sim0 = out[0]
+    storage = plan3.param_storage()
+    assert storage and not any(".experts." in name for name in storage)  # experts: already sharded over data
+    torch.testing.assert_close(loss_of(sim3.outputs[0]), loss_of(sim0.outputs[0]), rtol=1e-5, atol=1e-6)
+    assert set(sim3.grads) == set(sim0.grads)
+    for fqn, g in sim0.grads.items():
+        torch.testing.assert_close(sim3.grads[fqn], g, rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"{f}: {m}")

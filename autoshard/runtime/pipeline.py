@@ -53,7 +53,10 @@ class StageModule(torch.nn.Module):
         if missing:
             raise AutoshardError(f"pipeline stage needs model inputs {missing}, but the step got only "
                                  f"{sorted(model_inputs)}: pass every input of the model to step().")
-        return self.inner(*acts, *(model_inputs[n] for n in self.inputs))
+        from autoshard.runtime.zero import running
+
+        with running(self.inner):  # ZeRO-3 gathers: not kept for backward (autoshard.runtime.zero)
+            return self.inner(*acts, *(model_inputs[n] for n in self.inputs))
 
 
 def make_stage(module: StageModule, stage_index: int, num_stages: int, act_meta, out_meta, group,
