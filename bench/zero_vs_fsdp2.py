@@ -8,6 +8,8 @@ step is the same elementwise update of the same shards in both):
   ``ShardedModule`` as a user runs it: every parameter stored sharded on dim 0 over the data axis, all-gathered
   before use (``all_gather_reshard``), the gathered copy freed after forward and gathered again in backward, the
   gradient reduce-scattered by the gather's backward; the loss is the global batch's (one loss all-reduce).
+* **autoshard-no-prefetch**: the same, each layer's gathers grouped but not started early (``group_gathers``
+  without its prefetch: the next layer's all-gather starts only when that layer needs it);
 * **autoshard-ungrouped**: the same, with the ``group_gathers`` rank pass left out: one all-gather, one
   re-gather and one reduce-scatter per parameter (autoshard before that pass) — the "before" of the grouping;
 * **FSDP2**: ``fully_shard(block, mesh, reshard_after_forward=True)`` for every block, then on the root (the
@@ -52,7 +54,7 @@ SIZES = {
     "full": {"batch_per_rank": 4, "seq": 32, "hidden": 256, "heads": 8, "vocab": 1024, "layers": 4, "reps": 6},
     "quick": {"batch_per_rank": 2, "seq": 16, "hidden": 64, "heads": 4, "vocab": 128, "layers": 2, "reps": 2},
 }
-SYSTEMS = ("autoshard", "autoshard-ungrouped", "FSDP2")
+SYSTEMS = ("autoshard", "autoshard-no-prefetch", "autoshard-ungrouped", "FSDP2")
 
 
 def _counting(log: list):
@@ -113,18 +115,23 @@ def _worker(rank, world, size_name, reps):
 
     mesh = autoshard.Mesh(data=world)
     comm = DistCommunicator(mesh, timeout=300)
-    from autoshard.passes.group_gathers import GroupGathers
+    from autoshard.passes import group_gathers
+
+    def without(obj, attr, value):  # compile and make this rank's program with obj.attr replaced
+        saved = getattr(obj, attr)
+        setattr(obj, attr, value)
+        try:
+            made = autoshard.compile(copy.deepcopy(model), mesh, (ids, labels), zero=3, comm=comm)
+            made.materialize()
+            return made
+        finally:
+            setattr(obj, attr, saved)
 
     with use(comm):
         sharded = autoshard.compile(copy.deepcopy(model), mesh, (ids, labels), zero=3, comm=comm)
         sharded.materialize()
-        grouped_run = GroupGathers.run
-        GroupGathers.run = lambda self, gm, ctx: gm  # the program as it was before the pass
-        try:
-            ungrouped = autoshard.compile(copy.deepcopy(model), mesh, (ids, labels), zero=3, comm=comm)
-            ungrouped.materialize()
-        finally:
-            GroupGathers.run = grouped_run
+        no_prefetch = without(group_gathers, "_prefetch_next", lambda graph, groups: None)
+        ungrouped = without(group_gathers.GroupGathers, "run", lambda self, gm, ctx: gm)
     local, _ = sharded.plan.shard_inputs(rank, (ids, labels))
 
     fsdp = copy.deepcopy(model)
@@ -149,14 +156,16 @@ def _worker(rank, world, size_name, reps):
 
     steps = {
         "autoshard": step_of(sharded, lambda: loss_of(sharded(*local))),
+        "autoshard-no-prefetch": step_of(no_prefetch, lambda: loss_of(no_prefetch(*local))),
         "autoshard-ungrouped": step_of(ungrouped, lambda: loss_of(ungrouped(*local))),
         "FSDP2": step_of(fsdp, lambda: fsdp(*local)),
     }
-    modules = {"autoshard": sharded, "autoshard-ungrouped": ungrouped, "FSDP2": fsdp}
+    modules = {"autoshard": sharded, "autoshard-no-prefetch": no_prefetch, "autoshard-ungrouped": ungrouped,
+               "FSDP2": fsdp}
     info = {k: {} for k in SYSTEMS}
     # one step each: losses, gradients, bytes
     losses = {}
-    for key in ("autoshard-ungrouped", "autoshard"):
+    for key in ("autoshard-ungrouped", "autoshard-no-prefetch", "autoshard"):
         comm.log.clear()
         loss_a = losses[key] = float(steps[key]())
         records = list(comm.log)
@@ -170,7 +179,7 @@ def _worker(rank, world, size_name, reps):
     dist.all_reduce(mean_f)
     mean_f /= world
     diff, compared = 0.0, 0
-    for key, mod in (("autoshard", sharded), ("autoshard-ungrouped", ungrouped)):
+    for mod in (sharded, no_prefetch, ungrouped):
         grads_a = dict(mod.named_parameters())
         for name, p in fsdp.named_parameters():
             mine = grads_a.get(name)
@@ -187,7 +196,7 @@ def _worker(rank, world, size_name, reps):
         info[key]["peak"] = _peak_bytes(steps[key], modules[key])
     times = {k: [] for k in SYSTEMS}
     for rep in range(reps):
-        order = SYSTEMS[rep % 2:] + SYSTEMS[: rep % 2]
+        order = SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[: rep % len(SYSTEMS)]
         for key in order:
             steps[key]()
             burst = []
@@ -257,7 +266,7 @@ def report(by_world: dict[int, dict]) -> str:
     for world, s in by_world.items():
         la, lf = s["losses"]
         lines.append(f"\n{world} ranks: loss autoshard {la:.6f}, FSDP2 (mean of ranks) {lf:.6f}; max |loss diff| "
-                     f"{s['loss'][0]:.2e}, max |grad diff| over {s['compared']} gradient shards (both autoshard "
+                     f"{s['loss'][0]:.2e}, max |grad diff| over {s['compared']} gradient shards (the autoshard "
                      f"programs vs FSDP2's) {s['loss'][1]:.2e}")
     return "\n".join(lines)
 

@@ -91,6 +91,21 @@ def _hoist(x: torch.fx.Node, before: torch.fx.Node, order: dict) -> bool:
     return True
 
 
+def _prefetch_next(graph: torch.fx.Graph, groups: list[torch.fx.Node]) -> None:
+    """Give each group node the shards of the next group on the same axis (in graph order) to start gathering
+    once its own gather is done; their ``get_attr`` nodes move up before it."""
+    groups = sorted(groups, key=list(graph.nodes).index)
+    for node, nxt in zip(groups, groups[1:]):
+        if nxt.args[1] != node.args[1] or nxt.args[3] != node.args[3]:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        shards = list(nxt.args[0])
+        if all(x.op == "get_attr" or order[x] < order[node] for x in shards):
+            for x in shards:
+                _hoist(x, node, order)
+            node.args = (*node.args[:5], shards)
+
+
 @dataclass(frozen=True)
 class GroupGathers:
     name: str = "group_gathers"
@@ -108,7 +123,7 @@ class GroupGathers:
             if name is None:
                 continue
             groups.setdefault((layer_of(name), axis, size, tuple(axes)), []).append(node)
-        changed = False
+        made: list[torch.fx.Node] = []
         for (_, axis, size, axes), members in groups.items():
             if len(members) < 2:
                 continue
@@ -120,15 +135,16 @@ class GroupGathers:
             with graph.inserting_before(first):
                 node = graph.create_node("call_function", torch.ops.autoshard.all_gather_reshard_group.default,
                                          ([m.args[0] for m in grouped], axis, [m.args[2] for m in grouped], size,
-                                          list(axes)), name="all_gather_reshard_group")
+                                          list(axes), []), name="all_gather_reshard_group")
                 for i, m in enumerate(grouped):
                     item = graph.call_function(operator.getitem, (node, i))
                     item.meta = {k: v for k, v in m.meta.items() if k != M.COLLECTIVE}
                     m.replace_all_uses_with(item)
             for m in grouped:
                 graph.erase_node(m)
-            changed = True
-        if changed:
+            made.append(node)
+        _prefetch_next(graph, made)
+        if made:
             graph.lint()
             gm.recompile()
             gm.meta.pop("autoshard.reshards", None)

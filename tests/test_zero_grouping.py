@@ -42,8 +42,11 @@ def _kinds(module) -> Counter:
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_grouped_program_equals_one_device(name, mesh):
     model, args, kwargs, plan = _plan(name, MESHES[mesh])
-    kinds = _kinds(plan.rank_module(0))
-    assert kinds["all_gather_reshard_group"] == 3  # the root (embeddings, final norm, head) and 2 layers
+    module = plan.rank_module(0)
+    assert _kinds(module)["all_gather_reshard_group"] == 3  # the root (embeddings, final norm, head) and 2 layers
+    groups = [n for n in module.graph.nodes if kind_of(n) is not None and kind_of(n).name == "all_gather_reshard_group"]
+    assert [len(g.args[5]) > 0 for g in groups] == [True, True, False]  # each starts the next one's gather
+    assert all(list(a.args[5]) == list(b.args[0]) for a, b in zip(groups, groups[1:]))
     ref_loss, ref_grads = reference(model, args, kwargs)
     sim = plan.simulate(args, kwargs)
     for out in sim.outputs:
@@ -123,7 +126,7 @@ def test_the_group_op_equals_one_gather_per_tensor(mesh_axes, axes):
         for grouped in (True, False):
             xs = [s.clone().requires_grad_() for s in shards]
             if grouped:
-                outs = torch.ops.autoshard.all_gather_reshard_group(xs, "data", dims, 2, axes)
+                outs = torch.ops.autoshard.all_gather_reshard_group(xs, "data", dims, 2, axes, [])
             else:
                 outs = [torch.ops.autoshard.all_gather_reshard(x, "data", d, 2, axes) for x, d in zip(xs, dims)]
             sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
@@ -135,6 +138,32 @@ def test_the_group_op_equals_one_gather_per_tensor(mesh_axes, axes):
         for a, b in zip(grouped[0] + grouped[1], single[0] + single[1]):
             assert a.dtype == b.dtype and a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_prefetched_gather_is_used_unless_its_shards_changed_since():
+    """Group A starts group B's gather; B's op waits on it — or, when B's shards were written in between (an
+    optimizer step), completes it, drops it and gathers the new values."""
+    world = SimWorld(autoshard.Mesh(data=2))
+
+    def body(rank):
+        a = [torch.full((2, 3), 1.0 + rank)]
+        b = [torch.full((2,), 10.0 + rank), torch.full((1, 2), 20.0 + rank)]
+        op = torch.ops.autoshard.all_gather_reshard_group
+        out = []
+        for write in (False, True):
+            op(a, "data", [0], 2, ["data"], b)
+            if write:
+                with torch.no_grad():
+                    b[0].add_(100.0)
+            out.append(op(b, "data", [0, 1], 2, ["data"], []))
+        return out, len(current().log)
+
+    results = world.run(body)
+    for (fresh, stale), n in results:
+        torch.testing.assert_close(fresh[0], torch.tensor([10.0, 10.0, 11.0, 11.0]))
+        torch.testing.assert_close(fresh[1], torch.tensor([[20.0, 20.0, 21.0, 21.0]]))
+        torch.testing.assert_close(stale[0], torch.tensor([110.0, 110.0, 111.0, 111.0]))
+        assert n == 5  # A, B's prefetch (used); A, B's prefetch (dropped), B again
 
 
 def test_layer_of():

@@ -188,6 +188,19 @@ class Communicator(abc.ABC):
         self._record("all_reduce", axis, t, phase)
         return handle
 
+    def all_gather_async(self, t: torch.Tensor, axis: str, phase: str = "forward") -> Handle:
+        """Start an all-gather of ``t`` along dim 0 over ``axis``; the :class:`Handle`'s ``wait()`` gives the
+        gathered tensor. Same ordering rule as :meth:`all_reduce_async`; ``t`` must not be modified before
+        ``wait()``. Used to gather the next layer's ZeRO-3 parameters early (:mod:`autoshard.runtime.zero`)."""
+        axis, t = self._axis(axis), self._input(t, "all_gather")
+        self._dim(t, 0, "all_gather", axis)
+        handle = self._all_gather_async(t, axis)
+        self._record("all_gather", axis, t, phase)
+        return handle
+
+    def _all_gather_async(self, t: torch.Tensor, axis: str) -> Handle:
+        return Handle(self._all_gather(t, axis, 0))  # default: blocking, already complete
+
     def _all_reduce_async(self, t: torch.Tensor, axis: str) -> Handle:
         # Default: blocking, already complete (the simulator: its ranks are threads that meet at once anyway), and
         # in place, as the real backends do it.

@@ -173,6 +173,21 @@ class DistCommunicator(Communicator):
 
         return Handle(t, wait)
 
+    def _all_gather_async(self, t, axis):
+        if "all_gather" not in self.native_ops:
+            return super()._all_gather_async(t, axis)
+        n, group = self.mesh.axis_size(axis), self._groups[axis]
+        flat = t.new_empty((n * t.shape[0], *t.shape[1:]))
+        what = f"all_gather on axis `{axis}`"
+        with self._guard(what, axis):
+            work = _all_gather_tensor(flat, t, group=group, async_op=True)
+
+        def wait(t=t):  # (t: the input stays alive until the collective is done)
+            with self._guard(what, axis):
+                work.wait()
+
+        return Handle(flat, wait)
+
     def _all_gather(self, t, axis, dim):
         n, group = self.mesh.axis_size(axis), self._groups[axis]
         with self._guard(f"all_gather on axis `{axis}`", axis):

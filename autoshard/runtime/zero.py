@@ -134,16 +134,26 @@ def _by_dtype(dtypes) -> list[list[int]]:
     return list(groups.values())
 
 
-def gather_group(shards, axis: str, dims, size: int, phase: str) -> list[torch.Tensor]:
-    """Every shard of ``shards`` gathered along its dim of ``dims`` over ``axis``, with one all-gather per dtype:
-    the shards are concatenated into one flat buffer, gathered into ``(size, total)`` (row r: rank r's buffer), and
-    each parameter's columns are copied out into its own tensor, rank chunks concatenated along its dim."""
+def _start_gather(shards, axis: str, size: int, phase: str, early: bool) -> list:
+    """Per dtype of ``shards`` (in order of first appearance): its indices and the :class:`Handle` of one
+    all-gather of their concatenation; ``early``: started asynchronously (:meth:`Communicator.all_gather_async`)."""
     from autoshard.runtime.collectives import _all_gather
+    from autoshard.runtime.comm import Handle, current
 
-    outs: list[torch.Tensor | None] = [None] * len(shards)
+    pending = []
     for idx in _by_dtype([s.dtype for s in shards]):
-        flat = torch.cat([shards[i].reshape(-1) for i in idx])
-        gathered = _all_gather(flat, axis, 0, size, phase).view(size, flat.numel())
+        flat = torch.cat([shards[i].detach().reshape(-1) for i in idx])
+        handle = current().all_gather_async(flat, axis, phase) if early else Handle(
+            _all_gather(flat, axis, 0, size, phase))
+        pending.append((idx, handle))
+    return pending
+
+
+def _finish_gather(pending, shards, dims, size: int) -> list[torch.Tensor]:
+    outs: list[torch.Tensor | None] = [None] * len(shards)
+    for idx, handle in pending:
+        total = sum(shards[i].numel() for i in idx)
+        gathered = handle.wait().view(size, total)
         offset = 0
         for i in idx:
             x, d = shards[i], dims[i]
@@ -156,6 +166,32 @@ def gather_group(shards, axis: str, dims, size: int, phase: str) -> list[torch.T
             outs[i] = out
             offset += n
     return outs
+
+
+def gather_group(shards, axis: str, dims, size: int, phase: str) -> list[torch.Tensor]:
+    """Every shard of ``shards`` gathered along its dim of ``dims`` over ``axis``, with one all-gather per dtype:
+    the shards are concatenated into one flat buffer, gathered into ``(size, total)`` (row r: rank r's buffer), and
+    each parameter's columns are copied out into its own tensor, rank chunks concatenated along its dim."""
+    return _finish_gather(_start_gather(shards, axis, size, phase, False), shards, dims, size)
+
+
+def _key(shards) -> tuple:
+    # the parameters' storage and version: an optimizer step in between makes a prefetched copy stale
+    return tuple((s.data_ptr(), tuple(s.shape), s.dtype, s._version) for s in shards)
+
+
+def _take_prefetched(shards):
+    """The pending gather of ``shards`` started by the previous group op of this thread, if it was theirs."""
+    entry = getattr(_LOCAL, "prefetched", None)
+    _LOCAL.prefetched = None
+    if entry is None:
+        return None
+    key, pending = entry
+    if key != _key(shards):
+        for _, handle in pending:  # started on every rank alike: complete it, then drop it
+            handle.wait()
+        return None
+    return pending
 
 
 def reduce_group(grads, shapes, dtypes, axis: str, dims, size: int, axes) -> list[torch.Tensor]:
@@ -195,14 +231,21 @@ def reduce_group(grads, shapes, dtypes, axis: str, dims, size: int, axes) -> lis
 
 
 @torch.library.custom_op("autoshard::all_gather_reshard_group", mutates_args=(),
-                         schema="(Tensor[] xs, str axis, int[] dims, int size, str[] axes) -> Tensor[]")
-def _all_gather_reshard_group_op(xs, axis, dims, size, axes):
-    outs = gather_group(list(xs), axis, list(dims), size, "forward")
-    return remember_gathered_group(outs, list(xs), axis, list(dims), size)
+                         schema="(Tensor[] xs, str axis, int[] dims, int size, str[] axes, Tensor[] prefetch) "
+                                "-> Tensor[]")
+def _all_gather_reshard_group_op(xs, axis, dims, size, axes, prefetch):
+    """``prefetch``: the shards of the group gathered next (the next layer): their all-gather is started here,
+    asynchronously, once this group's has completed, and that group's op waits on it instead of gathering."""
+    xs, dims = list(xs), list(dims)
+    prefetched = _take_prefetched(xs)
+    outs = _finish_gather(prefetched or _start_gather(xs, axis, size, "forward", False), xs, dims, size)
+    if prefetch:
+        _LOCAL.prefetched = (_key(prefetch), _start_gather(list(prefetch), axis, size, "forward", True))
+    return remember_gathered_group(outs, xs, axis, dims, size, prefetched is not None)
 
 
 @_all_gather_reshard_group_op.register_fake
-def _(xs, axis, dims, size, axes):
+def _(xs, axis, dims, size, axes, prefetch):
     outs = []
     for x, d in zip(xs, dims):
         shape = list(x.shape)
@@ -215,8 +258,8 @@ def _setup_group(ctx, inputs, output):
     from autoshard.runtime.collectives import _keep_comm
 
     _keep_comm(ctx)
-    xs, ctx.axis, dims, ctx.size, axes = inputs
-    ctx.dims, ctx.axes = tuple(dims), tuple(axes)
+    xs, ctx.axis, dims, ctx.size, axes, prefetch = inputs
+    ctx.dims, ctx.axes, ctx.prefetched = tuple(dims), tuple(axes), len(prefetch)
     ctx.shapes, ctx.dtypes = [tuple(x.shape) for x in xs], [x.dtype for x in xs]
 
 
@@ -225,7 +268,8 @@ def _group_backward(ctx, grads):
 
     with _comm_of(ctx):
         out = reduce_group(list(grads), ctx.shapes, ctx.dtypes, ctx.axis, ctx.dims, ctx.size, ctx.axes)
-    return out, None, None, None, None if ctx.axes else []  # (autograd matches an empty list as a list)
+    # (autograd matches the structure of list arguments: an empty list, or a list of tensors, as a list)
+    return out, None, None, None, None if ctx.axes else [], [None] * ctx.prefetched
 
 
 _all_gather_reshard_group_op.register_autograd(_group_backward, setup_context=_setup_group)
@@ -236,17 +280,29 @@ class _GatheredGroup:
     group again (one collective per dtype), the members still saved for backward keep their copies until their
     last use (FSDP2 re-gathers a layer's parameters at once in its pre-backward hook)."""
 
-    __slots__ = ("axis", "comm", "dims", "members", "shards", "size")
+    __slots__ = ("axis", "comm", "dims", "members", "pending", "prev", "shards", "size")
 
-    def __init__(self, shards, axis, dims, size, comm):
+    def __init__(self, shards, axis, dims, size, comm, prev=None):
         self.shards, self.axis, self.dims, self.size, self.comm = [s.detach() for s in shards], axis, dims, size, comm
         self.members: list[_GroupMember] = []
+        self.prev = prev  # the group gathered before this one in forward: backward needs it next
+        self.pending = None
+
+    def _needed(self) -> bool:
+        return self.pending is None and any(m.packs > 0 and m.copy is None for m in self.members)
 
     def gather(self) -> None:
+        """Gather the group again (or wait for its prefetch), then start the previous group's gather early."""
         from autoshard.runtime.comm import use
 
         with use(self.comm):
-            outs = gather_group(self.shards, self.axis, self.dims, self.size, "backward")
+            pending, self.pending = self.pending, None
+            if pending is None:
+                pending = _start_gather(self.shards, self.axis, self.size, "backward", False)
+            outs = _finish_gather(pending, self.shards, self.dims, self.size)
+            prev = self.prev
+            if prev is not None and prev._needed():
+                prev.pending = _start_gather(prev.shards, prev.axis, prev.size, "backward", True)
         for member, out in zip(self.members, outs):
             if member.packs > 0:
                 member.copy = out
@@ -266,14 +322,18 @@ class _GroupMember:
         return self.copy
 
 
-def remember_gathered_group(outs, shards, axis: str, dims, size: int):
+def remember_gathered_group(outs, shards, axis: str, dims, size: int, prefetched: bool = False):
     """Called by ``all_gather_reshard_group``'s kernel: note each of ``outs`` as a gathered copy of its shard, to
-    be gathered again with its group in backward (under :func:`reshard_after_forward`)."""
+    be gathered again with its group in backward (under :func:`reshard_after_forward`). ``prefetched``: the
+    previous group op started this gather; in backward, this group starts that one's gather again early."""
     session = _session()
     if session is not None:
         from autoshard.runtime.comm import current
 
-        group = _GatheredGroup(shards, axis, list(dims), size, current())
+        chain = getattr(_LOCAL, "chain", None)  # (session, its last group): this forward's previous group
+        prev = chain[1] if prefetched and chain is not None and chain[0] is session else None
+        group = _GatheredGroup(shards, axis, list(dims), size, current(), prev)
+        _LOCAL.chain = (session, group)
         for out in outs:
             member = _GroupMember(group, out)
             group.members.append(member)
