@@ -276,7 +276,8 @@ def _check_training(model, args, kwargs, policy, out):
     want = ref.state_dict()
     for losses, before, after, dtypes, state in out:
         assert dtypes == {torch.float32} and state == {torch.float32}  # fp32 masters and optimizer state
-        assert losses == pytest.approx(ref_losses, rel=1e-2)
+        # the GPT's loss is a bf16 number (one ulp is 0.8 %), and data ranks average their rounded losses
+        assert losses == pytest.approx(ref_losses, rel=2e-2)
         assert losses[-1] < losses[0]
         for name, w in want.items():
             assert after[name].dtype == torch.float32
