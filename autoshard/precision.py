@@ -15,11 +15,16 @@ with ``param_dtype`` copies, as eager PyTorch does with ``functional_call(model,
   ``param_dtype`` graph. Its ``get_attr`` nodes are then pointed back at the model's own parameters (the masters),
   and its floating placeholders take the caller's dtype again; the user's model is never modified. The copy costs
   ``param_dtype`` bytes of every parameter while tracing (nothing on meta) and is dropped after.
-- **Casts** (``mixed_precision`` pass, :mod:`autoshard.passes.mixed_precision`, before propagation). A cast node
-  ``aten._to_copy(master, dtype=param_dtype)`` goes after every such parameter and floating input, marked
-  ``meta[PRECISION_CAST]``: it is an elementwise op with a sharding rule, so it runs on the parameter's shard and any
+- **Casts** (``mixed_precision`` pass, :mod:`autoshard.passes.mixed_precision`, right after propagation). A cast
+  node ``aten._to_copy(master, dtype=param_dtype)`` goes after every such parameter and floating input, marked
+  ``meta[PRECISION_CAST]``, planned in the layout its source was given: it runs on the parameter's shard and any
   all-gather after it moves ``param_dtype`` bytes (the ZeRO pass moves a data-axis storage shard through it: cast
-  fused with the gather, as FSDP2 casts at all-gather). Floating outputs are cast to ``output_dtype`` when given.
+  fused with the gather, as FSDP2 casts at all-gather). Inserting it after propagation, not before, keeps the plans
+  what they are without precision: the planners see each op consume the parameter itself (an annotation stays a
+  hard constraint on its real consumers; a free parameter takes the layout its first real consumer wants), where a
+  cast planned on its own would pick a layout for itself. Floating outputs are cast to ``output_dtype`` when given.
+- **Why not FSDP2's hooks**: FSDP2 casts in pre-forward hooks around its all-gather; here the casts are graph nodes,
+  so they are priced by the cost model, placed by the same layouts as everything else, and visible in the code.
 - **Gradient reduction** (``reduce_precision`` pass, after ``insert_collectives``). Autograd's gradient of a cast is
   the cast back, so a master's gradient arrives in the master's dtype. A data-parallel ``grad_all_reduce`` runs on
   whatever it is placed on — by default the ``param_dtype`` compute copy; with ``reduce_dtype`` different from
