@@ -290,6 +290,22 @@ def _check_training(model, args, kwargs, policy, out):
                 assert _rel(after[name] - before[name], w - before[name], 1e-6) < 0.35, name
 
 
+def test_memory_model_counts_fp32_masters_and_bf16_compute_copies():
+    model, args, kwargs = _model("gpt")
+    mesh = autoshard.Mesh(**MESH)
+    costs = {}
+    for policy in (None, BF16):
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+                                 precision=policy).plan
+        costs[policy] = plan.cost().memory
+    fp32, bf16 = costs[None], costs[BF16]
+    # parameters: the fp32 masters (what fp32 holds) plus a bf16 compute copy (half of them); gradients and Adam's
+    # state stay the masters'; activations saved for backward are bf16 (half)
+    assert bf16.parameters == fp32.parameters * 3 // 2
+    assert (bf16.gradients, bf16.optimizer) == (fp32.gradients, fp32.optimizer)
+    assert bf16.activations == fp32.activations // 2
+
+
 # ---- torch.autocast regions -------------------------------------------------------------------------------
 class AutocastMLP(nn.Module):
     """A Megatron MLP inside ``torch.autocast`` with a nested region that turns autocast off."""
