@@ -736,7 +736,10 @@ def _solve_program(problem: Problem, prog: _Program, cost: np.ndarray, raise_inf
 GAP_TOLERANCE = 1e-6
 
 
-def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None, exact_limit: float = np.inf
+DEFAULT_TIME_LIMIT = 120.0
+
+
+def search(problem: Problem, time_limit: float | None = None, info: dict | None = None, exact_limit: float = np.inf
            ) -> tuple[list[int], frozenset | dict]:
     """(option per decision, recomputed units): the least estimated step time with ``evaluate``'s memory within
     ``problem.memory_limit``.
@@ -755,23 +758,28 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
     start = time.perf_counter()
     info = info if info is not None else {}
     limit = problem.memory_limit
-    if limit is None:
-        choice = solve(problem, time_limit, info)
+    total = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    if limit is None:  # (no time_limit: solve's own default, 120 s)
+        choice = solve(problem, info=info) if time_limit is None else solve(problem, time_limit=time_limit, info=info)
         info.update(method="ilp", bound=evaluate(problem, choice)[0])
         return choice, frozenset()
     programs: dict = {}
+    base_options = None
 
     def program_for(units) -> _Program:
         # one program for every recomputation choice: only the option columns' seconds and bytes depend on it
+        nonlocal base_options
         if not programs:
             prog = _program(problem, frozenset(), memory_row=False)
             programs["warm"] = (prog, _WarmLP.create(prog))
+            programs[frozenset()] = prog
+            base_options = np.array(_option_vectors(problem, frozenset())[0])
         base = programs["warm"][0]
         key = tuple(sorted(units.items())) if isinstance(units, dict) else units
         if key not in programs:
             c, mem = _option_vectors(problem, units)
-            cost = base.c.copy()
-            cost[:len(c)] = c
+            cost = base.c.copy()  # (option columns also carry costs of graph outputs: add the difference)
+            cost[:len(c)] += np.array(c) - base_options
             memory = np.zeros(len(cost))
             memory[:len(mem)] = mem
             programs[key] = _Program(cost, memory, base.a, base.lo, base.hi, base.integer, base.offsets)
@@ -780,7 +788,7 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
     def relaxed(lam: float, units, memory_only: float = 0.0) -> list[int]:
         prog = program_for(units)
         warm = programs["warm"][1]
-        left = max(1.0, time_limit - (time.perf_counter() - start))
+        left = max(1.0, total - (time.perf_counter() - start))
         cost = prog.c + lam * prog.mem if not memory_only else prog.mem / memory_only + prog.c * 1e-6 / lo[2]
         x = warm.solve(cost, left) if warm is not None else None
         if x is not None and _integral(x[prog.integer == 1]):  # an integral LP optimum is an ILP optimum
@@ -820,7 +828,7 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
             + ("" if any(d.stages and max(d.stages) > 0 for d in problem.decisions)
                else ", zero='auto' (store parameters sharded over the data axis)") + ".")
     best, bound, solves, seen = hi, -np.inf, 2, [lo, hi]
-    while time.perf_counter() - start < time_limit:
+    while time.perf_counter() - start < total:
         lam = (hi[2] - lo[2]) / max(lo[4] - hi[4], 1e-30)
         x = point(lam, hi[1] if hi[1] == lo[1] else lo[1] | hi[1])
         solves += 1
@@ -841,7 +849,7 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
     gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=f"lagrangian ({solves} solves) + repair",
                 lagrangian_seconds=time.perf_counter() - start)
-    left = min(time_limit - (time.perf_counter() - start), exact_limit)
+    left = min(total - (time.perf_counter() - start), exact_limit)
     if gap > GAP_TOLERANCE and left > 0.5:
         exact: dict = {}
         # the relaxed program plus the memory row (less the transient bytes of the best plan), for best's units
@@ -858,7 +866,7 @@ def search(problem: Problem, time_limit: float = 120.0, info: dict | None = None
                 bound = max(bound, t)  # the optimum for this recomputation choice
             else:
                 bound = max(bound, t * (1 - exact.get("gap", 1.0)))
-            if m <= limit and t < best[2]:
+            if m <= limit and t <= best[2] * (1 + 1e-12):  # on a tie, the exact one: it breaks ties (_break_ties)
                 best = (choice, best[1], t, m)
             gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
             info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=info["method"] + " + exact ILP",
@@ -1015,7 +1023,7 @@ class PlanSearch:
     memory_limit: float | None = None
     optimizer: str = "adam"
     tie_layers: bool = True
-    time_limit: float = 120.0  # seconds for the whole search; a plan stopped by it is reported with its gap
+    time_limit: float | None = None  # seconds for the whole search (None: 120); a plan stopped by it reports its gap
     #: under a memory limit: seconds for the exact ILP after the Lagrangian search, when that leaves a gap
     exact_seconds: float = 2.0
     name: str = "plan_search"
@@ -1037,7 +1045,7 @@ class PlanSearch:
         total, memory = evaluate(problem, choice, units)
         why = explain(problem, choice)
         if not status["optimal"]:
-            ctx.warn(f"plan_search: stopped at its time limit (time_limit={self.time_limit:.0f} s, exact_seconds="
+            ctx.warn(f"plan_search: stopped at its time limit (time_limit={self.time_limit or DEFAULT_TIME_LIMIT:.0f} s, exact_seconds="
                      f"{self.exact_seconds:.0f} s) with a plan whose estimated step time is at most {status['gap']:.2%} "
                      f"above the best possible ({status['method']}); it is used as it is.")
         stages: dict[str, int] = {}

@@ -122,3 +122,42 @@ def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto():
     if not report["optimal"]:  # stopped by a time limit: the gap is printed in a warning
         assert 0 < report["gap"] < 0.05
         assert any("plan_search" in str(w.message) and "above the best possible" in str(w.message) for w in caught)
+
+
+def _problem(model, args, mesh, memory_limit, **options):
+    from autoshard.context import Context, Options
+    from autoshard.cost_models.profile import load_profile
+    from autoshard.passes.plan_search import build_problem
+    from autoshard.passes.propagate import mark_requires_grad, seed_specs
+    from autoshard.trace import trace
+
+    gm = trace(model, args)
+    ctx = Context(mesh, Options(**options))
+    mark_requires_grad(gm)
+    seed_specs(gm, ctx)
+    return build_problem(gm, ctx, load_profile(PROFILE), memory_limit, "adam", **options)
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.5, 0.7, 0.9])
+def test_search_reaches_the_exact_ilp_optimum_or_reports_at_least_its_distance(fraction):
+    """The Lagrangian search against the exact ILP with the memory row (HiGHS, proven optimal on this small
+    program), ZeRO stages included, over limits from near the least memory to near the unconstrained need."""
+    from autoshard.passes.plan_search import evaluate, search, solve
+    from tests.test_plan_search import TwoLinear
+
+    torch.manual_seed(0)
+    model, args, mesh = TwoLinear(), (torch.randn(64, 64),), autoshard.Mesh(**MESH)
+    free = _problem(model, args, mesh, None, zero="auto")
+    top = evaluate(free, solve(free))[1]
+    problem = _problem(model, args, mesh, fraction * top, zero="auto")
+    info: dict = {}
+    exact: dict = {}
+    t_exact, m_exact = evaluate(problem, solve(problem, info=exact))
+    assert exact["optimal"] and m_exact <= fraction * top
+    choice, units = search(problem, info=info)
+    t, m = evaluate(problem, choice, units)
+    assert m <= fraction * top
+    assert info["bound"] <= t_exact * (1 + 1e-9)  # a lower bound of the optimum
+    assert (t - t_exact) / t <= info["gap"] + 1e-9
+    if info["optimal"]:
+        assert t == pytest.approx(t_exact, rel=1e-9)
