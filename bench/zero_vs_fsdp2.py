@@ -20,7 +20,8 @@ step is the same elementwise update of the same shards in both):
 Timing: repetitions interleave the systems (order rotating); in each, a system runs one untimed step and then
 ``TIMED`` steps, each started after a barrier and timed on every rank; a step's time is the slower rank's. The
 step time is the median over all timed steps; the ratio is the median over repetitions of (autoshard's mean step /
-FSDP2's mean step in the same repetition): paired, so load from other work hits both alike.
+FSDP2's mean step in the same repetition): paired, so load from other work hits both alike; its 95% bootstrap interval
+says how much the load moved it.
 
 Memory: ``torch.distributed._tools.mem_tracker.MemTracker`` over one extra untimed step per system (peak of
 parameters, gradients, activations, temporaries and optimizer state it attributes to the tracked module; on CPU
@@ -211,6 +212,15 @@ def _worker(rank, world, size_name, reps):
     return info
 
 
+def _interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``values`` (a fixed seed: the same data, the same interval)."""
+    import random
+
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def _by_kind(records) -> dict[str, int]:
     out: dict[str, int] = {}
     for kind, nbytes in records:
@@ -236,7 +246,8 @@ def summarize(results: list[dict]) -> dict:
 
     per_step = {k: [max(s) for rep in zip(*(r["times"][k] for r in results)) for s in zip(*rep)] for k in SYSTEMS}
     base = slower("FSDP2")
-    out = {"ratio": {k: statistics.median(a / f for a, f in zip(slower(k), base)) for k in SYSTEMS},
+    ratios = {k: [a / f for a, f in zip(slower(k), base)] for k in SYSTEMS}
+    out = {"ratio": {k: (statistics.median(v), _interval(v)) for k, v in ratios.items()},
            "loss": tuple(max(r["loss"][i] for r in results) for i in (2, 3)),
            "compared": min(r["loss"][4] for r in results),
            "losses": results[0]["loss"][:2], "params": results[0]["params"]}
@@ -248,12 +259,13 @@ def summarize(results: list[dict]) -> dict:
 
 
 def report(by_world: dict[int, dict]) -> str:
-    rows = [("ranks", "system", "step (ms)", "ratio", "peak mem/rank", "all-gather", "reduce-scatter",
+    rows = [("ranks", "system", "step (ms)", "ratio [95% CI]", "peak mem/rank", "all-gather", "reduce-scatter",
              "all-reduce", "total bytes/rank/step", "collectives/step")]
     for world, s in by_world.items():
         for k in SYSTEMS:
             b = s[k]["bytes"]
-            rows.append((str(world), k, f"{s[k]['ms']:.1f}", f"{s['ratio'][k]:.2f}",
+            ratio, (lo, hi) = s["ratio"][k]
+            rows.append((str(world), k, f"{s[k]['ms']:.1f}", f"{ratio:.2f} [{lo:.2f}, {hi:.2f}]",
                          _fmt_bytes(s[k]["peak"]), _fmt_bytes(b.get("all_gather", 0)),
                          _fmt_bytes(b.get("reduce_scatter", 0)), _fmt_bytes(b.get("all_reduce", 0)),
                          _fmt_bytes(sum(b.values())), str(s[k]["n"])))
@@ -287,7 +299,7 @@ def main(argv=None) -> dict[int, dict]:
     print(f"GPT {({k: v for k, v in SIZES[size_name].items() if k != 'reps'})}, "
           f"{by_world[a.ranks[0]]['params'] / 1e6:.2f}M parameters; gloo on 127.0.0.1, 1 thread per process; "
           f"forward + backward; step = median over {reps} reps x {TIMED} timed steps (slower rank); ratio = median "
-          "over reps of system / FSDP2 in the same rep; peak = MemTracker (tensor storages, max over ranks); "
+          "over reps of system / FSDP2 in the same rep, with a 95% bootstrap interval of that median; peak = MemTracker (tensor storages, max over ranks); "
           "bytes = collective inputs per rank, one step")
     print(report(by_world))
     print(f"\n({time.time() - t0:.0f} s)")

@@ -19,6 +19,14 @@ when the layer starts, and each gathered copy is released after its last use. On
 are grouped (a recomputed region's, outlined by ``recompute``, stay as they are); groups of one gather are left
 alone. Runs last in the rank phase; does nothing without ZeRO-3 parameters.
 
+Prefetch (:func:`_prefetch_next`): each group node also gets the shards of the next group in graph order (its last
+argument). Once its own all-gather is done, the runtime starts that group's all-gather asynchronously
+(:meth:`~autoshard.runtime.comm.Communicator.all_gather_async`) and the next group's op waits on it, so the
+transfer overlaps the layer's compute; in backward, a group gathered again starts the gather of the group that
+prefetched it in forward (the layer backward needs next). A layer's parameters are then held one layer earlier, as
+FSDP2's prefetching holds them. Every rank runs the same program, so every rank starts the same collectives in the
+same order.
+
 Before (rank 0 of a GPT on ``Mesh(data=2)``, ``zero=3``)::
 
     all_gather_reshard_1 = torch.ops.autoshard.all_gather_reshard.default(blocks_0_ln1_weight, 'data', 0, 2, ['data'])
@@ -28,15 +36,17 @@ Before (rank 0 of a GPT on ``Mesh(data=2)``, ``zero=3``)::
 
 After::
 
-    all_gather_reshard_group = torch.ops.autoshard.all_gather_reshard_group.default([blocks_0_ln1_weight,
-        blocks_0_ln1_bias, blocks_0_attn_q_weight, ...], 'data', [0, 0, 0, ...], 2, ['data'])
-    getitem = all_gather_reshard_group[0]
-    getitem_1 = all_gather_reshard_group[1]
+    all_gather_reshard_group_1 = torch.ops.autoshard.all_gather_reshard_group.default([blocks_0_ln1_weight,
+        blocks_0_ln1_bias, blocks_0_attn_q_weight, ...], 'data', [0, 0, 0, ...], 2, ['data'], [blocks_1_ln1_weight,
+        blocks_1_ln1_bias, ...])
+    getitem_3 = all_gather_reshard_group_1[0]
+    getitem_4 = all_gather_reshard_group_1[1]
     ...
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -95,7 +105,7 @@ def _prefetch_next(graph: torch.fx.Graph, groups: list[torch.fx.Node]) -> None:
     """Give each group node the shards of the next group on the same axis (in graph order) to start gathering
     once its own gather is done; their ``get_attr`` nodes move up before it."""
     groups = sorted(groups, key=list(graph.nodes).index)
-    for node, nxt in zip(groups, groups[1:]):
+    for node, nxt in itertools.pairwise(groups):
         if nxt.args[1] != node.args[1] or nxt.args[3] != node.args[3]:
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -118,7 +128,7 @@ class GroupGathers:
         for node in graph.nodes:
             if node.op != "call_function" or node.target is not single:
                 continue
-            x, axis, dim, size, axes = node.args
+            x, axis, _, size, axes = node.args
             name = _param_name(x)
             if name is None:
                 continue

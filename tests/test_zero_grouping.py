@@ -8,14 +8,15 @@ mixed dtypes, dims and gradient axes."""
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import Counter
 
 import pytest
 import torch
+from autoshard.passes.group_gathers import GroupGathers, layer_of
 
 import autoshard
 from autoshard.collectives import kind_of
-from autoshard.passes.group_gathers import GroupGathers, layer_of
 from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime import zero as zero_runtime
@@ -46,7 +47,7 @@ def test_grouped_program_equals_one_device(name, mesh):
     assert _kinds(module)["all_gather_reshard_group"] == 3  # the root (embeddings, final norm, head) and 2 layers
     groups = [n for n in module.graph.nodes if kind_of(n) is not None and kind_of(n).name == "all_gather_reshard_group"]
     assert [len(g.args[5]) > 0 for g in groups] == [True, True, False]  # each starts the next one's gather
-    assert all(list(a.args[5]) == list(b.args[0]) for a, b in zip(groups, groups[1:]))
+    assert all(list(a.args[5]) == list(b.args[0]) for a, b in itertools.pairwise(groups))
     ref_loss, ref_grads = reference(model, args, kwargs)
     sim = plan.simulate(args, kwargs)
     for out in sim.outputs:

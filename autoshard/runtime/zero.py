@@ -12,6 +12,12 @@ by resizing the gathered storage to zero after forward and re-gathering in a pre
 Identity, not addresses: a saved tensor is matched to a gathered parameter by object identity (the tensor, or its
 ``_base`` for a view), through a weak reference — an address could be reused by an activation once the gathered
 copy is freed. Backward runs the re-gathers in autograd's order, which is the same on every rank of a plan.
+
+Grouped gathers (``all_gather_reshard_group``, made by :mod:`autoshard.passes.group_gathers`): a layer's
+parameters are gathered with one all-gather per dtype into one flat buffer (:func:`gather_group`) and their
+gradients reduce-scattered at once (:func:`reduce_group`); in backward the first use of any member gathers the whole
+group again (:class:`_GatheredGroup`). Each group op may start the next group's all-gather asynchronously once its
+own is done (``prefetch``), and a group re-gathered in backward starts the one that prefetched it in forward.
 """
 
 from __future__ import annotations
