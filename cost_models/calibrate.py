@@ -9,7 +9,8 @@
    rank's. The calls are the runtime's own: a :class:`~autoshard.runtime.dist.DistCommunicator` over a
    one-axis mesh of all the ranks, so what is measured is the transport a compiled model uses (the backend's
    collectives on a process group made by the communicator, with the communicator's own copies around them);
-2. times a 512×512 fp32 matmul (peak FLOP/s) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
+2. times a 512×512 fp32 matmul (peak FLOP/s), the same in bf16 (the profile's ``bfloat16`` peak, for mixed
+   precision; CPUs without bf16 units run it slower than fp32) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
    once, so that ranks share the machine as they will in a run, and averages the rates over ranks.
 
 The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`comm.model_coefficients`). For each
@@ -89,6 +90,8 @@ class Calibration:
     mem_bandwidth: float
     memory_bytes: int
     seconds: float
+    #: peak FLOP/s per dtype besides fp32's (``(("bfloat16", rate),)``)
+    dtype_flops: tuple = ()
 
     def profile(self, name: str | None = None) -> HardwareProfile:
         return HardwareProfile(
@@ -100,6 +103,7 @@ class Calibration:
             memory_bytes=self.memory_bytes,
             overlap_comm=self.backend == "nccl",
             link=self.link,
+            dtype_flops=self.dtype_flops,
         )
 
 
@@ -215,11 +219,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
             samples[kind] = [[nbytes, t] for (nbytes, _), t in zip(calls, best)]
         a, c = torch.randn(_MATMUL_N, _MATMUL_N), torch.empty(_MATMUL_N, _MATMUL_N)
         src, dst = torch.ones(_COPY_BYTES // 4), torch.empty(_COPY_BYTES // 4)
-        matmul_s, copy_s = _min_times([lambda: torch.mm(a, a, out=c), lambda: dst.copy_(src)], repeats)
+        a16, c16 = a.to(torch.bfloat16), c.to(torch.bfloat16)
+        matmul_s, copy_s, matmul16_s = _min_times([lambda: torch.mm(a, a, out=c), lambda: dst.copy_(src),
+                                                   lambda: torch.mm(a16, a16, out=c16)], repeats)
 
         times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
-        rates = torch.tensor([2 * _MATMUL_N**3 / matmul_s, 2 * _COPY_BYTES / copy_s], dtype=torch.float64)
+        rates = torch.tensor([2 * _MATMUL_N**3 / matmul_s, 2 * _COPY_BYTES / copy_s, 2 * _MATMUL_N**3 / matmul16_s],
+                             dtype=torch.float64)
         dist.all_reduce(rates)
         rates /= world_size
         if rank == 0:
@@ -227,6 +234,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
             counts = {kind: sum(1 for r in comm.log if r.kind == kind) for kind in COLLECTIVES}
             result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
                       "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
+                      "bfloat16_flops": rates[2].item(),
                       "transport": type(comm).__name__, "calls": counts}
             Path(out_path).write_text(json.dumps(result))
     finally:
@@ -288,6 +296,7 @@ def measure(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend
         mem_bandwidth=raw["mem_bandwidth"],
         memory_bytes=_physical_memory() // world_size,
         seconds=time.monotonic() - start,
+        dtype_flops=(("bfloat16", raw["bfloat16_flops"]),),
     )
 
 
@@ -320,7 +329,8 @@ def format_calibration(cal: Calibration) -> str:
     rows = [_HEADER, *_rows(cal)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(f"peak {cal.peak_flops / 1e9:.3g} GFLOP/s, memory bandwidth {cal.mem_bandwidth / 1e9:.3g} GB/s, "
+    per = "".join(f" ({k} {v / 1e9:.3g})" for k, v in cal.dtype_flops)
+    lines.append(f"peak {cal.peak_flops / 1e9:.3g} GFLOP/s{per}, memory bandwidth {cal.mem_bandwidth / 1e9:.3g} GB/s, "
                  f"memory {cal.memory_bytes / 2**30:.3g} GiB per rank ({cal.world_size} {cal.backend} ranks, "
                  f"{cal.seconds:.1f} s)")
     return "\n".join(lines)

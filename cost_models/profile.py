@@ -116,8 +116,8 @@ class HardwareProfile:
     link: LinkCost
     axes: tuple[tuple[str, LinkCost], ...] = field(default=())
     description: str = ""
-    #: peak FLOP/s per compute dtype, ``(("bfloat16", 9.89e14), ...)`` (a dict is accepted, and so is a dict as
-    #: ``peak_flops``: its ``float32`` entry becomes ``peak_flops``); a dtype not listed runs at ``peak_flops``
+    #: peak FLOP/s per compute dtype but fp32, ``(("bfloat16", 9.89e14), ...)`` (a dict is accepted, and so is a dict
+    #: as ``peak_flops``: its ``float32`` entry becomes ``peak_flops``); a dtype not listed runs at ``peak_flops``
     dtype_flops: tuple[tuple[str, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -128,6 +128,10 @@ class HardwareProfile:
                 raise PlanError(f"Hardware profile `{self.name}` has peak_flops per dtype {sorted(per_dtype)}, but "
                                 "needs a float32 entry (the default for every dtype not listed).")
             object.__setattr__(self, "peak_flops", per_dtype["float32"])
+        fp32 = per_dtype.pop("float32", self.peak_flops)  # fp32's peak is peak_flops: stored once
+        if fp32 != self.peak_flops:
+            raise PlanError(f"Hardware profile `{self.name}` has peak_flops={self.peak_flops!r} and a float32 peak of "
+                            f"{fp32!r}: give fp32's peak once.")
         for key, v in per_dtype.items():
             if key not in _FLOP_DTYPES:
                 raise PlanError(f"Hardware profile `{self.name}` has peak_flops for {key!r}, but the dtypes are "

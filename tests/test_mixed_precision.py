@@ -385,6 +385,8 @@ def test_profiles_carry_flop_peaks_per_dtype_and_compute_time_uses_the_node_dtyp
     assert profile_from_dict(tomllib.loads(profile_to_toml(fast_bf16))) == fast_bf16  # written and read back
     with pytest.raises(PlanError, match="float32 entry"):
         HardwareProfile("t", {"bfloat16": 8e12}, 1e9, 1 << 30, False, LinkCost(0, 0))
+    with pytest.raises(PlanError, match="give fp32's peak once"):
+        HardwareProfile("t", 1e12, 1e9, 1 << 30, False, LinkCost(0, 0), dtype_flops={"float32": 2e12})
     with pytest.raises(PlanError, match="int8"):
         HardwareProfile("t", {"float32": 1e12, "int8": 8e12}, 1e9, 1 << 30, False, LinkCost(0, 0))
 
