@@ -310,9 +310,7 @@ def pinned_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, bool]:
         elif n.op == "call_function":
             srcs = n.all_input_nodes
             if srcs and all(x in pinned for x in srcs):
-                # a dtype cast of a parameter (autocast's, mixed precision's) is that parameter: as strict
-                pinned[n] = pinned[srcs[0]] if n.target is torch.ops.aten._to_copy.default and len(srcs) == 1 \
-                    else False
+                pinned[n] = False
     return pinned
 
 
