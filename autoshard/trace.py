@@ -86,8 +86,12 @@ def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
         raise layer_reuse._CannotReuse("no repeated layers")
     for attempt in range(4):
         try:
-            with layer_reuse.reuse_layers(model, groups):
-                gm = _export(model, args, kwargs)
+            _CHECKPOINT_STATE.refuse = True  # the first checkpoint call ends this export (see _checkpoint_call)
+            try:
+                with layer_reuse.reuse_layers(model, groups):
+                    gm = _export(model, args, kwargs)
+            finally:
+                _CHECKPOINT_STATE.refuse = False
             if any(_CHECKPOINT_KEY in (n.meta.get("custom") or {}) for n in gm.graph.nodes):
                 raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
         except Exception as e:  # a copy called with other inputs: lead its group from there (once per group)
@@ -284,6 +288,10 @@ def _checkpoint_call():
 
     calls = getattr(_CHECKPOINT_STATE, "calls", None)
     inside = getattr(_CHECKPOINT_STATE, "inside", False)
+    if calls is not None and getattr(_CHECKPOINT_STATE, "refuse", False):
+        # an export that copies layers would copy a region's marks to layers that may not be checkpointed: stop it
+        # at once (not after the whole model) and export every layer instead
+        raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
     if calls is None or inside:  # not exporting on this thread, or nested in an annotated call
         yield
         return
@@ -311,6 +319,8 @@ class _ReentrantCall:
         self._function = function
 
     def apply(self, *args):
+        if getattr(_CHECKPOINT_STATE, "calls", None) is not None and getattr(_CHECKPOINT_STATE, "refuse", False):
+            raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
         if getattr(_CHECKPOINT_STATE, "calls", None) is not None and _CHECKPOINT_STATE.reentrant is None:
             import traceback
 
