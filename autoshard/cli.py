@@ -102,9 +102,34 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--profile", default="cpu-gloo",
                       help="hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default cpu-gloo)")
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
+    show.add_argument("--zero", default="0", choices=("0", "1", "2", "3", "auto"),
+                      help="ZeRO stage of parameter storage over the data axis; auto: the search picks (default 0)")
+    show.add_argument("--recompute", default=None, metavar="GLOB|auto",
+                      help="recompute these modules' activations in backward (glob over module paths), or auto")
+    show.add_argument("--precision", default=None, metavar="PARAM[,REDUCE]",
+                      help="mixed precision: compute dtype and gradient-reduce dtype, e.g. bfloat16,float32")
     show.add_argument("--moe", metavar="OPTIONS", default=None,
                       help="rewrite FFNs as Mixture-of-Experts layers, e.g. layers=blocks.*.mlp,every=2,num_experts=8,"
                            "top_k=2,capacity_factor=1.25 (see autoshard.MoE)")
+
+
+def parse_precision(text: str | None):
+    """``--precision bfloat16[,float32]`` → ``autoshard.MixedPrecision(param_dtype, reduce_dtype)``; None → None."""
+    if not text:
+        return None
+    import torch
+
+    from autoshard.precision import MixedPrecision
+
+    names = [t.strip() for t in text.split(",")]
+    dtypes = []
+    for name in names:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or len(names) > 2:
+            raise AutoshardError(f"--precision {text!r}: expected PARAM_DTYPE[,REDUCE_DTYPE] with torch dtype names, "
+                                 "e.g. bfloat16 or bfloat16,float32.")
+        dtypes.append(dtype)
+    return MixedPrecision(*dtypes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +207,9 @@ def show(args: argparse.Namespace) -> int:
                                data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
                                profile=args.profile, memory_limit=args.memory_limit,
                                pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,
-                               moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None)
+                               moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None,
+                               zero=args.zero if args.zero == "auto" else int(args.zero), recompute=args.recompute,
+                               precision=parse_precision(args.precision))
     symbolic = getattr(args, "symbolic", False)
     if args.pipeline:  # the stages (or --rank's program of its stage)
         if args.json:

@@ -191,7 +191,7 @@ class MemoryBreakdown:
       gradients and optimizer state (:func:`zero_state_bytes`); ``buffers``: buffers and frozen parameters;
     - ``activations``: what autograd keeps from forward for backward (:func:`activation_bytes`, at local sizes);
     - ``gathered``: parameter copies made for compute and kept for backward — every ZeRO-1/2 parameter's gathered
-      copy, for ZeRO-3 the largest layer's (one layer's gathers are alive at a time: the runtime does not prefetch),
+      copy, for ZeRO-3 the largest layer's twice (the layer in use, and the next layer's gather the runtime prefetches),
       and the copies other redistributions of a parameter make (a gradient sync's clone, a gather for a layout).
 
     The step's peak is the larger of two moments: the end of forward (everything but gradients: a step's gradients
@@ -241,17 +241,31 @@ def _layer_of(fqn: str) -> str:
     return fqn
 
 
-def _walk_to_parameter(node: Node) -> Node | None:
-    """The parameter (get_attr) ``node`` is made from through collectives and precision casts only; else None."""
-    while isinstance(node, Node) and node.op == "call_function" and node.args and (
-            M.COLLECTIVE in node.meta or node.meta.get("autoshard.precision_cast")):
-        node = node.args[0]
-    return node if isinstance(node, Node) and node.op == "get_attr" else None
+_CASTS = ("aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")
 
 
-def _gathered_parameter(node: Node) -> Node | None:
-    """The parameter (get_attr) a collective node redistributes, through other collectives and casts; else None."""
-    return _walk_to_parameter(node) if M.COLLECTIVE in node.meta else None
+def _parameter_copy(node: Node) -> tuple[Node | None, bool]:
+    """(the parameter, counted elsewhere) when ``node`` is a parameter made ready for compute — through
+    collectives and dtype casts only — else (None, False). Counted elsewhere (True): the compute-dtype cast of a
+    parameter where it lies (with the parameter: :func:`zero_state_bytes`), a ZeRO-stored parameter's gathers and
+    the casts before them (``gathered``), a gradient sync (the runtime's bucketer syncs the ``.grad``, no copy).
+    Anything else on the way — a cast back after a gradient sync, another layout's gather — is a kept copy."""
+    chain = []
+    cur = node
+    while isinstance(cur, Node) and cur.op == "call_function" and cur.args and (
+            M.COLLECTIVE in cur.meta or str(cur.target) in _CASTS):
+        chain.append(cur)
+        cur = cur.args[0]
+    if not chain or not isinstance(cur, Node) or cur.op != "get_attr":
+        return None, False
+    if M.COLLECTIVE in node.meta and node.meta[M.COLLECTIVE].kind == "grad_all_reduce":
+        return cur, True
+    syncs_and_casts = all(str(c.target) in _CASTS or c.meta[M.COLLECTIVE].kind == "grad_all_reduce" for c in chain)
+    if M.STORAGE not in cur.meta and syncs_and_casts:
+        return cur, True  # the compute copy of a parameter stored whole (before or after its gradient sync)
+    if M.STORAGE in cur.meta and all(M.COLLECTIVE in c.meta or c.meta.get("autoshard.precision_cast") for c in chain):
+        return cur, True
+    return cur, False
 
 
 def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None) -> MemoryBreakdown:
@@ -295,13 +309,9 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                 layer_gathers[layer] = layer_gathers.get(layer, 0) + gathered
         elif n.op == "call_function" and n.meta.get(M.REQUIRES_GRAD) and M.SPEC in n.meta:
             spec = n.meta[M.SPEC]
-            if n.meta.get("autoshard.precision_cast") and _walk_to_parameter(n) is not None:
-                continue  # a parameter's compute copy: counted with the parameter (zero_state_bytes)
-            source = _gathered_parameter(n)
-            if source is not None:  # a parameter's redistribution: counted above where ZeRO stores it sharded
-                # (a parameter's gradient sync copies nothing: the runtime's bucketer syncs its .grad instead)
-                if M.STORAGE not in source.meta and isinstance(val, torch.Tensor) and M.COLLECTIVE in n.meta and \
-                        n.meta[M.COLLECTIVE].kind != "grad_all_reduce":
+            source, counted = _parameter_copy(n)
+            if source is not None:  # a copy of a parameter made for compute: never an activation
+                if not counted and isinstance(val, torch.Tensor):
                     kinds["gathered"] += activation_bytes(n, local_numel(val.shape, spec))
                 continue
             if isinstance(val, torch.Tensor) and isinstance(spec, tuple) and (not spec or not isinstance(spec[0], tuple)):
@@ -311,14 +321,15 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                     base = _storage_base(n)
                     kinds["activations"] += max(0, saved - by_storage.get(base, 0))
                     by_storage[base] = max(by_storage.get(base, 0), saved)
-                largest_activation = max(largest_activation, local * val.element_size())
+                # its gradient, at least in fp32: losses compute in fp32 (vocab-parallel cross-entropy, HF's upcast)
+                largest_activation = max(largest_activation, local * max(val.element_size(), 4))
                 region = recompute_region(n)
                 if region is not None:  # what the region saves while its backward runs, recomputed
                     regions[region] = regions.get(region, 0) + activation_bytes(n, local, region_of=_no_region)
             else:
                 kinds["activations"] += activation_bytes(n)  # multi-output: at global size (an over-estimate)
     if layer_gathers:
-        kinds["gathered"] += max(layer_gathers.values())
+        kinds["gathered"] += 2 * max(layer_gathers.values())  # the layer in use and the next one's prefetch
     # backward's first temporaries: the largest activation's gradient, and one recomputed region's activations
     temporaries = largest_activation + max(regions.values(), default=0)
     return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages)
