@@ -257,3 +257,38 @@ def test_zero_3_composes_with_expert_parallel_moe():
     assert set(sim3.grads) == set(sim0.grads)
     for fqn, g in sim0.grads.items():
         torch.testing.assert_close(sim3.grads[fqn], g, rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"{f}: {m}")
+
+
+def test_zero_3_checkpoint_resumes_on_another_mesh_and_in_plain_pytorch(tmp_path):
+    """Train 2 steps with ZeRO-3 on data=2 x model=2 and save (model and Adam state, both stored sharded); resume
+    without ZeRO on model=4 and in plain PyTorch: the next 2 steps equal an uninterrupted run on one device."""
+    from tests.test_checkpoint import _sim, assert_state_close, batches, compile_gpt, new_model, resume, train
+
+    data = batches(4)
+    path = str(tmp_path / "ckpt")
+    base = new_model()
+    mesh22, mesh4 = autoshard.Mesh(**MESH), autoshard.Mesh(model=4)
+
+    def first(rank, comm):
+        sharded = compile_gpt(copy.deepcopy(base), mesh22, comm=comm, example_inputs=data[0], zero=3)
+        assert sharded.plan.param_storage()
+        losses, opt = train(sharded, mesh22, rank, data[:2])
+        autoshard.save(sharded, path, optimizer=opt)
+        return losses
+
+    losses = _sim(mesh22, first)[0]
+    ref = copy.deepcopy(base)
+    ref_losses, _ = train(ref, None, 0, data)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses[:2])) < 1e-5
+
+    def second(rank, comm):
+        sharded = compile_gpt(new_model(seed=5), mesh4, example_inputs=data[0], comm=comm)
+        opt = resume(sharded, path)
+        return train(sharded, mesh4, rank, data[2:], opt)[0], autoshard.full_state_dict(sharded)
+
+    out = _sim(mesh4, second)
+    assert max(abs(a - b) for a, b in zip(out[0][0], ref_losses[2:])) < 1e-5
+    assert_state_close(out[0][1], ref.state_dict(), steps=4)
+    plain = new_model(seed=5)
+    opt = resume(plain, path)
+    assert max(abs(a - b) for a, b in zip(train(plain, None, 0, data[2:], opt)[0], ref_losses[2:])) < 1e-5
