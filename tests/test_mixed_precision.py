@@ -94,7 +94,8 @@ def _check_grads(grads, ref, tol):
 
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_megatron_bf16_equals_the_policy_on_one_device(name):
-    model, args, kwargs = _model(name)
+    # two GPT layers: one traced, one copied by layer reuse (both must read masters); one HF Llama layer (time)
+    model, args, kwargs = _model(name, layers=2 if name == "gpt" else 1)
     mesh = autoshard.Mesh(**MESH)
     plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, name),
                              precision=BF16).plan
@@ -222,7 +223,7 @@ def test_pipeline_stages_compute_in_bf16_and_send_bf16_activations():
     from autoshard.pipeline import Pipeline, build_pipeline_plan
     from tests.test_pipeline import SMALL, _run_stages
 
-    model, args, kwargs = models.FACTORIES["gpt"](**SMALL)
+    model, args, kwargs = models.FACTORIES["gpt"](**{**SMALL, "layers": 2})
     mesh = autoshard.Mesh(pipe=2)
     pplan = build_pipeline_plan(model, mesh, args, kwargs, make_options(None, "data", "error", mesh, precision=BF16),
                                 Pipeline(microbatches=2))
