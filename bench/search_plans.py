@@ -92,7 +92,8 @@ def format_case(name, mesh_axes, limit, rows) -> str:
         if label != "searched" and fits and s["step"] > r["step"] * (1 + 1e-9):
             worse.append(label)
     status = "optimal" if rep["optimal"] else f"gap {rep['gap']:.2%} to the lower bound"
-    lines.append(f"  search: build {rep['build_seconds']:.2f} s + solve {rep['solve_seconds']:.2f} s "
+    lines.append(f"  search: build {rep['build_seconds']:.2f} s + solve {rep['solve_seconds']:.2f} s wall, "
+                 f"{rep['cpu_seconds']:.2f} s CPU "
                  f"({rep['method']}); {status}; search's own memory estimate {rep['memory_per_rank'] / GiB:.2f} GiB")
     lines.append(f"  chosen: ZeRO stages {rep['zero_stages']} (stage: parameters), recomputed layers "
                  f"{len(rep['recomputed'])}")

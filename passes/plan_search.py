@@ -16,6 +16,33 @@ Formulation (an integer linear program solved by HiGHS through ``scipy.optimize.
   no overlap of communication and compute);
 * memory: ``Σ y[param, o]·(parameter + gradient + optimizer state bytes) + Σ x·saved activation bytes ≤ limit``.
 
+Memory options (``Options.zero`` and ``Options.recompute``, read by the pass):
+
+* ``zero="auto"``: a parameter's options repeat each layout at ZeRO stages 0, 2 and 3 (where
+  :func:`passes.shard_storage.stored_spec` can shard it): bytes by
+  :func:`cost_models.memory.zero_state_bytes` (stage 2 keeps the gathered copy), seconds added to the gradient
+  all-reduce the value terms already price: stage 2 ``all_gather_sync`` − all-reduce, stage 3
+  ``all_gather_reshard`` − all-reduce (exact where the consumer syncs over the data axis, which it does whenever
+  the batch is sharded there). The choice goes to ``shard_storage`` as ``meta[PLANNED_ZERO]`` on every copy.
+  ``zero=1|2|3``: every shardable parameter's bytes are its stored state at that stage.
+* ``recompute="auto"``: every copy of a repeated layer is a candidate (:class:`Unit`: the tied interior copies
+  form one unit, a share of whose copies may be recomputed). Recomputed, a copy keeps only the outputs that leave
+  it and costs its forward again. Chosen copies get ``meta[RECOMPUTE] = <the copy's module path>``.
+* Fixed terms besides the sum (:func:`transient_bytes`): twice the largest layer's ZeRO-3 gathered copy, and the
+  largest recomputed copy's activations while its backward runs.
+
+What the sum does not model: it adds every saved activation and every gradient as if all were alive at once (a
+peak per liveness point would not: gradients appear as activations are freed), counts each requires-grad op's
+outputs whole (not only what autograd saves), and prices no allocator fragmentation or communication buffers. It
+is an upper bound of a step's peak for what it counts.
+
+Under a memory limit the search (:func:`search`) relaxes the memory row into the objective (Lagrangian
+relaxation, ``min T + λ·M``, each λ solved from the previous HiGHS basis), walks λ along the breakpoints of the
+dual, repairs the plans it met with stage and recomputation moves that keep every layout (:func:`_repair`), and
+reports the gap of the best plan to the best dual bound; HiGHS's exact ILP with the memory row runs only when a gap
+is left, for ``exact_seconds``. A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned
+about, never silently used.
+
 Annotated parameters are hard constraints, as in propagation (:func:`passes.propagate.pinned_values`): an op
 option that needs an annotated parameter in another layout is dropped, and a value computed only from annotated
 parameters may not be gathered (its redistribution is marked impossible). An op left without options raises
@@ -860,7 +887,9 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         with_row = _Program(prog.c, prog.mem, vstack([prog.a, csr_matrix(prog.mem)]).tocsr(), [*prog.lo, -np.inf],
                             [*prog.hi, room], prog.integer, prog.offsets)
         choice = _solve_program(problem, with_row, with_row.c, False, left, exact)
-        if choice is not None:
+        if choice is None:
+            info.update(method=info["method"] + f" + exact ILP (no better plan in {left:.1f} s)")
+        else:
             t, m = evaluate(problem, choice, best[1])
             if exact.get("optimal"):
                 bound = max(bound, t)  # the optimum for this recomputation choice
@@ -1030,7 +1059,7 @@ class PlanSearch:
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         functionalize(gm)  # in-place writes on activations as functional ops, as propagation sees them
         mark_requires_grad(gm)
         seed_specs(gm, ctx)
@@ -1085,6 +1114,7 @@ class PlanSearch:
             "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
+            "cpu_seconds": time.process_time() - cpu0,  # this process's CPU time: what a busy machine does not inflate
             "binding": _binding(problem, memory),
             "optimal": status["optimal"], "gap": status["gap"],  # not optimal: the time limit was reached
             "method": status.get("method"), "lower_bound": status.get("bound"),
