@@ -192,7 +192,20 @@ class ReducePrecision:
         graph.lint()
         gm.recompile()
         ctx.report[self.name] = count
+        self._warn_reduce_scatters(gm, ctx)
         return gm
+
+    def _warn_reduce_scatters(self, gm: torch.fx.GraphModule, ctx: Context) -> None:
+        """ZeRO-2/3 parameters get their data-axis gradient from the backward of the gather that follows their cast
+        (a reduce-scatter of the compute copy's gradient): that runs in ``param_dtype``, not ``reduce_dtype``."""
+        names = [n.meta.get(M.PARAM, str(n.target)) for n in gm.graph.nodes
+                 if n.op == "get_attr" and getattr(n.meta.get(M.STORAGE), "stage", 0) >= 2
+                 and any(u.meta.get(M.PRECISION_CAST) for u in n.users)]
+        if names:
+            ctx.warn(f"MixedPrecision(reduce_dtype={self.reduce_dtype}) is not honoured for {len(names)} parameter(s) "
+                     f"stored with ZeRO stage 2/3 (e.g. `{names[0]}`): their gradients are reduce-scattered in "
+                     f"{self.param_dtype} by the backward of the gather after their cast. Use zero=1 (gradients "
+                     f"all-reduced in {self.reduce_dtype}) or reduce_dtype=None to reduce in {self.param_dtype}.")
 
     @staticmethod
     def _retype(sync: torch.fx.Node, dtype: torch.dtype, mode) -> None:

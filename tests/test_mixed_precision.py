@@ -169,6 +169,14 @@ def test_reduce_dtype_between_casts(reduce_dtype, zero):
     _check_grads(_by_model_name(sim.grads, plan), _under_policy(model, args, kwargs, policy)[1], tol=6e-2)
 
 
+def test_reduce_dtype_under_zero2_is_named_in_a_warning():
+    model, args, kwargs = _model("gpt")
+    policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"reduce_dtype=torch.float32\) is not honoured for \d+ parameter"):
+        autoshard.compile(model, autoshard.Mesh(**MESH), args, kwargs, plan=models.megatron(autoshard.Mesh(**MESH),
+                          "gpt"), precision=policy, zero=2)
+
+
 def test_zero3_gathers_bf16_copies_and_output_dtype_casts_the_loss():
     model, args, kwargs = _model("gpt")
     mesh = autoshard.Mesh(**MESH)
