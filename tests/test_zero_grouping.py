@@ -1,7 +1,7 @@
 """Grouped ZeRO-3 gathers (passes/group_gathers.py, runtime/zero.py's ``all_gather_reshard_group``).
 
 The grouped program equals one device (loss and every gradient) on GPT and HF Llama, data=2 and data=2 x model=2
-(simulator); it issues fewer collectives than the per-parameter program for the same bytes; gathered copies are
+(simulator), also with recomputed blocks; it issues fewer collectives than the per-parameter program for the same bytes; gathered copies are
 still freed after forward and gathered again, per group, in backward; the op itself equals per-tensor gathers for
 mixed dtypes, dims and gradient axes."""
 
@@ -53,6 +53,19 @@ def test_grouped_program_equals_one_device(name, mesh):
     for out in sim.outputs:
         torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-5, atol=1e-6)
     assert set(sim.grads) == set(plan.param_specs()) & set(ref_grads)
+    for fqn, g in sim.grads.items():
+        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
+
+
+def test_grouped_gathers_compose_with_recomputed_blocks():
+    model, args, kwargs = models.gpt(layers=2)
+    mesh = autoshard.Mesh(**MESHES["data=2 x model=2"])
+    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), zero=3,
+                             recompute="blocks.*").plan
+    assert _kinds(plan.rank_module(0))["all_gather_reshard_group"] == 3
+    ref_loss, ref_grads = reference(model, args, kwargs)
+    sim = plan.simulate(args, kwargs)
+    torch.testing.assert_close(loss_of(sim.outputs[0]).detach(), ref_loss, rtol=1e-5, atol=1e-6)
     for fqn, g in sim.grads.items():
         torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
 
