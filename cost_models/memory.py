@@ -286,6 +286,7 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     largest_activation = 0
     regions: dict[str, int] = {}
     by_storage: dict[Node, int] = {}
+    region_of = _regions_with_collectives(gm)
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "get_attr" and isinstance(val, torch.Tensor):
@@ -316,14 +317,14 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                 continue
             if isinstance(val, torch.Tensor) and isinstance(spec, tuple) and (not spec or not isinstance(spec[0], tuple)):
                 local = local_numel(val.shape, spec)
-                saved = activation_bytes(n, local)
+                saved = activation_bytes(n, local, region_of=region_of)
                 if saved:  # one storage counts once, whichever of its aliases (views, same-dtype casts) is saved
                     base = _storage_base(n)
                     kinds["activations"] += max(0, saved - by_storage.get(base, 0))
                     by_storage[base] = max(by_storage.get(base, 0), saved)
                 # its gradient, at least in fp32: losses compute in fp32 (vocab-parallel cross-entropy, HF's upcast)
                 largest_activation = max(largest_activation, local * max(val.element_size(), 4))
-                region = recompute_region(n)
+                region = region_of(n)
                 if region is not None:  # what the region saves while its backward runs, recomputed
                     regions[region] = regions.get(region, 0) + activation_bytes(n, local, region_of=_no_region)
             else:
@@ -333,6 +334,32 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     # backward's first temporaries: the largest activation's gradient, and one recomputed region's activations
     temporaries = largest_activation + max(regions.values(), default=0)
     return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages)
+
+
+def _regions_with_collectives(gm):
+    """``node -> region`` (:data:`autoshard.meta.RECOMPUTE`) where a collective between two ops of one region counts
+    in that region, as the recompute rank pass makes regions convex (the global graph marks only the model's ops)."""
+    nodes = list(gm.graph.nodes)
+
+    def is_collective(n: Node) -> bool:
+        return n.op == "call_function" and M.COLLECTIVE in n.meta and bool(n.args) and isinstance(n.args[0], Node)
+
+    up: dict[Node, str | None] = {}  # the region of the op a chain of collectives starts from
+    for n in nodes:
+        up[n] = recompute_region(n) or (up.get(n.args[0]) if is_collective(n) else None)
+    down: dict[Node, str | None] = {}  # the one region every op a chain of collectives feeds is in
+    for n in reversed(nodes):
+        region = recompute_region(n)
+        if region is None and is_collective(n):
+            users = {down.get(u) for u in n.users}
+            region = users.pop() if len(users) == 1 else None
+        down[n] = region
+    inferred = {n: up[n] for n in nodes if is_collective(n) and up[n] is not None and up[n] == down[n]}
+
+    def region_of(node: Node) -> str | None:
+        return recompute_region(node) or inferred.get(node)
+
+    return region_of
 
 
 _ALIAS_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")  # (_to_copy always copies)

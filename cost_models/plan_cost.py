@@ -130,7 +130,7 @@ def _zero_sync_saving(x, info, mesh: Mesh, profile: HardwareProfile) -> float:
 
 @dataclass(frozen=True)
 class PlanCost:
-    step_time: float  # seconds: compute + communication, forward + backward, no overlap
+    step_time: float  # seconds: compute + communication, forward + backward (+ recomputed forwards), no overlap
     compute_time: float
     comm_time: float
     memory_per_rank: float  # bytes: parameters, gradients, optimizer state, saved activations
@@ -163,5 +163,8 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
             continue
         if n.op == "call_function" and M.STRATEGY in n.meta and not is_getitem(n):
             compute += op_time(n, n.meta[M.STRATEGY], mesh, profile)
+            if n.meta.get(M.RECOMPUTE) is not None and n.meta.get(M.REQUIRES_GRAD):
+                # recomputed in backward: its forward runs twice
+                compute += compute_time(n, profile, shard_factor(n, n.meta[M.STRATEGY], mesh))
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
     return PlanCost(compute + comm, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes, breakdown)
