@@ -62,9 +62,9 @@ def run_case(name, mesh_axes, limit, batch, seq) -> dict:
     from autoshard.api import parse_bytes
 
     rows = {}
-    for label, options in (("hand", dict(megatron=True, zero=3)),
-                           ("hand+AC", dict(megatron=True, zero=3, recompute="model.layers.*")),
-                           ("searched", dict(planner="search", zero="auto", recompute="auto", memory_limit=limit))):
+    for label, options in (("hand", {"megatron": True, "zero": 3}),
+                           ("hand+AC", {"megatron": True, "zero": 3, "recompute": "model.layers.*"}),
+                           ("searched", {"planner": "search", "zero": "auto", "recompute": "auto", "memory_limit": limit})):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan, wall = plan_of(name, mesh_axes, batch, seq, **options)
