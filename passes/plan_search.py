@@ -850,13 +850,15 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         t, m = evaluate(problem, choice, everything)
         hi = (choice, everything, t, m, m)
     if hi[3] > limit:
-        raise PlanError(
+        error = PlanError(
             f"option memory_limit is {_fmt_bytes(limit)} per rank, but the least memory any plan needs is "
             f"{_fmt_bytes(hi[3])} per rank ({_fmt_bytes(problem.fixed_memory)} of it fixed by annotations and "
             f"buffers). Raise memory_limit to at least {_fmt_bytes(hi[3])}, or use a larger mesh"
             + ("" if problem.units else ", recompute='auto' (recompute layers in backward)")
             + ("" if any(d.stages and max(d.stages) > 0 for d in problem.decisions)
                else ", zero='auto' (store parameters sharded over the data axis)") + ".")
+        error.least_memory = hi[3]  # bytes per rank, by the search's memory model
+        raise error
     best, bound, solves, seen = hi, -np.inf, 2, [lo, hi]
     while time.perf_counter() - start < total:
         lam = (hi[2] - lo[2]) / max(lo[4] - hi[4], 1e-30)
