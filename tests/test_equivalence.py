@@ -20,6 +20,19 @@ def reference(model, args, kwargs):
     return loss.detach(), grads
 
 
+def assert_simulated_equals_one_device(model, args, kwargs, plan, rtol: float = 1e-5, atol: float = 1e-6):
+    """Every rank's loss and every assembled gradient of ``plan`` on the simulator equal ``model`` on one device;
+    every parameter the plan uses gets one. Returns the simulation."""
+    ref_loss, ref_grads = reference(model, args, kwargs)
+    sim = plan.simulate(args, kwargs)
+    for out in sim.outputs:
+        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=rtol, atol=atol)
+    assert set(sim.grads) == set(plan.param_specs()) & set(ref_grads)
+    for fqn, g in sim.grads.items():
+        torch.testing.assert_close(g, ref_grads[fqn], rtol=rtol, atol=atol, msg=lambda m, f=fqn: f"grad {f}: {m}")
+    return sim
+
+
 def check(name: str, mesh_axes: dict, megatron: bool, planner: str = "greedy", profile: str = "cpu-gloo",
           **factory_kwargs):
     model, args, kwargs = models.FACTORIES[name](**factory_kwargs)

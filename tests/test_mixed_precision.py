@@ -37,6 +37,24 @@ BF16 = autoshard.MixedPrecision(torch.bfloat16)
 MESH = {"data": 2, "model": 2}
 
 
+def _three_adamw_steps(sharded, rank, args, kwargs):
+    """(losses, state before, state after, parameter dtypes, optimizer state dtypes) of 3 AdamW steps on this
+    rank's share of the batch."""
+    a, k = sharded.plan.shard_inputs(rank, args, kwargs)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    before = autoshard.full_state_dict(sharded)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = loss_of(sharded(*a, **k))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    dtypes = {p.dtype for p in sharded.parameters()}
+    state = {t.dtype for s in opt.state.values() for t in s.values() if t.dim() > 0}
+    return losses, before, autoshard.full_state_dict(sharded), dtypes, state
+
+
 def _model(name, layers=2):
     model, args, kwargs = models.FACTORIES[name](layers=layers)
     return model, tuple(args), kwargs
@@ -252,19 +270,7 @@ def test_three_adamw_steps_update_fp32_masters_like_the_policy_on_one_device():
     def body(rank):
         sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
                                     precision=policy, comm=world.communicator(rank))
-        a, k = sharded.plan.shard_inputs(rank, args, kwargs)
-        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
-        before = autoshard.full_state_dict(sharded)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = loss_of(sharded(*a, **k))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        dtypes = {p.dtype for p in sharded.parameters()}
-        state = {t.dtype for s in opt.state.values() for t in s.values() if t.dim() > 0}
-        return losses, before, autoshard.full_state_dict(sharded), dtypes, state
+        return _three_adamw_steps(sharded, rank, args, kwargs)
 
     _check_training(model, args, kwargs, policy, world.run(body))
 
@@ -430,19 +436,7 @@ def _gloo_worker(rank, world_size):
         with use(comm):
             sharded = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name),
                                         precision=policy, comm=comm)
-            a, k = sharded.plan.shard_inputs(rank, args, kwargs)
-            opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
-            before = autoshard.full_state_dict(sharded)
-            losses = []
-            for _ in range(3):
-                opt.zero_grad()
-                loss = loss_of(sharded(*a, **k))
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-            dtypes = {p.dtype for p in sharded.parameters()}
-            state = {t.dtype for s in opt.state.values() for t in s.values() if t.dim() > 0}
-            out[name] = (losses, before, autoshard.full_state_dict(sharded), dtypes, state)
+            out[name] = _three_adamw_steps(sharded, rank, args, kwargs)
     return out
 
 

@@ -17,9 +17,8 @@ import torch
 import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
-from autoshard.plan import loss_of
 from examples import models
-from tests.test_equivalence import reference
+from tests.test_equivalence import assert_simulated_equals_one_device
 
 MESH = {"data": 2, "model": 2}
 PROFILE = "gpu-8x-nvlink"
@@ -36,16 +35,6 @@ def _compile(name, layers=2, **options):
 def _stages(plan) -> dict[str, int]:
     return {str(n.target): n.meta[M.PLANNED_ZERO] for n in plan.graph_module.graph.nodes
             if n.op == "get_attr" and M.PLANNED_ZERO in n.meta}
-
-
-def _assert_equals_one_device(model, args, kwargs, plan):
-    ref_loss, ref_grads = reference(model, args, kwargs)
-    sim = plan.simulate(args, kwargs)
-    for out in sim.outputs:
-        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-5, atol=1e-6)
-    assert set(sim.grads) == set(plan.param_specs()) & set(ref_grads)
-    for fqn, g in sim.grads.items():
-        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +73,7 @@ def test_a_limit_between_sharded_and_whole_shards_some_parameters_and_equals_one
     assert stored == {k: s for k, s in stages.items() if s > 0}
     assert report["optimal"] or report["gap"] > 0  # the gap is reported, never hidden
     assert report["step_time"] >= unconstrained[name][0]["step_time"] * (1 - 1e-9)
-    _assert_equals_one_device(model, args, kwargs, plan)
+    assert_simulated_equals_one_device(model, args, kwargs, plan)
 
 
 def test_recompute_auto_recomputes_layers_under_a_limit_and_equals_one_device(unconstrained):
@@ -97,7 +86,7 @@ def test_recompute_auto_recomputes_layers_under_a_limit_and_equals_one_device(un
               if n.op == "call_function" and M.RECOMPUTE in n.meta}
     assert marked == set(report["recomputed"])
     assert all(p.startswith("model.layers.") for p in marked)
-    _assert_equals_one_device(model, args, kwargs, plan)
+    assert_simulated_equals_one_device(model, args, kwargs, plan)
 
 
 def test_an_infeasible_limit_names_the_limit_the_least_memory_and_the_fix():
@@ -129,10 +118,11 @@ def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto():
 
 
 def _problem(model, args, mesh, memory_limit, **options):
-    from autoshard.context import Context, Options
     from autoshard.cost_models.profile import load_profile
     from autoshard.passes.plan_search import build_problem
     from autoshard.passes.propagate import mark_requires_grad, seed_specs
+
+    from autoshard.context import Context, Options
     from autoshard.trace import trace
 
     gm = trace(model, args)
@@ -147,6 +137,7 @@ def test_search_reaches_the_exact_ilp_optimum_or_reports_at_least_its_distance(f
     """The Lagrangian search against the exact ILP with the memory row (HiGHS, proven optimal on this small
     program), ZeRO stages included, over limits from near the least memory to near the unconstrained need."""
     from autoshard.passes.plan_search import evaluate, search, solve
+
     from tests.test_plan_search import TwoLinear
 
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from autoshard.plan import loss_of
 from autoshard.runtime import DistCommunicator, SimWorld, spawn, use
 from autoshard.runtime import zero as zero_runtime
 from examples import models
-from tests.test_equivalence import reference
+from tests.test_equivalence import assert_simulated_equals_one_device, reference
 
 MESH = {"data": 2, "model": 2}
 EPS = 1e-3  # Adam's eps: large enough that 1e-7 gradient differences stay 1e-7 parameter differences
@@ -52,13 +52,7 @@ def _stored_fraction(plan) -> float:
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_each_stage_equals_one_device(name, stage):
     model, args, kwargs, plan = _plan(name, stage)
-    ref_loss, ref_grads = reference(model, args, kwargs)
-    sim = plan.simulate(args, kwargs)
-    for out in sim.outputs:
-        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-5, atol=1e-6)
-    assert set(sim.grads) == set(plan.param_specs()) & set(ref_grads)
-    for fqn, g in sim.grads.items():
-        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
+    assert_simulated_equals_one_device(model, args, kwargs, plan)
     stored = plan.param_storage()
     assert stored and all(s.stage == stage for s in stored.values())
     # the collectives each stage is defined by, in rank 0's program

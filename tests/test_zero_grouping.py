@@ -22,7 +22,7 @@ from autoshard.runtime import SimWorld
 from autoshard.runtime import zero as zero_runtime
 from autoshard.runtime.comm import current
 from examples import models
-from tests.test_equivalence import reference
+from tests.test_equivalence import assert_simulated_equals_one_device
 
 MESHES = {"data=2": {"data": 2}, "data=2 x model=2": {"data": 2, "model": 2}}
 
@@ -48,13 +48,7 @@ def test_grouped_program_equals_one_device(name, mesh):
     groups = [n for n in module.graph.nodes if kind_of(n) is not None and kind_of(n).name == "all_gather_reshard_group"]
     assert [len(g.args[5]) > 0 for g in groups] == [True, True, False]  # each starts the next one's gather
     assert all(list(a.args[5]) == list(b.args[0]) for a, b in itertools.pairwise(groups))
-    ref_loss, ref_grads = reference(model, args, kwargs)
-    sim = plan.simulate(args, kwargs)
-    for out in sim.outputs:
-        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-5, atol=1e-6)
-    assert set(sim.grads) == set(plan.param_specs()) & set(ref_grads)
-    for fqn, g in sim.grads.items():
-        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
+    assert_simulated_equals_one_device(model, args, kwargs, plan)
 
 
 def test_grouped_gathers_compose_with_recomputed_blocks():
@@ -63,11 +57,7 @@ def test_grouped_gathers_compose_with_recomputed_blocks():
     plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), zero=3,
                              recompute="blocks.*").plan
     assert _kinds(plan.rank_module(0))["all_gather_reshard_group"] == 3
-    ref_loss, ref_grads = reference(model, args, kwargs)
-    sim = plan.simulate(args, kwargs)
-    torch.testing.assert_close(loss_of(sim.outputs[0]).detach(), ref_loss, rtol=1e-5, atol=1e-6)
-    for fqn, g in sim.grads.items():
-        torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, f=fqn: f"grad {f}: {m}")
+    assert_simulated_equals_one_device(model, args, kwargs, plan)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
