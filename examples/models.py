@@ -127,32 +127,32 @@ def hf_llama(batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, h
 
 
 
+def _llama_meta(batch: int, seq: int, layers: int, vocab: int, hidden: int, ffn: int, heads: int, kv_heads: int):
+    """A ``LlamaForCausalLM`` of Llama-3's shape built under ``torch.device("meta")``; small CPU example inputs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=8192,
+                      rope_theta=500000.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
+
 def llama3_8b_meta(batch: int = 2, seq: int = 16, layers: int = 32, vocab: int = 128256):
     """A Llama-3-8B-shaped ``LlamaForCausalLM`` (hidden 4096, 32 heads, 8 KV heads, FFN 14336) built under
     ``torch.device("meta")``: no weight memory, for planning and ``autoshard show`` only (fill real weights with
     ``sharded.init_weights()`` or ``autoshard.load``). The example inputs are small CPU tensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return _llama_meta(batch, seq, layers, vocab, hidden=4096, ffn=14336, heads=32, kv_heads=8)
 
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=vocab, max_position_embeddings=8192, rope_theta=500000.0,
-                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    ids, labels = _ids(batch, seq, vocab, 1)
-    return model, (), {"input_ids": ids, "labels": labels}
 
 def llama3_70b_meta(batch: int = 2, seq: int = 16, layers: int = 80, vocab: int = 128256):
     """A Llama-3-70B-shaped ``LlamaForCausalLM`` (hidden 8192, 64 heads, 8 KV heads, FFN 28672) on the meta
     device, like :func:`llama3_8b_meta`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return _llama_meta(batch, seq, layers, vocab, hidden=8192, ffn=28672, heads=64, kv_heads=8)
 
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                      num_key_value_heads=8, vocab_size=vocab, max_position_embeddings=8192, rope_theta=500000.0,
-                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    ids, labels = _ids(batch, seq, vocab, 1)
-    return model, (), {"input_ids": ids, "labels": labels}
 
 #: Megatron plans (vocabulary-parallel embeddings and LM head, column-parallel then row-parallel linears, heads
 #: split on the model axis), per model, as
