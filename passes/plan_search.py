@@ -766,8 +766,8 @@ GAP_TOLERANCE = 1e-6
 DEFAULT_TIME_LIMIT = 120.0
 
 
-def search(problem: Problem, time_limit: float | None = None, info: dict | None = None, exact_limit: float = np.inf
-           ) -> tuple[list[int], frozenset | dict]:
+def search(problem: Problem, time_limit: float | None = None, info: dict | None = None, exact_limit: float = np.inf,
+           accept_gap: float = 0.0) -> tuple[list[int], frozenset | dict]:
     """(option per decision, recomputed units): the least estimated step time with ``evaluate``'s memory within
     ``problem.memory_limit``.
 
@@ -883,7 +883,9 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
                 lagrangian_seconds=time.perf_counter() - start)
     left = min(total - (time.perf_counter() - start), exact_limit)
     # The exact ILP branches on top of the LP: a budget under ~10 relaxed solves of this program closes no gap
-    if gap > GAP_TOLERANCE and left > max(0.5, 10 * one_solve):
+    if gap <= accept_gap and gap > GAP_TOLERANCE:
+        info.update(method=info["method"] + f" (gap within accept_gap={accept_gap:.0%}: no exact ILP)")
+    elif gap > GAP_TOLERANCE and left > max(0.5, 10 * one_solve):
         exact: dict = {}
         # the relaxed program plus the memory row (less the transient bytes of the best plan), for best's units
         prog = program_for(best[1])
@@ -1061,6 +1063,10 @@ class PlanSearch:
     time_limit: float | None = None  # seconds for the whole search (None: 120); a plan stopped by it reports its gap
     #: under a memory limit: seconds for the exact ILP after the Lagrangian search, when that leaves a gap
     exact_seconds: float = 2.0
+    #: under a memory limit: a Lagrangian plan this close to the lower bound is taken without the exact ILP (like a
+    #: MIP gap tolerance; the gap is reported and warned about all the same). 2 s of exact ILP did not close the
+    #: Llama-3-8B/70B gaps (0.81%, 0.48%) in bench/search_plans.py; 0 always tries it.
+    accept_gap: float = 0.01
     name: str = "plan_search"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
@@ -1075,7 +1081,7 @@ class PlanSearch:
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
             status: dict = {}
-            choice, units = search(problem, self.time_limit, status, self.exact_seconds)
+            choice, units = search(problem, self.time_limit, status, self.exact_seconds, self.accept_gap)
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice, units)
         why = explain(problem, choice)
@@ -1083,8 +1089,8 @@ class PlanSearch:
             ctx.warn(f"plan_search: the plan is not proven optimal under memory_limit: its estimated step time is at "
                      f"most {status['gap']:.2%} above the best possible ({status['method']}; the exact ILP gets "
                      f"exact_seconds={self.exact_seconds:g} s of time_limit="
-                     f"{self.time_limit or DEFAULT_TIME_LIMIT:g} s, and only when that is worth ten LP solves); it "
-                     "is used as it is.")
+                     f"{self.time_limit or DEFAULT_TIME_LIMIT:g} s, only when the gap exceeds accept_gap="
+                     f"{self.accept_gap:.0%} and the budget is worth ten LP solves); it is used as it is.")
         stages: dict[str, int] = {}
         for n in gm.graph.nodes:
             if n.op != "get_attr" or not n.meta.get(M.REQUIRES_GRAD) or not is_tensor_node(n):
