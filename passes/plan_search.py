@@ -874,6 +874,8 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             best = min(best, x, key=lambda p: p[2])
         else:
             lo = x
+        if best[2] > 0 and (best[2] - bound) / best[2] <= accept_gap:
+            break  # close enough to the lower bound (accept_gap): no more multipliers
     for p in seen:
         fixed = _repair(problem, p[0], p[1])
         if fixed is not None and fixed[2] < best[2]:
