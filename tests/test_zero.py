@@ -35,6 +35,21 @@ def _plan(name, stage, **kw):
     return model, args, kwargs, sharded.plan
 
 
+def run_resharded(module, args, kwargs) -> tuple[dict, int, list]:
+    """Forward under ZeRO-3's reshard hooks, then backward: (the gathered copies the forward registered, how many of
+    them are still alive when it returns, the all-gathers backward ran)."""
+    from autoshard.runtime.comm import current
+
+    with zero_runtime.reshard_after_forward():
+        session = zero_runtime._LOCAL.session
+        loss = loss_of(module(*args, **kwargs))
+        alive = sum(g.ref() is not None for g in session.values())
+    log = current().log
+    before = len(log)
+    loss.backward()
+    return session, alive, [r for r in log[before:] if r.kind == "all_gather" and r.phase == "backward"]
+
+
 def _stored_fraction(plan) -> float:
     from autoshard.placements import local_shape
 
@@ -87,20 +102,9 @@ def test_stage_3_frees_gathered_parameters_after_forward_and_gathers_them_again_
         world = SimWorld(plan.mesh)
 
         def body(rank, plan=plan, args=args, kwargs=kwargs):
-            from autoshard.runtime.comm import current
-
             module = plan.rank_module(rank)
-            a, k = plan.shard_inputs(rank, args, kwargs)
-            with zero_runtime.reshard_after_forward():
-                session = zero_runtime._LOCAL.session
-                loss = loss_of(module(*a, **k))
-                alive = sum(g.ref() is not None for g in session.values())
-                gathered = len(session)
-            log = current().log
-            before = sum(r.kind == "all_gather" and r.phase == "backward" for r in log)
-            loss.backward()
-            after = sum(r.kind == "all_gather" and r.phase == "backward" for r in log)
-            return gathered, alive, after - before, {n: p.grad for n, p in module.named_parameters()}
+            session, alive, regathers = run_resharded(module, *plan.shard_inputs(rank, args, kwargs))
+            return len(session), alive, len(regathers), {n: p.grad for n, p in module.named_parameters()}
 
         out[stage] = world.run(body)
     gathered3, alive3, regathers3, grads3 = out[3][0]

@@ -17,12 +17,12 @@ from autoshard.passes.group_gathers import GroupGathers, layer_of
 
 import autoshard
 from autoshard.collectives import kind_of
-from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime import zero as zero_runtime
 from autoshard.runtime.comm import current
 from examples import models
 from tests.test_equivalence import assert_simulated_equals_one_device
+from tests.test_zero import run_resharded
 
 MESHES = {"data=2": {"data": 2}, "data=2 x model=2": {"data": 2, "model": 2}}
 
@@ -93,18 +93,8 @@ def test_group_copies_are_freed_after_forward_and_gathered_again_once_per_group_
     world = SimWorld(plan.mesh)
 
     def body(rank):
-        module = plan.rank_module(rank)
-        a, k = plan.shard_inputs(rank, args, kwargs)
-        with zero_runtime.reshard_after_forward():
-            session = zero_runtime._LOCAL.session
-            loss = loss_of(module(*a, **k))
-            alive = sum(g.ref() is not None for g in session.values())
-            members = sum(isinstance(g, zero_runtime._GroupMember) for g in session.values())
-        log = current().log
-        before = len(log)
-        loss.backward()
-        regathers = [r for r in log[before:] if r.kind == "all_gather"]
-        return alive, members, len(regathers)
+        session, alive, regathers = run_resharded(plan.rank_module(rank), *plan.shard_inputs(rank, args, kwargs))
+        return alive, sum(isinstance(g, zero_runtime._GroupMember) for g in session.values()), len(regathers)
 
     for alive, members, regathers in world.run(body):
         assert members >= 30 and alive == 0, (members, alive)
