@@ -7,7 +7,6 @@ import operator
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
 
@@ -17,9 +16,26 @@ def is_tensor_node(x) -> bool:
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The node's tensor-valued inputs, flattened from args then kwargs (the order rules index)."""
-    leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+    """The node's tensor-valued inputs, flattened from args then kwargs (the order rules index).
+
+    The order is ``pytree.tree_flatten((node.args, node.kwargs))``'s (lists and tuples in order, dicts by
+    insertion), walked directly: this runs for every node in every pass, and pytree's generic walk was the plan
+    search's largest single cost after the solver."""
+    leaves: list = []
+    _node_leaves(node.args, leaves)
+    _node_leaves(node.kwargs, leaves)
     return [x for x in leaves if is_tensor_node(x)]
+
+
+def _node_leaves(a, out: list) -> None:
+    if isinstance(a, torch.fx.Node):
+        out.append(a)
+    elif isinstance(a, (list, tuple)):
+        for b in a:
+            _node_leaves(b, out)
+    elif isinstance(a, dict):
+        for b in a.values():
+            _node_leaves(b, out)
 
 
 def out_vals(node: torch.fx.Node) -> list[torch.Tensor]:

@@ -7,6 +7,8 @@ questions about itself without any process group: ``show()``, ``format()``, ``co
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -179,8 +181,23 @@ def loss_of(out) -> torch.Tensor:
                          "first element is the loss, or an object with a .loss attribute.")
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off while planning: tracing and the plan search allocate millions of
+    small objects next to an FX graph full of fake tensors, and the collections this triggers cost the Llama-3-8B
+    search half of its problem-building time (bench/search_plans.py). Restored as it was afterwards; garbage made
+    meanwhile is collected at the next collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:
-    with GRAPH_LOCK:
+    with GRAPH_LOCK, _gc_paused():
         gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
             model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
         ctx = Context(mesh, options)

@@ -370,37 +370,52 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
 
     out_req = _output_requirements(gm, ctx)
     terms: list[ValueTerm] = []
-    pair_costs: dict = {}  # (src, dst, (shape, itemsize, requires_grad)) -> seconds: many values share a shape
+    pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
+    # Specs are interned (one object per distinct spec): the terms' dicts are keyed by spec pairs, and tuples of
+    # DTensor placements compare element by element in Python unless they are the same objects.
+    pool: dict = {}
+
+    def intern(spec):
+        return pool.setdefault(spec, spec)
+
     for (cu, _), members in groups.items():
         u = members[0]
         term = ValueTerm(cu, len(members), [], None, {}, {}, [], {}, {})
         _producer_options(u, cu, canon, index, decisions, term)
+        if term.fixed is not None:
+            term.fixed = intern(term.fixed)
+        term.out = [(d, k, intern(o)) for d, k, o in term.out]
+        seen: set = set()  # (spec, decision, option) and (spec, axes, decision, option) already listed
         for c, pos in consumers_of[u]:
             if c.op == "output":
                 term.outputs.append(out_req[(c, pos)])
                 continue
             d = index[_canon(canon, c)]
             for k, s in enumerate(decisions[d].options):
-                i = s.input_specs[pos]
-                users = term.needs.setdefault(i, [])
-                if (d, k) not in users:  # copies of a tied layer read a shared value through the same variables
-                    users.append((d, k))
+                i = intern(s.input_specs[pos])
+                if (i, d, k) not in seen:  # copies of a tied layer read a shared value through the same variables
+                    seen.add((i, d, k))
+                    term.needs.setdefault(i, []).append((d, k))
                 axes = tuple(s.grad_sync[pos]) if s.grad_sync else ()
-                if axes and u.meta.get(M.REQUIRES_GRAD):
-                    users = term.syncs.setdefault((i, axes), [])
-                    if (d, k) not in users:
-                        users.append((d, k))
+                if axes and u.meta.get(M.REQUIRES_GRAD) and (i, axes, d, k) not in seen:
+                    seen.add((i, axes, d, k))
+                    term.syncs.setdefault((i, axes), []).append((d, k))
         outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
         value = (shape(u), itemsize(u), bool(u.meta.get(M.REQUIRES_GRAD)))
+        costs = pair_costs.setdefault(value, {})
+        needed = list(term.needs)
         for o in outs:
-            targets = set(term.needs) | {output_spec_for(o, keep) for keep in term.outputs}
+            targets = needed
+            if term.outputs:
+                extra = {id(x): x for x in (intern(output_spec_for(o, keep)) for keep in term.outputs)}
+                targets = needed + [x for x in extra.values() if x not in term.needs]
             for i in targets:
-                key = (o, i, value)
-                if key not in pair_costs:
-                    pair_costs[key] = redistribution_time_of(o, i, *value, mesh, profile)
-                term.pair_cost[(o, i)] = pair_costs[key]
+                pc = costs.get((id(o), id(i)), costs)  # interned and kept alive by the pool: ids are keys
+                if pc is costs:
+                    pc = costs[(id(o), id(i))] = redistribution_time_of(o, i, *value, mesh, profile)
                 if u in pinned and i in term.needs and not keeps_layout(o, i, pinned[u]):
-                    term.pair_cost[(o, i)] = None  # computed only from annotated parameters: never gathered
+                    pc = None  # computed only from annotated parameters: never gathered
+                term.pair_cost[(o, i)] = pc
         for (i, axes) in term.syncs:
             term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
         terms.append(term)
@@ -859,14 +874,26 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
                else ", zero='auto' (store parameters sharded over the data axis)") + ".")
         error.least_memory = hi[3]  # bytes per rank, by the search's memory model
         raise error
-    best, bound, solves, seen = hi, -np.inf, 2, [lo, hi]
+    best, bound, solves = hi, -np.inf, 2
+
+    def repaired(p) -> None:
+        # every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the loop early
+        nonlocal best
+        fixed = _repair(problem, p[0], p[1])
+        if fixed is not None and fixed[2] < best[2]:
+            best = (*fixed, None)
+
+    repaired(lo)
+    repaired(hi)
     while time.perf_counter() - start < total:
         lam = (hi[2] - lo[2]) / max(lo[4] - hi[4], 1e-30)
-        x = point(lam, hi[1] if hi[1] == lo[1] else lo[1] | hi[1])
+        x = point(lam, _best_units(problem, hi[0], lam))  # the units hi's plan would recompute at this λ
         solves += 1
-        seen.append(x)
         line = lo[2] + lam * lo[4]
         bound = max(bound, min(x[2] + lam * x[4], line) - lam * limit)
+        repaired(x)
+        if _DEBUG:
+            print(f"λ={lam:.3e} t={x[2]:.6f} m={x[3]:.4e} bound={bound:.6f} best={best[2]:.6f}")
         if x[2] + lam * x[4] >= line - GAP_TOLERANCE * abs(line):
             break  # nothing below the segment: λ is the best multiplier
         if x[3] <= limit:
@@ -876,10 +903,6 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             lo = x
         if best[2] > 0 and (best[2] - bound) / best[2] <= accept_gap:
             break  # close enough to the lower bound (accept_gap): no more multipliers
-    for p in seen:
-        fixed = _repair(problem, p[0], p[1])
-        if fixed is not None and fixed[2] < best[2]:
-            best = (*fixed, None)
     gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=f"lagrangian ({solves} solves) + repair",
                 lagrangian_seconds=time.perf_counter() - start)
@@ -916,21 +939,23 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
 def _repair(problem: Problem, choice: list[int], units) -> tuple | None:
     """A plan within the limit from ``choice`` by local moves that keep every layout: a parameter's ZeRO stage, or
     one more (or one fewer) copy of a unit recomputed. Infeasible: apply the move of least seconds added per byte
-    freed until it fits; then take the moves that save time most while it still fits. (The Lagrangian plans are
-    optimal for their λ, but their memory jumps in steps; these moves fill the slack between the steps.)"""
+    freed until it fits; then take the moves that save time most while it still fits, then pairs of moves (one
+    saving time, one freeing the bytes it needs). (The Lagrangian plans are optimal for their λ, but their memory
+    jumps in steps; these moves fill the slack between the steps.) ``units``: a set of units recomputed whole, or
+    {unit: share of its copies}. Returns (choice, shares, seconds, bytes) or None."""
     limit = problem.memory_limit
     choice = list(choice)
-    share = {u: (1.0 if u in units else 0.0) for u in range(len(problem.units))}
+    share = {u: (float(units.get(u, 0.0)) if isinstance(units, dict) else float(u in units))
+             for u in range(len(problem.units))}
     members: dict = {}
     for i, d in enumerate(problem.decisions):
         if d.unit is not None:
             members.setdefault(d.unit, []).append(i)
+    staged = [i for i, d in enumerate(problem.decisions) if d.stages]
 
     def moves():
-        for i, d in enumerate(problem.decisions):
-            if not d.stages:
-                continue
-            k = choice[i]
+        for i in staged:
+            d, k = problem.decisions[i], choice[i]
             for k2, spec in enumerate(d.options):
                 if k2 != k and spec == d.options[k]:
                     yield ("stage", i, k2), d.cost[k2] - d.cost[k], d.memory[k2] - d.memory[k]
@@ -963,8 +988,16 @@ def _repair(problem: Problem, choice: list[int], units) -> tuple | None:
     comm = sum(term_cost(term, choice) for term in problem.terms)  # the moves keep every layout
 
     def evaluate_(choice, share):
-        t = comm + sum(option_cost(d, share)[choice[i]] for i, d in enumerate(problem.decisions))
-        m = problem.fixed_memory + sum(option_memory(d, share)[choice[i]] for i, d in enumerate(problem.decisions))
+        t, m = comm, problem.fixed_memory
+        for i, d in enumerate(problem.decisions):
+            k = choice[i]
+            f = share[d.unit] if d.unit is not None else 0.0
+            if f:
+                t += d.cost[k] + f * d.forward[k]
+                m += (1 - f) * d.memory[k] + f * d.memory_recomputed[k]
+            else:
+                t += d.cost[k]
+                m += d.memory[k]
         return t, m + transient_bytes(problem, choice, share)
 
     t, m = evaluate_(choice, share)
@@ -977,13 +1010,32 @@ def _repair(problem: Problem, choice: list[int], units) -> tuple | None:
     improved = True
     while improved:
         improved = False
-        for _, mv in sorted((dt, mv) for mv, dt, dm in moves() if dt < 0):
+        listed = list(moves())
+        for _, mv in sorted((dt, mv) for mv, dt, dm in listed if dt < 0):
             saved = apply(mv)
             t2, m2 = evaluate_(choice, share)
             if m2 <= limit and t2 < t:
                 t, m, improved = t2, m2, True
                 break
             undo(saved)
+        if improved:
+            continue
+        # pairs: a move saving time whose bytes another frees (linear estimate first, then evaluated exactly)
+        saving = sorted((dt, dm, mv) for mv, dt, dm in listed if dt < 0)
+        freeing = sorted((dt, dm, mv) for mv, dt, dm in listed if dm < 0 and dt >= 0)
+        for dt1, dm1, mv1 in saving:
+            for dt2, dm2, mv2 in freeing:
+                if dt1 + dt2 >= 0 or m + dm1 + dm2 > limit or mv1[:2] == mv2[:2]:
+                    continue
+                saved1, saved2 = apply(mv1), apply(mv2)
+                t2, m2 = evaluate_(choice, share)
+                if m2 <= limit and t2 < t:
+                    t, m, improved = t2, m2, True
+                    break
+                undo(saved2)
+                undo(saved1)
+            if improved:
+                break
     return choice, share, t, m
 
 
@@ -1088,8 +1140,11 @@ class PlanSearch:
         total, memory = evaluate(problem, choice, units)
         why = explain(problem, choice)
         if not status["optimal"]:
+            scope = ("every plan" if not problem.units else "the plans recomputing the layers the walk chose (the "
+                     "bound does not range over other recomputation choices)")
             ctx.warn(f"plan_search: the plan is not proven optimal under memory_limit: its estimated step time is at "
-                     f"most {status['gap']:.2%} above the best possible ({status['method']}; the exact ILP gets "
+                     f"most {status['gap']:.2%} above the Lagrangian lower bound of {scope} ({status['method']}; the "
+                     "exact ILP gets "
                      f"exact_seconds={self.exact_seconds:g} s of time_limit="
                      f"{self.time_limit or DEFAULT_TIME_LIMIT:g} s, only when the gap exceeds accept_gap="
                      f"{self.accept_gap:.0%} and the budget is worth ten LP solves); it is used as it is.")

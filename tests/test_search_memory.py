@@ -114,7 +114,7 @@ def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto():
     assert report["lower_bound"] <= report["step_time"]
     if not report["optimal"]:  # stopped by a time limit: the gap is printed in a warning
         assert 0 < report["gap"] < 0.05
-        assert any("plan_search" in str(w.message) and "above the best possible" in str(w.message) for w in caught)
+        assert any("plan_search" in str(w.message) and "above the Lagrangian lower bound" in str(w.message) for w in caught)
 
 
 def _problem(model, args, mesh, memory_limit, **options):
@@ -156,3 +156,50 @@ def test_search_reaches_the_exact_ilp_optimum_or_reports_at_least_its_distance(f
     assert (t - t_exact) / t <= info["gap"] + 1e-9
     if info["optimal"]:
         assert t == pytest.approx(t_exact, rel=1e-9)
+
+
+def test_repair_starts_from_the_shares_it_is_given():
+    """A plan's recomputed shares given as {unit: share}: a share of 0 is not recomputed (a unit listed with 0 used to
+    count as recomputed whole), and the plan returned fits and keeps every layout."""
+    from autoshard.passes.plan_search import _repair, evaluate, solve
+
+    model, args, kwargs = models.FACTORIES["gpt"](layers=4)
+    problem = _problem(model, args, autoshard.Mesh(**MESH), None, recompute="auto")
+    assert problem.units
+    choice = solve(problem)
+    none = {u: 0.0 for u in range(len(problem.units))}
+    t, m = evaluate(problem, choice, none)
+    problem.memory_limit = m  # it fits as it is: nothing to free, and recomputing only costs time
+    repaired_choice, shares, t2, m2 = _repair(problem, choice, none)
+    assert shares == none and repaired_choice == choice
+    assert (t2, m2) == pytest.approx((t, m), rel=1e-12)
+    problem.memory_limit = 0.9 * m  # now some copy must be recomputed or some parameter sharded
+    repaired_choice, shares, t3, m3 = _repair(problem, choice, none)
+    assert m3 <= 0.9 * m and t3 >= t
+    assert [d.options[k] for d, k in zip(problem.decisions, repaired_choice)] == \
+        [d.options[k] for d, k in zip(problem.decisions, choice)]
+    assert (t3, m3) == pytest.approx(evaluate(problem, repaired_choice, shares), rel=1e-12)
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    import gc
+
+    import autoshard.passes.plan_search as plan_search
+    from autoshard.api import make_options
+    from autoshard.plan import build_plan
+
+    model, args, kwargs = models.FACTORIES["gpt"](layers=2)
+    mesh = autoshard.Mesh(**MESH)
+    during = []
+    build_problem = plan_search.build_problem
+    monkeypatch.setattr(plan_search, "build_problem", lambda *a, **k: (during.append(gc.isenabled()),
+                                                                         build_problem(*a, **k))[1])
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            build_plan(copy.deepcopy(model), mesh, args, kwargs,
+                       make_options(None, "data", "replicate", mesh, planner="search"))
+            assert gc.isenabled() is enabled  # as it was before
+    finally:
+        gc.enable()
+    assert during == [False, False]  # off while the plan search ran
