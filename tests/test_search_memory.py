@@ -163,7 +163,7 @@ def test_repair_starts_from_the_shares_it_is_given():
     count as recomputed whole), and the plan returned fits and keeps every layout."""
     from autoshard.passes.plan_search import _repair, evaluate, solve
 
-    model, args, kwargs = models.FACTORIES["gpt"](layers=4)
+    model, args, _ = models.FACTORIES["gpt"](layers=4)
     problem = _problem(model, args, autoshard.Mesh(**MESH), None, recompute="auto")
     assert problem.units
     choice = solve(problem)
@@ -184,7 +184,8 @@ def test_repair_starts_from_the_shares_it_is_given():
 def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     import gc
 
-    import autoshard.passes.plan_search as plan_search
+    from autoshard.passes import plan_search
+
     from autoshard.api import make_options
     from autoshard.plan import build_plan
 
