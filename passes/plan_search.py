@@ -196,6 +196,25 @@ class ValueTerm:
     outputs: list  # keep-flags of every graph output this value is (see output_spec_for)
     pair_cost: dict  # (o, i) -> seconds or None (impossible)
     sync_cost: dict  # (spec, axes) -> seconds
+    by_option: tuple | None = field(default=None, repr=False, compare=False)  # term_cost's index, built once
+
+    def index(self) -> tuple:
+        """(producer decisions, {(d, k): spec out}, consumer decisions, {(d, k): specs needed}, {(d, k): sync keys}):
+        what :func:`term_cost` looks up for a choice instead of scanning every option's users."""
+        if self.by_option is None:
+            out = {(d, k): spec for d, k, spec in self.out}
+            need: dict = {}
+            for i, users in self.needs.items():
+                for dk in users:
+                    need.setdefault(dk, []).append(i)
+            sync: dict = {}
+            for key, users in self.syncs.items():
+                for dk in users:
+                    sync.setdefault(dk, []).append(key)
+            producers = sorted({d for d, _, _ in self.out})
+            consumers = sorted({d for d, _ in need} | {d for d, _ in sync})
+            self.by_option = (producers, out, consumers, need, sync)
+        return self.by_option
 
 
 @dataclass
@@ -507,21 +526,27 @@ _DEBUG = bool(__import__("os").environ.get("AUTOSHARD_SEARCH_DEBUG"))
 
 
 def term_cost(term: ValueTerm, choice: list[int]) -> float:
-    if term.fixed is not None:
-        o = term.fixed
-    else:
-        o = next(spec for d, k, spec in term.out if choice[d] == k)
+    producers, out, consumers, need, sync = term.index()
+    o = term.fixed if term.fixed is not None else next(out[(d, choice[d])] for d in producers if (d, choice[d]) in out)
+    wanted: dict = {}  # the specs consumers need (interned: one object per spec, so keyed by id)
+    keys: dict = {}
+    for d in consumers:
+        for i in need.get((d, choice[d]), ()):
+            wanted[id(i)] = i
+        for key in sync.get((d, choice[d]), ()):
+            keys[id(key)] = key
+    for keep in term.outputs:
+        spec = output_spec_for(o, keep)
+        if not any(spec == i for i in wanted.values()):
+            wanted[id(spec)] = spec
     total = 0.0
-    wanted = {i for i, users in term.needs.items() if any(choice[d] == k for d, k in users)}
-    wanted |= {output_spec_for(o, keep) for keep in term.outputs}
-    for i in wanted:
+    for i in wanted.values():
         c = term.pair_cost[(o, i)]
         if c is None:
             return INFEASIBLE
         total += c
-    for key, users in term.syncs.items():
-        if any(choice[d] == k for d, k in users):
-            total += term.sync_cost[key]
+    for key in keys.values():
+        total += term.sync_cost[key]
     return term.multiplicity * total
 
 
@@ -658,13 +683,16 @@ def _program(problem: Problem, recompute=frozenset(), reserve: float = 0.0, memo
                     needed_by.setdefault(d, set()).add(i)
             spec_id: dict = {}
             bought: dict = {}  # (producer spec index, needed spec id) -> variable
+            # build_problem interns specs (one object per spec): look pairs up by identity, not by hashing
+            # placements (the program's largest loop: a pair per producer spec, needed spec and consumer)
+            pair_cost = {(id(o), id(i)): v for (o, i), v in term.pair_cost.items()}
             for c in consumers:
                 needs = sorted(needed_by[c], key=format_spec)
                 ids = [spec_id.setdefault(i, len(spec_id)) for i in needs]
                 evars: dict = {}  # (producer spec index, needs index) -> variable
                 for oi, (o, _) in enumerate(ylist):
                     for ii, i in enumerate(needs):
-                        pc = term.pair_cost[(o, i)]
+                        pc = pair_cost[(id(o), id(i))]
                         if pc is None:
                             continue
                         if len(consumers) == 1:

@@ -128,6 +128,7 @@ def functionalize(gm: torch.fx.GraphModule) -> list[str]:
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     left = []
+    rewritten = False
     for node in list(g.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -179,8 +180,9 @@ def functionalize(gm: torch.fx.GraphModule) -> list[str]:
                     user.replace_input_with(old, fresh)
         g.erase_node(node)
         order = {n: i for i, n in enumerate(g.nodes)}
-    g.eliminate_dead_code()
-    gm.recompile()
+        rewritten = True
+    if g.eliminate_dead_code() or rewritten:  # (regenerating a large graph's code costs ~0.1 s: only on change)
+        gm.recompile()
     return left
 
 
