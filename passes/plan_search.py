@@ -63,6 +63,7 @@ on free parameters. A strategy some earlier step already put in ``PLANNED`` is t
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -856,9 +857,11 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             programs[key] = _Program(cost, memory, base.a, base.lo, base.hi, base.integer, base.offsets)
         return programs[key]
 
-    def relaxed(lam: float, units, memory_only: float = 0.0) -> list[int]:
+    warms: list = []  # two HiGHS copies of the program: two multipliers are solved at once (HiGHS releases the GIL)
+
+    def relaxed(lam: float, units, memory_only: float = 0.0, solver: int = 0) -> list[int]:
         prog = program_for(units)
-        warm = programs["warm"][1]
+        warm = programs["warm"][1] if solver == 0 else warms[1]
         left = max(1.0, total - (time.perf_counter() - start))
         cost = prog.c + lam * prog.mem if not memory_only else prog.mem / memory_only + prog.c * 1e-6 / lo[2]
         x = warm.solve(cost, left) if warm is not None else None
@@ -866,15 +869,24 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             return [int(np.argmax(x[o: o + len(d.options)])) for o, d in zip(prog.offsets, problem.decisions)]
         return _solve_program(problem, prog, cost, True, left)
 
-    def point(lam: float, units=frozenset()):
+    def point(lam: float, units=frozenset(), solver: int = 0):
         for _ in range(4):  # coordinate descent over the recomputed units
-            choice = relaxed(lam, units)
+            choice = relaxed(lam, units, solver=solver)
             better = _best_units(problem, choice, lam)
             if better == units:
                 break
             units = better
         t, m = evaluate(problem, choice, units)
-        return choice, units, t, m, m - transient_bytes(problem, choice, units)  # the last: what λ multiplies
+        # (m less the transient bytes is what λ multiplies)
+        return choice, units, t, m, m - transient_bytes(problem, choice, units), lam
+
+    def points(first: tuple, second: tuple | None) -> list:
+        """``point(*first)`` and, on the second HiGHS copy at the same time, ``point(*second)``."""
+        if second is None or len(warms) < 2:
+            return [point(*first)]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            other = pool.submit(point, *second, 1)
+            return [point(*first), other.result()]
 
     lp_start = time.perf_counter()
     lo = point(0.0)
@@ -882,16 +894,32 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if lo[3] <= limit:
         info.update(optimal=True, gap=0.0, bound=lo[2], method="unconstrained optimum within the limit")
         return lo[0], lo[1]
-    # λ in units of the least-time plan's seconds per byte, raised until memory outweighs time enough to fit
+    warm = programs["warm"][1]
+    if warm is not None:  # the second copy starts from the first's optimal basis
+        warms.extend([warm, warm.copy(programs["warm"][0])])
+    seen = [lo]
+
+    def closest(candidates):
+        """(lo, hi): the plan over the limit with the least memory and the plan within it with the most (the
+        neighbours of the limit on the lower hull of the plans seen)."""
+        over = [p for p in candidates if p[3] > limit]
+        within = [p for p in candidates if p[3] <= limit]
+        return (min(over, key=lambda p: p[3]) if over else None), (max(within, key=lambda p: p[3]) if within else None)
+
+    # λ in units of the least-time plan's seconds per byte, raised until memory outweighs time enough to fit; a
+    # second probe at half that λ brackets the limit from below (a plan over the limit, but nearer to it than lo)
     everything = frozenset(range(len(problem.units)))
+    hi = None
     for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
-        hi = point(scale * lo[2] / lo[4], everything)
-        if hi[3] <= limit:
+        lam = scale * lo[2] / lo[4]
+        seen += points((lam, everything), (lam / 2, everything))
+        lo, hi = closest(seen)
+        if hi is not None:
             break
     else:  # the least memory any plan needs (time only breaks ties), for the message
-        choice = relaxed(0.0, everything, memory_only=lo[4])
+        choice = relaxed(0.0, everything, memory_only=seen[0][4])
         t, m = evaluate(problem, choice, everything)
-        hi = (choice, everything, t, m, m)
+        hi = (choice, everything, t, m, m, np.inf)
     if hi[3] > limit:
         error = PlanError(
             f"option memory_limit is {_fmt_bytes(limit)} per rank, but the least memory any plan needs is "
@@ -902,33 +930,36 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
                else ", zero='auto' (store parameters sharded over the data axis)") + ".")
         error.least_memory = hi[3]  # bytes per rank, by the search's memory model
         raise error
-    best, bound, solves = hi, -np.inf, 2
+    best, bound, solves = hi, -np.inf, len(seen)
 
     def repaired(p) -> None:
         # every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the loop early
         nonlocal best
         fixed = _repair(problem, p[0], p[1])
         if fixed is not None and fixed[2] < best[2]:
-            best = (*fixed, None)
+            best = (*fixed, None, None)
 
-    repaired(lo)
-    repaired(hi)
+    for p in seen:
+        repaired(p)
     while time.perf_counter() - start < total:
         lam = (hi[2] - lo[2]) / max(lo[4] - hi[4], 1e-30)
-        x = point(lam, _best_units(problem, hi[0], lam))  # the units hi's plan would recompute at this λ
-        solves += 1
-        line = lo[2] + lam * lo[4]
-        bound = max(bound, min(x[2] + lam * x[4], line) - lam * limit)
-        repaired(x)
+        # beside the cutting-plane multiplier, the midpoint of the multipliers lo and hi were found at
+        mid = (lo[5] + hi[5]) / 2 if np.isfinite(hi[5]) else None
+        second = (mid, _best_units(problem, hi[0], mid)) if mid and abs(mid - lam) > 0.1 * lam else None
+        xs = points((lam, _best_units(problem, hi[0], lam)), second)  # the units hi's plan would recompute
+        solves += len(xs)
+        x = xs[0]
+        for p in xs:
+            bound = max(bound, min(p[2] + p[5] * p[4], lo[2] + p[5] * lo[4]) - p[5] * limit)
+            repaired(p)
         if _DEBUG:
-            print(f"λ={lam:.3e} t={x[2]:.6f} m={x[3]:.4e} bound={bound:.6f} best={best[2]:.6f}")
+            for p in xs:
+                print(f"λ={p[5]:.3e} t={p[2]:.6f} m={p[3]:.4e} bound={bound:.6f} best={best[2]:.6f}")
+        line = lo[2] + lam * lo[4]
         if x[2] + lam * x[4] >= line - GAP_TOLERANCE * abs(line):
             break  # nothing below the segment: λ is the best multiplier
-        if x[3] <= limit:
-            hi = x
-            best = min(best, x, key=lambda p: p[2])
-        else:
-            lo = x
+        lo, hi = (q if q is not None else old for q, old in zip(closest([lo, hi, *xs]), (lo, hi)))
+        best = min([best, *(p for p in xs if p[3] <= limit)], key=lambda p: p[2])
         if best[2] > 0 and (best[2] - bound) / best[2] <= accept_gap:
             break  # close enough to the lower bound (accept_gap): no more multipliers
     gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
@@ -1099,6 +1130,12 @@ class _WarmLP:
         highs.setOptionValue("presolve", "off")
         highs.passModel(lp)
         return cls(highs, n)
+
+    def copy(self, prog: _Program) -> "_WarmLP":
+        """Another HiGHS object for the same program, starting from this one's current basis."""
+        other = type(self).create(prog)
+        other.highs.setBasis(self.highs.getBasis())
+        return other
 
     def solve(self, cost: np.ndarray, time_limit: float) -> np.ndarray | None:
         from scipy.optimize._highspy import _core as h
