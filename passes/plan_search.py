@@ -37,11 +37,12 @@ outputs whole (not only what autograd saves), and prices no allocator fragmentat
 is an upper bound of a step's peak for what it counts.
 
 Under a memory limit the search (:func:`search`) relaxes the memory row into the objective (Lagrangian
-relaxation, ``min T + λ·M``, each λ solved from the previous HiGHS basis), walks λ along the breakpoints of the
-dual, repairs the plans it met with stage and recomputation moves that keep every layout (:func:`_repair`), and
-reports the gap of the best plan to the best dual bound; HiGHS's exact ILP with the memory row runs only when a gap
-is left, for ``exact_seconds``. A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned
-about, never silently used.
+relaxation, ``min T + λ·M``, each λ solved from the previous HiGHS basis, two λ at a time), walks λ along the
+breakpoints of the dual, repairs the plans it met with stage and recomputation moves that keep every layout
+(:func:`_repair`), and reports the gap of the best plan to the best dual bound (for the recomputed layers it chose:
+:func:`lp_bound` bounds every recomputation choice); HiGHS's exact ILP with the memory row runs only when a gap is
+left, for ``exact_seconds``. A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned about,
+never silently used.
 
 Annotated parameters are hard constraints, as in propagation (:func:`passes.propagate.pinned_values`): an op
 option that needs an annotated parameter in another layout is dropped, and a value computed only from annotated
@@ -816,16 +817,21 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     ``problem.memory_limit``.
 
     Without a limit, or when the unconstrained optimum fits, that is the exact ILP of :func:`solve`. Otherwise the
-    memory row is relaxed into the objective, ``min T(x) + λ·M(x)`` (:func:`_relaxed`: the program without the
-    memory row keeps its tight structure and solves like the unconstrained one), and λ moves along the breakpoints
-    of the concave dual ``L(λ) = min T + λ(M − limit)``: from the least-time (infeasible) and the least-memory
-    (feasible) plans, λ is the slope between the best infeasible and feasible plans so far, until no plan lies
-    below that line. Every ``L(λ)`` is a lower bound of the optimum (for the recomputation set found); the gap of
-    the best feasible plan to it is reported. Only when that gap exceeds :data:`GAP_TOLERANCE` does HiGHS solve
-    the exact ILP with the memory row, for the rest of ``time_limit``, and a gap still left is reported
-    (``info``: optimal, gap, bound, method) — when the budget ``exact_limit`` is worth at least ten relaxed solves
-    (a program whose LP takes 1 s needs far longer to branch). Recomputation units are chosen per λ by coordinate descent: a unit is
-    recomputed when λ times the bytes it frees exceeds its extra forward time under the current plan.
+    memory row is relaxed into the objective, ``min T(x) + λ·M(x)`` (the program without the memory row keeps its
+    tight structure and solves like the unconstrained one, from the previous HiGHS basis), and λ moves along the
+    breakpoints of the concave dual ``L(λ) = min T + λ(M − limit)``: from the least-time (infeasible) plan and a
+    feasible one, λ is the slope between the plans nearest the limit on either side, until no plan lies below that
+    line. Each round solves two multipliers at once on two HiGHS copies (HiGHS releases the GIL): beside the slope,
+    the midpoint of the multipliers those two plans were found at (and, in the first round, half the first λ).
+    Recomputation units are chosen per λ by coordinate descent (a unit is recomputed when λ times the bytes it
+    frees exceeds its extra forward time; the first guess is what the feasible plan would recompute). Every plan
+    met is repaired to fit (:func:`_repair`) and the best kept; the loop stops once it is within ``accept_gap`` of
+    the best ``L(λ)``. That bound holds for the recomputed units the walk chose at each λ, not for every
+    recomputation choice (:func:`lp_bound` is one for every choice, ~3× slower per λ; ``bench/search_plans.py``
+    prints both). Only when the gap exceeds ``accept_gap`` does HiGHS solve the exact ILP with the memory row (for
+    the best plan's units) for ``exact_limit``, when that budget is worth at least ten relaxed solves (a program
+    whose LP takes 1 s needs far longer to branch); a gap still left is reported (``info``: optimal, gap, bound,
+    multiplier, method).
     """
     start = time.perf_counter()
     info = info if info is not None else {}
@@ -930,7 +936,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
                else ", zero='auto' (store parameters sharded over the data axis)") + ".")
         error.least_memory = hi[3]  # bytes per rank, by the search's memory model
         raise error
-    best, bound, solves = hi, -np.inf, len(seen)
+    best, bound, solves, multiplier = hi, -np.inf, len(seen), hi[5]
 
     def repaired(p) -> None:
         # every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the loop early
@@ -950,7 +956,9 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         solves += len(xs)
         x = xs[0]
         for p in xs:
-            bound = max(bound, min(p[2] + p[5] * p[4], lo[2] + p[5] * lo[4]) - p[5] * limit)
+            b = min(p[2] + p[5] * p[4], lo[2] + p[5] * lo[4]) - p[5] * limit
+            if b > bound:
+                bound, multiplier = b, p[5]
             repaired(p)
         if _DEBUG:
             for p in xs:
@@ -964,7 +972,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             break  # close enough to the lower bound (accept_gap): no more multipliers
     gap = max(0.0, (best[2] - bound) / best[2]) if best[2] > 0 else 0.0
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=f"lagrangian ({solves} solves) + repair",
-                lagrangian_seconds=time.perf_counter() - start)
+                lagrangian_seconds=time.perf_counter() - start, multiplier=multiplier)
     left = min(total - (time.perf_counter() - start), exact_limit)
     # The exact ILP branches on top of the LP: a budget under ~10 relaxed solves of this program closes no gap
     if gap <= accept_gap and gap > GAP_TOLERANCE:
@@ -993,6 +1001,64 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=info["method"] + " + exact ILP",
                         message=exact.get("message"))
     return best[0], best[1]
+
+
+def lp_bound(problem: Problem, lam: float) -> float:
+    """A lower bound of the least estimated step time of every plan within ``problem.memory_limit``, every
+    recomputation choice included: ``L(λ) = min T + λ·(M − room)`` over the LP relaxation of the program with each
+    unit's recomputed share a variable (``r[u] ∈ [0, 1]``; per op ``d`` of the unit and option ``k`` a share
+    ``z[d, k] ≤ x[d, k]`` with ``Σ_k z[d, k] = r[u]``, costing the option's forward again and freeing
+    ``memory[k] − memory_recomputed[k]`` bytes: where ``x`` is integral that is the product ``r[u]·x[d, k]``,
+    linear), less the most the tie-breaking costs add. :func:`search`'s own bound fixes the recomputed units at each
+    λ (coordinate descent) and so may overstate this one; solving this program takes ~3× longer per λ, so the
+    search does not (``bench/search_plans.py`` prints both)."""
+    from scipy.sparse import coo_matrix, hstack, vstack
+
+    base = _program(problem, memory_row=False)
+    n0 = base.a.shape[1]
+    cost, mem = list(base.c), list(base.mem)
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def new_var(c: float, m: float) -> int:
+        cost.append(c)
+        mem.append(m)
+        return len(cost) - 1
+
+    def constraint(entries, lb, ub):
+        for col, v in entries:
+            rows.append(len(lo))
+            cols.append(col)
+            vals.append(v)
+        lo.append(lb)
+        hi.append(ub)
+
+    share = {u: new_var(0.0, 0.0) for u in range(len(problem.units))}
+    for i, d in enumerate(problem.decisions):
+        if d.unit is None:
+            continue
+        zs = []
+        for k in range(len(d.options)):
+            zs.append(new_var(d.forward[k], d.memory_recomputed[k] - d.memory[k]))
+            constraint([(zs[-1], 1.0), (base.offsets[i] + k, -1.0)], -np.inf, 0.0)
+        constraint([(z, 1.0) for z in zs] + [(share[d.unit], -1.0)], 0.0, 0.0)
+    n = len(cost)
+    extra = coo_matrix((vals, (rows, cols)), shape=(len(lo), n))
+    a = vstack([hstack([base.a, coo_matrix((base.a.shape[0], n - n0))]), extra]).tocsr()
+    prog = _Program(np.array(cost), np.array(mem), a, [*base.lo, *lo], [*base.hi, *hi],
+                    np.zeros(n, dtype=int), base.offsets)
+    warm = _WarmLP.create(prog)
+    objective = prog.c + lam * prog.mem
+    x = warm.solve(objective, DEFAULT_TIME_LIMIT) if warm is not None else None
+    if x is None:
+        raise PlanError("lp_bound: HiGHS did not solve the program (it needs scipy.optimize._highspy)")
+    ties = 0.0
+    if problem.data_axis is not None:
+        axis = problem.mesh.names.index(problem.data_axis)
+        for d in problem.decisions:
+            if d.node.op == "get_attr":
+                ties += max((TIE_BREAK * d.copies * (isinstance(spec[axis], Shard) + (d.stages[k] if d.stages else 0))
+                             for k, spec in enumerate(d.options)), default=0.0)
+    return float(objective @ x) - lam * (problem.memory_limit - problem.fixed_memory) - ties
 
 
 def _repair(problem: Problem, choice: list[int], units) -> tuple | None:
@@ -1131,7 +1197,7 @@ class _WarmLP:
         highs.passModel(lp)
         return cls(highs, n)
 
-    def copy(self, prog: _Program) -> "_WarmLP":
+    def copy(self, prog: _Program) -> _WarmLP:
         """Another HiGHS object for the same program, starting from this one's current basis."""
         other = type(self).create(prog)
         other.highs.setBasis(self.highs.getBasis())
@@ -1254,6 +1320,7 @@ class PlanSearch:
             "binding": _binding(problem, memory),
             "optimal": status["optimal"], "gap": status["gap"],  # not optimal: the time limit was reached
             "method": status.get("method"), "lower_bound": status.get("bound"),
+            "multiplier": status.get("multiplier"),  # λ (seconds per byte) of the lower bound
             "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
             "recomputed": regions,
         }

@@ -204,3 +204,37 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     finally:
         gc.enable()
     assert during == [False, False]  # off while the plan search ran
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8])
+def test_lp_bound_is_below_every_recomputation_choices_exact_optimum(fraction):
+    """``lp_bound`` (the recomputed shares as LP variables) bounds every plan: below the exact ILP optimum of each
+    set of recomputed units, and below the search's plan."""
+    import itertools
+
+    from autoshard.passes.plan_search import evaluate, lp_bound, search, solve
+
+    model, args, _ = models.FACTORIES["gpt"](layers=4)
+    mesh = autoshard.Mesh(**MESH)
+    free = _problem(model, args, mesh, None, zero="auto", recompute="auto")
+    top = evaluate(free, solve(free))[1]
+    problem = _problem(model, args, mesh, fraction * top, zero="auto", recompute="auto")
+    assert problem.units
+    optima = []
+    for r in range(len(problem.units) + 1):
+        for units in itertools.combinations(range(len(problem.units)), r):
+            try:
+                choice = solve(problem, recompute=frozenset(units))
+            except PlanError:
+                continue  # nothing fits with these units recomputed
+            t, m = evaluate(problem, choice, frozenset(units))
+            if m <= problem.memory_limit:  # (solve's row has no transient bytes: check the whole estimate)
+                optima.append(t)
+    info: dict = {}
+    choice, units = search(problem, info=info)
+    t_search = evaluate(problem, choice, units)[0]
+    for lam in (0.0, info.get("multiplier") or 0.0, 2 * (info.get("multiplier") or 0.0)):
+        bound = lp_bound(problem, lam)
+        assert bound <= t_search * (1 + 1e-9)
+        assert all(bound <= t * (1 + 1e-9) for t in optima)
+    assert optima and lp_bound(problem, info.get("multiplier") or 0.0) > 0
