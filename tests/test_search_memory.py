@@ -206,35 +206,31 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     assert during == [False, False]  # off while the plan search ran
 
 
-@pytest.mark.parametrize("fraction", [0.5, 0.8])
-def test_lp_bound_is_below_every_recomputation_choices_exact_optimum(fraction):
-    """``lp_bound`` (the recomputed shares as LP variables) bounds every plan: below the exact ILP optimum of each
-    set of recomputed units, and below the search's plan."""
+def test_lp_bound_is_below_every_plan_whatever_it_recomputes():
+    """``lp_bound`` (each unit's recomputed share an LP variable) bounds every plan within the limit: the search's
+    plan and the ILP's plan for every set of recomputed units (each solve capped at 5 s: any plan within the limit
+    must lie above a lower bound, optimal or not); at the search's multiplier it is not trivial either."""
     import itertools
 
     from autoshard.passes.plan_search import evaluate, lp_bound, search, solve
 
-    model, args, _ = models.FACTORIES["gpt"](layers=4)
+    model, args, _ = models.FACTORIES["gpt"](layers=2)
     mesh = autoshard.Mesh(**MESH)
     free = _problem(model, args, mesh, None, zero="auto", recompute="auto")
-    top = evaluate(free, solve(free))[1]
-    problem = _problem(model, args, mesh, fraction * top, zero="auto", recompute="auto")
-    assert problem.units
-    optima = []
-    for r in range(len(problem.units) + 1):
-        for units in itertools.combinations(range(len(problem.units)), r):
-            try:
-                choice = solve(problem, recompute=frozenset(units))
-            except PlanError:
-                continue  # nothing fits with these units recomputed
-            t, m = evaluate(problem, choice, frozenset(units))
-            if m <= problem.memory_limit:  # (solve's row has no transient bytes: check the whole estimate)
-                optima.append(t)
+    problem = _problem(model, args, mesh, 0.8 * evaluate(free, solve(free))[1], zero="auto", recompute="auto")
+    assert len(problem.units) == 2
     info: dict = {}
     choice, units = search(problem, info=info)
-    t_search = evaluate(problem, choice, units)[0]
-    for lam in (0.0, info.get("multiplier") or 0.0, 2 * (info.get("multiplier") or 0.0)):
-        bound = lp_bound(problem, lam)
-        assert bound <= t_search * (1 + 1e-9)
-        assert all(bound <= t * (1 + 1e-9) for t in optima)
-    assert optima and lp_bound(problem, info.get("multiplier") or 0.0) > 0
+    plans = [evaluate(problem, choice, units)]
+    for r in range(len(problem.units) + 1):
+        for chosen in itertools.combinations(range(len(problem.units)), r):
+            try:
+                plan = solve(problem, time_limit=5.0, recompute=frozenset(chosen))
+            except PlanError:
+                continue  # none found in time
+            plans.append(evaluate(problem, plan, frozenset(chosen)))
+    within = [t for t, m in plans if m <= problem.memory_limit]  # (solve's row leaves out the transient bytes)
+    assert len(within) >= 2
+    for lam in (0.0, info["multiplier"], 2 * info["multiplier"]):
+        assert all(lp_bound(problem, lam) <= t * (1 + 1e-9) for t in within)
+    assert lp_bound(problem, info["multiplier"]) >= 0.8 * plans[0][0]
