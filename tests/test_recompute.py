@@ -69,8 +69,7 @@ def _sgd_step_per_rank(model, mesh, args, kwargs=None, plan=None, **options):
     kwargs = kwargs or {}
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs or None, plan=plan,
-                                    comm=world.communicator(rank), **options)
+        sharded = compiled[rank]
         a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
         k = {n: autoshard.data_shard(x, mesh, rank) for n, x in kwargs.items()}
         loss = loss_of(sharded(*a, **k))
@@ -82,6 +81,8 @@ def _sgd_step_per_rank(model, mesh, args, kwargs=None, plan=None, **options):
         regions = [n for n, m in sharded.named_modules() if n.rsplit(".", 1)[-1].startswith("recompute_")]
         return loss.item(), autoshard.full_state_dict(sharded), regions
 
+    compiled = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs or None, plan=plan,
+                                  comm=world.communicator(rank), **options) for rank in range(mesh.size)]
     return world.run(body)
 
 
