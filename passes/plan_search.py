@@ -1056,13 +1056,7 @@ def lp_bound(problem: Problem, lam: float) -> float:
     x = warm.solve(objective, DEFAULT_TIME_LIMIT) if warm is not None else None
     if x is None:
         raise PlanError("lp_bound: HiGHS did not solve the program (it needs scipy.optimize._highspy)")
-    ties = 0.0
-    if problem.data_axis is not None:
-        axis = problem.mesh.names.index(problem.data_axis)
-        for d in problem.decisions:
-            if d.node.op == "get_attr":
-                ties += max((TIE_BREAK * d.copies * (isinstance(spec[axis], Shard) + (d.stages[k] if d.stages else 0))
-                             for k, spec in enumerate(d.options)), default=0.0)
+    ties = sum(max(_ties(problem, d), default=0.0) for d in problem.decisions)  # the most they add to a plan
     return float(objective @ x) - lam * (problem.memory_limit - problem.fixed_memory) - ties
 
 
@@ -1339,18 +1333,21 @@ class PlanSearch:
 TIE_BREAK = 1e-12
 
 
-def _break_ties(problem: Problem, cost: list[float]) -> None:
-    if problem.data_axis is None:
-        return
+def _ties(problem: Problem, d: DecisionVar) -> list[float]:
+    """The tie-breaking seconds added to each option of ``d``: a parameter sharded on the data axis, or stored at a
+    ZeRO stage that costs no time (keep the parameter whole)."""
+    if problem.data_axis is None or d.node.op != "get_attr":
+        return [0.0] * len(d.options)
     axis = problem.mesh.names.index(problem.data_axis)
+    return [TIE_BREAK * d.copies * (isinstance(spec[axis], Shard) + (d.stages[k] if d.stages else 0))
+            for k, spec in enumerate(d.options)]
+
+
+def _break_ties(problem: Problem, cost: list[float]) -> None:
     col = 0
     for d in problem.decisions:
-        if d.node.op == "get_attr":
-            for k, spec in enumerate(d.options):
-                if isinstance(spec[axis], Shard):
-                    cost[col + k] += TIE_BREAK * d.copies
-                if d.stages and d.stages[k]:  # a ZeRO stage that costs no time: keep the parameter whole
-                    cost[col + k] += TIE_BREAK * d.copies * d.stages[k]
+        for k, tie in enumerate(_ties(problem, d)):
+            cost[col + k] += tie
         col += len(d.options)
 
 
