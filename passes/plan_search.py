@@ -863,11 +863,11 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             programs[key] = _Program(cost, memory, base.a, base.lo, base.hi, base.integer, base.offsets)
         return programs[key]
 
-    warms: list = []  # two HiGHS copies of the program: two multipliers are solved at once (HiGHS releases the GIL)
+    copies: list = []  # a second HiGHS copy of the program: two multipliers solve at once (HiGHS releases the GIL)
 
     def relaxed(lam: float, units, memory_only: float = 0.0, solver: int = 0) -> list[int]:
         prog = program_for(units)
-        warm = programs["warm"][1] if solver == 0 else warms[1]
+        warm = programs["warm"][1] if solver == 0 else copies[0]
         left = max(1.0, total - (time.perf_counter() - start))
         cost = prog.c + lam * prog.mem if not memory_only else prog.mem / memory_only + prog.c * 1e-6 / lo[2]
         x = warm.solve(cost, left) if warm is not None else None
@@ -888,7 +888,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
 
     def points(first: tuple, second: tuple | None) -> list:
         """``point(*first)`` and, on the second HiGHS copy at the same time, ``point(*second)``."""
-        if second is None or len(warms) < 2:
+        if second is None or not copies:
             return [point(*first)]
         with ThreadPoolExecutor(max_workers=1) as pool:
             other = pool.submit(point, *second, 1)
@@ -902,7 +902,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         return lo[0], lo[1]
     warm = programs["warm"][1]
     if warm is not None:  # the second copy starts from the first's optimal basis
-        warms.extend([warm, warm.copy(programs["warm"][0])])
+        copies.append(warm.copy(programs["warm"][0]))
     seen = [lo]
 
     def closest(candidates):
@@ -1112,6 +1112,8 @@ def _repair(problem: Problem, choice: list[int], units) -> tuple | None:
     comm = sum(term_cost(term, choice) for term in problem.terms)  # the moves keep every layout
 
     def evaluate_(choice, share):
+        # evaluate() with the communication fixed: option_cost/option_memory of the chosen option only (this runs
+        # hundreds of times per repair; building every option's list each time was its cost)
         t, m = comm, problem.fixed_memory
         for i, d in enumerate(problem.decisions):
             k = choice[i]
