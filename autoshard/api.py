@@ -15,11 +15,13 @@ import copy
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.context import Options
 from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
 from autoshard.mesh import Mesh, as_mesh
+from autoshard.parameters import local_slice
 from autoshard.placements import Spec, local_shape, parse_placement
 from autoshard.plan import Plan, build_plan
 from autoshard.trace import GRAPH_LOCK
@@ -219,7 +221,9 @@ class ShardedModule(torch.nn.Module):
         self._comm = comm
         self._timeout = timeout
         self.plan: Plan | None = None
-        self.local: torch.fx.GraphModule | None = None
+        self._local_box: tuple = ()  # this rank's program, when made (boxed: its tensors are published, not children)
+        self._published: dict = {}
+        self._bound: dict = {}
         self._other_box: tuple = ()  # the other mode's program, when made (boxed: not a child module)
         self._expected: list | None = None
         self._initialised = True  # False while this rank's shards are uninitialised memory (a meta-built model)
@@ -232,6 +236,11 @@ class ShardedModule(torch.nn.Module):
             args = () if example_inputs is None else (
                 example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
             self._build_plan(tuple(args), dict(example_kwargs or {}))
+
+    @property
+    def local(self) -> torch.fx.GraphModule | None:
+        """This rank's program (a plain GraphModule over local tensors), once made by :meth:`materialize`."""
+        return self._local_box[0] if self._local_box else None
 
     @property
     def _skeleton(self) -> torch.nn.Module:
@@ -310,14 +319,17 @@ class ShardedModule(torch.nn.Module):
             self._initialised = False
         else:
             local.to(self.device)
+        self._local_box = (local,)
+        local.train(self.training)
+        self._expected = self._expected_local_shapes()
+        self._unread = {k: v if v.is_meta else v.detach().to(self.device) for k, v in self._unread.items()}
+        self._publish()
         if self.bucketing:
             from autoshard.runtime.buckets import GradBucketer
 
-            self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb)
-        self.local = local
-        self.local.train(self.training)
-        self._expected = self._expected_local_shapes()
-        self._unread = {k: v if v.is_meta else v.detach().to(self.device) for k, v in self._unread.items()}
+            public = {target: (holder._parameters if is_param else holder._buffers)[attr]
+                      for target, holder, attr, is_param in self._published_targets(local)}
+            self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb, public=public)
         plan.release_weights()
         return local
 
@@ -332,48 +344,118 @@ class ShardedModule(torch.nn.Module):
         materialize.init_weights(self, init)
         self._initialised = True
 
-    # ---- running ----------------------------------------------------------------------------------------
-    def parameters(self, recurse: bool = True):
-        self._parameters_ready()
-        return super().parameters(recurse)
-
+    # ---- the model's tree of DTensor parameters (autoshard/parameters.py) ---------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This rank's parameters under the model's own names, in the model's order (a tied weight under its first
-        name, as ``model.named_parameters()`` gives it): name-based parameter groups work as on one device."""
+        name, as ``model.named_parameters()`` gives it), each a ``DTensor`` placed as the plan stores it: name-based
+        parameter groups, ``clip_grad_norm_`` and optimizers work as on one device."""
         self._parameters_ready()
-        for name, t in self._named_local(self._skeleton.named_parameters(remove_duplicate=remove_duplicate)):
-            yield prefix + name, t
+        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         self._parameters_ready()
-        for name, t in self._named_local(self._skeleton.named_buffers(remove_duplicate=remove_duplicate)):
-            yield prefix + name, t
+        return super().named_buffers(prefix, recurse, remove_duplicate)
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """This rank's shards under the keys of ``model.state_dict()`` (every name of a tied weight), plus the
-        entries the program never reads, whole. ``autoshard.full_state_dict(sharded)`` gathers the global values."""
+    def state_dict(self, *args, **kwargs):
+        """The keys of ``model.state_dict()`` (every name of a tied weight); values are ``DTensor``s (this rank's
+        shards with their global layout) — DCP saves each shard once at its global offsets. Entries the program
+        never reads are whole tensors, as the model has them."""
         self._parameters_ready()
-        out = {} if destination is None else destination
-        for name, t in self._named_local(self._skeleton.state_dict(keep_vars=True).items()):
-            out[prefix + name] = t if keep_vars else t.detach()
-        return out
+        return super().state_dict(*args, **kwargs)
 
-    def _named_local(self, model_items):
-        """(model name, this rank's tensor) for each (model name, skeleton tensor) the program holds or keeps."""
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``, by the model's names: values may be DTensors (of any layout: they are
+        redistributed) or whole tensors (this rank takes its slices)."""
+        self._parameters_ready()
+        mine = dict(super().state_dict(keep_vars=True))
+        prepared = {}
+        for key, value in state_dict.items():
+            held = mine.get(key)
+            if isinstance(held, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                value = local_slice(value, held)
+            prepared[key] = value
+        if assign:
+            raise AutoshardError("load_state_dict(assign=True) would replace the tensors this rank's program reads; "
+                                 "load with assign=False (the values are copied into the shards).")
+        return super().load_state_dict(prepared, strict=strict)
+
+    def _apply(self, fn, recurse: bool = True):
+        raise AutoshardError("a ShardedModule's shards are placed by autoshard.compile: moving or casting them "
+                             "(.to(), .cuda(), .half(), ...) would leave the compiled program behind. Pass "
+                             "device=... (and precision=autoshard.MixedPrecision(...)) to autoshard.compile instead.")
+
+    def _publish(self) -> None:
+        """Give this module the model's tree of this rank's tensors as DTensors (:func:`build_tree`), sharing
+        storage with the program's, and note where each program tensor is published (for :meth:`_bindings`)."""
         from autoshard import meta as M
+        from autoshard.parameters import build_tree, device_mesh
+        from autoshard.placements import Replicate
         from autoshard.trace import fetch_attr
 
-        by_alias = {}
+        local = self.local
+        held: dict[str, tuple] = {}
         for n in self.plan.graph_module.graph.nodes:
-            if n.op == "get_attr":
-                t = fetch_attr(self.local, n.target)
-                if isinstance(t, torch.Tensor):
-                    for alias in n.meta.get(M.ALIASES, (n.target,)):
-                        by_alias[alias] = t
-        for name, _ in model_items:
-            t = by_alias.get(name, self._unread.get(name))
-            if t is not None:
-                yield name, t
+            if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
+                t = fetch_attr(local, n.target)
+                for alias in n.meta.get(M.ALIASES, (n.target,)):
+                    held[alias] = (t, n.meta[M.SPEC], tuple(n.meta["val"].shape))
+        whole = (Replicate(),) * self.mesh.ndim
+        for name, t in self._unread.items():
+            held.setdefault(name, (t, whole, tuple(t.shape)))
+        dm = device_mesh(self.mesh, self.device.type)
+        if dm is None and self.mesh.size > 1:
+            import warnings
+
+            warnings.warn(f"no torch.distributed process group in this thread, so this rank's parameters of mesh "
+                          f"{self.mesh} are its local shards as plain tensors, not DTensors: clip_grad_norm_, DCP "
+                          "and the state_dict helpers would see local values. Initialise torch.distributed "
+                          "(torchrun), or run ranks with autoshard.runtime.SimWorld.run.", stacklevel=3)
+        children, top, public = build_tree(self._skeleton, held, dm)
+        for name, module in children.items():
+            if hasattr(type(self), name) or name in self.__dict__:
+                raise PlanError(f"the model's top-level module `{name}` has the name of a ShardedModule attribute, "
+                                "so its parameters cannot keep their names: rename that module in the model.")
+            self.add_module(name, module)
+        for name, t in top.items():
+            if isinstance(t, torch.nn.Parameter):
+                self.register_parameter(name, t)
+            else:
+                self.register_buffer(name, t, persistent=name not in self._skeleton._non_persistent_buffers_set)
+        where = {}
+        for path, module in self.named_modules(remove_duplicate=False):
+            for table, is_param in ((module._parameters, True), (module._buffers, False)):
+                for attr, t in table.items():
+                    if t is not None:
+                        key = next((k for k, v in public.items() if v is t), None)
+                        if key is not None:
+                            where.setdefault(key, (module, attr, is_param))
+        self._published = where  # id(program tensor) -> (holder module, attribute, is parameter)
+        self._bound = {}
+
+    def _published_targets(self, program: torch.fx.GraphModule):
+        """(program target, holder module, holder attribute, is parameter) of every published program tensor."""
+        for _, named in ((True, program.named_parameters(remove_duplicate=False)),
+                            (False, program.named_buffers(remove_duplicate=False))):
+            for target, t in named:
+                found = self._published.get(id(t))
+                if found is not None:
+                    yield target, found[0], found[1], found[2]
+
+    def _bindings(self, program: torch.fx.GraphModule) -> list:
+        """(program owner, attribute, is parameter, holder module, holder attribute) of every program tensor that
+        is published: the tensors :func:`autoshard.parameters.bound` swaps in for a call."""
+        found = self._bound.get(id(program))
+        if found is not None:
+            return found
+        out = []
+        for table_name, is_param in (("_parameters", True), ("_buffers", False)):
+            for owner in program.modules():
+                for attr, t in getattr(owner, table_name).items():
+                    target = self._published.get(id(t)) if t is not None else None
+                    if target is not None:
+                        out.append((owner, attr, is_param, target[0], target[1], target[2]))
+        self._bound[id(program)] = out
+        return out
 
     def _parameters_ready(self) -> None:
         if self.local is not None:
@@ -428,8 +510,8 @@ class ShardedModule(torch.nn.Module):
         """As the model's own ``train()``/``eval()``: the next call runs the program traced in that mode."""
         if not isinstance(mode, bool):
             raise TypeError("training mode is expected to be boolean")
-        self.training = mode
-        for program in (self.local, *self._other_box):
+        super().train(mode)
+        for program in (*self._local_box, *self._other_box):
             if program is not None:
                 program.train(mode)
         return self
@@ -447,7 +529,11 @@ class ShardedModule(torch.nn.Module):
         from autoshard.runtime.comm import use
         from autoshard.runtime.zero import running
 
-        with use(comm), running(program):
+        from autoshard.parameters import bound
+
+        bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])
+                    for owner, attr, is_param, holder, held, held_param in self._bindings(program)]
+        with use(comm), running(program), bound(program, bindings):
             return program(*args, **kwargs)
 
     def _program_of_other_mode(self) -> torch.fx.GraphModule:

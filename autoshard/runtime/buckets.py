@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.errors import AutoshardError
+from autoshard.parameters import like, local_of
 from autoshard.runtime.comm import Communicator, Handle, current
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "GRAD_SYNC", "GradBucketer"]
@@ -73,6 +74,9 @@ class GradBucketer:
     (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB
     (default 25); ``first_bucket_mb``: size of the first bucket of each axis set (default as DDP's: 1 MiB when
     ``bucket_cap_mb`` is left at its default, else ``bucket_cap_mb``).
+    ``public``: {parameter name: the tensor that stands for it outside the program} — a ShardedModule's DTensor
+    parameters, whose ``to_local()`` the program reads (:mod:`autoshard.parameters`): the hooks go on those, and
+    gradients are handed back as DTensors of the parameter's layout. Default: the module's own parameters.
     Call :meth:`remove` to take the hooks off again.
     """
 
@@ -83,6 +87,7 @@ class GradBucketer:
         comm: Communicator | None = None,
         bucket_cap_mb: float | None = None,
         first_bucket_mb: float | None = None,
+        public: dict[str, torch.Tensor] | None = None,
     ):
         if syncs is None:
             meta = getattr(module, "meta", {})
@@ -107,7 +112,7 @@ class GradBucketer:
         self._where: dict[str, tuple[int, int]] = {}  # name -> (bucket index, position in bucket)
         open_: dict[tuple, int | None] = {}  # (axes, dtype) -> index of its open bucket (None: closed)
         for name, axes in reversed(tuple(syncs)):
-            p = module.get_parameter(name)
+            p = public[name] if public is not None and name in public else module.get_parameter(name)
             if not p.requires_grad or name in self.params:
                 continue
             self.params[name] = p
@@ -121,7 +126,7 @@ class GradBucketer:
             self._where[name] = (b, len(bucket.names))
             bucket.names.append(name)
             bucket.offsets.append(bucket.numel)
-            bucket.numel += p.numel()
+            bucket.numel += local_of(p).numel()
             if bucket.numel * p.element_size() >= bucket.limit:
                 open_[key] = None
         self._old: dict[str, torch.Tensor] = {}
@@ -153,13 +158,13 @@ class GradBucketer:
             if views is None:
                 views = self._fill(bucket, grad.device)
             view = views[i]
-            view.copy_(grad)
+            view.copy_(local_of(grad))
             bucket.ready.add(name)
             if len(bucket.ready) == size:
                 self._launch_ready()
             # autograd stores a tensor the hook returns as .grad without copying it when nothing else holds it:
             # a fresh alias of the bucket slice, so the gradient is held once, in its bucket, from now on
-            return view.detach()
+            return like(view.detach(), grad)
 
         return hook
 
@@ -181,7 +186,7 @@ class GradBucketer:
         if spare is None or spare.device != device or _storage_users(spare) != bucket.spare_users:
             spare = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
             bucket.spare_views = [
-                spare[off : off + self.params[name].numel()].view(self.params[name].shape)
+                spare[off : off + local_of(self.params[name]).numel()].view(local_of(self.params[name]).shape)
                 for name, off in zip(bucket.names, bucket.offsets)
             ]
             bucket.spare, bucket.spare_users = spare, _storage_users(spare)
@@ -213,7 +218,11 @@ class GradBucketer:
                         continue
                     p = self.params[name]
                     old = self._old.pop(name, None)
-                    p.grad = g if old is None else old.add_(g)
+                    if old is None:
+                        p.grad = like(g, p)
+                    else:
+                        local_of(old).add_(g)
+                        p.grad = old
         finally:
             for bucket in self.buckets:
                 bucket.flat, bucket.views, bucket.handle = None, None, None

@@ -26,6 +26,7 @@ here do.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -140,6 +141,7 @@ class SimWorld:
         possible) with the rank in its message; the original is its ``__cause__``."""
         self._restart()
         n = self.mesh.size
+        store = _threaded_store(self.serial)
         results: list = [None] * n
         errors: list[tuple[int, BaseException]] = []
 
@@ -148,7 +150,7 @@ class SimWorld:
             try:
                 self._take_turn(rank, "its function")
                 try:
-                    with use(self._comms[rank]):
+                    with use(self._comms[rank]), self._process_group(rank, store):
                         results[rank] = fn(rank, *args)
                 finally:
                     self._give_turn(rank)
@@ -173,6 +175,23 @@ class SimWorld:
             rank, err = real[0]
             raise _with_rank(err, rank) from err
         return results
+
+    @contextlib.contextmanager
+    def _process_group(self, rank: int, store):
+        """This rank thread's own ``torch.distributed`` world (torch's threaded process group over ``store``), so
+        DTensor code — ``clip_grad_norm_``, DCP, the state-dict helpers on a ShardedModule's DTensor parameters —
+        runs on simulated ranks as on real ones. None (no process group) in serial mode, whose turn-taking the
+        threaded group's blocking collectives would deadlock, or when this process already runs a real one."""
+        if store is None:
+            yield
+            return
+        import torch.distributed as dist
+
+        dist.init_process_group("threaded", rank=rank, world_size=self.mesh.size, store=store)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
     def _join(self, threads: list[threading.Thread]) -> None:
         # After an abort every rank blocked in a collective wakes at once; a rank stuck elsewhere (a busy loop in
@@ -359,6 +378,31 @@ class SimCommunicator(Communicator):
             raise RuntimeShapeError(f"{what} on rank {self.rank} expected shape {list(shape)} {dtype}, but rank "
                                     f"{src_rank} sent shape {list(t.shape)} {t.dtype}.")
         return t
+
+
+_THREADED = {"installed": False}
+_THREADED_LOCK = threading.Lock()
+
+
+def _threaded_store(serial: bool):
+    """A fresh store for one run's threaded process groups, installing torch's thread-local world once per process
+    (``torch.testing._internal.distributed.multi_threaded_pg``, what PyTorch's own DTensor tests run on: each thread
+    has its own default group, collectives meet in shared memory). None where it cannot be used: serial mode, or a
+    real process group already running in this thread (the install would hide it)."""
+    import torch.distributed as dist
+
+    if serial or not dist.is_available():
+        return None
+    with _THREADED_LOCK:
+        if not _THREADED["installed"]:
+            if dist.is_initialized():
+                return None
+            from torch.testing._internal.distributed import multi_threaded_pg
+
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            multi_threaded_pg._install_threaded_pg()
+            _THREADED["installed"] = True
+    return dist.HashStore()
 
 
 def _sum(vals: list[torch.Tensor]) -> torch.Tensor:

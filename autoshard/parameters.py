@@ -1,0 +1,184 @@
+"""What a :class:`~autoshard.api.ShardedModule` hands to the world: ``DTensor`` parameters in the model's own tree.
+
+A rank program (a plain ``GraphModule``) computes on local tensors. What user code sees is PyTorch's convention
+for a distributed module (FSDP2, ``parallelize_module``): every parameter is an ``nn.Parameter`` that is a
+``DTensor`` on a ``DeviceMesh`` with the autoshard mesh's axis names and sizes, placed as the plan *stores* it
+(ZeRO = ``Shard`` on the data axis), with the global shape. So ``torch.nn.utils.clip_grad_norm_`` (a norm reduced
+over the mesh), DCP (global offsets instead of same-key dedup), ``torch.distributed.checkpoint.state_dict`` and
+optimizers are exact without knowing about autoshard.
+
+How the two meet, with no copy and no extra collective:
+
+* :func:`build_tree` makes one plain ``nn.Module`` per module path of the model (same paths, same order, tied
+  weights one object under each name) holding the DTensors; the :class:`ShardedModule` registers its top-level
+  children and parameters as its own, so ``named_parameters()``, ``state_dict()``, ``load_state_dict()`` and
+  ``get_model_state_dict`` walk the model's names.
+* Each DTensor's local tensor *is* the tensor registered in the rank program (same object): writes by
+  ``init_weights``, ``autoshard.load`` or DCP land where the program reads.
+* :func:`bound` swaps, for one call, every parameter the program reads for ``param.to_local()`` — differentiable,
+  a view — so autograd carries the program's gradient (already synced by the program's own collectives) back as a
+  DTensor ``p.grad`` with the parameter's placements.
+
+Where no process group exists (one rank, no ``torch.distributed``), a DeviceMesh cannot be built; parameters then
+are the whole tensors, as on the model. :func:`device_mesh` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.distributed.tensor import DTensor, Placement
+
+from autoshard.errors import AutoshardError
+from autoshard.mesh import Mesh
+
+__all__ = ["bound", "build_tree", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
+
+_MESHES: dict = {}
+_MESHES_LOCK = threading.Lock()
+
+
+def device_mesh(mesh: Mesh, device_type: str):
+    """The ``DeviceMesh`` of ``mesh`` over this thread's default process group (cached per group), or None where
+    ``torch.distributed`` is not initialised (in this thread: the simulator gives each rank thread its own)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if dist.get_world_size(world) != mesh.size:
+        raise AutoshardError(f"the process group has {dist.get_world_size(world)} ranks, but the mesh {mesh} has "
+                             f"{mesh.size}: launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}).")
+    key = (mesh, id(world), device_type)
+    with _MESHES_LOCK:
+        found = _MESHES.get(key)
+    if found is not None and found[0]() is world:
+        return found[1]
+    dm = mesh.to_device_mesh(device_type)
+    import weakref
+
+    with _MESHES_LOCK:
+        _MESHES[key] = (weakref.ref(world), dm)
+    return dm
+
+
+def placements_of(spec) -> tuple[Placement, ...]:
+    """An autoshard spec as DTensor placements (the vocabulary is DTensor's own)."""
+    return tuple(spec)
+
+
+def _dtensor(local: torch.Tensor, dm, spec, shape, requires_grad: bool | None) -> torch.Tensor:
+    shape = torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    dt = DTensor.from_local(local.detach(), dm, placements_of(spec), run_check=False, shape=shape, stride=stride)
+    if requires_grad is None:
+        return dt
+    return torch.nn.Parameter(dt, requires_grad=requires_grad)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor behind a DTensor (the object itself, not a view); a plain tensor is its own."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def build_tree(skeleton: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple, tuple]], dm
+               ) -> tuple[dict[str, torch.nn.Module], dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """The model-shaped tree of this rank's tensors.
+
+    ``held``: {model name of a parameter or buffer: (this rank's local tensor, stored spec, global shape)} — every
+    name of a tied tensor. ``dm``: the DeviceMesh (None: whole tensors, one rank without a process group).
+    Returns (top-level child modules by name, top-level parameters and buffers by name, {id(local tensor): its
+    public tensor}). Module paths, their order and each module's own parameter/buffer order are the skeleton's,
+    so ``named_parameters()`` and ``state_dict()`` walk in the model's order; a tensor shared by two names (tied)
+    is one object under both, so ``named_parameters()`` gives it under its first name."""
+    public: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.nn.Module] = {}  # id(skeleton module) -> holder (shared submodules stay shared)
+    root_holder = torch.nn.Module()
+    made[id(skeleton)] = root_holder
+    for path, module in skeleton.named_modules(remove_duplicate=False):
+        if id(module) in made and path:
+            holder = made[id(module)]
+        else:
+            holder = made.setdefault(id(module), torch.nn.Module())
+        holder.training = module.training
+        if path:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = root_holder.get_submodule(parent_path) if parent_path else root_holder
+            if leaf not in parent._modules:
+                parent.add_module(leaf, holder)
+        prefix = f"{path}." if path else ""
+        if holder._parameters or holder._buffers:
+            continue  # a shared module already filled
+        for name, p in module._parameters.items():
+            if p is None:
+                holder.register_parameter(name, None)
+                continue
+            entry = held.get(prefix + name)
+            if entry is None:
+                continue
+            local, spec, shape = entry
+            if id(local) not in public:
+                public[id(local)] = (torch.nn.Parameter(local, requires_grad=p.requires_grad) if dm is None
+                                     else _dtensor(local, dm, spec, shape, p.requires_grad))
+            holder._parameters[name] = public[id(local)]
+        for name, b in module._buffers.items():
+            entry = held.get(prefix + name)
+            if b is None or entry is None:
+                continue
+            local, spec, shape = entry
+            if id(local) not in public:
+                public[id(local)] = local if dm is None else _dtensor(local, dm, spec, shape, None)
+            holder._buffers[name] = public[id(local)]
+            if name in module._non_persistent_buffers_set:
+                holder._non_persistent_buffers_set.add(name)
+    return dict(root_holder._modules), {**root_holder._parameters, **root_holder._buffers}, public
+
+
+@contextlib.contextmanager
+def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, bool, torch.Tensor]]):
+    """Run ``program`` on the public tensors: each (owner module, attribute, is parameter, public tensor) of
+    ``bindings`` is replaced, for the duration, by the public tensor's ``to_local()`` — a differentiable view for a
+    parameter that requires grad (its gradient comes back as a DTensor with the parameter's placements), the local
+    tensor itself otherwise. Tied parameters (one public tensor under two attributes) share one view."""
+    views: dict[int, torch.Tensor] = {}
+    saved = []
+    try:
+        for owner, attr, is_param, t in bindings:
+            v = views.get(id(t))
+            if v is None:
+                if isinstance(t, DTensor):
+                    v = t.to_local() if t.requires_grad and torch.is_grad_enabled() else t._local_tensor
+                else:
+                    v = t
+                views[id(t)] = v
+            table = owner._parameters if is_param else owner._buffers
+            saved.append((table, attr, table[attr]))
+            table[attr] = v
+        yield
+    finally:
+        for table, attr, old in reversed(saved):
+            table[attr] = old
+
+
+def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out as ``template`` (a DTensor); a plain template gives ``local`` itself."""
+    if not isinstance(template, DTensor):
+        return local
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
+
+
+def local_slice(full: torch.Tensor, template: DTensor) -> DTensor:
+    """This rank's slices of a whole tensor, laid out as ``template``: cut locally, no collective (every rank
+    holds the whole value)."""
+    if tuple(full.shape) != tuple(template.shape):
+        raise AutoshardError(f"a whole tensor of shape {list(full.shape)} cannot fill a parameter of global shape "
+                             f"{list(template.shape)}: load a state dict of the same model.")
+    out = full
+    dm = template.device_mesh
+    for i, p in enumerate(template.placements):
+        if p.is_shard():
+            out = out.chunk(dm.size(i), dim=p.dim)[dm.get_local_rank(i)]
+    return like(out.to(template.device, template.dtype), template)
