@@ -103,6 +103,7 @@ class Plan:
         from autoshard.runtime.zero import running
 
         world = SimWorld(self.mesh, timeout=timeout)
+        public = self.public_names()
 
         def body(rank):
             module = self.rank_module(rank)
@@ -111,7 +112,7 @@ class Plan:
                 out = module(*a, **k)
             if backward:
                 loss_of(out).backward()
-            grads = {n: p.grad for n, p in module.named_parameters()}
+            grads = {public.get(n, n): p.grad for n, p in module.named_parameters()}
             return out, grads, list(current().log)
 
         results = world.run(body)
@@ -125,14 +126,21 @@ class Plan:
         return Simulation([r[0] for r in results], grads, [r[2] for r in results])
 
     # ---- questions --------------------------------------------------------------------------------------
+    def public_names(self) -> dict[str, str]:
+        """{program attribute: the model's first name of that tensor} (a tied weight is known by the name
+        ``model.named_parameters()`` gives it)."""
+        return {str(n.target): n.meta.get(M.ALIASES, (str(n.target),))[0] for n in self.graph_module.graph.nodes
+                if n.op == "get_attr"}
+
     def param_specs(self) -> dict[str, Spec]:
-        """{parameter FQN: the spec it is stored in}."""
-        return local_param_specs(self.graph_module)
+        """{parameter FQN (a tied weight's first name): the spec it is stored in}."""
+        public = self.public_names()
+        return {public.get(k, k): v for k, v in local_param_specs(self.graph_module).items()}
 
     def param_storage(self) -> dict[str, M.Storage]:
-        """{parameter FQN: its :class:`~autoshard.meta.Storage`} of every parameter stored apart from its compute
-        layout (ZeRO stage > 0)."""
-        return {n.meta.get(M.PARAM, n.target): n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
+        """{parameter FQN (a tied weight's first name): its :class:`~autoshard.meta.Storage`} of every parameter
+        stored apart from its compute layout (ZeRO stage > 0)."""
+        return {n.meta.get(M.ALIASES, (str(n.target),))[0]: n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
                 if n.op == "get_attr" and M.STORAGE in n.meta}
 
     def cost(self, profile=None, optimizer: str | None = None):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.parameters import local_of
 from autoshard.errors import AutoshardError
 from autoshard.plan import loss_of
 from autoshard.runtime import DistCommunicator, SimWorld, collective_counts, current, spawn
@@ -131,7 +132,7 @@ def _gloo_worker(rank, world_size):
         for _ in range(2):
             sm(*a).backward()
         out[cap] = (
-            {n: p.grad.clone() for n, p in sm.local.named_parameters()},
+            {n: local_of(p.grad).clone() for n, p in sm.named_parameters()},
             collective_counts(comm.log, "backward"),
             sm.bucketer is not None,
         )

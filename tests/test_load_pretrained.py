@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.parameters import local_of
 from autoshard.placements import assemble
 from autoshard.runtime import spawn
 from examples import models
@@ -33,8 +34,8 @@ def _worker(rank: int, world: int, path: str):
     sharded = autoshard.compile(model, mesh, example_kwargs=data[0], plan=models.megatron(mesh, "hf_llama"),
                                 timeout=120, device="cpu")
     stats = autoshard.load(sharded, path)
-    held = sum(t.numel() * t.element_size() for t in sharded.local.parameters())
-    opt = torch.optim.SGD(sharded.local.parameters(), lr=LR)
+    held = sum(local_of(t).numel() * t.element_size() for t in sharded.parameters())
+    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     losses = []
     for batch in data:
         _, kwargs = sharded.plan.shard_inputs(rank, (), batch)
@@ -43,7 +44,7 @@ def _worker(rank: int, world: int, path: str):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    final = {n: p.detach().clone() for n, p in sharded.local.named_parameters()}
+    final = {n: local_of(p).detach().clone() for n, p in sharded.named_parameters()}
     return losses, stats, held, final, sharded.plan.param_specs()
 
 

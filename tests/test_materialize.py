@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import autoshard
+from autoshard.parameters import local_of
 from autoshard.errors import AutoshardError, CheckpointError
 from autoshard.materialize import init_local, load_local
 from autoshard.placements import assemble
@@ -157,7 +158,8 @@ def test_sharded_module_init_weights_then_trains_like_one_device():
     specs = ranks[0].plan.param_specs()
     grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     for fqn, spec in specs.items():
-        got = assemble([dict(r.local.named_parameters())[fqn].grad for r in ranks], spec, mesh)
+        got = assemble([local_of(dict(r.named_parameters(remove_duplicate=False))[fqn].grad) for r in ranks], spec,
+                       mesh)
         torch.testing.assert_close(got, grads[fqn], rtol=1e-4, atol=1e-6)
 
 

@@ -93,7 +93,10 @@ class PipelinePlan:
         return isinstance(fetch_attr(self.plan.graph_module, target), torch.nn.Parameter)
 
     def param_specs(self):
-        return self.plan.param_specs()
+        """{program attribute: stored spec} (stage programs name parameters by attribute)."""
+        from autoshard.codegen import local_param_specs
+
+        return local_param_specs(self.plan.graph_module)
 
     # ---- inputs and gradients -----------------------------------------------------------------------------
     def input_names(self) -> list[str]:

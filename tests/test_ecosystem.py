@@ -1,0 +1,360 @@
+"""A ShardedModule in a user's own training loop: DTensor parameters, so ``clip_grad_norm_``, optimizers, DCP and
+``torch.distributed.checkpoint.state_dict`` are exact without knowing about autoshard (simulator: each rank thread
+has torch's threaded process group; a few real gloo runs at the end)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import autoshard
+from autoshard.parameters import local_of
+from autoshard.plan import loss_of
+from autoshard.runtime import SimWorld, spawn
+from examples import models
+
+BF16 = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+EP = autoshard.MoE(existing=True, expert_axis="data", capacity_factor=None)
+
+#: layout -> (model factory, factory kwargs, mesh, compile options, exact against eager)
+LAYOUTS = {
+    "dp": ("gpt", {}, dict(data=2), {}, True),
+    "tp": ("hf_llama", {}, dict(data=2, model=2), {"megatron": True}, True),
+    "tp_sp": ("gpt", {}, dict(model=2), {"megatron": True, "sequence_parallel": True}, True),
+    "zero1": ("hf_llama", {}, dict(data=2, model=2), {"megatron": True, "zero": 1}, True),
+    "zero2": ("hf_llama", {}, dict(data=2, model=2), {"megatron": True, "zero": 2}, True),
+    "zero3": ("hf_llama", {}, dict(data=2, model=2), {"megatron": True, "zero": 3}, True),
+    "moe_ep": ("hf_mixtral", {}, dict(data=2), {"moe": EP}, True),
+    "bf16": ("gpt", {}, dict(data=2), {"precision": BF16}, False),
+}
+
+
+def _ranks(layout: str, mesh_axes: dict | None = None, **extra):
+    """(eager model, args, kwargs, world, one ShardedModule per rank) — every rank compiled before any runs."""
+    name, fkw, axes, opts, _ = LAYOUTS[layout]
+    model, args, kwargs = getattr(models, name)(**fkw)
+    mesh = autoshard.Mesh(**(mesh_axes or axes))
+    opts = {**opts, **extra}
+    ann = models.megatron(mesh, name) if opts.pop("megatron", False) else None
+    world = SimWorld(mesh, timeout=120)
+    ranks = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, comm=world.communicator(r), **opts)
+             for r in range(mesh.size)]
+    return model, args, kwargs, world, ranks
+
+
+def _adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    """torchtitan-style: weight decay on matrices only, chosen by name and shape."""
+    named = list(module.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and "norm" not in n]
+    rest = [p for n, p in named if not (p.dim() >= 2 and "norm" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-3)
+
+
+def _loop(module, args, kwargs, steps: int = 3, max_norm: float = 0.5, norm_type: float = 2.0,
+          foreach: bool | None = None, make_opt=_adamw):
+    opt = make_opt(module)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_of(module(*args, **kwargs))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
+        opt.step()
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _global_norm_of_grads(module, norm_type: float) -> float:
+    grads = [_full(p.grad).double() for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                          norm_type))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_clip_grad_norm_and_adamw_equal_eager(layout):
+    """clip_grad_norm_ returns the global norm on every rank (the norm of the gradients assembled from every
+    rank's DTensor shards), and with it clipping and AdamW steps equal eager's."""
+    model, args, kwargs, world, ranks = _ranks(layout)
+    exact = LAYOUTS[layout][4]
+
+    def body(rank):
+        sharded = ranks[rank]
+        a, k = sharded.plan.shard_inputs(rank, args, kwargs)
+        placements = {n: p.placements for n, p in sharded.named_parameters()}
+        assert all(isinstance(p, DTensor) and isinstance(p, torch.nn.Parameter) for p in sharded.parameters())
+        steps = _loop(sharded, a, k, steps=2)
+        # one more backward, no step: the returned norm is the norm of the gradients every rank holds
+        sharded.zero_grad()
+        loss_of(sharded(*a, **k)).backward()
+        grads_ok = all(p.grad is None or (isinstance(p.grad, DTensor) and p.grad.placements == p.placements)
+                       for p in sharded.parameters())
+        returned = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1e9).item()
+        return steps, returned, _global_norm_of_grads(sharded, 2.0), grads_ok, placements, {
+            n: _full(p) for n, p in sharded.named_parameters()}
+
+    results = world.run(body)
+    for steps, returned, assembled, grads_ok, _, _ in results:
+        assert grads_ok
+        assert returned == pytest.approx(assembled, rel=1e-5)
+        assert [s[1] for s in steps] == [s[1] for s in results[0][0]]  # every rank clips by the same factor
+    if layout.startswith("zero"):
+        assert any(Shard(0) in pl or Shard(1) in pl for pl in results[0][4].values())
+    if not exact:
+        return
+    want = _loop(model, args, kwargs, steps=2)
+    for steps, *_ in results:
+        for (loss, norm), (want_loss, want_norm) in zip(steps, want):
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+            assert loss == pytest.approx(want_loss, rel=1e-4, abs=1e-5)
+    params = dict(model.named_parameters())
+    assert set(results[0][5]) == set(params)
+    for name, value in results[0][5].items():
+        torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("norm_type,foreach", [(2.0, False), (1.0, True), (math.inf, True), (math.inf, False)])
+def test_clip_grad_norm_any_norm_type(norm_type, foreach):
+    model, args, kwargs, world, ranks = _ranks("tp")
+    want = _loop(model, args, kwargs, steps=2, norm_type=norm_type, foreach=foreach)
+
+    def body(rank):
+        a, k = ranks[rank].plan.shard_inputs(rank, args, kwargs)
+        return _loop(ranks[rank], a, k, steps=2, norm_type=norm_type, foreach=foreach)
+
+    for got in world.run(body):
+        for (loss, norm), (want_loss, want_norm) in zip(got, want):
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+            assert loss == pytest.approx(want_loss, rel=1e-4)
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+@pytest.mark.parametrize("layout", ["tp", "zero3"])
+def test_optimizers_step_dtensor_parameters_like_eager(layout, opt):
+    make = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+            "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)}[opt]
+    model, args, kwargs, world, ranks = _ranks(layout)
+    want = _loop(model, args, kwargs, steps=3, max_norm=1e9, make_opt=make)
+
+    def body(rank):
+        a, k = ranks[rank].plan.shard_inputs(rank, args, kwargs)
+        return _loop(ranks[rank], a, k, steps=3, max_norm=1e9, make_opt=make), {
+            n: _full(p) for n, p in ranks[rank].named_parameters()}
+
+    params = dict(model.named_parameters())
+    for got, final in world.run(body):
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-4)
+        for name, value in final.items():
+            torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_names_and_state_dict_are_the_models():
+    model, args, kwargs, world, ranks = _ranks("dp")  # GPT: the head is tied to the embedding
+
+    def body(rank):
+        sharded = ranks[rank]
+        sd = sharded.state_dict()
+        sharded.load_state_dict(sd)  # a round trip by the model's names
+        full = {k: _full(v) for k, v in sd.items()}
+        sharded.load_state_dict(full)  # whole tensors: each rank takes its slices
+        return [n for n, _ in sharded.named_parameters()], list(sd), full
+
+    names, keys, full = world.run(body)[0]
+    assert names == [n for n, _ in model.named_parameters()]
+    assert keys == list(model.state_dict())
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(full[k], v)
+    plan = ranks[0].plan
+    assert set(plan.simulate(args, kwargs).grads) <= set(names)  # a tied weight by its first name
+
+
+def test_dcp_round_trip_on_the_same_and_other_meshes(tmp_path):
+    """dcp.save(state_dict) -> perturb -> dcp.load restores every tensor on every rank; then data=4, model=4 and a
+    plain model load the same checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, args, kwargs, world, ranks = _ranks("zero3")
+    path = str(tmp_path / "ckpt")
+
+    def save_perturb_load(rank):
+        sharded = ranks[rank]
+        a, k = sharded.plan.shard_inputs(rank, args, kwargs)
+        _loop(sharded, a, k, steps=1)  # values no longer the initial ones
+        sd = sharded.state_dict()
+        saved = {key: local_of(v).clone() for key, v in sd.items()}
+        dcp.save(sd, checkpoint_id=path)
+        with torch.no_grad():
+            for p in sharded.parameters():
+                local_of(p).add_(1.0)
+        dcp.load(sd, checkpoint_id=path)
+        same = sum(torch.equal(local_of(v), saved[key]) for key, v in sharded.state_dict().items())
+        return same, len(saved), {n: _full(p) for n, p in sharded.named_parameters()}
+
+    results = world.run(save_perturb_load)
+    for same, total, _ in results:
+        assert same == total
+    saved_full = results[0][2]
+    for axes in (dict(data=4), dict(model=4)):
+        _, _, _, other_world, others = _ranks("zero3", mesh_axes=axes, zero=0 if "model" in axes else 3)
+
+        def load_other(rank, others=others):
+            sd = others[rank].state_dict()
+            dcp.load(sd, checkpoint_id=path)
+            return {n: _full(p) for n, p in others[rank].named_parameters()}
+
+        for got in other_world.run(load_other):
+            for name, value in saved_full.items():
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m: f"{axes} {name}: {m}")
+    dcp_to_torch_save(path, str(tmp_path / "full.pt"))
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(torch.load(tmp_path / "full.pt"))
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), saved_full[name], rtol=0, atol=0)
+
+
+def test_state_dict_helpers_of_torch_distributed_checkpoint():
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, args, kwargs, world, ranks = _ranks("tp")
+    full_opts = StateDictOptions(full_state_dict=True)
+
+    def body(rank):
+        sharded = ranks[rank]
+        a, k = sharded.plan.shard_inputs(rank, args, kwargs)
+        opt = _adamw(sharded)
+        loss_of(sharded(*a, **k)).backward()
+        opt.step()
+        msd = get_model_state_dict(sharded)
+        osd = get_optimizer_state_dict(sharded, opt)
+        full = get_model_state_dict(sharded, options=full_opts)
+        before = {n: local_of(p).clone() for n, p in sharded.named_parameters()}
+        state_before = {id(p): local_of(opt.state[p]["exp_avg"]).clone() for p in sharded.parameters()}
+        with torch.no_grad():
+            for p in sharded.parameters():
+                local_of(p).zero_()
+                local_of(opt.state[p]["exp_avg"]).zero_()
+        set_model_state_dict(sharded, msd)
+        set_optimizer_state_dict(sharded, opt, osd)
+        restored = all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters())
+        restored &= all(torch.equal(local_of(opt.state[p]["exp_avg"]), state_before[id(p)])
+                        for p in sharded.parameters())
+        with torch.no_grad():
+            for p in sharded.parameters():
+                local_of(p).zero_()
+        set_model_state_dict(sharded, full, options=full_opts)  # whole tensors in, this rank's slices kept
+        restored &= all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters())
+        return restored, sorted(msd), {k: v.clone() for k, v in full.items()}, sorted(osd["state"])
+
+    opt = _adamw(model)
+    loss_of(model(*args, **kwargs)).backward()
+    opt.step()
+    for restored, keys, full, optim_keys in world.run(body):
+        assert restored
+        assert keys == sorted(model.state_dict())
+        assert optim_keys == sorted(n for n, _ in model.named_parameters())
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5)
+
+
+# ---- real processes ------------------------------------------------------------------------------------------
+def _recipe_loop(module, batches, steps: int, accumulate: int = 2):
+    """The loop torchtitan/FSDP2 users write: AdamW with name-based decay groups, warmup + cosine LR, gradient
+    accumulation, clip_grad_norm_ (active every step at 0.5)."""
+    opt = _adamw(module)
+    warmup = 2
+
+    def lr_at(step):
+        return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(accumulate):
+            kwargs = batches[(step * accumulate + micro) % len(batches)]
+            loss = module(**kwargs).loss / accumulate
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        out.append((total, norm.item()))
+    return out
+
+
+def _llama_batches():
+    model, _, kwargs = models.hf_llama(layers=2, hidden=64)
+    return model, [dict(kwargs), {k: v.roll(1, dims=1) for k, v in kwargs.items()}]
+
+
+def _gloo_recipe(rank, world_size, zero, path):
+    model, batches = _llama_batches()
+    mesh = autoshard.Mesh(data=2, model=2)
+    sharded = autoshard.compile(model, mesh, example_kwargs=batches[0], plan=models.megatron(mesh, "hf_llama"),
+                                zero=zero, timeout=120, device="cpu")
+    local = [sharded.plan.shard_inputs(rank, (), b)[1] for b in batches]
+    steps = _recipe_loop(sharded, local, steps=6)
+    final = {n: _full(p) for n, p in sharded.named_parameters()}
+    sd = sharded.state_dict()
+    saved = {k: local_of(v).clone() for k, v in sd.items()}
+    dcp.save(sd, checkpoint_id=path)
+    with torch.no_grad():
+        for p in sharded.parameters():
+            local_of(p).mul_(-1.0)
+    dcp.load(sd, checkpoint_id=path)
+    same = sum(torch.equal(local_of(v), saved[k]) for k, v in sharded.state_dict().items())
+    autoshard.runtime.shutdown() if hasattr(autoshard.runtime, "shutdown") else None
+    return steps, final, same, len(saved)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("zero", [0, 3])
+def test_training_recipe_on_gloo_equals_eager(zero, tmp_path):
+    results = spawn(_gloo_recipe, 4, zero, str(tmp_path / "ckpt"), timeout=240, start_method="forkserver")
+    model, batches = _llama_batches()
+    want = _recipe_loop(model, batches, steps=6)
+    params = dict(model.named_parameters())
+    for rank, (steps, final, same, total) in enumerate(results):
+        for (loss, norm), (want_loss, want_norm) in zip(steps, want):
+            assert norm == pytest.approx(want_norm, rel=1e-5), f"rank {rank}"
+            assert loss == pytest.approx(want_loss, rel=1e-4, abs=1e-4), f"rank {rank}"
+        for name, value in final.items():
+            torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4)
+        assert same == total
+
+
+def test_placements_are_the_stored_layout():
+    _, _, _, world, ranks = _ranks("zero3")
+
+    def body(rank):
+        sharded = ranks[rank]
+        storage = sharded.plan.param_storage()
+        specs = sharded.plan.param_specs()
+        out = []
+        for name, p in sharded.named_parameters():
+            out.append((name, tuple(p.placements), specs[name], p.device_mesh.mesh_dim_names, tuple(p.shape),
+                        storage.get(name)))
+        return out
+
+    for name, placements, spec, dims, shape, storage in world.run(body)[0]:
+        assert placements == tuple(spec)
+        assert dims == ("data", "model")
+        if storage is not None:
+            assert placements == tuple(storage.stored)
+        assert all(isinstance(p, (Shard, Replicate)) for p in placements)
