@@ -52,6 +52,7 @@ import zlib
 import torch
 
 from autoshard.errors import CheckpointError
+from autoshard.parameters import local_of
 from autoshard.placements import Replicate, Shard, Spec, format_spec, shard_tensor
 
 __all__ = ["MARKER", "full_state_dict", "load", "save"]
@@ -63,7 +64,6 @@ FORMAT_V1 = "autoshard-dcp/1"  # written before checksums: loads unverified, wit
 _BLOCK = 1 << 22  # bytes read at a time when checksumming
 
 _DCP_LOCK = threading.Lock()  # simulated ranks (threads) read and write one at a time
-_DEVICE_MESHES: dict = {}
 
 
 # ---- what a target holds ------------------------------------------------------------------------------------
@@ -98,39 +98,24 @@ class _View:
             self.params.setdefault(id(p), (self._canon(name), p))
 
     def _init_sharded(self, sharded) -> None:
-        from autoshard import meta as M
-        from autoshard.trace import fetch_attr
+        """From the ShardedModule's own state dict: DTensors give this rank's local tensor, its placements and
+        the global shape; whole tensors (entries the program never reads) are saved whole."""
+        from torch.distributed.tensor import DTensor
 
         plan = sharded._need_plan()
         self.comm = sharded.communicator()  # refuses a communicator of another mesh
         self.mesh, self.source = plan.mesh, sharded._skeleton  # names only: the skeleton holds meta tensors
-        local = sharded.materialize()
-        persistent = set(self.source.state_dict().keys())
+        state = sharded.state_dict(keep_vars=True)
         self.local, self.specs, self.shapes, self.groups, self.params = {}, {}, {}, [], {}
-        for n in plan.graph_module.graph.nodes:
-            if n.op != "get_attr" or not isinstance(n.meta.get("val"), torch.Tensor):
-                continue
-            aliases = tuple(a for a in n.meta.get(M.ALIASES, (n.target,)) if a in persistent)
-            if not aliases:
-                continue  # a constant or a non-persistent buffer: rebuilt by the model, never saved
-            canon = n.meta.get(M.PARAM, n.target)
-            t = fetch_attr(local, n.target)
-            self.local[canon] = t
-            self.specs[canon] = n.meta[M.SPEC]
-            self.shapes[canon] = tuple(n.meta["val"].shape)
-            self.groups.append(tuple(a for a in aliases if a != canon) + (canon,))
+        for names in _alias_groups(sharded):
+            canon = names[-1]
+            t = state[names[0]]
+            self.local[canon] = local_of(t)
+            self.specs[canon] = tuple(t.placements) if isinstance(t, DTensor) else None
+            self.shapes[canon] = tuple(t.shape)
+            self.groups.append(names)
             if isinstance(t, torch.nn.Parameter):
                 self.params[id(t)] = (canon, t)
-        # Entries the graph never reads (unused parameters, buffers): saved whole, as the ShardedModule keeps them.
-        covered = {a for g in self.groups for a in g}
-        for names in _alias_groups(self.source):
-            if not covered.intersection(names):
-                canon = names[-1]
-                t = sharded._unread[names[0]]
-                self.local[canon] = t
-                self.specs[canon] = None  # whole on every rank, not part of the plan
-                self.shapes[canon] = tuple(t.shape)
-                self.groups.append(names)
 
     def _canon(self, name: str) -> str:
         for g in self.groups:
@@ -301,7 +286,7 @@ def _optimizer_state(view: _View, optimizer) -> dict[str, tuple[str, torch.Tenso
                 if not isinstance(value, torch.Tensor):
                     continue
                 shaped = value.dim() > 0 and tuple(value.shape) == tuple(p.shape)
-                out[f"optim.{canon}.{key}"] = (canon, value, shaped)
+                out[f"optim.{canon}.{key}"] = (canon, local_of(value), shaped)
     return out
 
 
@@ -336,14 +321,11 @@ def _marker(view: _View, optimizer, optim: dict) -> dict:
 
 
 def _device_mesh(view: _View):
-    import torch.distributed as dist
+    from autoshard.parameters import device_mesh
 
     # the device type of this rank's tensors: "cuda" under NCCL, "cpu" under gloo
     device_type = next((t.device.type for t in view.local.values() if not t.is_meta), "cpu")
-    key = (view.mesh, id(dist.group.WORLD), device_type)
-    if key not in _DEVICE_MESHES:
-        _DEVICE_MESHES[key] = view.mesh.to_device_mesh(device_type)
-    return _DEVICE_MESHES[key]
+    return device_mesh(view.mesh, device_type)
 
 
 def _dtensor(view: _View, dm, canon: str, local: torch.Tensor) -> torch.Tensor:
@@ -845,5 +827,5 @@ def _prepare_optimizer(view: _View, optimizer, marker: dict, path: str) -> dict:
                     state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
                 else:
                     state[name] = torch.zeros(entry["shape"], dtype=dtype)
-                out[key] = (canon, state[name], entry["shaped"])
+                out[key] = (canon, local_of(state[name]), entry["shaped"])
     return out
