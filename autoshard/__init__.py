@@ -29,16 +29,18 @@ _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_sha
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
          "Pipeline": "autoshard.pipeline", "MixedPrecision": "autoshard.precision",
          "MoE": "autoshard.moe", "moe_losses": "autoshard.moe", "moe_stats": "autoshard.moe",
-         "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint"}
+         "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint",
+         "clip_grad_norm_": "autoshard.parameters"}
 
 __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
            "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
-           "MixedPrecision", "MoE", "moe_losses", "moe_stats"]
+           "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_"]
 
 
 _SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "ops", "strategies",
-               "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint"}
+               "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint",
+               "parameters"}
 
 
 def __getattr__(name: str):

@@ -164,7 +164,7 @@ def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, b
 
 def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     """``local`` as a DTensor laid out as ``template`` (a DTensor); a plain template gives ``local`` itself."""
-    if not isinstance(template, DTensor):
+    if not isinstance(template, DTensor) and not hasattr(template, "device_mesh"):
         return local
     return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
                               shape=template.shape, stride=template.stride())
@@ -182,3 +182,78 @@ def local_slice(full: torch.Tensor, template: DTensor) -> DTensor:
         if p.is_shard():
             out = out.chunk(dm.size(i), dim=p.dim)[dm.get_local_rank(i)]
     return like(out.to(template.device, template.dtype), template)
+
+
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for any autoshard module, pipelines included: the total norm of every
+    gradient of the whole model, each parameter counted once, returned (a plain tensor) and used to clip on every
+    rank.
+
+    On a ShardedModule it is torch's own (DTensor gradients reduce over the mesh). A pipeline spreads parameters
+    over stages: torch's function would see one stage's; here each stage's norm is reduced over its DeviceMesh,
+    a weight tied across stages is counted on its first stage only, and the stages' norms are combined over the
+    pipe axis (an all-reduce of the p-th powers, or of the maximum for ``inf``)."""
+    import math
+
+    import torch.distributed as dist
+
+    runner = getattr(module, "runner", None)
+    if runner is None:
+        total = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type, error_if_nonfinite,
+                                               foreach)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+    runner = runner()
+    pplan = runner.plan
+    first = {name: min(stages) for name, stages in _stages_holding(runner).items()}
+    mine = runner.plan.stages_of(runner.rank)
+    counted, everything = [], []
+    for (name, _, dp), stage in zip(runner._pairs, _stage_per_pair(runner)):
+        if dp.grad is None:
+            continue
+        everything.append(dp.grad)
+        if first.get(name, stage) == stage and stage in mine:
+            counted.append(dp.grad)
+    norm_type = float(norm_type)
+    if counted:
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in counted]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        local = torch.linalg.vector_norm(torch.stack(norms), norm_type).double()
+    else:
+        local = torch.zeros((), dtype=torch.float64)
+    group = runner.group
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    else:
+        power = local.pow(norm_type)
+        dist.all_reduce(power, group=group)
+        total = power.pow(1.0 / norm_type)
+    total = total.float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                           "clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                           "set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in everything:
+            local_of(g).mul_(coef.to(local_of(g).dtype))
+    return total
+
+
+def _stages_holding(runner) -> dict[str, list[int]]:
+    """{model name: every stage of the plan holding that parameter} (the same on every rank)."""
+    public = runner.plan.plan.public_names()
+    out: dict[str, list[int]] = {}
+    for sg in runner.plan.stages:
+        for target in sg.params:
+            out.setdefault(public.get(target, target), []).append(sg.index)
+    return out
+
+
+def _stage_per_pair(runner) -> list[int]:
+    """The stage index of each of ``runner._pairs`` (made stage by stage, in ``stages_of`` order)."""
+    out = []
+    for m, s in zip(runner.modules, runner.plan.stages_of(runner.rank)):
+        out.extend(s for _ in m.inner.named_parameters())
+    return out

@@ -358,3 +358,43 @@ def test_placements_are_the_stored_layout():
         if storage is not None:
             assert placements == tuple(storage.stored)
         assert all(isinstance(p, (Shard, Replicate)) for p in placements)
+
+
+def _gloo_pipeline(rank, world_size):
+    from autoshard.pipeline import Pipeline
+
+    model, args, kwargs = models.gpt(layers=4, hidden=32, heads=4, seq=8, batch=8)
+    mesh = autoshard.Mesh(pipe=2, data=2)
+    piped = autoshard.compile(model, mesh, args, kwargs, pipeline=Pipeline(microbatches=4), timeout=120, device="cpu")
+    out = []
+    opt = torch.optim.AdamW(piped.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = piped(*args, **kwargs)
+        norm = autoshard.clip_grad_norm_(piped, 0.5)
+        opt.step()
+        out.append((loss.item(), norm.item()))
+    kinds = {type(p).__name__ for p in piped.parameters()}
+    return out, kinds, [n for n, _ in piped.named_parameters()]
+
+
+@pytest.mark.gloo
+def test_pipeline_parameters_are_dtensors_and_clip_grad_norm_spans_the_stages():
+    results = spawn(_gloo_pipeline, 4, timeout=240, start_method="forkserver")
+    model, args, kwargs = models.gpt(layers=4, hidden=32, heads=4, seq=8, batch=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = loss_of(model(*args, **kwargs))
+        loss.backward()
+        want.append((loss.item(), torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()))
+        opt.step()
+    names = set()
+    for steps, kinds, held in results:
+        assert kinds == {"DTensor"}
+        names |= set(held)
+        for (loss, norm), (want_loss, want_norm) in zip(steps, want):
+            assert norm == pytest.approx(want_norm, rel=1e-5)
+            assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert names == {n for n, _ in model.named_parameters()}

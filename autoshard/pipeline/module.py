@@ -70,14 +70,67 @@ class PipelineRunner:
         self.shared = [(fqn, tuple(local_shape(_val(pplan, fqn).shape, specs[fqn], pplan.submesh)),
                         _val(pplan, fqn).dtype) for fqn, _ in pplan.shared_params()]
 
-    def parameters(self):
+        self._publish()
+
+    # ---- DTensor parameters ---------------------------------------------------------------------------------
+    # A stage's parameters are DTensors on the stage's DeviceMesh (the non-pipe axes through this rank), sharing
+    # storage with the stage program's own leaves. The schedule runs forward and backward inside one step(), so
+    # gradients cross over at the step's edges: before it, each program leaf takes its DTensor's gradient (None
+    # after zero_grad(), the accumulated value otherwise); after it, the DTensor's gradient is the program's.
+    def _publish(self) -> None:
+        from autoshard.codegen import local_param_specs
+        from autoshard.parameters import device_mesh, like
+        from autoshard.trace import fetch_attr
+
+        pplan = self.plan
+        dm = device_mesh(pplan.mesh, self.device.type)
+        names = pplan.submesh.names
+        sub = dm[names] if dm is not None and all(n in pplan.mesh.names for n in names) else None
+        specs = local_param_specs(pplan.plan.graph_module)
+        public = pplan.plan.public_names()
+        self._pairs: list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]] = []
         for m in self.modules:
-            yield from m.parameters()
+            for target, p in m.inner.named_parameters():
+                if sub is None:
+                    dp = p
+                else:
+                    full = fetch_attr(pplan.plan.graph_module, target)
+                    template = torch.empty(full.shape, device="meta")
+                    dt = like(p.detach(), _Layout(sub, specs[target], template))
+                    dp = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+                self._pairs.append((public.get(target, target), p, dp))
+
+    def _grads_in(self) -> None:
+        from autoshard.parameters import local_of
+
+        for _, p, dp in self._pairs:
+            if dp is not p:
+                p.grad = None if dp.grad is None else local_of(dp.grad)
+
+    def _grads_out(self) -> None:
+        from autoshard.parameters import like
+
+        for _, p, dp in self._pairs:
+            if dp is not p:
+                dp.grad = None if p.grad is None else like(p.grad, dp)
+
+    def parameters(self):
+        for _, _, dp in self._pairs:
+            yield dp
 
     def named_parameters(self):
-        """``(fqn, parameter)`` of this rank's stage(s); a tied weight appears once per stage holding it."""
-        for m in self.modules:
-            yield from m.inner.named_parameters()
+        """``(model name, parameter)`` of this rank's stage(s), each a DTensor on the stage's DeviceMesh; a tied
+        weight appears once per stage holding it (:func:`autoshard.clip_grad_norm_` counts it once)."""
+        for name, _, dp in self._pairs:
+            yield name, dp
+
+    def stage_of(self) -> dict[str, list[int]]:
+        """{model name: the stages of this rank that hold it}."""
+        out: dict[str, list[int]] = {}
+        for m, s in zip(self.modules, self.plan.stages_of(self.rank)):
+            for target, _ in m.inner.named_parameters():
+                out.setdefault(self.plan.plan.public_names().get(target, target), []).append(s)
+        return out
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         from autoshard.runtime import pipeline as rt
@@ -94,6 +147,7 @@ class PipelineRunner:
             rows = next(iter(v.shape[0] for v in inputs.values() if v.dim() >= 1))
             target = torch.zeros(rows)
         losses: list = []
+        self._grads_in()
         with use(self.comm):
             if self.is_last:
                 self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
@@ -102,6 +156,7 @@ class PipelineRunner:
             if self.sync_once:
                 rt.sync_grads_once(self.modules, self.comm)
             rt.sum_shared_grads(self.modules, self.shared, self.group)
+        self._grads_out()
         last = (self.plan.num_stages - 1) % self.plan.pipe
         loss = rt.broadcast_loss(losses, self.is_last, last, self.group)
         if self.loss_shards > 1:
@@ -109,7 +164,20 @@ class PipelineRunner:
         return loss
 
     def grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad for n, p in self.named_parameters() if p.grad is not None}
+        """{program attribute: this rank's local gradient} of this rank's stage(s), as
+        :meth:`PipelinePlan.assemble_grads` takes them."""
+        return {n: p.grad for m in self.modules for n, p in m.inner.named_parameters() if p.grad is not None}
+
+
+class _Layout:
+    """What :func:`autoshard.parameters.like` reads of a DTensor template: mesh, placements, global shape."""
+
+    def __init__(self, device_mesh, placements, template: torch.Tensor):
+        self.device_mesh, self.placements = device_mesh, tuple(placements)
+        self.shape, self._stride = template.shape, template.stride()
+
+    def stride(self):
+        return self._stride
 
 
 def _output_data_shards(pplan: PipelinePlan) -> tuple[str | None, int]:
