@@ -66,7 +66,7 @@ def _loop(module, args, kwargs, steps: int = 3, max_norm: float = 0.5, norm_type
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
         opt.step()
-        out.append((loss.item(), norm.item()))
+        out.append((loss.item(), _full(norm).item()))  # a DTensor norm: inf-norms are Partial(max) until read whole
     return out
 
 
@@ -140,7 +140,7 @@ def test_clip_grad_norm_any_norm_type(norm_type, foreach):
 @pytest.mark.parametrize("opt", ["adam", "sgd"])
 @pytest.mark.parametrize("layout", ["tp", "zero3"])
 def test_optimizers_step_dtensor_parameters_like_eager(layout, opt):
-    make = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+    make = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
             "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)}[opt]
     model, args, kwargs, world, ranks = _ranks(layout)
     want = _loop(model, args, kwargs, steps=3, max_norm=1e9, make_opt=make)
@@ -154,7 +154,7 @@ def test_optimizers_step_dtensor_parameters_like_eager(layout, opt):
     for got, final in world.run(body):
         assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-4)
         for name, value in final.items():
-            torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4)
 
 
 def test_names_and_state_dict_are_the_models():
@@ -173,8 +173,9 @@ def test_names_and_state_dict_are_the_models():
     assert keys == list(model.state_dict())
     for k, v in model.state_dict().items():
         torch.testing.assert_close(full[k], v)
-    plan = ranks[0].plan
+    plan = autoshard.compile(model, ranks[0].mesh, args, kwargs).plan  # a plan that still holds the weights
     assert set(plan.simulate(args, kwargs).grads) <= set(names)  # a tied weight by its first name
+    assert set(plan.param_specs()) <= set(names)
 
 
 def test_dcp_round_trip_on_the_same_and_other_meshes(tmp_path):
@@ -239,9 +240,9 @@ def test_state_dict_helpers_of_torch_distributed_checkpoint():
         opt = _adamw(sharded)
         loss_of(sharded(*a, **k)).backward()
         opt.step()
-        msd = get_model_state_dict(sharded)
-        osd = get_optimizer_state_dict(sharded, opt)
-        full = get_model_state_dict(sharded, options=full_opts)
+        msd = {k: v.clone() for k, v in get_model_state_dict(sharded).items()}  # values are the live tensors
+        osd = copy.deepcopy(get_optimizer_state_dict(sharded, opt))
+        full = {k: v.clone() for k, v in get_model_state_dict(sharded, options=full_opts).items()}
         before = {n: local_of(p).clone() for n, p in sharded.named_parameters()}
         state_before = {id(p): local_of(opt.state[p]["exp_avg"]).clone() for p in sharded.parameters()}
         with torch.no_grad():
@@ -250,21 +251,21 @@ def test_state_dict_helpers_of_torch_distributed_checkpoint():
                 local_of(opt.state[p]["exp_avg"]).zero_()
         set_model_state_dict(sharded, msd)
         set_optimizer_state_dict(sharded, opt, osd)
-        restored = all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters())
-        restored &= all(torch.equal(local_of(opt.state[p]["exp_avg"]), state_before[id(p)])
-                        for p in sharded.parameters())
+        restored = [all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters())]
+        restored.append(all(torch.equal(local_of(opt.state[p]["exp_avg"]), state_before[id(p)])
+                            for p in sharded.parameters()))
         with torch.no_grad():
             for p in sharded.parameters():
                 local_of(p).zero_()
         set_model_state_dict(sharded, full, options=full_opts)  # whole tensors in, this rank's slices kept
-        restored &= all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters())
+        restored.append(all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters()))
         return restored, sorted(msd), {k: v.clone() for k, v in full.items()}, sorted(osd["state"])
 
     opt = _adamw(model)
     loss_of(model(*args, **kwargs)).backward()
     opt.step()
     for restored, keys, full, optim_keys in world.run(body):
-        assert restored
+        assert restored == [True, True, True]  # model state, optimizer state, full model state
         assert keys == sorted(model.state_dict())
         assert optim_keys == sorted(n for n, _ in model.named_parameters())
         for name, value in model.state_dict().items():
@@ -294,7 +295,7 @@ def _recipe_loop(module, batches, steps: int, accumulate: int = 2):
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
         opt.step()
         sched.step()
-        out.append((total, norm.item()))
+        out.append((total, norm.item()))  # the 2-norm of DTensor gradients comes back Replicate: .item() is global
     return out
 
 
