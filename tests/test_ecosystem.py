@@ -243,6 +243,7 @@ def test_state_dict_helpers_of_torch_distributed_checkpoint():
         msd = {k: v.clone() for k, v in get_model_state_dict(sharded).items()}  # values are the live tensors
         osd = copy.deepcopy(get_optimizer_state_dict(sharded, opt))
         full = {k: v.clone() for k, v in get_model_state_dict(sharded, options=full_opts).items()}
+        whole = {k: v.clone() for k, v in full.items()}  # set_model_state_dict rewrites the dict it is given
         before = {n: local_of(p).clone() for n, p in sharded.named_parameters()}
         state_before = {id(p): local_of(opt.state[p]["exp_avg"]).clone() for p in sharded.parameters()}
         with torch.no_grad():
@@ -259,7 +260,7 @@ def test_state_dict_helpers_of_torch_distributed_checkpoint():
                 local_of(p).zero_()
         set_model_state_dict(sharded, full, options=full_opts)  # whole tensors in, this rank's slices kept
         restored.append(all(torch.equal(local_of(p), before[n]) for n, p in sharded.named_parameters()))
-        return restored, sorted(msd), {k: v.clone() for k, v in full.items()}, sorted(osd["state"])
+        return restored, sorted(msd), whole, sorted(osd["state"])
 
     opt = _adamw(model)
     loss_of(model(*args, **kwargs)).backward()
