@@ -681,7 +681,8 @@ def _table(header: list[str], rows: list[list[str]], right: set[int], width: int
 def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
     """A large plan in under a screen at ``width`` columns: per module kind (repeated layers folded, ``x32``) its
     ops, parameter and communication bytes per rank; each parameter kind's placement; the collectives per layer
-    with bytes; memory per rank and the estimated step time. ``autoshard show --nodes`` prints every node."""
+    with bytes; memory per rank and the estimated step time; the MoE layers (:func:`format_moe`). ``autoshard show
+    --nodes`` prints every node."""
     o = overview or plan_overview(plan)
     groups = o["groups"]
     lines = [f"plan for {o['model']} on {plan.mesh}: {o['nodes']} nodes, {o['parameters'] / 1e9:.2f}B parameters"
@@ -739,6 +740,9 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
                  f"communication {cost['comm_time_s'] * 1e3:.1f} ({cost['profile']})")
     lines.append("bytes per step per axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in
                                                           cost["comm_bytes_per_axis"].items()))
+    moe = format_moe(plan)
+    if moe:
+        lines += ["", *moe.splitlines()]
     return "\n".join(_wrap_prose(lines, width)) + "\n"  # prose lines wrap; table rows were fitted above
 
 

@@ -29,6 +29,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.fx
 
+from autoshard import meta as M
 from autoshard.runtime.comm import Handle, current, use
 from autoshard.runtime.primitives import chunk, comm_of, keep_comm, raw_all_gather, raw_reduce_scatter, sum_over
 
@@ -106,10 +107,10 @@ def _unpack(saved):
 def running(program: torch.fx.GraphModule):
     """The context to call ``program`` in: :func:`reshard_after_forward` where it gathers ZeRO-3 parameters
     (``all_gather_reshard`` nodes; looked up once per program), else nothing."""
-    flag = program.meta.get("autoshard.reshards")
+    flag = program.meta.get(M.RESHARDS)
     if flag is None:
         ops = (torch.ops.autoshard.all_gather_reshard.default, torch.ops.autoshard.all_gather_reshard_group.default)
-        flag = program.meta["autoshard.reshards"] = any(n.target in ops for n in program.graph.nodes)
+        flag = program.meta[M.RESHARDS] = any(n.target in ops for n in program.graph.nodes)
     return reshard_after_forward() if flag else nullcontext()
 
 
