@@ -3,6 +3,7 @@
 * README.md has at most 150 lines of at most 120 characters;
 * its options table lists exactly ``autoshard.compile``'s keyword options, with their defaults, and every
   ``name=`` given to ``compile(...)`` in its code is one of them;
+* its first Python block runs and prints the loss of eager PyTorch on every simulated rank;
 * every link to a file points to one that exists, and docs/ and the README speak of the code, not its history.
 """
 
@@ -73,3 +74,13 @@ def test_docs_speak_of_the_code_not_its_history(path):
     for word in (r"\bissues?\b(?! (the|its|one|mismatched))", r"\bnot done yet\b", r"\bearlier session\b",
                  r"\bsee the open\b"):
         assert not re.search(word, text, flags=re.I), (path.name, word)
+
+
+def test_readme_script_runs_and_matches_eager(capsys):
+    """The README's first Python block, run as written: the same loss on every simulated rank as eager."""
+    block = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
+    exec(compile(block, "README.md", "exec"), {})
+    *_, losses_line, worst_line = capsys.readouterr().out.strip().splitlines()
+    losses, ref = losses_line.rsplit("] ", 1)
+    assert all(abs(float(x) - float(ref)) <= 1e-5 for x in losses.strip("[").split(", "))
+    assert float(worst_line) <= 1e-4
