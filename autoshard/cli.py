@@ -1,9 +1,9 @@
 """The ``autoshard`` command line: inspect a plan without writing a script, and calibrate the machine.
 
-    $ autoshard show examples.models:gpt --mesh data=2,model=2 --megatron          # the annotated graph (rich)
+    $ autoshard show examples.models:gpt --mesh data=2,model=2 --megatron          # summary: repeated layers
     $ autoshard show examples.models:gpt --mesh model=2 --megatron --code --rank 1  # rank 1's generated code
     $ autoshard show examples.models:mlp --mesh data=2 --json                       # the plan as JSON
-    $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (80 columns)
+    $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (fits COLUMNS)
     $ autoshard show examples.models:llama3_8b_meta --mesh model=4 --megatron --nodes # every node
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
     $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
@@ -17,7 +17,7 @@ holds ``{glob: [placement per mesh axis]}`` as JSON, or the same under a ``[plan
 
 Everything a user can get wrong (a bad ``MODULE:FACTORY``, a missing or malformed plan file, any
 :class:`~autoshard.errors.AutoshardError` from the compiler) is reported as one red ``error: ...`` line on
-stderr with exit code 2, never a traceback. ``rich`` is used only here; the formatters stay plain text.
+stderr with exit code 2, never a traceback. ``rich`` colours only that line; the formatters stay plain text.
 
 A model with repeated layers (or over 300 nodes) prints :func:`autoshard.report.format_overview` (module kinds
 with repeated layers folded, parameter placements, collectives per layer, memory and step time); ``--nodes`` (the
@@ -119,7 +119,8 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
     zero = str(compile_default("zero"))
     show.add_argument("--zero", default=zero, choices=("0", "1", "2", "3", "auto"),
-                      help=f"ZeRO stage of parameter storage over the data axis; auto: the search picks (default {zero})")
+                      help=f"ZeRO stage of parameter storage over the data axis; auto: the search picks "
+                           f"(default {zero})")
     show.add_argument("--recompute", default=None, metavar="GLOB|auto",
                       help="recompute these modules' activations in backward (glob over module paths), or auto")
     show.add_argument("--precision", default=None, metavar="PARAM[,REDUCE]",

@@ -22,6 +22,12 @@ seen too; a ``use_reentrant=True`` call, which export turns into a no-grad submo
 is a :class:`TraceError` naming its line) so that the ops of each call are annotated (``torch.fx.traceback.annotate``); :func:`_mark_checkpoint_regions` turns the annotations
 into :data:`autoshard.meta.RECOMPUTE` ids — the region's module path (the common prefix of its ops' paths, ``#2``,
 ``#3`` for further calls of one module), distinct per call. A nested call belongs to the outermost region.
+
+Side effects: torch is patched only inside the ``with`` around ``torch.export`` in :func:`_export` (the checkpoint
+wrappers above, installed while any thread exports and restored when the last one leaves, whether export
+succeeded or failed). When the layers are not copied, the reason goes to the ``autoshard.trace`` logger
+(:func:`_log_no_reuse`: INFO for a :class:`~autoshard.layer_reuse.CannotReuse` reason, WARNING with the traceback
+for a fault of the copying itself); nothing is swallowed silently.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ def distributed(mesh: autoshard.Mesh) -> int:
         loss = loss_of(sharded(**local))
         loss.backward()
         ok = abs(loss.item() - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
-        print(f"rank {rank}: sharded loss {loss.item():.6f}, eager loss {ref_loss:.6f}: {'MATCH' if ok else 'MISMATCH'}")
+        verdict = "MATCH" if ok else "MISMATCH"
+        print(f"rank {rank}: sharded loss {loss.item():.6f}, eager loss {ref_loss:.6f}: {verdict}")
         return 0 if ok else 1
     finally:
         dist.destroy_process_group()

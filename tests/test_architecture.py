@@ -239,7 +239,8 @@ def _private_uses(module: str, path: Path) -> list[str]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
             for a in node.names:
                 if f"{base}.{a.name}" in MODULES:
                     aliases[a.asname or a.name] = f"{base}.{a.name}"

@@ -48,15 +48,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from contextlib import nullcontext
 
 import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.comm import PHASES, CollectiveRecord, current
-from autoshard.runtime.primitives import (all_to_all_shape, chunk, comm_of, define_op, fresh, gathered_shape,
-                                          keep_comm, raw_all_gather, raw_all_reduce, raw_all_to_all,
-                                          raw_reduce_scatter, scattered_shape, sum_over)
+from autoshard.runtime.primitives import (all_to_all_shape, chunk, comm_of, define_op, gathered_shape, keep_comm,
+                                          raw_all_gather, raw_all_reduce, raw_all_to_all, raw_reduce_scatter,
+                                          scattered_shape, sum_over)
 from autoshard.runtime.zero import remember_gathered
 
 __all__ = [
