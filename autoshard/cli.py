@@ -1,9 +1,9 @@
 """The ``autoshard`` command line: inspect a plan without writing a script, and calibrate the machine.
 
-    $ autoshard show examples.models:gpt --mesh data=2,model=2 --megatron          # the annotated graph (rich)
+    $ autoshard show examples.models:gpt --mesh data=2,model=2 --megatron          # summary: repeated layers
     $ autoshard show examples.models:gpt --mesh model=2 --megatron --code --rank 1  # rank 1's generated code
     $ autoshard show examples.models:mlp --mesh data=2 --json                       # the plan as JSON
-    $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (80 columns)
+    $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (fits COLUMNS)
     $ autoshard show examples.models:llama3_8b_meta --mesh model=4 --megatron --nodes # every node
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
     $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
@@ -17,11 +17,15 @@ holds ``{glob: [placement per mesh axis]}`` as JSON, or the same under a ``[plan
 
 Everything a user can get wrong (a bad ``MODULE:FACTORY``, a missing or malformed plan file, any
 :class:`~autoshard.errors.AutoshardError` from the compiler) is reported as one red ``error: ...`` line on
-stderr with exit code 2, never a traceback. ``rich`` is used only here; the formatters stay plain text.
+stderr with exit code 2, never a traceback. ``rich`` colours only that line; the formatters stay plain text.
 
-Graphs over 300 nodes print :func:`autoshard.report.format_overview` (module kinds with repeated layers folded,
-parameter placements, collectives per layer, memory and step time) fitted to the terminal's width; ``--nodes``
-prints every node. ``--json`` gives JSON with every subcommand and mode (``--pipeline``: the stages). Building,
+A model with repeated layers (or over 300 nodes) prints :func:`autoshard.report.format_overview` (module kinds
+with repeated layers folded, parameter placements, collectives per layer, memory and step time); ``--nodes`` (the
+default for other models) prints every node (:func:`autoshard.report.format_nodes`). Both fit the terminal's
+width (``COLUMNS`` when set, 80 when piped): cells wrap, no name is cut. ``--code`` wraps long lines inside
+brackets (:func:`autoshard.report.wrap_code`). ``--json`` gives JSON with every subcommand and mode
+(``--pipeline``: the stages): numbers as numbers, placements as objects, a ``schema`` version. The defaults of
+the options that ``compile`` also takes are read from ``compile``'s signature, so the two agree. Building,
 compiling and searching show a spinner on stderr when they take over a second on a terminal, nothing when piped.
 """
 
@@ -73,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def compile_default(name: str) -> Any:
+    """The default of ``autoshard.compile``'s keyword ``name`` (the CLI's flags take the same defaults)."""
+    from autoshard.api import compile as compile_
+
+    return inspect.signature(compile_).parameters[name].default
+
+
 def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("factory", metavar="MODULE:FACTORY",
                       help="a function returning (model, args, kwargs), e.g. examples.models:gpt")
@@ -85,25 +96,31 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     out = show.add_mutually_exclusive_group()
     out.add_argument("--code", action="store_true", help="print the generated Python code of --rank")
     out.add_argument("--json", action="store_true", help="print the plan as JSON (with --pipeline: its stages)")
-    out.add_argument("--nodes", action="store_true", help="print the full per-node table (the default up to "
-                     "300 nodes; larger graphs get the summary)")
+    out.add_argument("--nodes", action="store_true", help="print the full per-node table (the default for "
+                     "models without repeated layers, up to 300 nodes; others get the summary)")
     out.add_argument("--summary", action="store_true", help="print the summary (module kinds with repeated "
                      "layers folded, parameter placements, collectives per layer, memory and step time)")
     show.add_argument("--factory-arg", metavar="KEY=VALUE", action="append", default=[], dest="factory_args",
                       help="keyword argument of FACTORY (int, float or str), repeatable, e.g. layers=1")
-    show.add_argument("--on-unsupported", choices=("error", "replicate"), default="replicate",
-                      help="what to do with ops that have no sharding rule (default: error)")
-    show.add_argument("--data-axis", default="data", help="mesh axis the batch is split over (default: data)")
+    unsupported = compile_default("on_unsupported")
+    show.add_argument("--on-unsupported", choices=("error", "replicate"), default=unsupported,
+                      help=f"what to do with ops that have no sharding rule (default: {unsupported})")
+    data_axis = compile_default("data_axis")
+    show.add_argument("--data-axis", default=data_axis,
+                      help=f"mesh axis the batch is split over (default: {data_axis})")
     show.add_argument("--pipeline", metavar="OPTIONS",
                       help="pipeline over the mesh's pipe axis and print its stages, e.g. "
                            "microbatches=4,schedule=1f1b,split=auto (split: auto or module paths joined by +)")
     show.add_argument("--planner", choices=("greedy", "search"), default=planner,
                       help=f"greedy propagation or the exact cost-model search (default: {planner})")
-    show.add_argument("--profile", default="cpu-gloo",
-                      help="hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default cpu-gloo)")
+    profile = compile_default("profile")
+    show.add_argument("--profile", default=profile,
+                      help=f"hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default {profile})")
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
-    show.add_argument("--zero", default="0", choices=("0", "1", "2", "3", "auto"),
-                      help="ZeRO stage of parameter storage over the data axis; auto: the search picks (default 0)")
+    zero = str(compile_default("zero"))
+    show.add_argument("--zero", default=zero, choices=("0", "1", "2", "3", "auto"),
+                      help=f"ZeRO stage of parameter storage over the data axis; auto: the search picks "
+                           f"(default {zero})")
     show.add_argument("--recompute", default=None, metavar="GLOB|auto",
                       help="recompute these modules' activations in backward (glob over module paths), or auto")
     show.add_argument("--precision", default=None, metavar="PARAM[,REDUCE]",
@@ -190,7 +207,8 @@ def show(args: argparse.Namespace) -> int:
     ``SUMMARY_NODES`` nodes), the code of ``args.rank`` or the JSON (``--pipeline``: the stages)."""
     import autoshard
     from autoshard.progress import slow_step
-    from autoshard.report import SUMMARY_NODES, format_overview, format_symbolic, plan_json, plan_overview, stages_json
+    from autoshard.report import format_nodes, format_overview, format_symbolic, plan_document, stages_json
+    from autoshard.report import fit_text, wants_summary, wrap_code
 
     mesh = autoshard.Mesh.parse(args.mesh)
     factory, name = load_factory(args.factory)
@@ -215,39 +233,27 @@ def show(args: argparse.Namespace) -> int:
         if args.json:
             sys.stdout.write(json.dumps(stages_json(sm.plan), indent=1, default=str) + "\n")
         else:
-            sys.stdout.write(sm.code(args.rank) if args.code else sm.format())
+            sys.stdout.write(wrap_code(sm.code(args.rank), _width()) if args.code else fit_text(sm.format(), _width()))
         return 0
     plan = sm.plan
     if args.code:
-        sys.stdout.write(plan.code(args.rank))
+        sys.stdout.write(wrap_code(plan.code(args.rank), _width()))
     elif args.json:
-        doc = json.loads(plan_json(plan))
-        doc["overview"] = plan_overview(plan)
+        doc = plan_document(plan)
         if symbolic:
             doc["symbolic"] = format_symbolic(plan).splitlines()[1:]
-        sys.stdout.write(json.dumps(doc, indent=1, default=str) + "\n")
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
-        summary = args.summary or (not args.nodes and len(plan.graph_module.graph.nodes) > SUMMARY_NODES)
-        if summary:
-            sys.stdout.write(format_overview(plan, width=_width()))
-        else:
-            plan.show(_stdout_console())
+        summary = args.summary or (not args.nodes and wants_summary(plan))
+        sys.stdout.write(format_overview(plan, width=_width()) if summary else format_nodes(plan, width=_width()))
         if symbolic:
-            sys.stdout.write(format_symbolic(plan))
+            sys.stdout.write(fit_text(format_symbolic(plan), _width()))
     return 0
 
 
 def _width() -> int:
     """The terminal's width (``COLUMNS`` when set); 80 when piped."""
-    return max(60, shutil.get_terminal_size((80, 24)).columns)
-
-
-def _stdout_console():
-    from rich.console import Console
-
-    console = Console()
-    # Piped or captured output has no terminal width; 80 columns would fold node names and shapes.
-    return console if console.is_terminal else Console(width=200)
+    return max(40, shutil.get_terminal_size((80, 24)).columns)
 
 
 def load_factory(spec: str) -> tuple[Callable[..., Any], str]:

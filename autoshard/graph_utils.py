@@ -1,5 +1,6 @@
-"""Small helpers over FX nodes shared by the passes: tensor inputs in flat order, shapes, dtypes, and where a node
-comes from in the user's model (:func:`node_location`, for error messages)."""
+"""Small helpers over FX nodes shared by the passes: tensor inputs in flat order, shapes, dtypes, where a node
+comes from in the user's model (:func:`node_location`, for error messages), the tensor at a get_attr target
+(:func:`fetch_attr`), and :class:`NodeBuilder` for rewrites that add nodes with fake values."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import operator
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
 
@@ -71,3 +73,76 @@ def node_location(node: torch.fx.Node) -> str:
         if lines:
             parts.append(f"at {lines[-1]}")
     return " ".join(parts)
+
+
+def fetch_attr(gm: torch.nn.Module, target: str):
+    """The parameter/buffer/constant at a get_attr target (``blocks.0.attn.q.weight``)."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class NodeBuilder:
+    """Adds nodes before an anchor, each with a FakeTensor ``val`` computed in ``fake_mode`` and the module stack
+    and source line of the code it replaces (the MoE rewrites build their subgraphs with it)."""
+
+    def __init__(self, gm, anchor, fake_mode, stack, trace):
+        self.gm, self.graph, self.anchor, self.fake_mode = gm, gm.graph, anchor, fake_mode
+        self.stack, self.trace = stack, trace
+
+    def _meta(self, node, val):
+        node.meta["val"] = val
+        if self.stack is not None:
+            node.meta["nn_module_stack"] = dict(self.stack)
+        if self.trace:
+            node.meta["stack_trace"] = self.trace
+        return node
+
+    def call(self, target, *args, **kwargs):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, (args, kwargs))
+        with self.fake_mode:
+            val = target(*fa, **fk)
+        return self._meta(node, val)
+
+    def items(self, node, count):
+        out = []
+        for i in range(count):
+            with self.graph.inserting_before(self.anchor):
+                item = self.graph.call_function(operator.getitem, (node, i))
+            out.append(self._meta(item, node.meta["val"][i]))
+        return out
+
+    def copy(self, old, env, src=lambda a: a):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.node_copy(old, lambda a: env[src(a)])
+        fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a,
+                                 (node.args, node.kwargs))
+        with self.fake_mode:
+            val = old.target(*fa, **fk)
+        keep = {k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        node.meta = keep
+        node.meta["val"] = val
+        return node
+
+    def param(self, fqn: str, value: torch.Tensor):
+        set_param(self.gm, fqn, torch.nn.Parameter(value, requires_grad=True))
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.get_attr(fqn)
+        node.meta["val"] = self.fake_mode.from_tensor(fetch_attr(self.gm, fqn), static_shapes=True)
+        node.meta[M.PARAM] = fqn
+        node.meta[M.ALIASES] = (fqn,)
+        return node
+
+
+def set_param(gm: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
+    """Register ``param`` at ``fqn`` on ``gm``, adding empty modules for missing parents."""
+    *parents, leaf = fqn.split(".")
+    mod = gm
+    for part in parents:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)

@@ -16,7 +16,7 @@ whose recording differs from the first layer's — it branches on its index, has
 different constant — is traced normally (export runs again without it). So are layers that share a parameter
 with anything outside themselves; a layer called with inputs unlike the first layer's starts its group anew
 (:class:`LayerMismatch`); and every layer of a list whose first layer mutates state or
-reads a tensor that is neither an input nor one of its own parameters. Any surprise raises :class:`_CannotReuse`
+reads a tensor that is neither an input nor one of its own parameters. Any surprise raises :class:`CannotReuse`
 and the caller exports the whole model the ordinary way: this is a speed-up, never a change of meaning. Tests
 check that the result is the same graph as a full export (same code, op for op).
 
@@ -33,6 +33,7 @@ module.
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -42,11 +43,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class _CannotReuse(Exception):
+class CannotReuse(Exception):
     """The layers cannot be copied safely: export the whole model instead."""
 
 
-class LayerMismatch(_CannotReuse):
+class LayerMismatch(CannotReuse):
     """Copy ``index`` of ``group`` is called with inputs unlike its first layer's."""
 
     def __init__(self, group, index: str):
@@ -221,7 +222,7 @@ class reuse_layers:
         def traced_forward(*args, **kwargs):
             g.calls += 1
             if g.calls > 1:
-                raise _CannotReuse(f"{g.prefix}.{g.first} is called more than once")
+                raise CannotReuse(f"{g.prefix}.{g.first} is called more than once")
             flat, spec = pytree.tree_flatten((args, kwargs))
             g.in_spec, g.in_consts = spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
             g.in_meta = [_tensor_meta(x) for x in flat if isinstance(x, torch.Tensor)]
@@ -231,7 +232,7 @@ class reuse_layers:
             out = forward(*args, **kwargs)
             oflat, ospec = pytree.tree_flatten(out)
             if not all(isinstance(x, torch.Tensor) for x in oflat):
-                raise _CannotReuse(f"{g.prefix}.{g.first} returns a value that is not a tensor")
+                raise CannotReuse(f"{g.prefix}.{g.first} returns a value that is not a tensor")
             g.out_spec = ospec
             g.out_meta = [(tuple(x.shape), tuple(x.stride()), x.dtype, x.device) for x in oflat]
             return pytree.tree_unflatten([layer_output(x, j) for j, x in enumerate(oflat)], ospec)
@@ -308,7 +309,7 @@ class _Recorder(TorchDispatchMode):
     def _enc(self, a):
         if isinstance(a, torch.Tensor):
             if id(a) not in self.labels:  # made outside dispatch (torch.tensor(list)): its values are unseen
-                raise _CannotReuse("a tensor made from Python data")
+                raise CannotReuse("a tensor made from Python data")
             return ("T", self.labels[id(a)], tuple(a.shape), tuple(a.stride()), a.dtype)
         if isinstance(a, (list, tuple)):
             return tuple(self._enc(b) for b in a)
@@ -349,7 +350,10 @@ def _fingerprint(layer: torch.nn.Module, spec, consts: list, metas: list):
         with recorder:
             out = torch.func.functional_call(layer, state, args, kwargs, tie_weights=False, strict=False)
         outs = tuple(recorder._enc(t) for t in pytree.tree_leaves(out))
-    except Exception:
+    except Exception as e:  # an op without a meta kernel, data-dependent code: the copies are traced instead
+        logging.getLogger(__name__).info("layer %s cannot run on meta tensors to be fingerprinted (%s: %s): its "
+                                         "copies are exported, not copied", type(layer).__name__,
+                                         type(e).__name__, e)
         return None
     return tuple(recorder.ops), outs
 
@@ -393,8 +397,8 @@ def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup], model
                             if target not in attrs:
                                 attrs[target] = _get_attr(gm, target, model, anchor)
                             return attrs[target]
-                        raise _CannotReuse(f"{node.name} reads {target}, which is not the layer's own")
-                    raise _CannotReuse(f"{node.name} reads {a.name} from outside its layer")
+                        raise CannotReuse(f"{node.name} reads {target}, which is not the layer's own")
+                    raise CannotReuse(f"{node.name} reads {a.name} from outside its layer")
 
                 copy = g.create_node(node.op, node.target, torch.fx.map_arg(node.args, remap),
                                      torch.fx.map_arg(node.kwargs, remap), type_expr=node.type)
@@ -403,7 +407,7 @@ def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup], model
         results = [env.get(outs[j].args[0], outs[j].args[0]) for j in range(len(outs))]
         for user in list(call.users):
             if user.target.__name__ != "getitem":
-                raise _CannotReuse(f"{call.name} is used whole")
+                raise CannotReuse(f"{call.name} is used whole")
             user.replace_all_uses_with(results[user.args[1]])
             g.erase_node(user)
         g.erase_node(call)
@@ -423,7 +427,7 @@ def _get_attr(gm: torch.fx.GraphModule, target: str, model: torch.nn.Module, bef
     if not is_param:
         tensor = owner._buffers.get(name)
     if tensor is None:
-        raise _CannotReuse(f"{target} is neither a parameter nor a buffer of the model")
+        raise CannotReuse(f"{target} is neither a parameter nor a buffer of the model")
     mod = gm
     for part in path:
         if not hasattr(mod, part):
@@ -443,14 +447,14 @@ def _owner(marker: torch.fx.Node, groups: list[LayerGroup]) -> str:
     for gr in groups:
         if _key(gr, gr.first) in paths:
             return _key(gr, gr.first)
-    raise _CannotReuse(f"marker {marker.name} outside every layer")
+    raise CannotReuse(f"marker {marker.name} outside every layer")
 
 
 def _region(g: torch.fx.Graph, gr: LayerGroup, ins: dict, outs: dict):
     """The first layer's ops between its markers, checked to read only its inputs, parameters and constants."""
     first, last = min(ins.values(), key=_order(g)), max(outs.values(), key=_order(g)) if outs else None
     if last is None:
-        raise _CannotReuse("the first layer has no outputs")
+        raise CannotReuse("the first layer has no outputs")
     region, inside, started = [], set(ins.values()), False
     for n in g.nodes:
         if n is first:
@@ -464,18 +468,18 @@ def _region(g: torch.fx.Graph, gr: LayerGroup, ins: dict, outs: dict):
                 break
             continue
         if n.target is _CALL:
-            raise _CannotReuse("a copied layer runs inside the first one")
+            raise CannotReuse("a copied layer runs inside the first one")
         if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-            raise _CannotReuse(f"{n.name} mutates its input")
+            raise CannotReuse(f"{n.name} mutates its input")
         for a in n.all_input_nodes:
             if a not in inside and a.op != "get_attr":
-                raise _CannotReuse(f"{n.name} reads {a.name} from outside its layer")
+                raise CannotReuse(f"{n.name} reads {a.name} from outside its layer")
         region.append(n)
         inside.add(n)
     for n in region:  # nothing outside the layer reads its intermediate values
         for u in n.users:
             if u not in inside and u.target is not _OUTPUT:
-                raise _CannotReuse(f"{u.name} reads {n.name} from inside a layer")
+                raise CannotReuse(f"{u.name} reads {n.name} from inside a layer")
     return region, {k: v for k, v in ins.items()}, outs
 
 
@@ -495,6 +499,6 @@ def _moved_meta(meta: dict, old: str, new: str) -> dict:
 
 
 def _clean(path: str) -> str:
-    from autoshard.meta import _clean_path
+    from autoshard.meta import clean_path
 
-    return _clean_path(path)
+    return clean_path(path)

@@ -60,6 +60,23 @@ PRECISION_CAST = "autoshard.precision_cast"
 #: not a cast of it, is what the planners see the op consume).
 AUTOCAST_CASTS = "autoshard.autocast_casts"
 
+# ---- graph-module keys (``gm.meta``) and annotation keys of the trace and the runtime --------------------------
+#: ``gm.meta`` of a traced graph: container path -> [traced layer index, copied layer indices...]
+#: (autoshard/layer_reuse.py; absent when every layer was exported).
+REUSED_LAYERS = "autoshard.reused_layers"
+#: Key in a node's ``meta["custom"]`` (``torch.fx.traceback.annotate``) while tracing: the number of the model's
+#: ``torch.utils.checkpoint`` call that made the op; the trace turns it into :data:`RECOMPUTE`.
+CHECKPOINT_CALL = "autoshard.checkpoint_call"
+#: ``gm.meta`` of a traced graph: the Hugging Face sparse-MoE blocks found while tracing, and why other candidates
+#: were not taken (an :class:`autoshard.moe.hf_blocks.Found`).
+HF_MOE_BLOCKS = "autoshard.hf_moe_blocks"
+#: ``gm.meta`` of a rank program: ``((parameter attribute name, axes), ...)`` whose gradient sync codegen left out
+#: of the graph, for the runtime's bucketed all-reduce (autoshard/runtime/buckets.py).
+GRAD_SYNC = "autoshard.grad_sync"
+#: ``gm.meta`` of a rank program, cached by the runtime: whether it gathers ZeRO-3 parameters that are resharded
+#: after forward (autoshard/runtime/zero.py).
+RESHARDS = "autoshard.reshards"
+
 
 @dataclass(frozen=True)
 class Storage:
@@ -119,10 +136,10 @@ def module_path(node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    return _clean_path(path)
+    return clean_path(path)
 
 
-def _clean_path(path: str) -> str:
+def clean_path(path: str) -> str:
     # torch.export writes paths like "L['self'].transformer.h[0].mlp" or "transformer.h.0.mlp" by version.
     path = path.replace("L['self'].", "").replace("L['self']", "")
     out = []

@@ -165,10 +165,12 @@ class Plan:
 
         return format_plan(self)
 
-    def show(self, console=None) -> None:
+    def show(self, console=None, nodes: bool | None = None) -> None:
+        """Print the summary for a model with repeated layers, else every node (``nodes`` forces either), at the
+        console's width."""
         from autoshard.report import show_plan
 
-        show_plan(self, console)
+        show_plan(self, console, nodes)
 
 
 @dataclass

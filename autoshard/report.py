@@ -1,4 +1,15 @@
-"""Formatters of plans: pure functions returning text (golden-file friendly); ``rich`` only in ``show_plan``."""
+"""Formatters of plans: pure functions returning text (golden-file friendly) or JSON-ready data.
+
+* :func:`format_plan` — every node in one table, as wide as it needs (the golden files keep it);
+* :func:`format_nodes` — the same table fitted to a width: cells wrap, nothing is cut;
+* :func:`format_overview` — the summary (repeated layers folded), fitted to a width; :func:`wants_summary` says
+  when ``show`` prints it by default;
+* :func:`plan_document` — the plan as data for ``--json`` (:data:`JSON_SCHEMA` versions its layout): numbers are
+  numbers, placements are ``{"axis", "type", "dim"/"reduce_op"}`` objects;
+* :func:`wrap_code` — generated code with long lines broken inside brackets (still valid Python).
+
+``rich`` is used only by :func:`show_plan`, to print these texts on a console.
+"""
 
 from __future__ import annotations
 
@@ -101,31 +112,212 @@ def _memory_text(kinds: dict) -> str:
     return " + ".join(parts) + (f" (ZeRO stage: parameters {zero})" if zero and set(stages) != {0} else "")
 
 
+#: Version of the layout of :func:`plan_document` (``autoshard show --json``); raised when a field changes meaning.
+JSON_SCHEMA = 2
+
+
+def placement_json(p, axis: str) -> dict:
+    """One placement as data: ``{"axis": "model", "type": "Shard", "dim": 0}``, ``{"type": "Replicate"}``,
+    ``{"type": "Partial", "reduce_op": "sum"}``."""
+    if type(p).__name__ == "Shard" or hasattr(p, "dim") and not hasattr(p, "reduce_op"):
+        return {"axis": axis, "type": "Shard", "dim": int(p.dim)}
+    if hasattr(p, "reduce_op"):
+        return {"axis": axis, "type": "Partial", "reduce_op": str(p.reduce_op)}
+    return {"axis": axis, "type": "Replicate"}
+
+
+def spec_json(spec, mesh) -> list | None:
+    """A spec as a list of :func:`placement_json` (one per mesh axis); a multi-output node's specs as a list of
+    those; None for a node without a spec."""
+    if spec is None:
+        return None
+    if isinstance(spec, tuple) and spec and isinstance(spec[0], tuple):
+        return [spec_json(s, mesh) for s in spec]
+    return [placement_json(p, axis) for p, axis in zip(spec, mesh.names)]
+
+
+def _cost_json(value, dec) -> dict | None:
+    if value is None:
+        return None
+    unit = "s" if dec.reason.startswith("least estimated") else "bytes"
+    return {"value": float(value), "unit": unit}
+
+
+def node_json(n, mesh) -> dict:
+    """One node of the plan as data (an entry of ``plan_document(plan)["nodes"]``)."""
+    val = n.meta.get("val")
+    spec = n.meta.get(M.SPEC)
+    coll = n.meta.get(M.COLLECTIVE)
+    strat = n.meta.get(M.STRATEGY)
+    dec = n.meta.get(M.DECISION)
+    op = n.op if n.op != "call_function" else str(getattr(n.target, "__name__", n.target))
+    return {
+        "node": n.name, "op": op, "kind": n.op,
+        "shape": [int(d) for d in val.shape] if isinstance(val, torch.Tensor) else None,
+        "dtype": str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else None,
+        "spec": spec_json(spec, mesh), "spec_text": _spec_text(spec) if spec is not None else None,
+        "module": M.module_path(n),
+        "collective": None if coll is None else {
+            "kind": coll.kind, "axes": list(coll.axes), "dims": [int(d) for d in coll.dims],
+            "src": spec_json(coll.src, mesh), "dst": spec_json(coll.dst, mesh),
+            "bytes_forward": int(coll.bytes_forward), "bytes_backward": int(coll.bytes_backward)},
+        "strategy": strat.note if strat is not None and strat.note else None,
+        "cost": _cost_json(dec.cost, dec) if dec is not None else None,
+        "alternative": None if dec is None or dec.alternative is None else {
+            "strategy": dec.alternative.note, "cost": _cost_json(dec.alternative_cost, dec)},
+    }
+
+
+def plan_document(plan) -> dict:
+    """The plan as JSON-ready data: ``schema`` (:data:`JSON_SCHEMA`), model, mesh, every node of the graph
+    (:func:`node_json`; ``len(nodes) == overview["nodes"]``), the collectives' totals and the
+    :func:`plan_overview`. Every number is an int or a float."""
+    gm, mesh = plan.graph_module, plan.mesh
+    nodes = [node_json(n, mesh) for n in gm.graph.nodes]
+    colls = plan.collectives()
+    counts: dict[str, int] = {}
+    for _, info in colls:
+        key = f"{info.kind}[{','.join(info.axes)}]"
+        counts[key] = counts.get(key, 0) + 1
+    return {"schema": JSON_SCHEMA, "model": plan.model_name, "mesh": dict(mesh.axes), "nodes": nodes,
+            "collectives": {"count": len(colls), "by_kind": dict(sorted(counts.items())),
+                            "bytes_forward": sum(int(c.bytes_forward) for _, c in colls),
+                            "bytes_backward": sum(int(c.bytes_backward) for _, c in colls)},
+            "overview": plan_overview(plan)}
+
+
 def plan_json(plan) -> str:
-    return json.dumps({"model": plan.model_name, "mesh": dict(plan.mesh.axes), "nodes": list(_rows(plan)),
-                       "summary": format_summary(plan)}, indent=1, default=str)
+    """:func:`plan_document` as JSON text."""
+    return json.dumps(plan_document(plan), indent=1)
 
 
-def show_plan(plan, console=None) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+def has_repeated_layers(plan) -> bool:
+    """Whether the graph has a container of repeated layers (``model.layers.0``, ``.1``, ... alike) to fold."""
+    nodes = [(n, _owner(n)) for n in plan.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
+    return bool(_foldable(nodes))
 
-    console = console or Console()
-    table = Table(title=f"autoshard plan: {plan.model_name} on {plan.mesh}", show_lines=False)
-    for c in ("node", "op", "global shape", "spec " + "×".join(plan.mesh.names), "strategy", "cost",
-              "best rejected (cost)", "comm bytes fwd/bwd", "module"):
-        table.add_column(c)
-    for r in _rows(plan):
-        style = "bold magenta" if r["comm_bytes"] else None
-        cells = (r["node"], r["op"], str(r["shape"]), r["spec"], r["strategy"], r["cost"], r["alternative"],
-                 r["comm_bytes"], r["module"])
-        table.add_row(*(escape(c) for c in cells), style=style)
-    console.print(table)
-    console.print(format_summary(plan), markup=False)
+
+def wants_summary(plan) -> bool:
+    """``show`` prints the summary (:func:`format_overview`) by default for a model with repeated layers or over
+    :data:`SUMMARY_NODES` nodes, and the per-node table (:func:`format_nodes`) otherwise."""
+    return len(plan.graph_module.graph.nodes) > SUMMARY_NODES or has_repeated_layers(plan)
+
+
+def format_nodes(plan, width: int = 80) -> str:
+    """The per-node table of :func:`format_plan` fitted to ``width`` columns. When all columns do not fit, the
+    table keeps node, op, shape, spec and collective bytes, and each node's strategy, cost, best rejected
+    alternative and module follow on an indented line. Long cells wrap; no name is cut."""
+    rows = list(_rows(plan))
+    head = (f"autoshard plan: {plan.model_name} on {plan.mesh}, every node (spec: one placement per axis "
+            f"{', '.join(plan.mesh.names)})")
+    names = {"node": "node", "op": "op", "shape": "global shape", "spec": "spec", "strategy": "strategy",
+             "cost": "cost", "alternative": "best rejected (cost)", "comm_bytes": "comm fwd/bwd", "module": "module"}
+    cols = [c for c in names if c in ("node", "op", "spec") or any(r[c] not in ("", "-") for r in rows)]
+    for r in rows:  # the overload name adds width, not information
+        r["op"] = r["op"].removesuffix(".default")
+    table = [[str(r[c]) for c in cols] for r in rows]
+    natural = [max(len(names[c]), *(len(t[i]) for t in table)) if table else len(names[c])
+               for i, c in enumerate(cols)]
+    lines = _wrap_prose([head], width)
+    if sum(natural) + 2 * (len(cols) - 1) <= width:
+        lines += _table([names[c] for c in cols], table, set(), width)
+    else:
+        main = [c for c in cols if c in ("node", "op", "shape", "spec", "comm_bytes")]
+        extra = [c for c in cols if c not in main]
+        body: list[list[str]] = []
+        details: list[str] = []
+        for r in rows:
+            body.append([str(r[c]) for c in main])
+            details.append(", ".join(f"{names[c]} {r[c]}" for c in extra if r[c]))
+        fitted = _table([names[c] for c in main], body, set(), width, groups=True)
+        lines += fitted[0]
+        for row_lines, detail in zip(fitted[1:], details):
+            lines += row_lines
+            if detail:
+                lines += _wrap_prose(["    " + detail], width, indent="      ")
+    lines += _wrap_prose(format_summary(plan).splitlines(), width)
     moe = format_moe(plan)
     if moe:
-        console.print(moe, markup=False, style="bold cyan", soft_wrap=True)
+        lines += _wrap_prose(moe.splitlines(), width)
+    return "\n".join(lines) + "\n"
+
+
+def wrap_code(code: str, width: int = 80) -> str:
+    """Generated Python code with every line over ``width`` characters broken after an opening bracket or a comma
+    inside brackets (or at a space outside them, with a backslash), the continuation lines indented four more than
+    the statement, and ``a; b`` split into two lines. The result is the same program (the same AST);
+    a line with no place to break at stays as it is."""
+    import io
+    import tokenize
+
+    def tokens_of(line: str):
+        try:
+            return list(tokenize.generate_tokens(io.StringIO(line + "\n").readline))
+        except (tokenize.TokenError, SyntaxError):  # not one complete logical line: leave it
+            return None
+
+    lines = []
+    for line in code.splitlines():  # `a = f(x);  y = None` -> one statement per line
+        tokens = tokens_of(line) if len(line) > width and ";" in line else None
+        semis = [t.start[1] for t in tokens or () if t.type == tokenize.OP and t.string == ";"]
+        depth_zero = tokens is not None and all(
+            sum(1 if t.string in "([{" else -1 for t in tokens if t.type == tokenize.OP and t.string in "()[]{}"
+                and t.start[1] < c) == 0 for c in semis)
+        if not semis or not depth_zero:
+            lines.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        for a, b in zip([-1, *semis], [*semis, len(line)]):
+            if line[a + 1:b].strip():
+                lines.append(indent + line[a + 1:b].strip())
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        tokens = tokens_of(line)
+        if tokens is None:
+            out.append(line)
+            continue
+        cuts, depth, prev_end = [], 0, 0  # (column, needs a backslash): after "(" or ",", or at a space outside
+        for tok in tokens:
+            if tok.type in (tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER, tokenize.COMMENT):
+                continue
+            if depth == 0 and tok.start[1] > prev_end > 0:
+                cuts.append((tok.start[1], True))
+            if tok.type == tokenize.OP and tok.string in "([{":
+                depth += 1
+                cuts.append((tok.end[1], False))
+            elif tok.type == tokenize.OP and tok.string in ")]}":
+                depth -= 1
+            elif tok.type == tokenize.OP and tok.string == "," and depth > 0:
+                cuts.append((tok.end[1], False))
+            prev_end = tok.end[1]
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        start, prefix = 0, ""
+        while len(prefix) + len(line) - start > width:
+            later = [(c, bs) for c, bs in cuts if c > start and line[start:c].strip()]
+            fits = [(c, bs) for c, bs in later if len(prefix) + c - start + (2 if bs else 0) <= width]
+            cut = fits[-1] if fits else (later[0] if later else None)
+            if cut is None:
+                break
+            col, backslash = cut
+            out.append(prefix + line[start:col].rstrip() + (" \\" if backslash else ""))
+            start, prefix = col + (len(line[col:]) - len(line[col:].lstrip())), indent
+        out.append(prefix + line[start:])
+    return "\n".join(out) + ("\n" if code.endswith("\n") else "")
+
+
+def show_plan(plan, console=None, nodes: bool | None = None) -> None:
+    """Print the plan on a ``rich`` console at its width: the summary (:func:`format_overview`) for a model with
+    repeated layers (:func:`wants_summary`), else every node (:func:`format_nodes`); ``nodes`` forces either."""
+    from rich.console import Console
+
+    console = console or Console()
+    width = max(40, console.width)
+    summary = wants_summary(plan) if nodes is None else not nodes
+    text = format_overview(plan, width=width) if summary else format_nodes(plan, width=width)
+    console.print(text, markup=False, highlight=False, soft_wrap=True, end="")
 
 
 def format_stages(pplan) -> str:
@@ -342,10 +534,12 @@ def plan_overview(plan) -> dict:
             name = _fold(str(n.meta.get(M.PARAM, n.target)), foldable)
             storage = n.meta.get(M.STORAGE)
             p = params.setdefault(name, {"param": name, "count": 0, "shape": list(val.shape),
-                                         "spec": _spec_text(spec), "local_shape": list(local),
+                                         "spec": spec_json(spec, mesh), "spec_text": _spec_text(spec),
+                                         "local_shape": list(local),
                                          "bytes_per_rank": nbytes, "dtype": str(val.dtype).replace("torch.", ""),
                                          "zero_stage": storage.stage if storage is not None else 0,
-                                         "compute_spec": _spec_text(storage.compute if storage else spec)})
+                                         "compute_spec": spec_json(storage.compute if storage else spec, mesh),
+                                         "compute_spec_text": _spec_text(storage.compute if storage else spec)})
             p["count"] += 1
         elif n.op == "call_function":
             m["ops"] += 1
@@ -390,8 +584,8 @@ def _top_fold(name: str) -> str:
 
 def _indices(ix: list[int]) -> str:
     if ix == list(range(ix[0], ix[-1] + 1)):
-        return f"{ix[0]}–{ix[-1]}" if len(ix) > 1 else str(ix[0])
-    return ",".join(map(str, ix[:3])) + ("…" if len(ix) > 3 else "")
+        return f"{ix[0]}-{ix[-1]}" if len(ix) > 1 else str(ix[0])
+    return ",".join(map(str, ix[:3])) + ("..." if len(ix) > 3 else "")
 
 
 def _tree(names: list[str], groups: dict[str, list[int]]) -> list[tuple[str, str | None]]:
@@ -409,30 +603,86 @@ def _tree(names: list[str], groups: dict[str, list[int]]) -> list[tuple[str, str
                 seen.add(prefix)
                 ix = groups.get(prefix, [])
                 label = ".".join(parts[start:i]) + (f".{_indices(ix)}" if ix else ".*")
-                rows.append(("  " * depth + label + f" ×{len(ix)}", None))
+                rows.append(("  " * depth + label + f" x{len(ix)}", None))
             depth, start = depth + 1, i + 1
         rows.append(("  " * depth + (".".join(parts[start:]) or "(its own ops)" if parts else "(top level)"), name))
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]], right: set[int], width: int) -> list[str]:
+#: Characters after which a long cell or line may break (names break at their dots and underscores).
+_BREAKS = " .,_/]"
+
+
+def _wrap_cell(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken after a dot, underscore, comma or space where
+    possible; continuation lines are indented two more than the first. Nothing is dropped."""
+    if len(text) <= width:
+        return [text]
+    indent = len(text) - len(text.lstrip(" "))
+    cont = " " * (indent + 2) if width - indent - 2 >= 6 else ""
+    out, rest, prefix = [], text, ""
+    while len(prefix) + len(rest) > width:
+        room = width - len(prefix)
+        lead = len(rest) - len(rest.lstrip(" "))
+        cut = max((rest.rfind(c, lead, room) for c in _BREAKS), default=-1) + 1
+        if cut <= max(lead, room // 3):  # no break point worth using: cut the word
+            cut = room
+        out.append(prefix + rest[:cut].rstrip())
+        rest, prefix = rest[cut:].lstrip(" "), cont
+    out.append(prefix + rest)
+    return out
+
+
+def fit_text(text: str, width: int = 80) -> str:
+    """Plain text with every line over ``width`` wrapped at spaces (continuations indented two)."""
+    return "\n".join(_wrap_prose(text.splitlines(), width)) + ("\n" if text.endswith("\n") else "")
+
+
+def _wrap_prose(lines: list[str], width: int, indent: str = "  ") -> list[str]:
+    """Prose lines wrapped at spaces to ``width``; continuation lines start with ``indent``."""
+    out = []
+    for ln in lines:
+        while len(ln) > width:
+            cut = ln.rfind(" ", len(indent) + 1, width + 1)
+            cut = cut if cut > len(indent) else width
+            out.append(ln[:cut].rstrip())
+            ln = indent + ln[cut:].lstrip()
+        out.append(ln)
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int], width: int, groups: bool = False):
+    """Rows aligned in columns and fitted to ``width``: the widest left-aligned columns narrow (to 8 characters
+    at least) and their cells wrap over several lines (:func:`_wrap_cell`). Returns the lines, or with
+    ``groups`` one list of lines per row (the header first)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     over = sum(widths) + 2 * (len(widths) - 1) - width
-    if over > 0:  # shorten the first (name) column, keeping its end
-        widths[0] = max(12, widths[0] - over)
+    floor = [max(8, len(h)) if i not in right else widths[i] for i, h in enumerate(header)]
+    while over > 0:
+        i = max(range(len(widths)), key=lambda k: widths[k] - floor[k])
+        if widths[i] <= floor[i]:
+            break
+        widths[i] -= 1
+        over -= 1
 
-    def cell(v: str, i: int) -> str:
-        if i == 0 and len(v) > widths[0]:
-            v = v[:widths[0] - 1] + "…"
-        return v.rjust(widths[i]) if i in right else v.ljust(widths[i])
+    def render(r: list[str]) -> list[str]:
+        cells = [_wrap_cell(v, widths[i]) if i not in right else [v] for i, v in enumerate(r)]
+        out = []
+        for k in range(max(map(len, cells))):
+            parts = [(c[k] if k < len(c) else "") for c in cells]
+            out.append("  ".join(v.rjust(widths[i]) if i in right else v.ljust(widths[i])
+                                 for i, v in enumerate(parts)).rstrip())
+        return out
 
-    return ["  ".join(cell(v, i) for i, v in enumerate(r)).rstrip() for r in [header, *rows]]
+    rendered = [render(r) for r in [header, *rows]]
+    return rendered if groups else [ln for group in rendered for ln in group]
 
 
 def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
-    """A large plan in under a screen at ``width`` columns: per module kind (repeated layers folded, ``×32``) its
+    """A large plan in under a screen at ``width`` columns: per module kind (repeated layers folded, ``x32``) its
     ops, parameter and communication bytes per rank; each parameter kind's placement; the collectives per layer
-    with bytes; memory per rank and the estimated step time. ``autoshard show --nodes`` prints every node."""
+    with bytes; memory per rank and the estimated step time; the MoE layers (:func:`format_moe`). ``autoshard show
+    --nodes`` prints every node."""
     o = overview or plan_overview(plan)
     groups = o["groups"]
     lines = [f"plan for {o['model']} on {plan.mesh}: {o['nodes']} nodes, {o['parameters'] / 1e9:.2f}B parameters"
@@ -449,7 +699,7 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
         m = mods[name]
         rows.append([text, str(m["instances"]), str(m["ops"]), _bytes(m["param_bytes"]) if m["param_bytes"] else "",
                      _bytes(m["comm_bytes"]) if m["comm_bytes"] else ""])
-    lines += _table(["module", "×", "ops", "params/rank", "comm/rank"], rows, {1, 2, 3, 4}, width)
+    lines += _table(["module", "x", "ops", "params/rank", "comm/rank"], rows, {1, 2, 3, 4}, width)
     lines.append("")
     prm = {p["param"]: p for p in o["params"]}
     rows = []
@@ -458,7 +708,7 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
             rows.append([text, "", "", "", ""])
             continue
         p = prm[name]
-        rows.append([text, "[" + ", ".join(map(str, p["shape"])) + "]", p["spec"], str(p["zero_stage"]),
+        rows.append([text, "[" + ", ".join(map(str, p["shape"])) + "]", p["spec_text"], str(p["zero_stage"]),
                      _bytes(p["bytes_per_rank"])])
     lines += _table(["parameter", "shape", "spec (stored)", "zero", "per rank"], rows, {3, 4}, width)
     lines.append("")
@@ -480,7 +730,7 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
         rows.append([label, kind, str(c["count"]), _bytes(c["bytes_forward"]) if c["bytes_forward"]
                      else "-", _bytes(c["bytes_backward"]) if c["bytes_backward"] else "-"])
     rows.append(["total per step", "", str(tot_n), _bytes(tot_f), _bytes(tot_b)])
-    lines += _table(["collectives", "kind[axes]", "×", "fwd/rank", "bwd/rank"], rows, {2, 3, 4}, width)
+    lines += _table(["collectives", "kind[axes]", "x", "fwd/rank", "bwd/rank"], rows, {2, 3, 4}, width)
     lines.append("")
     cost = o["cost"]
     limit = cost["memory_limit_bytes"]
@@ -490,15 +740,10 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
                  f"communication {cost['comm_time_s'] * 1e3:.1f} ({cost['profile']})")
     lines.append("bytes per step per axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in
                                                           cost["comm_bytes_per_axis"].items()))
-    out = []
-    for ln in lines:  # prose lines wrap at width; table rows were fitted above
-        while len(ln) > width:
-            cut = ln.rfind(" ", 0, width)
-            cut = cut if cut > 0 else width
-            out.append(ln[:cut])
-            ln = "  " + ln[cut:].lstrip()
-        out.append(ln)
-    return "\n".join(out) + "\n"
+    moe = format_moe(plan)
+    if moe:
+        lines += ["", *moe.splitlines()]
+    return "\n".join(_wrap_prose(lines, width)) + "\n"  # prose lines wrap; table rows were fitted above
 
 
 def stages_json(pplan) -> dict:

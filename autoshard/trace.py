@@ -22,11 +22,18 @@ seen too; a ``use_reentrant=True`` call, which export turns into a no-grad submo
 is a :class:`TraceError` naming its line) so that the ops of each call are annotated (``torch.fx.traceback.annotate``); :func:`_mark_checkpoint_regions` turns the annotations
 into :data:`autoshard.meta.RECOMPUTE` ids — the region's module path (the common prefix of its ops' paths, ``#2``,
 ``#3`` for further calls of one module), distinct per call. A nested call belongs to the outermost region.
+
+Side effects: torch is patched only inside the ``with`` around ``torch.export`` in :func:`_export` (the checkpoint
+wrappers above, installed while any thread exports and restored when the last one leaves, whether export
+succeeded or failed). When the layers are not copied, the reason goes to the ``autoshard.trace`` logger
+(:func:`_log_no_reuse`: INFO for a :class:`~autoshard.layer_reuse.CannotReuse` reason, WARNING with the traceback
+for a fault of the copying itself); nothing is swallowed silently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
@@ -35,6 +42,7 @@ import torch.fx
 from autoshard import layer_reuse
 from autoshard import meta as M
 from autoshard.errors import TraceError
+from autoshard.graph_utils import fetch_attr  # re-exported: autoshard.trace.fetch_attr
 from autoshard.layer_reuse import find_groups
 from autoshard.progress import slow_step
 
@@ -42,9 +50,9 @@ from autoshard.progress import slow_step
 # FakeTensors in node.meta["val"], which the plan and rank passes compute with): simulated ranks (threads) that
 # compile lazily trace, run passes and make rank programs one at a time. Re-entrant: a pass may trace again.
 GRAPH_LOCK = threading.RLock()
+log = logging.getLogger(__name__)
 
-#: ``gm.meta`` key: container path -> [traced layer index, copied layer indices...] (see autoshard.layer_reuse)
-REUSED_LAYERS = "autoshard.reused_layers"
+REUSED_LAYERS = M.REUSED_LAYERS  # gm.meta: container path -> [traced layer, copied layers...] (autoshard.layer_reuse)
 _DROP_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
@@ -66,9 +74,26 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
         if reuse_layers:
             try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
                 return _finish(_export_reusing_layers(model, args, kwargs), model)
-            except Exception:  # _CannotReuse: layers that differ, or a structure the copy does not handle; or
-                pass  # export failed inside the reuse machinery: export every layer (which reports a real failure)
+            except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
+                _log_no_reuse(model, e)
         return _finish(_export(model, args, kwargs), model)
+
+
+def _log_no_reuse(model: torch.nn.Module, e: Exception) -> None:
+    """Say on the ``autoshard.trace`` logger why the layers of ``model`` are not copied: a
+    :class:`~autoshard.layer_reuse.CannotReuse` reason (layers that differ, a structure the copy does not handle)
+    or an export that failed with copied layers at INFO (exporting every layer reports a real failure again);
+    anything else, a fault of the copying itself, at WARNING with its traceback."""
+    name = type(model).__name__
+    reason = _cause(e, layer_reuse.CannotReuse)
+    if reason is not None:
+        log.info("%s: exporting every layer, the layers are not copied: %s", name, reason)
+    elif isinstance(e, TraceError):
+        log.info("%s: exporting every layer, the export with copied layers failed: %s", name,
+                 str(e).split(". ")[0])
+    else:
+        log.warning("%s: exporting every layer, copying the layers failed: %s: %s", name, type(e).__name__, e,
+                    exc_info=e)
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -83,7 +108,7 @@ def _to_meta(x):
 def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
     groups = find_groups(model)
     if not groups:
-        raise layer_reuse._CannotReuse("no repeated layers")
+        raise layer_reuse.CannotReuse("no repeated layers")
     for attempt in range(4):
         try:
             _CHECKPOINT_STATE.refuse = True  # the first checkpoint call ends this export (see _checkpoint_call)
@@ -93,7 +118,7 @@ def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
             finally:
                 _CHECKPOINT_STATE.refuse = False
             if any(_CHECKPOINT_KEY in (n.meta.get("custom") or {}) for n in gm.graph.nodes):
-                raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
+                raise layer_reuse.CannotReuse("torch.utils.checkpoint regions")
         except Exception as e:  # a copy called with other inputs: lead its group from there (once per group)
             mismatch = _cause(e, layer_reuse.LayerMismatch)
             if mismatch is None or attempt == 3:
@@ -105,9 +130,9 @@ def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
                 break
             groups = layer_reuse.without(groups, wrong)  # export again, tracing the layers that differ
         if not groups:
-            raise layer_reuse._CannotReuse("no layer can be copied")
+            raise layer_reuse.CannotReuse("no layer can be copied")
     else:
-        raise layer_reuse._CannotReuse("the layers could not be matched")
+        raise layer_reuse.CannotReuse("the layers could not be matched")
     layer_reuse.expand_layer_calls(gm, groups, model)
     gm.meta[REUSED_LAYERS] = {g.prefix: [g.first, *g.stubbed] for g in groups if g.stubbed}
     return gm
@@ -241,8 +266,7 @@ class _quiet_export_logs:
         return False
 
 
-#: key in a node's ``meta["custom"]`` (torch.fx.traceback.annotate) of the checkpoint call that made it
-_CHECKPOINT_KEY = "autoshard.checkpoint_call"
+_CHECKPOINT_KEY = M.CHECKPOINT_CALL  # in a node's meta["custom"]: the number of the checkpoint call that made it
 _CHECKPOINT_STATE = threading.local()
 
 
@@ -291,7 +315,7 @@ def _checkpoint_call():
     if calls is not None and getattr(_CHECKPOINT_STATE, "refuse", False):
         # an export that copies layers would copy a region's marks to layers that may not be checkpointed: stop it
         # at once (not after the whole model) and export every layer instead
-        raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
+        raise layer_reuse.CannotReuse("torch.utils.checkpoint regions")
     if calls is None or inside:  # not exporting on this thread, or nested in an annotated call
         yield
         return
@@ -320,7 +344,7 @@ class _ReentrantCall:
 
     def apply(self, *args):
         if getattr(_CHECKPOINT_STATE, "calls", None) is not None and getattr(_CHECKPOINT_STATE, "refuse", False):
-            raise layer_reuse._CannotReuse("torch.utils.checkpoint regions")
+            raise layer_reuse.CannotReuse("torch.utils.checkpoint regions")
         if getattr(_CHECKPOINT_STATE, "calls", None) is not None and _CHECKPOINT_STATE.reentrant is None:
             import traceback
 
@@ -372,7 +396,7 @@ def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphM
     _annotate_params(gm, model)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
-            node.meta["val"] = _fetch(gm, node.target)
+            node.meta["val"] = fetch_attr(gm, node.target)
     _renumber(gm)  # assigning the new graph recompiles the module
     return gm
 
@@ -443,15 +467,3 @@ def _annotate_params(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
         if node.op == "get_attr":
             node.meta[M.PARAM] = str(node.target)
             node.meta[M.ALIASES] = tuple(by_name.get(str(node.target), [str(node.target)]))
-
-
-def _fetch(gm: torch.nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def fetch_attr(gm: torch.nn.Module, target: str):
-    """The parameter/buffer/constant at a get_attr target."""
-    return _fetch(gm, target)

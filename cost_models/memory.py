@@ -263,7 +263,7 @@ def _parameter_copy(node: Node) -> tuple[Node | None, bool]:
     syncs_and_casts = all(str(c.target) in _CASTS or c.meta[M.COLLECTIVE].kind == "grad_all_reduce" for c in chain)
     if M.STORAGE not in cur.meta and syncs_and_casts:
         return cur, True  # the compute copy of a parameter stored whole (before or after its gradient sync)
-    if M.STORAGE in cur.meta and all(M.COLLECTIVE in c.meta or c.meta.get("autoshard.precision_cast") for c in chain):
+    if M.STORAGE in cur.meta and all(M.COLLECTIVE in c.meta or c.meta.get(M.PRECISION_CAST) for c in chain):
         return cur, True
     return cur, False
 

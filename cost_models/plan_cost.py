@@ -23,7 +23,7 @@ from autoshard.mesh import Mesh
 from autoshard.placements import Spec, local_shape
 
 
-def _local_numel(shape_, spec, mesh) -> int:
+def local_numel(shape_, spec, mesh) -> int:
     return math.prod(local_shape(shape_, spec, mesh))
 
 
@@ -37,7 +37,7 @@ def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, vals: list 
     for v, spec in zip(vals, list(strat.input_specs) + list(outs)):
         if spec is None or v.numel() == 0:
             continue
-        best = max(best, v.numel() / max(1, _local_numel(v.shape, spec, mesh)))
+        best = max(best, v.numel() / max(1, local_numel(v.shape, spec, mesh)))
     return best
 
 
@@ -61,7 +61,7 @@ def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: Hardwar
     return t
 
 
-def _link(profile: HardwareProfile, mesh: Mesh, axis: str):
+def link(profile: HardwareProfile, mesh: Mesh, axis: str):
     return profile.link_for(axis, mesh.index(axis), mesh)
 
 
@@ -78,17 +78,17 @@ def redistribution_time_of(src, dst, shp, size, rg, mesh, profile) -> float | No
     total = 0.0
     for st in steps:
         n = mesh.axis_size(st.axis)
-        before = _local_numel(shp, st.before, mesh) * size
-        after = _local_numel(shp, st.after, mesh) * size
-        fwd, bwd = kind_time(st.kind, max(before, after), n, _link(profile, mesh, st.axis), rg)
+        before = local_numel(shp, st.before, mesh) * size
+        after = local_numel(shp, st.after, mesh) * size
+        fwd, bwd = kind_time(st.kind, max(before, after), n, link(profile, mesh, st.axis), rg)
         total += fwd
         total += bwd
     return total
 
 
 def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile) -> float:
-    nbytes = _local_numel(shape(x), spec, mesh) * itemsize(x)
-    return sum(kind_time("grad_all_reduce", nbytes, mesh.axis_size(a), _link(profile, mesh, a))[1] for a in axes)
+    nbytes = local_numel(shape(x), spec, mesh) * itemsize(x)
+    return sum(kind_time("grad_all_reduce", nbytes, mesh.axis_size(a), link(profile, mesh, a))[1] for a in axes)
 
 
 def _zero_stage_of_gather(node: torch.fx.Node, info) -> int:
@@ -96,7 +96,7 @@ def _zero_stage_of_gather(node: torch.fx.Node, info) -> int:
     if info.kind != "all_gather":
         return 0
     src = node.args[0]
-    while isinstance(src, torch.fx.Node) and src.op == "call_function" and src.meta.get("autoshard.precision_cast"):
+    while isinstance(src, torch.fx.Node) and src.op == "call_function" and src.meta.get(M.PRECISION_CAST):
         src = src.args[0]
     storage = src.meta.get(M.STORAGE) if isinstance(src, torch.fx.Node) else None
     return storage.stage if storage is not None and storage.axis in info.axes else 0
@@ -120,8 +120,8 @@ def _zero_sync_saving(x, info, mesh: Mesh, profile: HardwareProfile) -> float:
     axis = gather.axes[0]
     if axis not in info.axes:
         return 0.0
-    full = _local_numel(shape(x), info.src, mesh) * itemsize(x)
-    link = _link(profile, mesh, axis)
+    full = local_numel(shape(x), info.src, mesh) * itemsize(x)
+    link = link(profile, mesh, axis)
     n = mesh.axis_size(axis)
     all_reduce = kind_time("grad_all_reduce", full, n, link)[1]
     reduce_scatter = kind_time("all_gather_sync", full, n, link)[1]
@@ -168,3 +168,7 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
                 compute += compute_time(n, profile, shard_factor(n, n.meta[M.STRATEGY], mesh))
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
     return PlanCost(compute + comm, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes, breakdown)
+
+
+# the plan search imported these under their former private names; kept until it imports the public ones
+_link, _local_numel = link, local_numel

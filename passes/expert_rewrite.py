@@ -45,21 +45,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
 from autoshard.context import Context
 from autoshard.errors import PlanError
+from autoshard.graph_utils import NodeBuilder, fetch_attr
 from autoshard.moe import graph_ops
 from autoshard.moe.options import capacity_of
 from autoshard.moe.records import new_key
 from autoshard.moe.result import MoELayer, MoERewrite
 from autoshard.placements import Replicate, Shard
-from autoshard.trace import fetch_attr
 
 aten = torch.ops.aten
 
@@ -228,75 +226,12 @@ def match_ffn(gm: torch.fx.GraphModule, path: str) -> FFN:
     return FFN(path, x, tuple(in_projs), tuple(between), out_proj, result, tuple(nodes), identity)
 
 
-class _Builder:
-    """Adds nodes before an anchor, each with a FakeTensor val and the FFN's module stack."""
-
-    def __init__(self, gm, anchor, fake_mode, stack, trace):
-        self.gm, self.graph, self.anchor, self.fake_mode = gm, gm.graph, anchor, fake_mode
-        self.stack, self.trace = stack, trace
-
-    def _meta(self, node, val):
-        node.meta["val"] = val
-        if self.stack is not None:
-            node.meta["nn_module_stack"] = dict(self.stack)
-        if self.trace:
-            node.meta["stack_trace"] = self.trace
-        return node
-
-    def call(self, target, *args, **kwargs):
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args, kwargs)
-        fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, (args, kwargs))
-        with self.fake_mode:
-            val = target(*fa, **fk)
-        return self._meta(node, val)
-
-    def items(self, node, count):
-        out = []
-        for i in range(count):
-            with self.graph.inserting_before(self.anchor):
-                item = self.graph.call_function(operator.getitem, (node, i))
-            out.append(self._meta(item, node.meta["val"][i]))
-        return out
-
-    def copy(self, old, env, src=lambda a: a):
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.node_copy(old, lambda a: env[src(a)])
-        fa, fk = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a,
-                                 (node.args, node.kwargs))
-        with self.fake_mode:
-            val = old.target(*fa, **fk)
-        keep = {k: v for k, v in old.meta.items() if k in ("nn_module_stack", "stack_trace")}
-        node.meta = keep
-        node.meta["val"] = val
-        return node
-
-    def param(self, fqn: str, value: torch.Tensor):
-        _set_param(self.gm, fqn, torch.nn.Parameter(value, requires_grad=True))
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.get_attr(fqn)
-        node.meta["val"] = self.fake_mode.from_tensor(fetch_attr(self.gm, fqn), static_shapes=True)
-        node.meta[M.PARAM] = fqn
-        node.meta[M.ALIASES] = (fqn,)
-        return node
-
-
-def _set_param(gm: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
-    *parents, leaf = fqn.split(".")
-    mod = gm
-    for part in parents:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
-
-
 def _stack_for(ffn: FFN):
     stack = ffn.out_proj.meta.get("nn_module_stack")
     if not stack:
         return None
     kept = {k: v for k, v in stack.items()
-            if M._clean_path(v[0]) == ffn.path or ffn.path.startswith(M._clean_path(v[0]) + ".")}
+            if M.clean_path(v[0]) == ffn.path or ffn.path.startswith(M.clean_path(v[0]) + ".")}
     return kept or None
 
 
@@ -327,7 +262,7 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     per_group = tokens // groups
     E, k = opts.num_experts, opts.top_k
     cap = capacity_of(per_group, opts)
-    b = _Builder(gm, ffn.result, xval.fake_mode, _stack_for(ffn), ffn.out_proj.meta.get("stack_trace"))
+    b = NodeBuilder(gm, ffn.result, xval.fake_mode, _stack_for(ffn), ffn.out_proj.meta.get("stack_trace"))
     path = ffn.path
 
     # parameters

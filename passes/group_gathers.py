@@ -157,5 +157,5 @@ class GroupGathers:
         if made:
             graph.lint()
             gm.recompile()
-            gm.meta.pop("autoshard.reshards", None)
+            gm.meta.pop(M.RESHARDS, None)
         return gm

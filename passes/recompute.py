@@ -66,7 +66,7 @@ def recompute_regions(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]
 def _stack_paths(node: torch.fx.Node) -> list[str]:
     """The module paths of a node's module stack, outermost first ('' for the model itself is left out)."""
     stack = node.meta.get("nn_module_stack") or {}
-    return [p for p in (M._clean_path(v[0]) for v in stack.values()) if p]
+    return [p for p in (M.clean_path(v[0]) for v in stack.values()) if p]
 
 
 def module_regions(gm: torch.fx.GraphModule, glob: str) -> dict[str, list[torch.fx.Node]]:

@@ -45,7 +45,7 @@ from autoshard.placements import Shard
 
 __all__ = ["ShardStorage", "stage_of", "stored_spec"]
 
-PRECISION_CAST = "autoshard.precision_cast"
+PRECISION_CAST = M.PRECISION_CAST
 
 
 def stored_spec(compute: tuple, shape_: tuple[int, ...], mesh, axis: str) -> tuple | None:

@@ -1,9 +1,13 @@
 """The architecture as tests: layering rules a refactor must keep.
 
-* ``autoshard/errors.py`` is a leaf (imports nothing of autoshard);
+* every module imports; ``autoshard/errors.py`` is a leaf (imports nothing of autoshard);
 * the runtime never imports the compiler (passes, codegen, plan, rules, cost models);
-* no import cycles among autoshard's modules (imports at module level);
-* every pass class in ``passes/`` is in the one pass list (:func:`autoshard.passes.manager.pass_list`);
+* no import cycles among autoshard's modules, neither at module level nor counting the imports inside functions
+  (:data:`ACCEPTED_CYCLES` names the one cycle still waiting to be broken);
+* no module imports another module's private (``_name``) names, nor reads them as ``module._name``;
+* every ``node.meta``/``gm.meta`` key is defined in :mod:`autoshard.meta`;
+* every pass class in ``passes/`` is in the one pass list (:func:`autoshard.passes.manager.pass_list`), passes are
+  made and run only by ``passes/manager.py``, and a compiled plan records exactly the list's passes, in order;
 * no home-made transport: the runtime names no ``/dev/shm`` and no shared-memory mapping.
 """
 
@@ -55,6 +59,11 @@ def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
             found.add(base)
             found |= {f"{base}.{a.name}" for a in node.names}
     return {m for m in found if m in MODULES}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_module_imports(module):
+    importlib.import_module(module)
 
 
 def test_errors_is_a_leaf():
@@ -135,3 +144,210 @@ def test_generated_code_names_operators_for_every_collective():
     code = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan.code(0)
     assert "torch.ops.autoshard.all_reduce.default(" in code
     assert "autoshard_runtime_collectives" not in code
+
+
+# ---- cycles counting function-level imports ------------------------------------------------------------------
+#: Import cycles not yet broken, each one entry: a test that finds only these xfails (and names them); any other
+#: cycle, or one of these grown by a module, fails.
+ACCEPTED_CYCLES: list[frozenset[str]] = [
+    # ShardedModule's parameters, materialisation, checkpoints and the pipelined module call each other
+    frozenset({"autoshard.api", "autoshard.checkpoint", "autoshard.materialize", "autoshard.pipeline",
+               "autoshard.pipeline.module", "autoshard.pipeline.plan"}),
+]
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    graph = {m: _imports(p, m, top_level_only=top_level_only) - {m} for m, p in MODULES.items()}
+    for m in graph:  # a package importing its own submodules (re-exports) is not a cycle through the package
+        graph[m] = {d for d in graph[m] if not (MODULES[m].name == "__init__.py" and d.startswith(m + "."))}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[frozenset[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.add(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    out.append(frozenset(comp))
+    return out
+
+
+def test_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_counting_function_level_imports():
+    cycles = _cycles(_graph(top_level_only=False))
+    unexpected = [c for c in cycles if not any(c <= accepted for accepted in ACCEPTED_CYCLES)]
+    assert not unexpected, "import cycles (imports inside functions count): " + "; ".join(
+        "{" + ", ".join(sorted(c)) + "}" for c in unexpected)
+    if cycles:
+        pytest.xfail("accepted cycle still present: " + "; ".join("{" + ", ".join(sorted(c)) + "}" for c in cycles))
+
+
+# ---- private names ---------------------------------------------------------------------------------------------
+#: (importing module prefix, private name) pairs still imported across modules, each to be removed with its user.
+PENDING_PRIVATE_IMPORTS: set[tuple[str, str]] = {
+    # the plan search reads the cost model's link and local size helpers by their former names (now public:
+    # autoshard.cost_models.plan_cost.link / local_numel)
+    ("autoshard.passes.plan_search", "_link"),
+    ("autoshard.passes.plan_search", "_local_numel"),
+}
+
+
+def _private_uses(module: str, path: Path) -> list[str]:
+    """``from other import _name`` and ``other_module._name`` in ``module`` (``other`` an autoshard module)."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    aliases: dict[str, str] = {}  # local name -> autoshard module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for a in node.names:
+                if f"{base}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif base in MODULES and base != module and a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"from {base} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and aliases[node.value.id] != module and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        for use in _private_uses(module, path):
+            name = use.rpartition(" ")[2].rpartition(".")[2]
+            if not any(module.startswith(prefix) and name == private for prefix, private in PENDING_PRIVATE_IMPORTS):
+                bad.append(f"{module}: {use}")
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+# ---- meta keys -------------------------------------------------------------------------------------------------
+#: Module-level "autoshard.*" strings outside autoshard/meta.py that are not metadata keys.
+NOT_META_KEYS = {("autoshard.checkpoint", "MARKER")}  # the checkpoint's commit-marker file name, autoshard.json
+
+
+def test_meta_keys_are_defined_in_meta():
+    import re
+
+    key = re.compile(r"autoshard\.[a-z_]+")
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        if module == "autoshard.meta":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # NAME = "autoshard.something"
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str) and key.fullmatch(node.value.value)):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                if not any((module, n) in NOT_META_KEYS for n in names):
+                    bad.append(f"{module}: {', '.join(names)} = {node.value.value!r}")
+        for node in ast.walk(tree):  # x.meta["autoshard.something"], x.meta.get("autoshard.something")
+            literal = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                literal = node.slice.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+                  and node.func.attr in ("get", "setdefault", "pop") and isinstance(node.args[0], ast.Constant)):
+                literal = node.args[0].value
+            if isinstance(literal, str) and key.fullmatch(literal):
+                bad.append(f"{module}:{node.lineno}: literal key {literal!r}")
+    assert not bad, "meta keys defined outside autoshard/meta.py:\n" + "\n".join(bad)
+
+
+# ---- passes run only from the pass list ------------------------------------------------------------------------
+def _pass_classes() -> dict[str, type]:
+    out = {}
+    for name in MODULES:
+        if not name.startswith("autoshard.passes.") or name == "autoshard.passes.manager":
+            continue
+        for obj in vars(importlib.import_module(name)).values():
+            if (inspect.isclass(obj) and obj.__module__ == name and dataclasses.is_dataclass(obj)
+                    and callable(getattr(obj, "run", None)) and any(f.name == "name" for f in dataclasses.fields(obj))):
+                out[obj.__name__] = obj
+    return out
+
+
+def test_passes_are_made_and_run_only_by_the_manager():
+    """No module but passes/manager.py makes a pass (``Propagate(...)``) or calls ``.run`` on one: a pass run
+    outside the list would skip its verifier and be missing from the plan's record of the passes that ran."""
+    classes = _pass_classes()
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        if module == "autoshard.passes.manager":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in classes:
+                bad.append(f"{module}:{node.lineno}: makes pass {f.id}")
+            elif isinstance(f, ast.Attribute) and f.attr == "run" and (
+                    isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name) and f.value.func.id in classes
+                    or isinstance(f.value, ast.Name) and f.value.id in classes):
+                bad.append(f"{module}:{node.lineno}: runs pass {ast.unparse(f.value)}")
+    assert not bad, "passes made or run outside passes/manager.py:\n" + "\n".join(bad)
+
+
+def test_a_plan_records_exactly_the_listed_passes():
+    """The passes a compiled plan and a rank program record as run are the pass list's, in its order."""
+    from autoshard import meta as M
+    from autoshard.passes import manager
+    from autoshard.precision import MixedPrecision
+    from examples import models
+
+    model, args, kwargs = models.gpt(layers=1)
+    mesh = autoshard.Mesh(data=2, model=2)
+    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), zero=3,
+                             recompute="blocks.*", precision=MixedPrecision(), planner="greedy").plan
+    listed = manager.pass_list(plan.context.options)
+    plan_names = tuple(p.name for p in listed["plan"])
+    assert plan.graph_module.meta[M.PASSES_RUN] == plan_names
+    ran = tuple(plan.rank_module(1).meta[M.PASSES_RUN])
+    options = [manager.pass_list(plan.context.options, program=manager.ProgramOptions(bucket_grads=b))["rank"]
+               for b in (False, True)]
+    assert ran in [plan_names + tuple(p.name for p in rank) for rank in options], ran

@@ -35,3 +35,11 @@ def test_train_gpt_under_torchrun_matches_one_process():
     assert "max |sharded - single| over 20 steps" in proc.stdout
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == 20
+
+
+def test_hf_model_script_simulated_matches_eager(capsys):
+    from examples import hf_model
+
+    assert hf_model.main([]) == 0
+    out = capsys.readouterr().out
+    assert "MATCH" in out and "MISMATCH" not in out and "eager loss" in out

@@ -275,7 +275,11 @@ def test_cli_show_marks_moe_layers(capsys):
                  "--factory-arg", "hidden=32", "--moe", "layers=blocks.*.mlp,every=2,num_experts=4,top_k=2"])
     out = capsys.readouterr().out
     assert code == 0
-    line = next(ln for ln in out.splitlines() if ln.startswith("MoE blocks.1.mlp"))
+    lines = out.splitlines()  # the MoE line, with the lines it wrapped onto (indented) at the terminal's width
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("MoE blocks.1.mlp"))
+    rest = [ln.strip() for ln in lines[first + 1:]]
+    line = " ".join([lines[first], *rest[:next((i for i, ln in enumerate(lines[first + 1:]) if not ln.startswith("  ")),
+                                               len(rest))]])
     assert "capacity 20 per expert per group" in line and "2 per rank on `data`" in line
     assert "all-to-all: 2 forward + 2 backward" in line
     assert main(["show", "examples.models:gpt", "--mesh", "data=2", "--moe", "layers=blocks.*.mlp,top_k=x"]) == 2

@@ -227,7 +227,7 @@ def test_cli_show_pipeline_prints_the_stages(capsys):
     argv = ["show", "examples.models:gpt", "--mesh", "pipe=2,model=2", "--megatron", "--factory-arg", "layers=4",
             "--pipeline", "microbatches=4,schedule=gpipe,split=blocks.2"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = " ".join(ln.strip() for ln in capsys.readouterr().out.splitlines())  # lines wrap at the width
     assert "2 stages (manual split), schedule gpipe, 4 microbatches" in out and "boundary 0->1" in out
     assert main([*argv[:-1], "microbatches=4,split=blocks.9"]) == 2
     assert "names no module of the model" in capsys.readouterr().err

@@ -50,13 +50,14 @@ from torch import Tensor
 
 from autoshard import meta as M
 from autoshard.errors import PlanError
+from autoshard.graph_utils import NodeBuilder
 from autoshard.ops.dimmap import DimMap, OpInfo
 from autoshard.ops.registry import elementwise, op
 
 __all__ = ["FOUND", "Block", "find_blocks", "rewrite_existing", "slot_groups", "swapped"]
 
 #: ``gm.meta`` key: what :func:`swapped` found in the traced model (a :class:`Found`)
-FOUND = "autoshard.hf_moe_blocks"
+FOUND = M.HF_MOE_BLOCKS
 
 #: activation name -> function; an experts module's ``act_fn`` is identified by its values on a probe
 ACTIVATIONS = {
@@ -329,7 +330,6 @@ def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
     from autoshard.moe.records import new_key
     from autoshard.moe.result import MoELayer, MoERewrite
     from autoshard.moe.routing import capacity
-    from autoshard.passes.expert_rewrite import _Builder
     from autoshard.placements import Replicate, Shard
 
     found: Found | None = gm.meta.get(FOUND)
@@ -371,7 +371,7 @@ def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
         per_group = tokens // groups
         cf = opts.capacity_factor
         cap = per_group if cf is None else min(per_group, capacity(per_group, E, k, cf))
-        b = _Builder(gm, node, xval.fake_mode, node.meta.get("nn_module_stack"), node.meta.get("stack_trace"))
+        b = NodeBuilder(gm, node, xval.fake_mode, node.meta.get("nn_module_stack"), node.meta.get("stack_trace"))
         xg = b.call(aten.reshape.default, hidden, [groups, per_group, h])
         ei = b.call(aten.reshape.default, index, [groups, per_group, k])
         wg = b.call(aten.reshape.default, weights, [groups, per_group, k])

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autoshard import meta as M
 from autoshard.errors import AutoshardError
 from autoshard.parameters import like, local_of
 from autoshard.runtime.comm import Communicator, Handle, current
@@ -42,7 +43,7 @@ from autoshard.runtime.comm import Communicator, Handle, current
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "GRAD_SYNC", "GradBucketer"]
 
 #: Key of ``GraphModule.meta`` under which codegen lists the parameters whose gradient sync was left out.
-GRAD_SYNC = "autoshard.grad_sync"
+GRAD_SYNC = M.GRAD_SYNC
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 

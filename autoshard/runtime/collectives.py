@@ -8,7 +8,8 @@ simulator or ``torch.distributed`` (gloo, NCCL) — the ops do not depend on whi
 
 Two layers:
 
-* **primitives** (``autoshard::_all_reduce``, ``_all_gather``, ``_reduce_scatter``, ``_all_to_all``, ``_chunk``):
+* **primitives** (``autoshard::_all_reduce``, ``_all_gather``, ``_reduce_scatter``, ``_all_to_all``, ``_chunk``;
+  :mod:`autoshard.runtime.primitives`):
   one raw collective each, no autograd (backward through one raises), the ``phase`` recorded in the
   communicator's log. Autograd formulas are written with them.
 * **graph collectives**, each the conjugate pair of the gradient convention (DESIGN.md, "Gradients"): the
@@ -47,12 +48,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from contextlib import nullcontext
 
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.comm import PHASES, CollectiveRecord, current, use
+from autoshard.runtime.comm import PHASES, CollectiveRecord, current
+from autoshard.runtime.primitives import (all_to_all_shape, chunk, comm_of, define_op, gathered_shape, keep_comm,
+                                          raw_all_gather, raw_all_reduce, raw_all_to_all, raw_reduce_scatter,
+                                          scattered_shape, sum_over)
+from autoshard.runtime.zero import remember_gathered
 
 __all__ = [
     "all_gather",
@@ -67,132 +71,28 @@ __all__ = [
 ]
 
 
-def _op(name: str, schema: str):
-    return torch.library.custom_op(f"autoshard::{name}", mutates_args=(), schema=schema)
-
-
-def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # a custom op's output may not alias its input (the simulator may hand back the input's storage)
-    return out.clone() if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else out
-
-
-def _gathered_shape(x: torch.Tensor, dim: int, size: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] *= size
-    return shape
-
-
-def _scattered_shape(x: torch.Tensor, dim: int, size: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] //= size
-    return shape
-
-
-def _all_to_all_shape(x: torch.Tensor, split_dim: int, cat_dim: int, size: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[split_dim] //= size
-    shape[cat_dim] *= size
-    return x.new_empty(shape)
-
-
-# ---- primitives: one raw collective, no autograd ----------------------------------------------------------
-@_op("_all_reduce", "(Tensor x, str axis, str phase) -> Tensor")
-def _all_reduce(x, axis, phase):
-    return _fresh(current().all_reduce(x, axis, phase=phase), x)
-
-
-@_all_reduce.register_fake
-def _(x, axis, phase):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@_op("_all_gather", "(Tensor x, str axis, int dim, int size, str phase) -> Tensor")
-def _all_gather(x, axis, dim, size, phase):
-    return current().all_gather(x, axis, dim, phase=phase)
-
-
-@_all_gather.register_fake
-def _(x, axis, dim, size, phase):
-    return x.new_empty(_gathered_shape(x, dim, size))
-
-
-@_op("_reduce_scatter", "(Tensor x, str axis, int dim, int size, str phase) -> Tensor")
-def _reduce_scatter(x, axis, dim, size, phase):
-    return current().reduce_scatter(x, axis, dim, phase=phase)
-
-
-@_reduce_scatter.register_fake
-def _(x, axis, dim, size, phase):
-    return x.new_empty(_scattered_shape(x, dim, size))
-
-
-@_op("_all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size, str phase) -> Tensor")
-def _all_to_all(x, axis, split_dim, cat_dim, size, phase):
-    return _fresh(current().all_to_all(x, axis, split_dim, cat_dim, phase=phase), x)
-
-
-@_all_to_all.register_fake
-def _(x, axis, split_dim, cat_dim, size, phase):
-    return _all_to_all_shape(x, split_dim, cat_dim, size)
-
-
-@_op("_chunk", "(Tensor x, str axis, int dim, int size) -> Tensor")
-def _chunk(x, axis, dim, size):
-    """This rank's contiguous chunk of ``x`` along ``dim`` on ``axis`` (a copy: later in-place ops on the shard
-    must not touch the replica)."""
-    comm = current()
-    dim = comm._dim(x, dim, "local_slice", comm._axis(axis), divisible=True)
-    n = x.shape[dim] // size
-    return x.narrow(dim, comm.axis_index(axis) * n, n).clone()
-
-
-@_chunk.register_fake
-def _(x, axis, dim, size):
-    return x.new_empty(_scattered_shape(x, dim, size))
-
-
-# ---- autograd helpers -------------------------------------------------------------------------------------
-def _keep_comm(ctx) -> None:
-    try:
-        ctx.comm = current()
-    except AutoshardError:
-        ctx.comm = None
-
-
-def _comm_of(ctx):
-    """The forward's communicator, current for the backward's primitives (eager backward on another thread)."""
-    comm = getattr(ctx, "comm", None)
-    return use(comm) if comm is not None and not torch.compiler.is_compiling() else nullcontext()
-
-
-def _sum_over(grad: torch.Tensor, axes) -> torch.Tensor:
-    for axis in axes:
-        grad = _all_reduce(grad, axis, "backward")
-    return grad
-
-
 # ---- graph collectives ------------------------------------------------------------------------------------
-@_op("all_reduce", "(Tensor x, str axis) -> Tensor")
+@define_op("all_reduce", "(Tensor x, str axis) -> Tensor")
 def _all_reduce_op(x, axis):
-    return _all_reduce(x, axis, "forward")
+    return raw_all_reduce(x, axis, "forward")
 
 
 _all_reduce_op.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
 _all_reduce_op.register_autograd(lambda ctx, grad: (grad, None))
 
 
-@_op("grad_all_reduce", "(Tensor x, str[] axes) -> Tensor")
+@define_op("grad_all_reduce", "(Tensor x, str[] axes) -> Tensor")
 def _grad_all_reduce_op(x, axes):
     return x.clone()
 
 
 def _grad_all_reduce_backward(ctx, grad):
-    with _comm_of(ctx):
-        return _sum_over(grad, ctx.axes), None
+    with comm_of(ctx):
+        return sum_over(grad, ctx.axes), None
 
 
 def _setup_grad_all_reduce(ctx, inputs, output):
-    _keep_comm(ctx)
+    keep_comm(ctx)
     ctx.axes = tuple(inputs[1])
 
 
@@ -202,76 +102,76 @@ _grad_all_reduce_op.register_autograd(_grad_all_reduce_backward, setup_context=_
 
 def _setup_dims(ctx, inputs, output):
     """For ops ``(x, axis, *ints)``: keep the axis and the int arguments."""
-    _keep_comm(ctx)
+    keep_comm(ctx)
     ctx.axis, ctx.ints = inputs[1], tuple(inputs[2:])
 
 
-@_op("all_gather", "(Tensor x, str axis, int dim, int size) -> Tensor")
+@define_op("all_gather", "(Tensor x, str axis, int dim, int size) -> Tensor")
 def _all_gather_op(x, axis, dim, size):
-    return _all_gather(x, axis, dim, size, "forward")
+    return raw_all_gather(x, axis, dim, size, "forward")
 
 
 def _all_gather_backward(ctx, grad):
     dim, size = ctx.ints
-    with _comm_of(ctx):
-        return _chunk(grad, ctx.axis, dim, size), None, None, None
+    with comm_of(ctx):
+        return chunk(grad, ctx.axis, dim, size), None, None, None
 
 
-_all_gather_op.register_fake(lambda x, axis, dim, size: x.new_empty(_gathered_shape(x, dim, size)))
+_all_gather_op.register_fake(lambda x, axis, dim, size: x.new_empty(gathered_shape(x, dim, size)))
 _all_gather_op.register_autograd(_all_gather_backward, setup_context=_setup_dims)
 
 
-@_op("reduce_scatter", "(Tensor x, str axis, int dim, int size) -> Tensor")
+@define_op("reduce_scatter", "(Tensor x, str axis, int dim, int size) -> Tensor")
 def _reduce_scatter_op(x, axis, dim, size):
-    return _reduce_scatter(x, axis, dim, size, "forward")
+    return raw_reduce_scatter(x, axis, dim, size, "forward")
 
 
 def _gather_the_gradient(ctx, grad):
     """Backward of ops whose output is this rank's slice (reduce_scatter, local_slice): all-gather the gradient."""
     dim, size = ctx.ints
-    with _comm_of(ctx):
-        return _all_gather(grad, ctx.axis, dim, size, "backward"), None, None, None
+    with comm_of(ctx):
+        return raw_all_gather(grad, ctx.axis, dim, size, "backward"), None, None, None
 
 
-_reduce_scatter_op.register_fake(lambda x, axis, dim, size: x.new_empty(_scattered_shape(x, dim, size)))
+_reduce_scatter_op.register_fake(lambda x, axis, dim, size: x.new_empty(scattered_shape(x, dim, size)))
 _reduce_scatter_op.register_autograd(_gather_the_gradient, setup_context=_setup_dims)
 
 
-@_op("all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size) -> Tensor")
+@define_op("all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size) -> Tensor")
 def _all_to_all_op(x, axis, split_dim, cat_dim, size):
-    return _all_to_all(x, axis, split_dim, cat_dim, size, "forward")
+    return raw_all_to_all(x, axis, split_dim, cat_dim, size, "forward")
 
 
 def _all_to_all_backward(ctx, grad):
     split_dim, cat_dim, size = ctx.ints
-    with _comm_of(ctx):
-        return _all_to_all(grad, ctx.axis, cat_dim, split_dim, size, "backward"), None, None, None, None
+    with comm_of(ctx):
+        return raw_all_to_all(grad, ctx.axis, cat_dim, split_dim, size, "backward"), None, None, None, None
 
 
 @_all_to_all_op.register_fake
 def _(x, axis, split_dim, cat_dim, size):
-    return _all_to_all_shape(x, split_dim, cat_dim, size)
+    return all_to_all_shape(x, split_dim, cat_dim, size)
 
 
 _all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_setup_dims)
 
 
-@_op("local_slice", "(Tensor x, str axis, int dim, int size) -> Tensor")
+@define_op("local_slice", "(Tensor x, str axis, int dim, int size) -> Tensor")
 def _local_slice_op(x, axis, dim, size):
-    return _chunk(x, axis, dim, size)
+    return chunk(x, axis, dim, size)
 
 
-_local_slice_op.register_fake(lambda x, axis, dim, size: x.new_empty(_scattered_shape(x, dim, size)))
+_local_slice_op.register_fake(lambda x, axis, dim, size: x.new_empty(scattered_shape(x, dim, size)))
 _local_slice_op.register_autograd(_gather_the_gradient, setup_context=_setup_dims)
 
 
-@_op("all_gather_sync", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
+@define_op("all_gather_sync", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
 def _all_gather_sync_op(x, axis, dim, size, axes):
-    return _all_gather(x, axis, dim, size, "forward")
+    return raw_all_gather(x, axis, dim, size, "forward")
 
 
 def _setup_gather_sync(ctx, inputs, output):
-    _keep_comm(ctx)
+    keep_comm(ctx)
     _, ctx.axis, ctx.dim, ctx.size, axes = inputs
     ctx.axes = tuple(axes)
 
@@ -280,22 +180,20 @@ def _all_gather_sync_backward(ctx, grad):
     # all_gather + grad_all_reduce on the same axis, fused: the sum over ``axis`` and the slice are one
     # reduce-scatter (half the bytes of all-reduce + slice); the other axes are summed in the order of ``axes``
     k = ctx.axes.index(ctx.axis)
-    with _comm_of(ctx):
-        grad = _sum_over(grad, ctx.axes[:k])
-        grad = _reduce_scatter(grad, ctx.axis, ctx.dim, ctx.size, "backward")
-        grad = _sum_over(grad, ctx.axes[k + 1:])
+    with comm_of(ctx):
+        grad = sum_over(grad, ctx.axes[:k])
+        grad = raw_reduce_scatter(grad, ctx.axis, ctx.dim, ctx.size, "backward")
+        grad = sum_over(grad, ctx.axes[k + 1:])
     return grad, None, None, None, None
 
 
-_all_gather_sync_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(_gathered_shape(x, dim, size)))
+_all_gather_sync_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(gathered_shape(x, dim, size)))
 _all_gather_sync_op.register_autograd(_all_gather_sync_backward, setup_context=_setup_gather_sync)
 
 
-@_op("all_gather_reshard", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
+@define_op("all_gather_reshard", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
 def _all_gather_reshard_op(x, axis, dim, size, axes):
-    from autoshard.runtime.zero import remember_gathered
-
-    return remember_gathered(_all_gather(x, axis, dim, size, "forward"), x, axis, dim, size)
+    return remember_gathered(raw_all_gather(x, axis, dim, size, "forward"), x, axis, dim, size)
 
 
 def _all_gather_reshard_backward(ctx, grad):
@@ -303,11 +201,11 @@ def _all_gather_reshard_backward(ctx, grad):
     # is not summed over (replicated compute), this rank's slice as all_gather's
     if ctx.axis in ctx.axes:
         return _all_gather_sync_backward(ctx, grad)
-    with _comm_of(ctx):
-        return _chunk(_sum_over(grad, ctx.axes), ctx.axis, ctx.dim, ctx.size), None, None, None, None
+    with comm_of(ctx):
+        return chunk(sum_over(grad, ctx.axes), ctx.axis, ctx.dim, ctx.size), None, None, None, None
 
 
-_all_gather_reshard_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(_gathered_shape(x, dim, size)))
+_all_gather_reshard_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(gathered_shape(x, dim, size)))
 _all_gather_reshard_op.register_autograd(_all_gather_reshard_backward, setup_context=_setup_gather_sync)
 
 
@@ -317,7 +215,8 @@ def _linears(x, weights, biases, has_bias):
     return [torch.nn.functional.linear(x, w, next(it) if h else None) for w, h in zip(weights, has_bias)]
 
 
-@_op("linears_grad_all_reduce", "(Tensor x, str[] axes, Tensor[] weights, Tensor[] biases, bool[] has_bias) "
+@define_op("linears_grad_all_reduce",
+           "(Tensor x, str[] axes, Tensor[] weights, Tensor[] biases, bool[] has_bias) "
                                 "-> Tensor[]")
 def _linears_grad_all_reduce_op(x, axes, weights, biases, has_bias):
     return _linears(x, weights, biases, has_bias)
@@ -328,7 +227,8 @@ def _(x, axes, weights, biases, has_bias):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
-@_op("_linears_backward", "(Tensor[] grads, Tensor x, Tensor[] weights, str[] axes, bool[] has_bias) "
+@define_op("_linears_backward",
+           "(Tensor[] grads, Tensor x, Tensor[] weights, str[] axes, bool[] has_bias) "
                           "-> (Tensor, Tensor[], Tensor[])")
 def _linears_backward(grads, x, weights, axes, has_bias):
     """The input gradient first (accumulated by addmm_), its all-reduce started, then the weight and bias
@@ -355,7 +255,7 @@ def _(grads, x, weights, axes, has_bias):
 
 
 def _setup_linears(ctx, inputs, output):
-    _keep_comm(ctx)
+    keep_comm(ctx)
     x, axes, weights, _, has_bias = inputs
     ctx.save_for_backward(x, *weights)
     ctx.axes, ctx.has_bias = tuple(axes), tuple(has_bias)
@@ -365,7 +265,7 @@ def _linears_backward_formula(ctx, grads):
     x, *weights = ctx.saved_tensors
     grads = [torch.zeros((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) if g is None else g
              for g, w in zip(grads, weights)]
-    with _comm_of(ctx):
+    with comm_of(ctx):
         gx, gws, gbs = _linears_backward(grads, x, weights, list(ctx.axes), list(ctx.has_bias))
     return gx, None, list(gws), list(gbs), None
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autoshard.runtime.collectives import _all_gather, _all_reduce, _op
 from autoshard.runtime.comm import current
+from autoshard.runtime.primitives import define_op, raw_all_gather, raw_all_reduce
 
 
 def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -25,7 +25,7 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     """
     count = _target_count(target, weight, ignore_index, logits.dtype).reshape(1)
     for axis in axes:
-        count = _all_reduce(count, axis, "forward")
+        count = raw_all_reduce(count, axis, "forward")
     total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
     return total / count.reshape(())
 
@@ -58,7 +58,7 @@ def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, offset: int, p
 
 
 # ---- vocabulary-parallel cross-entropy (Megatron) ---------------------------------------------------------
-@_op("vocab_parallel_cross_entropy",
+@define_op("vocab_parallel_cross_entropy",
      "(Tensor logits, Tensor target, int ignore_index, int reduction, str vocab_axis, int vocab_size, "
      "str[] batch_axes) -> (Tensor, Tensor, Tensor)")
 def _vocab_parallel_ce(logits, target, ignore_index, reduction, vocab_axis, vocab_size, batch_axes):
@@ -70,15 +70,15 @@ def _vocab_parallel_ce(logits, target, ignore_index, reduction, vocab_axis, voca
     n_local = logits.shape[-1]
     offset = comm.axis_index(vocab_axis) * n_local
     x = logits.detach().float()
-    row_max = _all_gather(x.max(dim=-1).values.unsqueeze(0), vocab_axis, 0, vocab_size, "forward").max(dim=0).values
+    row_max = raw_all_gather(x.max(dim=-1).values.unsqueeze(0), vocab_axis, 0, vocab_size, "forward").max(dim=0).values
     shifted = x - row_max.unsqueeze(-1)
     exp = shifted.exp()
-    sum_exp = _all_reduce(exp.sum(dim=-1), vocab_axis, "forward")
+    sum_exp = raw_all_reduce(exp.sum(dim=-1), vocab_axis, "forward")
     valid = target != ignore_index
     local_t = target - offset
     hit = valid & (local_t >= 0) & (local_t < n_local)
     picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1) * hit
-    picked = _all_reduce(picked, vocab_axis, "forward")
+    picked = raw_all_reduce(picked, vocab_axis, "forward")
     per_token = (sum_exp.log() - picked) * valid
     count = torch.ones((), dtype=x.dtype, device=x.device)
     if reduction == 0:
@@ -87,7 +87,7 @@ def _vocab_parallel_ce(logits, target, ignore_index, reduction, vocab_axis, voca
         if reduction == 1:
             count = valid.sum().to(x.dtype)
             for axis in batch_axes:
-                count = _all_reduce(count.reshape(1), axis, "forward").reshape(())
+                count = raw_all_reduce(count.reshape(1), axis, "forward").reshape(())
         out = per_token.sum() / count
     first = 1.0 if comm.axis_index(vocab_axis) == 0 else 0.0
     return (out * first).to(logits.dtype), exp / sum_exp.unsqueeze(-1), count
@@ -131,7 +131,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
 
 
 # ---- dropout with one global mask -------------------------------------------------------------------------
-@_op("dropout", "(Tensor x, float p, SymInt[] global_shape, SymInt[] offsets, int seed) -> (Tensor, Tensor)")
+@define_op("dropout",
+           "(Tensor x, float p, SymInt[] global_shape, SymInt[] offsets, int seed) -> (Tensor, Tensor)")
 def _dropout(x, p, global_shape, offsets, seed):
     """(output, scaled mask). The mask of call ``c`` of this rank's program comes from a generator seeded with
     ``seed`` (fixed per graph node at codegen) and ``c`` (the communicator's count of random calls, equal on every

@@ -29,6 +29,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.fx
 
+from autoshard import meta as M
+from autoshard.runtime.comm import Handle, current, use
+from autoshard.runtime.primitives import chunk, comm_of, keep_comm, raw_all_gather, raw_reduce_scatter, sum_over
+
 __all__ = ["gather_group", "reduce_group", "remember_gathered", "remember_gathered_group", "reshard_after_forward",
            "running"]
 
@@ -48,11 +52,8 @@ class _Gathered:
 
     def full(self) -> torch.Tensor:
         if self.copy is None:
-            from autoshard.runtime.collectives import _all_gather
-            from autoshard.runtime.comm import use
-
             with use(self.comm):
-                self.copy = _all_gather(self.shard, self.axis, self.dim, self.size, "backward")
+                self.copy = raw_all_gather(self.shard, self.axis, self.dim, self.size, "backward")
         return self.copy
 
 
@@ -73,8 +74,6 @@ def remember_gathered(out: torch.Tensor, shard: torch.Tensor, axis: str, dim: in
     under :func:`reshard_after_forward` in this thread; otherwise autograd simply keeps it)."""
     session = _session()
     if session is not None:  # (grad mode is off inside a custom op's forward: no check of it here)
-        from autoshard.runtime.comm import current
-
         session[id(out)] = _Gathered(out, shard, axis, dim, size, current())
     return out
 
@@ -108,10 +107,10 @@ def _unpack(saved):
 def running(program: torch.fx.GraphModule):
     """The context to call ``program`` in: :func:`reshard_after_forward` where it gathers ZeRO-3 parameters
     (``all_gather_reshard`` nodes; looked up once per program), else nothing."""
-    flag = program.meta.get("autoshard.reshards")
+    flag = program.meta.get(M.RESHARDS)
     if flag is None:
         ops = (torch.ops.autoshard.all_gather_reshard.default, torch.ops.autoshard.all_gather_reshard_group.default)
-        flag = program.meta["autoshard.reshards"] = any(n.target in ops for n in program.graph.nodes)
+        flag = program.meta[M.RESHARDS] = any(n.target in ops for n in program.graph.nodes)
     return reshard_after_forward() if flag else nullcontext()
 
 
@@ -143,14 +142,11 @@ def _by_dtype(dtypes) -> list[list[int]]:
 def _start_gather(shards, axis: str, size: int, phase: str, early: bool) -> list:
     """Per dtype of ``shards`` (in order of first appearance): its indices and the :class:`Handle` of one
     all-gather of their concatenation; ``early``: started asynchronously (:meth:`Communicator.all_gather_async`)."""
-    from autoshard.runtime.collectives import _all_gather
-    from autoshard.runtime.comm import Handle, current
-
     pending = []
     for idx in _by_dtype([s.dtype for s in shards]):
         flat = torch.cat([shards[i].detach().reshape(-1) for i in idx])
         handle = current().all_gather_async(flat, axis, phase) if early else Handle(
-            _all_gather(flat, axis, 0, size, phase))
+            raw_all_gather(flat, axis, 0, size, phase))
         pending.append((idx, handle))
     return pending
 
@@ -206,7 +202,6 @@ def reduce_group(grads, shapes, dtypes, axis: str, dims, size: int, axes) -> lis
     axes of ``axes`` before ``axis``, reduce-scattered on ``axis``, summed over the axes after it — as
     ``all_gather_sync``'s backward per parameter; where ``axis`` is not in ``axes``, summed over ``axes`` and this
     rank's row kept (``all_gather_reshard``'s backward with replicated compute)."""
-    from autoshard.runtime.collectives import _chunk, _reduce_scatter, _sum_over
 
     out: list[torch.Tensor | None] = [None] * len(shapes)
     for idx in _by_dtype(dtypes):
@@ -222,11 +217,11 @@ def reduce_group(grads, shapes, dtypes, axis: str, dims, size: int, axes) -> lis
         flat = torch.cat(rows, 1)
         if axis in axes:
             k = axes.index(axis)
-            flat = _sum_over(flat, axes[:k])
-            row = _reduce_scatter(flat, axis, 0, size, "backward")
-            row = _sum_over(row, axes[k + 1:])
+            flat = sum_over(flat, axes[:k])
+            row = raw_reduce_scatter(flat, axis, 0, size, "backward")
+            row = sum_over(row, axes[k + 1:])
         else:
-            row = _chunk(_sum_over(flat, axes), axis, 0, size)
+            row = chunk(sum_over(flat, axes), axis, 0, size)
         row = row.reshape(-1)
         offset = 0
         for i in idx:
@@ -261,18 +256,16 @@ def _(xs, axis, dims, size, axes, prefetch):
 
 
 def _setup_group(ctx, inputs, output):
-    from autoshard.runtime.collectives import _keep_comm
 
-    _keep_comm(ctx)
+    keep_comm(ctx)
     xs, ctx.axis, dims, ctx.size, axes, prefetch = inputs
     ctx.dims, ctx.axes, ctx.prefetched = tuple(dims), tuple(axes), len(prefetch)
     ctx.shapes, ctx.dtypes = [tuple(x.shape) for x in xs], [x.dtype for x in xs]
 
 
 def _group_backward(ctx, grads):
-    from autoshard.runtime.collectives import _comm_of
 
-    with _comm_of(ctx):
+    with comm_of(ctx):
         out = reduce_group(list(grads), ctx.shapes, ctx.dtypes, ctx.axis, ctx.dims, ctx.size, ctx.axes)
     # (autograd matches the structure of list arguments: an empty list, or a list of tensors, as a list)
     return out, None, None, None, None if ctx.axes else [], [None] * ctx.prefetched
@@ -299,8 +292,6 @@ class _GatheredGroup:
 
     def gather(self) -> None:
         """Gather the group again (or wait for its prefetch), then start the previous group's gather early."""
-        from autoshard.runtime.comm import use
-
         with use(self.comm):
             pending, self.pending = self.pending, None
             if pending is None:
@@ -334,8 +325,6 @@ def remember_gathered_group(outs, shards, axis: str, dims, size: int, prefetched
     previous group op started this gather; in backward, this group starts that one's gather again early."""
     session = _session()
     if session is not None:
-        from autoshard.runtime.comm import current
-
         chain = getattr(_LOCAL, "chain", None)  # (session, its last group): this forward's previous group
         prev = chain[1] if prefetched and chain is not None and chain[0] is session else None
         group = _GatheredGroup(shards, axis, list(dims), size, current(), prev)
