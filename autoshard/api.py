@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from autoshard.context import Options
 from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.parameters import local_slice
+from autoshard.parameters import default_device, local_slice
 from autoshard.placements import Spec, local_shape, parse_placement
 from autoshard.plan import Plan, build_plan
 from autoshard.trace import GRAPH_LOCK
@@ -169,13 +169,6 @@ def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Te
     return x.chunk(n, dim=0)[mesh.coords(rank)[axis]]
 
 
-def default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` where CUDA is available (torchrun sets ``LOCAL_RANK``), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
     """``model``'s module tree with every parameter and buffer on the meta device (same classes, same names, tied
     parameters still one object): what ``init_weights`` runs the model's own init on, module by module, and what
@@ -241,6 +234,32 @@ class ShardedModule(torch.nn.Module):
     def local(self) -> torch.fx.GraphModule | None:
         """This rank's program (a plain GraphModule over local tensors), once made by :meth:`materialize`."""
         return self._local_box[0] if self._local_box else None
+
+    #: what checkpoint and materialize code recognises a ShardedModule by (they do not import this module)
+    AUTOSHARD_SHARDED = True
+
+    @property
+    def skeleton(self) -> torch.nn.Module:
+        """The model's module tree on the meta device (names, classes, init code; no tensor memory)."""
+        return self._skeleton_box[0]
+
+    @property
+    def unread_state(self) -> dict[str, torch.Tensor]:
+        """State entries the program never reads (unused parameters and buffers), kept whole."""
+        return self._unread
+
+    @property
+    def initialised(self) -> bool:
+        """False while this rank's shards are uninitialised memory (a meta-built model before init or load)."""
+        return self._initialised
+
+    def mark_initialised(self) -> None:
+        """Called once this rank's shards hold values (``init_weights``, ``autoshard.load``)."""
+        self._initialised = True
+
+    def need_plan(self) -> Plan:
+        """The plan, or an error saying how to make one (call the module once, or pass example inputs)."""
+        return self._need_plan()
 
     @property
     def _skeleton(self) -> torch.nn.Module:

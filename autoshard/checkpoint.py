@@ -51,6 +51,7 @@ import zlib
 
 import torch
 
+from autoshard import meta as M
 from autoshard.errors import CheckpointError
 from autoshard.parameters import local_of
 from autoshard.placements import Replicate, Shard, Spec, format_spec, shard_tensor
@@ -58,7 +59,7 @@ from autoshard.placements import Replicate, Shard, Spec, format_spec, shard_tens
 __all__ = ["MARKER", "full_state_dict", "load", "save"]
 
 #: The commit marker: a checkpoint directory without it is incomplete.
-MARKER = "autoshard.json"
+MARKER = M.CHECKPOINT_MARKER
 FORMAT = "autoshard-dcp/2"
 FORMAT_V1 = "autoshard-dcp/1"  # written before checksums: loads unverified, with a warning
 _BLOCK = 1 << 22  # bytes read at a time when checksumming
@@ -72,9 +73,7 @@ class _View:
     global shapes, alias groups, the communicator (None in one process) and the source model."""
 
     def __init__(self, target):
-        from autoshard.api import ShardedModule
-
-        self.sharded = isinstance(target, ShardedModule)
+        self.sharded = getattr(type(target), "AUTOSHARD_SHARDED", False)
         if self.sharded:
             self._init_sharded(target)
         elif isinstance(target, torch.nn.Module):
@@ -102,9 +101,9 @@ class _View:
         the global shape; whole tensors (entries the program never reads) are saved whole."""
         from torch.distributed.tensor import DTensor
 
-        plan = sharded._need_plan()
+        plan = sharded.need_plan()
         self.comm = sharded.communicator()  # refuses a communicator of another mesh
-        self.mesh, self.source = plan.mesh, sharded._skeleton  # names only: the skeleton holds meta tensors
+        self.mesh, self.source = plan.mesh, sharded.skeleton  # names only: the skeleton holds meta tensors
         state = sharded.state_dict(keep_vars=True)
         self.local, self.specs, self.shapes, self.groups, self.params = {}, {}, {}, [], {}
         for names in _alias_groups(sharded):
@@ -684,7 +683,7 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     by :func:`autoshard.materialize.load_pretrained` instead: each rank reads only its slices; returns
     ``{"bytes_read": ..., "tensors": ...}``."""
     marker = _load_checkpoint(target, path, optimizer)
-    if getattr(target, "_initialised", True) is False:
+    if getattr(target, "initialised", True) is False:
         _compute_unsaved(target, path)
     return marker
 
@@ -697,17 +696,17 @@ def _compute_unsaved(sharded, path) -> None:
     from autoshard.errors import AutoshardError
     from autoshard.materialize import init_local
 
-    persistent = set(sharded._skeleton.state_dict().keys())
+    persistent = set(sharded.skeleton.state_dict().keys())
     unsaved = {n.target for n in sharded.plan.graph_module.graph.nodes if n.op == "get_attr"
                and isinstance(n.meta.get("val"), torch.Tensor)
                and not any(a in persistent for a in n.meta.get(M.ALIASES, (n.target,)))}
     if unsaved:
         try:
-            init_local(sharded._skeleton, sharded.local, sharded.plan, sharded.rank, sharded.device, only=unsaved)
+            init_local(sharded.skeleton, sharded.local, sharded.plan, sharded.rank, sharded.device, only=unsaved)
         except AutoshardError as e:
             raise CheckpointError(f"checkpoint {os.fspath(path)!r} loaded, but {sorted(unsaved)} (never saved: "
                                   f"non-persistent buffers) could not be computed by their modules' init: {e}") from e
-    sharded._initialised = True
+    sharded.mark_initialised()
 
 
 def _load_checkpoint(target, path, optimizer) -> dict:

@@ -5,7 +5,7 @@ holds uninitialised memory for this rank's shards only (``ShardedModule.material
 fill it:
 
 * :func:`init_weights` — the model's own initialisation, run module by module on the meta *skeleton*
-  (``ShardedModule._skeleton``): a Hugging Face ``PreTrainedModel`` in the order of its ``initialize_weights()``
+  (``ShardedModule.skeleton``): a Hugging Face ``PreTrainedModel`` in the order of its ``initialize_weights()``
   (transformers' ``smart_apply``: children before parents, a sub-``PreTrainedModel`` with its own
   ``_initialize_weights``; ``_is_hf_initialized`` honoured), any other model in ``model.modules()`` order calling
   ``reset_parameters()`` where a module has one, or ``init(module)`` in ``model.apply(init)`` order. For each
@@ -362,20 +362,19 @@ def init_weights(sharded, init=None) -> dict:
     module flagged ``_is_hf_initialized``, so (as its own ``initialize_weights()``) this then changes nothing
     unless ``init=`` is given; a tensor no init writes is an error only while the shards are uninitialised."""
     local = sharded.materialize()
-    unread = getattr(sharded, "_unread", None)
-    stats = init_local(sharded._skeleton, local, sharded.plan, sharded.rank, sharded.device, init,
-                       strict=not getattr(sharded, "_initialised", False), unread=unread)
-    sharded._initialised = True
+    stats = init_local(sharded.skeleton, local, sharded.plan, sharded.rank, sharded.device, init,
+                       strict=not sharded.initialised, unread=sharded.unread_state)
+    sharded.mark_initialised()
     return stats
 
 
 # ---- loading a Hugging Face directory -------------------------------------------------------------------------
 def is_pretrained_dir(path) -> bool:
     """Whether ``path`` is a Hugging Face safetensors directory (and not an autoshard checkpoint)."""
-    from autoshard.checkpoint import MARKER
+    from autoshard import meta as M
 
     path = os.fspath(path)
-    return (os.path.isdir(path) and not os.path.exists(os.path.join(path, MARKER))
+    return (os.path.isdir(path) and not os.path.exists(os.path.join(path, M.CHECKPOINT_MARKER))
             and any(os.path.exists(os.path.join(path, f)) for f in (SINGLE_FILE, INDEX_FILE)))
 
 
@@ -482,14 +481,12 @@ def load_pretrained(sharded, path) -> dict:
     """``autoshard.load(sharded, hf_dir)``: this rank's slices of a Hugging Face safetensors directory into a
     :class:`~autoshard.ShardedModule` (or, for a plain ``nn.Module``, its whole tensors). Returns ``{"bytes_read":
     bytes this rank read, "tensors": tensors read, ...}``."""
-    from autoshard.api import ShardedModule
-
-    if not isinstance(sharded, ShardedModule):
+    if not getattr(type(sharded), "AUTOSHARD_SHARDED", False):
         return _load_plain(sharded, os.fspath(path))
     local = sharded.materialize()
-    stats = load_local(sharded._skeleton, local, sharded.plan, sharded.rank, path, sharded.device,
-                       unread=getattr(sharded, "_unread", None), compute=not getattr(sharded, "_initialised", False))
-    sharded._initialised = True
+    stats = load_local(sharded.skeleton, local, sharded.plan, sharded.rank, path, sharded.device,
+                       unread=sharded.unread_state, compute=not sharded.initialised)
+    sharded.mark_initialised()
     return stats
 
 

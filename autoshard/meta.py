@@ -148,3 +148,6 @@ def clean_path(path: str) -> str:
         if part:
             out.append(part)
     return ".".join(out)
+
+#: The file that commits an autoshard checkpoint directory (written last; a directory without it is incomplete).
+CHECKPOINT_MARKER = "autoshard.json"

@@ -26,6 +26,7 @@ are the whole tensors, as on the model. :func:`device_mesh` says which.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 
-__all__ = ["bound", "build_tree", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
+__all__ = ["bound", "clip_grad_norm_", "default_device", "build_tree", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
 
 _MESHES: dict = {}
 _MESHES_LOCK = threading.Lock()
@@ -62,6 +63,13 @@ def device_mesh(mesh: Mesh, device_type: str):
     with _MESHES_LOCK:
         _MESHES[key] = (weakref.ref(world), dm)
     return dm
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` where CUDA is available (torchrun sets ``LOCAL_RANK``), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def placements_of(spec) -> tuple[Placement, ...]:

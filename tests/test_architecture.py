@@ -149,11 +149,7 @@ def test_generated_code_names_operators_for_every_collective():
 # ---- cycles counting function-level imports ------------------------------------------------------------------
 #: Import cycles not yet broken, each one entry: a test that finds only these xfails (and names them); any other
 #: cycle, or one of these grown by a module, fails.
-ACCEPTED_CYCLES: list[frozenset[str]] = [
-    # ShardedModule's parameters, materialisation, checkpoints and the pipelined module call each other
-    frozenset({"autoshard.api", "autoshard.checkpoint", "autoshard.materialize", "autoshard.pipeline",
-               "autoshard.pipeline.module", "autoshard.pipeline.plan"}),
-]
+ACCEPTED_CYCLES: list[frozenset[str]] = []
 
 
 def _graph(top_level_only: bool) -> dict[str, set[str]]:

@@ -31,7 +31,7 @@ class PipelineRunner:
                  sync_once: bool = True, device=None):
         import torch.distributed as dist
 
-        from autoshard.api import default_device
+        from autoshard.parameters import default_device
         from autoshard.plan import loss_of
         from autoshard.runtime import pipeline as rt
         from autoshard.runtime.dist import DistCommunicator
