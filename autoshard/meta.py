@@ -131,3 +131,18 @@ def _clean_path(path: str) -> str:
         if part:
             out.append(part)
     return ".".join(out)
+
+
+#: On ``gm.meta``: the context-parallel layout of the sequence (passes/context_parallel.py), a :class:`ContextLayout`.
+CONTEXT = "autoshard.context"
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """The sequence sharded on ``axis``: head-tail chunks when ``balance``; ``attention`` the local form asked for
+    (None: the planner's choice); ``inputs``: the input names cut along the sequence in the program."""
+
+    axis: str
+    balance: bool
+    attention: str | None
+    inputs: tuple[str, ...] = ()
