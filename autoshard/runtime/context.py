@@ -40,7 +40,7 @@ from autoshard.errors import PlanError
 from autoshard.runtime.collectives import _keep_comm, _op
 from autoshard.runtime.comm import current, use
 
-__all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice"]
+__all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice", "sequence_slice"]
 
 FORMS = ("ring", "all_gather", "ulysses")
 
