@@ -257,3 +257,30 @@ def test_ring_on_four_gloo_processes_equals_one_device():
         _check_equal(model, args, kwargs, [results[r][mesh][0] for r in range(4)], grads)
         n = plan.mesh.axis_size("context")
         assert all(results[r][mesh][2] == 6 * (n - 1) * 2 for r in range(4))
+
+
+# ---- the search chooses context parallelism by itself ------------------------------------------------------
+def test_search_picks_context_parallel_attention_for_a_long_sequence(monkeypatch):
+    """Llama-3-8B shape, sequence 8192, batch 1, 64 ranks on one axis: 32 heads do not divide by 64 and the batch
+    cannot split, so only the sequence can; under a memory limit the search runs attention context-parallel
+    (q, k and v sharded along the sequence), and that plan keeps fewer activation bytes than the best plan
+    without the context-parallel strategies (q sharded, K/V gathered)."""
+    import autoshard.ops.attention as attention
+
+    model, args, kwargs = models.llama3_8b_meta(batch=1, seq=8192, layers=1)
+    mesh, profile = autoshard.Mesh(data=64), "gpu-8x-nvlink"
+
+    def searched():
+        with pytest.raises(autoshard.PlanError) as least:
+            autoshard.compile(model, mesh, args, kwargs, planner="search", profile=profile, memory_limit=1)
+        limit = least.value.least_memory * 1.01
+        return autoshard.compile(model, mesh, args, kwargs, planner="search", profile=profile,
+                                 memory_limit=limit).plan
+
+    plan = searched()
+    notes = [n.meta[M.STRATEGY].note for n in plan.graph_module.graph.nodes if n.target == SDPA]
+    assert notes and all(note.split(":")[0] in attention.CONTEXT_FORMS for note in notes), notes
+    monkeypatch.setattr(attention, "CONTEXT_FORMS", ())
+    without = searched()
+    assert all(":" not in n.meta[M.STRATEGY].note for n in without.graph_module.graph.nodes if n.target == SDPA)
+    assert plan.cost(profile).memory.activations < without.cost(profile).memory.activations
