@@ -284,3 +284,54 @@ def test_search_picks_context_parallel_attention_for_a_long_sequence(monkeypatch
     without = searched()
     assert all(":" not in n.meta[M.STRATEGY].note for n in without.graph_module.graph.nodes if n.target == SDPA)
     assert plan.cost(profile).memory.activations < without.cost(profile).memory.activations
+
+
+# ---- composes with the other axes and options ---------------------------------------------------------------
+@pytest.mark.parametrize("mesh,options", [
+    ("data=2,context=2", {"zero": 1}),
+    ("data=2,context=2", {"zero": 3}),
+    ("data=2,context=2", {"recompute": "model.layers.*"}),
+    ("model=2,context=2", {"megatron": True}),
+], ids=["zero1", "zero3", "recompute", "tensor_parallel"])
+def test_context_parallel_composes(mesh, options):
+    model, args, kwargs = _llama(4, 32, 2)
+    mesh = autoshard.Mesh.parse(mesh)
+    options = dict(options)
+    if options.pop("megatron", False):
+        options["plan"] = models.megatron(mesh, "hf_llama")
+    plan = autoshard.compile(model, mesh, args, kwargs, context_axis="context", **options).plan
+    assert set(plan.context.report["context_attention"]["attention"].values()) == {"ring on context"}
+    sim = plan.simulate(args, kwargs)
+    _check_equal(model, args, kwargs, sim.outputs, sim.grads)
+
+
+def _hf_small(kind: str):
+    """A 1-layer Mistral (sliding window 8: the window is in the mask) or Qwen2 with SDPA attention, GQA 4/2."""
+    from examples.models import _ids
+
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=32, use_cache=False, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=0)
+    if kind == "mistral":
+        from transformers import MistralConfig as Config
+        from transformers import MistralForCausalLM as Model
+
+        cfg = Config(sliding_window=8, **common)
+    else:
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
+
+        cfg = Config(**common)
+    cfg._attn_implementation = "sdpa"
+    ids, labels = _ids(2, 32, 128, 1)
+    return Model(cfg), (), {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_hf_mistral_sliding_window_and_qwen2_equal_one_device(kind):
+    model, args, kwargs = _hf_small(kind)
+    plan = autoshard.compile(model, autoshard.Mesh(context=2), args, kwargs, context_axis="context").plan
+    assert set(plan.context.report["context_attention"]["attention"].values()) == {"ring on context"}
+    sim = plan.simulate(args, kwargs)
+    _check_equal(model, args, kwargs, sim.outputs, sim.grads)
