@@ -28,6 +28,7 @@ from autoshard.mesh import Mesh
 _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
          "Pipeline": "autoshard.pipeline", "MixedPrecision": "autoshard.precision",
+         "ContextParallel": "autoshard.context_parallel",
          "MoE": "autoshard.moe", "moe_losses": "autoshard.moe", "moe_stats": "autoshard.moe",
          "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint",
          "clip_grad_norm_": "autoshard.parameters"}
@@ -35,7 +36,7 @@ _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_sha
 __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
            "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
-           "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_"]
+           "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]
 
 
 _SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "ops", "strategies",

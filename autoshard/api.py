@@ -32,7 +32,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
             bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
-            device=None, zero: int | str = 0, recompute: str | None = None, precision=None) -> ShardedModule:
+            device=None, zero: int | str = 0, recompute: str | None = None, precision=None,
+            context_axis=None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -74,6 +75,10 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     (``planner="search"``). ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``:
     compute in ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
 
+    ``context_axis="context"`` (or ``autoshard.ContextParallel(axis, attention="ring"|"all_gather"|"ulysses",
+    balance=True)``): context parallelism — pass whole sequences; autoshard cuts them along that mesh axis
+    (head-tail for causal balance) and runs attention sequence-sharded (:mod:`autoshard.context_parallel`).
+
     ``device``: where this rank's shards live (default: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU).
     The model may be built under ``torch.device("meta")``: nothing is allocated until this rank's shards are, on
     ``device``; fill them with ``sharded.init_weights()`` (the model's own init, module by module) or
@@ -83,6 +88,12 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     mesh = as_mesh(mesh)
     options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer,
                            sequence_parallel, zero, recompute, precision)
+    if context_axis is not None:
+        import dataclasses
+
+        from autoshard.context_parallel import as_context_parallel
+
+        options = dataclasses.replace(options, context=as_context_parallel(context_axis, mesh))
     if moe is not None:
         options = _with_moe(options, moe)
     if pipeline is not None:

@@ -38,6 +38,9 @@ class Options:
     recompute: str | None = None
     #: autoshard.MixedPrecision(param_dtype, reduce_dtype, output_dtype) or None (the model's own dtypes)
     precision: Any = None
+    #: autoshard.ContextParallel (compile's ``context_axis``): the sequence sharded on that axis, attention
+    #: context-parallel (passes/context_parallel.py); None: only where annotations or the search shard it
+    context: Any = None
 
 
 @dataclass

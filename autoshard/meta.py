@@ -151,3 +151,17 @@ def clean_path(path: str) -> str:
 
 #: The file that commits an autoshard checkpoint directory (written last; a directory without it is incomplete).
 CHECKPOINT_MARKER = "autoshard.json"
+
+#: On ``gm.meta``: the context-parallel layout of the sequence (passes/context_parallel.py), a :class:`ContextLayout`.
+CONTEXT = "autoshard.context"
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """The sequence sharded on ``axis``: head-tail chunks when ``balance``; ``attention`` the local form asked for
+    (None: the planner's choice); ``inputs``: the input names cut along the sequence in the program."""
+
+    axis: str
+    balance: bool
+    attention: str | None
+    inputs: tuple[str, ...] = ()

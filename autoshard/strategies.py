@@ -53,7 +53,20 @@ def _axis_options(dm: DimMap, in_shapes, out_shapes, size: int) -> list[tuple]:
 
 
 def strategies_for(dm: DimMap, in_shapes, out_shapes, mesh: Mesh) -> list[Strategy]:
-    """Every valid strategy, in a deterministic order (all-replicated first)."""
+    """Every valid strategy, in a deterministic order (all-replicated first), then those of ``dm.variants`` that
+    place the operands differently (their note prefixed by the variant's name)."""
+    out = _strategies(dm, in_shapes, out_shapes, mesh)
+    seen = {(s.input_specs, s.output_spec) for s in out}
+    for name, variant, valid in dm.variants:
+        for s in _strategies(variant, in_shapes, out_shapes, mesh):
+            s = Strategy(s.input_specs, s.output_spec, s.grad_sync, f"{name}:{s.note}")
+            if (s.input_specs, s.output_spec) in seen or (valid is not None and not valid(s, in_shapes, mesh)):
+                continue
+            out.append(s)
+    return out
+
+
+def _strategies(dm: DimMap, in_shapes, out_shapes, mesh: Mesh) -> list[Strategy]:
     per_axis = [_axis_options(dm, in_shapes, out_shapes, size) for size in mesh.shape]
     out: list[Strategy] = []
     for combo in itertools.product(*per_axis):

@@ -20,6 +20,7 @@ from autoshard import redistribute
 from autoshard.collectives import time as kind_time
 from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
 from autoshard.mesh import Mesh
+from autoshard.ops import entry
 from autoshard.placements import Spec, local_shape
 
 
@@ -49,8 +50,15 @@ def op_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfi
     out = []
     for s in strategies:
         f = shard_factor(node, s, mesh, vals)
-        out.append(fwd / f if bwd is None else fwd / f + bwd / f)
+        out.append((fwd / f if bwd is None else fwd / f + bwd / f) + op_comm_time(node, s, mesh, profile))
     return out
+
+
+def op_comm_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
+    """What the op's local form sends by itself under ``strat`` (the registry's ``comm`` facet: context-parallel
+    attention), forward + backward; 0 for ops without one."""
+    fn = entry(node.target).comm
+    return 0.0 if fn is None else fn(node, strat, mesh, profile)
 
 
 def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
@@ -58,7 +66,7 @@ def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: Hardwar
     t = compute_time(node, profile, f)
     if node.meta.get(M.REQUIRES_GRAD):
         t += compute_time(node, profile, f, backward=True)
-    return t
+    return t + op_comm_time(node, strat, mesh, profile)
 
 
 def link(profile: HardwareProfile, mesh: Mesh, axis: str):

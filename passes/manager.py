@@ -9,12 +9,15 @@ given options::
     expert_rewrite      (moe=...)                      fuse_gather_grad_sync
     mark_recompute      (recompute="<glob>")
     inline_autocast     (torch.autocast regions)
+    cut_sequence        (context_axis=...)
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
+                                                       balance_context       (head-tail layout, context_axis)
     mixed_precision     (precision=...)
     autocast_param_casts  (after inline_autocast)
     shard_storage       (zero=1|2|3|"auto")            follow_rank_device    (the program names no device)
     insert_collectives
+    context_attention   (the context-parallel forms)
     reduce_precision    (precision reduce_dtype)
     pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
                                                        recompute             (regions → checkpointed child modules)
@@ -37,6 +40,7 @@ import torch
 import torch.fx
 from autoshard.passes.bucket_grad_sync import BucketGradSync
 from autoshard.passes.collectives import InsertCollectives
+from autoshard.passes.context_parallel import BalanceContext, ContextAttention, CutSequence
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
 from autoshard.passes.group_gathers import GroupGathers
 from autoshard.passes.localize import Localize
@@ -107,6 +111,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         ExpertRewrite() if getattr(options, "moe", None) is not None else None,
         MarkRecompute(options.recompute) if options.recompute not in (None, "auto") else None,
         InlineAutocast(),
+        CutSequence() if getattr(options, "context", None) is not None else None,
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
         if options.planner == "search" else None,
         Propagate(),
@@ -114,6 +119,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         AutocastParamCasts(),
         ShardStorage() if options.zero != 0 else None,
         InsertCollectives(),
+        ContextAttention(),
         ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp else None,
         PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
     ]
@@ -121,6 +127,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         FuseGatherGradSync(),
         BucketGradSync() if program.bucket_grads else None,
         Localize(),
+        BalanceContext(),
         FollowRankDevice(),
         FuseLinearsGradSync(),
         Recompute(),

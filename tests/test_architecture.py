@@ -115,10 +115,12 @@ def test_every_pass_is_in_the_one_pass_list():
             if (inspect.isclass(obj) and obj.__module__ == name and dataclasses.is_dataclass(obj)
                     and callable(getattr(obj, "run", None)) and any(f.name == "name" for f in dataclasses.fields(obj))):
                 classes.add(obj)
+    from autoshard.context_parallel import ContextParallel
     from autoshard.precision import MixedPrecision
 
     everything = manager.pass_list(Options(planner="search", moe=MoE(layers="*", num_experts=2), zero=3,
-                                           recompute="blocks.*", precision=MixedPrecision()),
+                                           recompute="blocks.*", precision=MixedPrecision(),
+                                           context=ContextParallel()),
                                    pipeline=manager.PipelineOptions(stages=2),
                                    program=manager.ProgramOptions(bucket_grads=True))
     listed = {type(p) for phase in everything.values() for p in phase}

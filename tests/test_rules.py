@@ -429,6 +429,8 @@ NO_OP_CASE = {
     # end to end against the Hugging Face model)
     "autoshard.hf_experts.default": "HF MoE rewrite only",
     "autoshard.moe.hf_blocks.slot_groups": "HF MoE rewrite only",
+    # inserted only by context_axis=... (passes/context_parallel.py), checked end to end there
+    "autoshard.ops.context.sequence_cut": "context_axis only (tests/test_context_parallel.py)",
 }
 
 

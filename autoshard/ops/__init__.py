@@ -27,6 +27,7 @@ of them keeps a table of its own.
 
 from autoshard.ops import (  # noqa: F401  (each family registers its ops on import)
     attention,
+    context,
     conv,
     dropout,
     embedding,

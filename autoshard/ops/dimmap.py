@@ -42,6 +42,10 @@ class DimMap:
     linear_inputs: tuple[int, ...] | None = None  # inputs the op is linear in (None: all)
     bias: tuple[int, ...] = ()
     replicate_only: bool = False
+    #: further ways to run the op, each ``(name, DimMap, valid)``: the strategies of that DimMap that differ from
+    #: this one's, noted ``"name:..."`` (the op's local form reads the name: context-parallel attention's ring,
+    #: all-gather or Ulysses); ``valid(strategy, in_shapes, mesh) -> bool`` or None drops those it cannot run
+    variants: tuple[tuple[str, DimMap, Any], ...] = ()
 
 
 @dataclass

@@ -15,6 +15,9 @@ facet               meaning                                                     
 ``saves``           what autograd keeps for backward: positions of the args it saves (a list   ``()``: nothing
                     argument saves every tensor in it), :data:`OUTPUT` (its own outputs),
                     :data:`MASK` (a one-byte-per-element mask, dropout)
+``comm``            seconds the op's *local form itself* communicates under a strategy (context-  none: 0
+                    parallel attention passes K/V around the axis), ``(node, strategy, mesh,
+                    profile) -> seconds``, forward + backward; redistributions are priced apart
 ==================  ==========================================================================  =================
 
 Keys are what an FX node's ``target`` is: an ``OpOverload`` (``aten.mm.default``), an ``OpOverloadPacket``
@@ -67,6 +70,8 @@ class Shapes(Protocol):
 
 
 FlopsFn = Callable[[Shapes], object]
+#: ``comm(node, strategy, mesh, profile) -> seconds`` (forward + backward) the local form communicates by itself
+CommFn = Callable[[Any, Any, Any, Any], float]
 
 
 def elementwise(op: Shapes):
@@ -90,6 +95,7 @@ class OpEntry:
     backward_flops: FlopsFn | None = None
     bytes: str | None = None
     saves: tuple[int | str, ...] | None = None
+    comm: CommFn | None = None
 
     def stated(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -98,7 +104,7 @@ class OpEntry:
 #: What an unstated facet is: no rule (an unsupported op), no local form, one FLOP per output element, backward
 #: as costly as forward, bytes in + out, nothing saved.
 DEFAULTS = OpEntry(rule=None, localize=None, flops=elementwise, backward=1.0, backward_flops=None, bytes="io",
-                   saves=())
+                   saves=(), comm=None)
 
 _REGISTRY: dict[object, OpEntry] = {}
 _RESOLVED: dict[object, OpEntry] = {}  # entry()'s answers; cleared whenever the table changes
@@ -133,14 +139,14 @@ class _Registration:
 
 def op(*targets, rule: RuleFn | None = None, localize: Localizer | None = None, flops: FlopsFn | None = None,
        backward: float | None = None, backward_flops: FlopsFn | None = None, bytes: str | None = None,
-       saves: tuple[int | str, ...] | None = None) -> _Registration:
+       saves: tuple[int | str, ...] | None = None, comm: CommFn | None = None) -> _Registration:
     """Register the given facets for each target (an OpOverload, an OpOverloadPacket or a callable).
 
     A target is registered once: a second ``op()`` for it raises (:func:`unregister` first to replace it).
     Used as a decorator, the decorated function becomes the rule."""
     if not targets:
         raise ValueError("op() needs at least one target")
-    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves)
+    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm)
     for t in targets:
         if t in _REGISTRY:
             raise ValueError(f"op {t} is registered twice; each op has one entry in autoshard/ops")
