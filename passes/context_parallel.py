@@ -112,7 +112,7 @@ class ContextAttention:
     phase: str = "plan"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        from autoshard.ops.attention import _ulysses_valid
+        from autoshard.ops.attention import ulysses_valid
 
         layout = gm.meta.get(M.CONTEXT)
         mesh = ctx.mesh
@@ -129,7 +129,7 @@ class ContextAttention:
                 form = layout.attention
                 strat = M.Strategy(strat.input_specs, strat.output_spec, strat.grad_sync,
                                    f"{form}:{strat.note.split(':', 1)[1]}")
-                if form == "ulysses" and not _ulysses_valid(strat, [tuple(x.meta["val"].shape) for x in n.args[:3]],
+                if form == "ulysses" and not ulysses_valid(strat, [tuple(x.meta["val"].shape) for x in n.args[:3]],
                                                             mesh):
                     raise PlanError(f"{node_location(n)} cannot run Ulysses attention on axis `{layout.axis}` of "
                                     f"size {mesh.shape[a]}: its local heads ({n.args[0].meta['val'].shape[-3]} "

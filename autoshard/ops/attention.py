@@ -47,7 +47,7 @@ def context_form(strategy: M.Strategy) -> str | None:
     return strategy.note.split(":", 1)[0] if ":" in strategy.note else None
 
 
-def _ulysses_valid(strategy: M.Strategy, in_shapes, mesh) -> bool:
+def ulysses_valid(strategy: M.Strategy, in_shapes, mesh) -> bool:
     a = context_axis_of(strategy, len(in_shapes[0]))
     n = mesh.shape[a]
     return all(local_shape(in_shapes[i], strategy.input_specs[i], mesh)[-3] % n == 0 for i in (0, 1, 2))
@@ -107,7 +107,7 @@ def _localize(graph: torch.fx.Graph, new: torch.fx.Node, old: torch.fx.Node, mes
     if balanced and length % (2 * n):
         raise PlanError(f"{node_location(old)} has sequence {length}, but head-tail load balancing on axis "
                         f"`{axis}` of size {n} needs a sequence divisible by {2 * n}.")
-    if form == "ulysses" and not _ulysses_valid(strategy, [tuple(x.meta["val"].shape) for x in old.args[:3]],
+    if form == "ulysses" and not ulysses_valid(strategy, [tuple(x.meta["val"].shape) for x in old.args[:3]],
                                                 mesh):
         raise PlanError(f"{node_location(old)} cannot run Ulysses attention on axis `{axis}` of size {n}: its "
                         "local query and key/value heads must divide by the axis size. Use attention='ring' or "
@@ -144,5 +144,5 @@ def _sdpa(info: OpInfo) -> DimMap:
     variants = ()
     if q[-2] == k[-2]:  # self-attention: one sequence for queries and keys
         cp = DimMap(tuple(cp_ins), (seq,))
-        variants = tuple((form, cp, _ulysses_valid if form == "ulysses" else None) for form in CONTEXT_FORMS)
+        variants = tuple((form, cp, ulysses_valid if form == "ulysses" else None) for form in CONTEXT_FORMS)
     return DimMap(tuple(ins), (out,), variants=variants)

@@ -37,7 +37,7 @@ import math
 import torch
 
 from autoshard.errors import PlanError
-from autoshard.runtime.collectives import _keep_comm, _op
+from autoshard.runtime.primitives import define_op, keep_comm
 from autoshard.runtime.comm import current, use
 
 __all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice", "sequence_slice"]
@@ -305,7 +305,7 @@ def _backward(dout, q, k, v, mask, out, lse, axis, size, form, causal, balanced,
 _SIG = "str axis, int size, str form, bool causal, bool balanced, float scale"
 
 
-@_op("context_attention", f"(Tensor q, Tensor k, Tensor v, Tensor? mask, {_SIG}) -> (Tensor, Tensor)")
+@define_op("context_attention", f"(Tensor q, Tensor k, Tensor v, Tensor? mask, {_SIG}) -> (Tensor, Tensor)")
 def _context_attention(q, k, v, mask, axis, size, form, causal, balanced, scale):
     """(output, log-sum-exp) of attention over ``q, k, v`` sharded along the sequence on ``axis``."""
     return _forward(q, k, v, mask, axis, size, form, causal, balanced, scale)
@@ -316,7 +316,7 @@ def _(q, k, v, mask, axis, size, form, causal, balanced, scale):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=_f(q).dtype)
 
 
-@_op("_context_attention_backward", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
+@define_op("_context_attention_backward", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
                                     f"Tensor lse, {_SIG}) -> (Tensor, Tensor, Tensor)")
 def _context_attention_backward(dout, q, k, v, mask, out, lse, axis, size, form, causal, balanced, scale):
     return _backward(dout, q, k, v, mask, out, lse, axis, size, form, causal, balanced, scale)
@@ -328,7 +328,7 @@ def _(dout, q, k, v, mask, out, lse, axis, size, form, causal, balanced, scale):
 
 
 def _setup(ctx, inputs, output):
-    _keep_comm(ctx)
+    keep_comm(ctx)
     q, k, v, mask, *rest = inputs
     ctx.save_for_backward(q, k, v, mask, *output)
     ctx.rest = tuple(rest)
