@@ -60,13 +60,14 @@ def _torchrun() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def command(example: str, port: int) -> list[str]:
-    """The command line of one job of ``example`` (a torchrun on 127.0.0.1:``port``, or the pipeline example)."""
+def command(example: str, port: int, steps: int | None = None) -> list[str]:
+    """The command line of one job of ``example`` (a torchrun on 127.0.0.1:``port``, or the pipeline example);
+    ``steps``: training steps (default 20 for the GPT examples, 5 for the pipeline)."""
     if example == "pipe":
-        return [sys.executable, str(ROOT / "examples" / "train_3d.py"), "--steps", "5"]
+        return [sys.executable, str(ROOT / "examples" / "train_3d.py"), "--steps", str(steps or 5)]
     extra = ["--zero", "3", "--bucket-cap-mb", "0.05"] if example == "zero3" else []
     return [*_torchrun(), "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(port),
-            str(ROOT / "examples" / "train_gpt.py"), "--steps", "20", *extra]
+            str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps or 20), *extra]
 
 
 def classify(example: str, returncode: int | None, output: str) -> str:
@@ -129,7 +130,7 @@ def _busy() -> subprocess.Popen:
 
 
 def run(copies: int, rounds: int, examples: tuple[str, ...], timeout: float, workdir: Path, cores: bool,
-        busy: int, verbose: bool) -> list[tuple[str, str, Path]]:
+        busy: int, verbose: bool, steps: int | None = None) -> list[tuple[str, str, Path]]:
     """Run the rounds; return ``(job name, kind, log path)`` for every job, in order."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONUNBUFFERED": "1"}
     results = []
@@ -145,7 +146,7 @@ def run(copies: int, rounds: int, examples: tuple[str, ...], timeout: float, wor
                 cwd.mkdir(parents=True, exist_ok=True)
                 log = workdir / f"{name}.log"
                 with open(log, "w") as out:
-                    proc = subprocess.Popen(command(example, ports[i]), cwd=cwd, env=env, stdout=out,
+                    proc = subprocess.Popen(command(example, ports[i], steps), cwd=cwd, env=env, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True,
                                             preexec_fn=_enable_cores if cores else None)
                 jobs.append(Job(name, example, proc, log, time.monotonic()))
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", default=",".join(EXAMPLES),
                     help=f"comma-separated, cycled through the jobs (default {','.join(EXAMPLES)})")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a job may run before it is killed")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps per job (default 20, pipe 5; fewer steps exercise start-up and exit more)")
     ap.add_argument("--busy", type=int, default=0, help="busy loops to run beside the jobs (default 0)")
     ap.add_argument("--logs", type=Path, default=None, help="keep the logs of failed jobs in this folder")
     ap.add_argument("--cores", action="store_true", help="enable core dumps, one working folder per job")
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="autoshard-stress-") as tmp:
         workdir = a.logs if (a.logs and a.cores) else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = run(a.copies, a.rounds, examples, a.timeout, workdir, a.cores, a.busy, a.verbose)
+        results = run(a.copies, a.rounds, examples, a.timeout, workdir, a.cores, a.busy, a.verbose, a.steps)
         if a.logs:
             a.logs.mkdir(parents=True, exist_ok=True)
             for _, kind, log in results:

@@ -107,7 +107,7 @@ def main() -> int:
             return report(losses, ref_losses)
         return 0
     finally:
-        dist.destroy_process_group()
+        autoshard.runtime.shutdown()  # waits for in-flight collectives and destroys every process group
 
 
 if __name__ == "__main__":
