@@ -180,4 +180,8 @@ class PipelinedModule(torch.nn.Module):
         return self.runner().named_parameters()
 
     def forward(self, *args, target=None, **kwargs):
+        from autoshard.inputs import check_inputs, tensor_leaves
+
+        check_inputs(self.plan.expected_inputs(), tensor_leaves(args, kwargs), local=False,
+                     where="the pipelined module (one step over the global batch)")
         return self.runner().step(*args, target=target, **kwargs)
