@@ -109,6 +109,7 @@ class DistCommunicator(Communicator):
         super().__init__(mesh, dist.get_rank(), timeout)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._owned: list[dist.ProcessGroup] = []  # the groups created here, which close() destroys
+        self._on_close: list = []  # weak references to callbacks that let go of this communicator's groups
         self.closed = False
         if device_mesh is not None:
             self._groups = self._groups_of_device_mesh(device_mesh)
@@ -140,11 +141,22 @@ class DistCommunicator(Communicator):
         finally:
             self.closed = True
             _LIVE.discard(self)
+            for ref in self._on_close:
+                fn = ref()
+                if fn is not None:
+                    fn()
+            self._on_close = []
             owned, self._owned, self._groups = self._owned, [], {}
             if dist.is_initialized():
                 for pg in owned:
                     dist.destroy_process_group(pg)
             del owned
+
+    def on_close(self, method) -> None:
+        """Call the bound ``method`` when this communicator closes, before its groups are destroyed: objects that
+        keep one of its groups (a pipeline schedule's stages) let go of it there, or the group's backend and its
+        threads would outlive the destroy. Held weakly: registering keeps nothing alive."""
+        self._on_close.append(weakref.WeakMethod(method))
 
     def _groups_of_device_mesh(self, device_mesh) -> dict[str, dist.ProcessGroup]:
         theirs = Mesh.from_device_mesh(device_mesh)
