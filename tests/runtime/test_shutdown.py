@@ -68,3 +68,37 @@ def test_shutdown_without_a_process_group_does_nothing():
     assert not dist.is_initialized()
     shutdown()
     shutdown()
+
+
+def _pipeline_then_shutdown(rank: int, world_size: int) -> dict:
+    import autoshard
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.square().mean()
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    pm = autoshard.compile(Chain(), Mesh(pipe=2), (x,), pipeline=autoshard.Pipeline(microbatches=2))
+    loss = float(pm(x))
+    shutdown()  # the module, its schedule and stages are still referenced here
+    try:
+        pm(x)
+        refused = ""
+    except AutoshardError as e:
+        refused = str(e)
+    return {"loss": loss, "after": _threads(), "refused": refused}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to list threads")
+def test_shutdown_frees_the_pipe_group_a_live_pipelined_module_holds():
+    results = spawn(_pipeline_then_shutdown, 2, timeout=120, start_method="forkserver")
+    assert results[0]["loss"] == results[1]["loss"]
+    for r in results:
+        assert not any(t in GLOO_THREADS for t in r["after"]), r["after"]
+        assert "communicator was closed" in r["refused"], r["refused"]
