@@ -19,9 +19,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoshard.context import Options
-from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
+from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.placements import Spec, local_shape, parse_placement
+from autoshard.placements import parse_placement
 from autoshard.plan import Plan, build_plan
 from autoshard.trace import GRAPH_LOCK
 
