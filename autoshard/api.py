@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.context import Options
-from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
+from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.parameters import default_device, local_slice
-from autoshard.placements import Spec, local_shape, parse_placement
+from autoshard.placements import parse_placement
 from autoshard.plan import Plan, build_plan
 from autoshard.trace import GRAPH_LOCK
 
@@ -156,6 +157,7 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner:
         if value == "auto" and planner != "search":
             raise PlanError(f"option {name}='auto' lets the plan search choose, but planner is {planner!r}: pass "
                             f"planner='search' (with a memory_limit), or give {name} explicitly.")
+    _check_profile(profile)
     if precision is not None:
         from autoshard.precision import MixedPrecision
 
@@ -165,6 +167,21 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner:
     return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported,
                    planner=planner, profile=profile, memory_limit=parse_bytes(memory_limit), optimizer=optimizer,
                    sequence_parallel=bool(sequence_parallel), zero=zero, recompute=recompute, precision=precision)
+
+
+def _check_profile(profile) -> None:
+    """An unknown hardware profile is an error at compile, not at the first ``plan.cost()``."""
+    from autoshard.cost_models.profile import HardwareProfile, list_profiles, load_profile
+
+    if isinstance(profile, HardwareProfile):
+        return
+    if not isinstance(profile, (str, os.PathLike)):
+        raise PlanError(f"option profile has type {type(profile).__name__}, but must be a preset name "
+                        f"{list_profiles()}, the path of a profile TOML file, or an autoshard HardwareProfile.")
+    try:
+        load_profile(profile)
+    except PlanError as e:
+        raise PlanError(f"option profile={str(profile)!r}: {e}") from None
 
 
 def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Tensor:
@@ -282,6 +299,7 @@ class ShardedModule(torch.nn.Module):
         with GRAPH_LOCK:  # the model may be shared with simulated ranks (threads) that trace it now
             self._traced_training = model.training
             self.plan = build_plan(model, self.mesh, args, kwargs, self.options)
+            self.plan._mode_owner = weakref.ref(self)  # Plan.simulate follows this module's mode
             self._examples = (args, kwargs)
             self._unread = self._unread_state(model)
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
@@ -571,11 +589,33 @@ class ShardedModule(torch.nn.Module):
         parameter and buffer pinned to its layout in the plan, sharing this rank's tensors."""
         if self._other_box:
             return self._other_box[0]
-        import dataclasses
-
         from autoshard.codegen import rank_program
 
+        other = self._other_mode_plan()
+        program = rank_program(other.graph_module, self.mesh, self.communicator().rank, other.context.options,
+                               bucket_grads=self.bucketing, local_weights=self.local)
+        program.train(self.training)
+        self._other_box = (program,)
+        return program
+
+    def _plan_in_mode(self, training: bool) -> Plan:
+        """The plan of mode ``training`` with the plan's weights (what ``Plan.simulate`` runs in that mode)."""
         plan = self._need_plan()
+        if training == self._traced_training:
+            return plan
+        if any(t.is_meta for t in plan.graph_module.parameters()):
+            raise AutoshardError(f"Plan.simulate in {'training' if training else 'eval'} mode needs the model's "
+                                 "weights, but this plan holds none any more (this rank's program was made, or the "
+                                 "model is on the meta device): simulate before the first call, on a fresh compile.")
+        return self._other_mode_plan(training).with_weights_of(plan)
+
+    def _other_mode_plan(self, training: bool | None = None) -> Plan:
+        """The plan of the mode the model was not traced in, traced from the skeleton with every parameter pinned to
+        its layout in the plan (the skeleton's meta tensors as weights)."""
+        import dataclasses
+
+        plan = self._need_plan()
+        training = (not self._traced_training) if training is None else training
         specs = plan.param_specs()
         # pinned in their compute layout, stored as the plan stores them (ZeRO stage per parameter)
         storage = plan.param_storage()
@@ -586,7 +626,7 @@ class ShardedModule(torch.nn.Module):
                                                                  self.options.zero))
         skeleton = self._skeleton
         was = skeleton.training
-        skeleton.train(self.training)
+        skeleton.train(training)
         try:
             other = build_plan(skeleton, self.mesh, *self._examples, pinned)
         finally:
@@ -594,14 +634,10 @@ class ShardedModule(torch.nn.Module):
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}
         if moved:
             first = min(moved)
-            raise PlanError(f"the {'training' if self.training else 'eval'}-mode program lays out "
+            raise PlanError(f"the {'training' if training else 'eval'}-mode program lays out "
                             f"{sorted(moved)[:3]} differently from the plan ({moved[first]}), so it "
                             "cannot share this rank's tensors. Annotate those parameters (plan=...) to fix one layout.")
-        program = rank_program(other.graph_module, self.mesh, self.communicator().rank, other.context.options,
-                               bucket_grads=self.bucketing, local_weights=self.local)
-        program.train(self.training)
-        self._other_box = (program,)
-        return program
+        return other
 
     def _global_examples(self, args, kwargs):
         n = self.mesh.axis_size(self.options.data_axis) if self.options.data_axis in self.mesh.names else 1
@@ -613,27 +649,12 @@ class ShardedModule(torch.nn.Module):
 
         return pytree.tree_map(grow, tuple(args)), pytree.tree_map(grow, dict(kwargs))
 
-    def _expected_local_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        from autoshard import meta as M
+    def _expected_local_shapes(self):
+        from autoshard.inputs import expected_inputs
 
-        out = []
-        for n in self.plan.graph_module.graph.nodes:
-            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
-                spec: Spec = n.meta[M.SPEC]
-                out.append((n.name, local_shape(n.meta["val"].shape, spec, self.mesh), n.meta["val"].dtype))
-        return out
+        return expected_inputs(self.plan.graph_module, self.mesh)
 
     def _check_inputs(self, args, kwargs) -> None:
-        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if len(leaves) != len(self._expected):
-            return
-        for x, (name, want, dtype) in zip(leaves, self._expected):
-            if tuple(x.shape) != tuple(want):
-                raise RuntimeShapeError(
-                    f"input `{name}` has local shape {list(x.shape)}, but the plan was compiled for {list(want)} on "
-                    f"this rank. Shapes are static: pad or batch to the compiled shape, or compile a new "
-                    f"ShardedModule for the new shape.")
-            if x.dtype != dtype:
-                raise RuntimeShapeError(
-                    f"input `{name}` has dtype {x.dtype}, but the plan was compiled for {dtype}. Cast the input "
-                    f"(x.to({dtype})) or compile a new ShardedModule with example inputs of dtype {x.dtype}.")
+        from autoshard.inputs import check_inputs, tensor_leaves
+
+        check_inputs(self._expected, tensor_leaves(args, kwargs), local=True, where="ShardedModule.forward")

@@ -72,6 +72,12 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def forget_meshes() -> None:
+    """Drop the cached DeviceMeshes (``autoshard.runtime.shutdown()`` calls it before destroying the groups)."""
+    with _MESHES_LOCK:
+        _MESHES.clear()
+
+
 def placements_of(spec) -> tuple[Placement, ...]:
     """An autoshard spec as DTensor placements (the vocabulary is DTensor's own)."""
     return tuple(spec)

@@ -17,7 +17,7 @@ import torch.fx
 from autoshard import meta as M
 from autoshard.codegen import local_param_specs, rank_program
 from autoshard.context import Context, Options
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import collective_signature, pass_list, run_passes
 from autoshard.placements import Spec, assemble, shard_tensor
@@ -33,6 +33,11 @@ class Plan:
     model_name: str = "model"
     #: bucket_grads -> (rank, collective signature) of the first rank program made (see _check_signature)
     _signatures: dict = field(default_factory=dict, repr=False, compare=False)
+    #: the mode (``model.training``) the graph was traced in: dropout and batch-norm statistics follow it
+    training: bool = True
+    #: a weak reference to the ShardedModule that owns this plan: simulate() follows its mode, and asks it for the
+    #: program of the other mode
+    _mode_owner: object = field(default=None, repr=False, compare=False)
 
     # ---- per-rank programs ------------------------------------------------------------------------------
     def rank_module(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False
@@ -42,9 +47,18 @@ class Plan:
         ``bucket_grads=True`` leaves the parameters' gradient all-reduces out of the program and lists them in
         ``module.meta[autoshard.runtime.buckets.GRAD_SYNC]``: attach a
         :class:`~autoshard.runtime.buckets.GradBucketer` to run them bucketed and overlapped with backward."""
+        from autoshard.inputs import install_check
+
         module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads)
         self._check_signature(module, rank, bucket_grads)
-        return module
+        return install_check(module, self.expected_inputs(), rank)  # wrong shapes: RuntimeShapeError, not raw
+
+    def expected_inputs(self) -> list:
+        """The tensor inputs the plan was compiled for: name, global and local shape, dtype
+        (:class:`autoshard.inputs.ExpectedInput`)."""
+        from autoshard.inputs import expected_inputs
+
+        return expected_inputs(self.graph_module, self.mesh)
 
     def release_weights(self) -> None:
         """Replace every tensor the global program holds by a meta tensor of the same shape and dtype: the plan
@@ -93,20 +107,40 @@ class Plan:
         a, k = pytree.tree_unflatten(local, gm._in_spec)
         return tuple(a), dict(k)
 
-    def simulate(self, args=(), kwargs=None, backward: bool = True, timeout: float = 120.0) -> Simulation:
+    def simulate(self, args=(), kwargs=None, backward: bool = True, timeout: float = 120.0,
+                 train: bool | None = None) -> Simulation:
         """Run every rank in this process (one thread each): outputs per rank, assembled gradients, collective logs.
 
-        The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first element.
+        ``args``/``kwargs`` are the global inputs (each rank's share is cut here). ``train``: which mode's program
+        runs — by default the mode of the ShardedModule the plan belongs to (``sharded.eval()`` then
+        ``sharded.plan.simulate(...)`` runs the eval program: no dropout, running statistics), else the mode the
+        model was traced in. The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first
+        element.
         """
+        owner = self._mode_owner() if self._mode_owner is not None else None
+        mode = train if train is not None else (owner.training if owner is not None else self.training)
+        if not isinstance(mode, bool):
+            raise AutoshardError(f"Plan.simulate got train={train!r}, but train is True, False or None (the "
+                                 "module's mode).")
+        if mode != self.training:
+            if owner is None:
+                raise PlanError(f"Plan.simulate(train={mode}) needs the {_mode_name(mode)}-mode program, but this "
+                                f"plan was traced in {_mode_name(self.training)} mode and belongs to no "
+                                "ShardedModule that could trace the other one: call it as sharded.plan.simulate("
+                                f"...) on the ShardedModule, or compile the model in {_mode_name(mode)} mode.")
+            return owner._plan_in_mode(mode).simulate(args, kwargs, backward, timeout, train=mode)
         from autoshard.runtime.comm import current
         from autoshard.runtime.sim import SimWorld
         from autoshard.runtime.zero import running
 
+        from autoshard.inputs import check_inputs, tensor_leaves
+
+        check_inputs(self.expected_inputs(), tensor_leaves(args, kwargs), local=False, where="Plan.simulate")
         world = SimWorld(self.mesh, timeout=timeout)
         public = self.public_names()
 
         def body(rank):
-            module = self.rank_module(rank)
+            module = self.rank_module(rank).train(mode)
             a, k = self.shard_inputs(rank, args, kwargs)
             with running(module):
                 out = module(*a, **k)
@@ -124,6 +158,23 @@ class Plan:
                 if all(g is not None for g in per_rank):
                     grads[name] = assemble(per_rank, specs[name], self.mesh)
         return Simulation([r[0] for r in results], grads, [r[2] for r in results])
+
+    def with_weights_of(self, other: Plan) -> Plan:
+        """Give this plan's graph the tensors of ``other``'s under the same attribute names (the plan of the other
+        mode, traced from a skeleton, gets the real weights); returns self."""
+        from torch.fx.graph_module import _assign_attr
+
+        from autoshard.trace import fetch_attr
+
+        for n in self.graph_module.graph.nodes:
+            if n.op == "get_attr":
+                try:
+                    t = fetch_attr(other.graph_module, n.target)
+                except AttributeError:
+                    continue
+                if isinstance(t, torch.Tensor):
+                    _assign_attr(t, self.graph_module, n.target)
+        return self
 
     # ---- questions --------------------------------------------------------------------------------------
     def public_names(self) -> dict[str, str]:
@@ -180,6 +231,10 @@ class Simulation:
     logs: list  # per rank: the CollectiveRecords it executed
 
 
+def _mode_name(training: bool) -> str:
+    return "training" if training else "eval"
+
+
 def loss_of(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -212,4 +267,4 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
             model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
         ctx = Context(mesh, options)
         gm = run_passes(gm, ctx, pass_list(options)["plan"])
-    return Plan(gm, mesh, ctx, type(model).__name__)
+    return Plan(gm, mesh, ctx, type(model).__name__, training=model.training)

@@ -238,7 +238,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
                       "transport": type(comm).__name__, "calls": counts}
             Path(out_path).write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        from autoshard.runtime.dist import shutdown
+
+        shutdown()  # every group destroyed (and its gloo threads joined) before the interpreter exits
 
 
 def _run_workers(world_size: int, backend: str, sizes: tuple[int, ...], repeats: int, timeout: float) -> dict:

@@ -31,9 +31,10 @@ def batches(steps: int, batch: int, seq: int, vocab: int):
 
 
 def train(rank: int, mesh: autoshard.Mesh, steps: int, model, comm=None, reference: bool = False,
-          lr: float = 3e-3):
+          lr: float = 3e-3, zero: int = 0, bucket_cap_mb: float | None = None):
     ref = copy.deepcopy(model) if reference else None
-    sharded = autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm)
+    sharded = autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm, zero=zero,
+                                bucket_cap_mb=bucket_cap_mb)
     opt = None
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr) if ref is not None else None
     losses, ref_losses = [], []
@@ -73,6 +74,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--simulate", action="store_true", help="run all ranks in this process (threads)")
     parser.add_argument("--mesh", default="data=2,model=2", help="mesh axes, e.g. data=2 for two processes")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the data axis")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="data-parallel gradient buckets in MiB (default as DDP's; 0: one blocking all-reduce "
+                             "per parameter)")
     args = parser.parse_args()
     mesh = autoshard.Mesh.parse(args.mesh)
     if args.simulate:
@@ -81,7 +86,8 @@ def main() -> int:
         world = SimWorld(mesh)
         model = new_model()  # built once: threads share the global RNG, so each would otherwise draw other weights
         results = world.run(lambda r: train(r, mesh, args.steps, copy.deepcopy(model), comm=world.communicator(r),
-                                            reference=(r == 0))[:2])
+                                            reference=(r == 0), zero=args.zero,
+                                            bucket_cap_mb=args.bucket_cap_mb)[:2])
         if any(results[r][0] != results[0][0] for r in range(mesh.size)):
             print("ranks disagree on the loss")
             return 1
@@ -94,13 +100,14 @@ def main() -> int:
     dist.init_process_group(backend)
     rank = dist.get_rank()
     try:
-        losses, ref_losses, sharded = train(rank, mesh, args.steps, new_model(), reference=(rank == 0))
+        losses, ref_losses, sharded = train(rank, mesh, args.steps, new_model(), reference=(rank == 0), zero=args.zero,
+                                             bucket_cap_mb=args.bucket_cap_mb)
         if rank == 0:
             sharded.show()
             return report(losses, ref_losses)
         return 0
     finally:
-        dist.destroy_process_group()
+        autoshard.runtime.shutdown()  # waits for in-flight collectives and destroys every process group
 
 
 if __name__ == "__main__":

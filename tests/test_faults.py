@@ -95,19 +95,23 @@ def _batch(step: int):
     return torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)
 
 
-def _compile(mesh, **kw):
+def _compile(mesh, example_inputs=None, **kw):
     import inspect
 
     # The greedy planner when this version has a choice: these tests are about faults, not about plans.
     fast = {"planner": "greedy"} if "planner" in inspect.signature(autoshard.compile).parameters else {}
-    return autoshard.compile(models.mlp()[0], mesh, plan=models.megatron(mesh, "mlp"), **fast, **kw)
+    return autoshard.compile(models.mlp()[0], mesh, example_inputs, plan=models.megatron(mesh, "mlp"), **fast, **kw)
 
 
 def _steps(rank: int, n: int, fault=None, save_to: str | None = None):
     """Train the MLP on data=2 x model=2 for ``n`` Adam steps; ``fault(step, sharded, opt)`` runs after each
     forward, before the backward (mid-step)."""
     mesh = autoshard.Mesh(**MESH)
-    sharded = _compile(mesh, timeout=TIMEOUT)
+    sharded = _compile(mesh, _batch(0), timeout=TIMEOUT)  # planned here, in this process: no collective yet
+    # Every rank starts together (the default group's wait is 10 minutes), however unevenly a loaded machine let
+    # them plan: the 6 s of the communicator's groups then bound the steps, not a rank still planning (issue 22).
+    torch.distributed.barrier()
+    sharded.materialize()
     opt = None
     for step in range(n):
         x, y = _batch(step)

@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
 from autoshard.context import Options
-from autoshard.errors import MeshError, PlanError
+from autoshard.errors import AutoshardError, MeshError, PlanError
 from autoshard.mesh import Mesh
 from autoshard.pipeline.options import Pipeline
 from autoshard.pipeline.plan import PipelinePlan, build_pipeline_plan
@@ -66,6 +66,8 @@ class PipelineRunner:
         if self.loss_shards > 1:
             loss_fn = _scaled(loss_fn, self.loss_shards)
         self.schedule = rt.build_schedule(stages, p.schedule, p.microbatches, loss_fn)
+        if hasattr(comm, "on_close"):  # runtime.shutdown(): the stages hold the pipe group; let go of it then
+            comm.on_close(self._release_groups)
         specs = pplan.param_specs()
         self.shared = [(fqn, tuple(local_shape(_val(pplan, fqn).shape, specs[fqn], pplan.submesh)),
                         _val(pplan, fqn).dtype) for fqn, _ in pplan.shared_params()]
@@ -114,6 +116,9 @@ class PipelineRunner:
             if dp is not p:
                 dp.grad = None if p.grad is None else like(p.grad, dp)
 
+    def _release_groups(self) -> None:
+        self.group = self.schedule = None
+
     def parameters(self):
         for _, _, dp in self._pairs:
             yield dp
@@ -136,6 +141,10 @@ class PipelineRunner:
         from autoshard.runtime import pipeline as rt
         from autoshard.runtime.comm import use
 
+        if self.schedule is None:
+            raise AutoshardError("this pipelined module's communicator was closed (autoshard.runtime.shutdown()) "
+                                 "and its process groups destroyed: compile and run a new one after "
+                                 "init_process_group to train again.")
         inputs = self.plan.shard_batch(self.rank, args, kwargs)
         inputs = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         if target is not None:
@@ -248,4 +257,8 @@ class PipelinedModule(torch.nn.Module):
         return self.runner().named_parameters()
 
     def forward(self, *args, target=None, **kwargs):
+        from autoshard.inputs import check_inputs, tensor_leaves
+
+        check_inputs(self.plan.expected_inputs(), tensor_leaves(args, kwargs), local=False,
+                     where="the pipelined module (one step over the global batch)")
         return self.runner().step(*args, target=target, **kwargs)

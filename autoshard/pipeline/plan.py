@@ -114,6 +114,23 @@ class PipelinePlan:
         return {h.name: self.shard_microbatches(x, h.meta[M.SPEC], rank) if isinstance(x, torch.Tensor) else x
                 for x, h in zip(leaves, holders)}
 
+    def expected_inputs(self) -> list:
+        """The tensor inputs of one step (:class:`autoshard.inputs.ExpectedInput`): the microbatch plan's, with
+        the rows of every input cut into microbatches (dim 0 of ``batch / microbatches``) put back."""
+        import dataclasses
+
+        from autoshard.inputs import expected_inputs
+
+        m, rows = self.pipeline.microbatches, self.batch // self.pipeline.microbatches
+
+        def whole(shape):
+            return (shape[0] * m, *shape[1:]) if len(shape) >= 1 and shape[0] == rows else shape
+
+        return [dataclasses.replace(e, global_shape=whole(e.global_shape),
+                                    local_shape=(e.local_shape[0] * m, *e.local_shape[1:])
+                                    if whole(e.global_shape) != e.global_shape else e.local_shape)
+                for e in expected_inputs(self.plan.graph_module, self.submesh)]
+
     def shard_microbatches(self, x: torch.Tensor, spec, rank: int) -> torch.Tensor:
         m = self.pipeline.microbatches
         if x.dim() == 0 or x.shape[0] % m:
@@ -242,7 +259,7 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
         gm = run_passes(gm, ctx, passes["plan"])
         stage_split = stage_split_of(gm)
         stage_graphs = build_stage_graphs(gm, stage_split)
-    plan = Plan(gm, sub, ctx, type(model).__name__)
+    plan = Plan(gm, sub, ctx, type(model).__name__, training=model.training)
     return PipelinePlan(plan, mesh, sub, pipeline, stage_split, stage_graphs, batch,
                         type(model).__name__)
 

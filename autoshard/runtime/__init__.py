@@ -4,7 +4,8 @@
   calling thread) and the :class:`CollectiveRecord` log;
 * :mod:`.collectives` — autograd-aware collectives that generated rank modules call;
 * :mod:`.sim` — :class:`SimWorld`, every rank in one process (one thread per rank);
-* :mod:`.dist` — :class:`DistCommunicator` over ``torch.distributed`` (gloo, NCCL);
+* :mod:`.dist` — :class:`DistCommunicator` over ``torch.distributed`` (gloo, NCCL), and :func:`shutdown`, the
+  clean end of a run (waits for in-flight collectives, destroys every process group);
 * :mod:`.launch` — :func:`spawn`, N local processes with a process group, bounded in time.
 
 Nothing here imports the compiler (``autoshard.passes``, codegen): the runtime only needs a :class:`Mesh`.
@@ -20,7 +21,7 @@ from autoshard.runtime.collectives import (
     reduce_scatter,
 )
 from autoshard.runtime.comm import CollectiveRecord, Communicator, current, use
-from autoshard.runtime.dist import DistCommunicator
+from autoshard.runtime.dist import DistCommunicator, shutdown
 from autoshard.runtime.launch import spawn
 from autoshard.runtime.sim import SimCommunicator, SimWorld
 
@@ -38,6 +39,7 @@ __all__ = [
     "grad_all_reduce",
     "local_slice",
     "reduce_scatter",
+    "shutdown",
     "spawn",
     "use",
 ]

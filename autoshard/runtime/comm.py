@@ -90,6 +90,9 @@ class Communicator(abc.ABC):
         #: How many random ops (dropout) this rank has run: every rank runs the same program, so the count is the
         #: same on all ranks and seeds their generators alike (runtime.ops.dropout).
         self.random_calls = 0
+        #: The async collectives started and not yet waited on, in the order they were started (see wait_all).
+        self._in_flight: dict[int, Handle] = {}
+        self._in_flight_lock = threading.Lock()
 
     # ---- coordinates ------------------------------------------------------------------------------------
     def axis_index(self, axis: str | int) -> int:
@@ -184,7 +187,7 @@ class Communicator(abc.ABC):
         sync with backward compute. The caller hands ``t`` over: it may be reduced in place, and must not be read
         or modified before ``wait()``."""
         axis, t = self._axis(axis), self._input(t, "all_reduce")
-        handle = self._all_reduce_async(t, axis)
+        handle = self._track(self._all_reduce_async(t, axis))
         self._record("all_reduce", axis, t, phase)
         return handle
 
@@ -194,9 +197,35 @@ class Communicator(abc.ABC):
         ``wait()``. Used to gather the next layer's ZeRO-3 parameters early (:mod:`autoshard.runtime.zero`)."""
         axis, t = self._axis(axis), self._input(t, "all_gather")
         self._dim(t, 0, "all_gather", axis)
-        handle = self._all_gather_async(t, axis)
+        handle = self._track(self._all_gather_async(t, axis))
         self._record("all_gather", axis, t, phase)
         return handle
+
+    def _track(self, handle: Handle) -> Handle:
+        """Keep ``handle`` in :attr:`_in_flight` until it is waited on: a collective nobody waits for (a prefetch
+        a changed program never consumed) must still complete before the process groups go away."""
+        if handle.is_completed():
+            return handle
+        key = id(handle)
+        with self._in_flight_lock:
+            self._in_flight[key] = handle
+
+        def forget():
+            with self._in_flight_lock:
+                self._in_flight.pop(key, None)
+
+        handle._on_done = forget
+        return handle
+
+    def wait_all(self) -> int:
+        """Wait for every async collective this rank started and has not waited on yet, oldest first (every rank
+        started them in the same order, so this completes wherever the ranks' programs agree). Returns how many
+        there were. :func:`autoshard.runtime.shutdown` calls it before the process groups are destroyed."""
+        with self._in_flight_lock:
+            pending = list(self._in_flight.values())
+        for handle in pending:
+            handle.wait()
+        return len(pending)
 
     def _all_gather_async(self, t: torch.Tensor, axis: str) -> Handle:
         return Handle(self._all_gather(t, axis, 0))  # default: blocking, already complete
@@ -282,11 +311,16 @@ class Handle:
     def __init__(self, result: torch.Tensor, wait=None):
         self._result = result
         self._wait = wait
+        self._on_done = None  # set by Communicator._track: forget this handle once it is waited on
 
     def wait(self) -> torch.Tensor:
         if self._wait is not None:
             wait, self._wait = self._wait, None
-            wait()
+            try:
+                wait()
+            finally:
+                if self._on_done is not None:
+                    self._on_done()
         return self._result
 
     def is_completed(self) -> bool:

@@ -38,10 +38,24 @@ collective, its group and the peer. Point-to-point ops, ``barrier`` and the grou
 use the default group's timeout, ``init_process_group(timeout=...)`` (which governs gloo there);
 :func:`autoshard.runtime.launch.spawn` sets it from its own ``timeout``. With NCCL, timeouts are enforced by the
 watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) rather than raised from the call.
+
+Shutdown. :func:`shutdown` ends a run cleanly, and scripts call it (in a ``finally``) instead of a bare
+``destroy_process_group()``: it waits for every async collective still in flight on each live communicator,
+destroys the groups the communicators created, then the default group, so that every gloo backend (two worker
+threads and one socket loop thread each) is torn down *while the interpreter is fully alive*. A bare
+``destroy_process_group()`` tears down nothing that something else still references — the communicator's
+groups, and, in torch 2.13, the default group itself once ``torch.distributed.nn.functional`` has been imported
+after ``init_process_group`` (its functions take ``group=group.WORLD`` as a default argument, evaluated at
+import; ``torch.export`` imports it on the first trace, which the lazy path runs after ``init_process_group``).
+Those backends then die during interpreter finalization, where their C++ threads may still release a finished
+collective's tensors: a thread that takes the GIL once finalization has begun is ended by CPython with
+``pthread_exit``, whose unwinding through a C++ ``noexcept`` destructor calls ``std::terminate`` — the
+intermittent ``terminate called without an active exception`` (SIGABRT) of issue 22 under load.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
 from contextlib import contextmanager
 from datetime import timedelta
@@ -49,11 +63,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from autoshard.errors import CollectiveTimeoutError, MeshError, PeerDiedError
+from autoshard.errors import AutoshardError, CollectiveTimeoutError, MeshError, PeerDiedError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, Handle
 
-__all__ = ["NATIVE_OPS", "DistCommunicator"]
+__all__ = ["NATIVE_OPS", "DistCommunicator", "shutdown"]
 
 _ALL = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 # Collectives called natively per backend (all_reduce, broadcast, send/recv are native everywhere).
@@ -65,6 +79,9 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
 # torch 2.13 renamed the tensor-form collectives (the old names still work but warn on every call).
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: Every DistCommunicator of this process that has not been closed (what shutdown() closes).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class DistCommunicator(Communicator):
@@ -91,6 +108,9 @@ class DistCommunicator(Communicator):
                             f"whose axis sizes multiply to {world}.")
         super().__init__(mesh, dist.get_rank(), timeout)
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._owned: list[dist.ProcessGroup] = []  # the groups created here, which close() destroys
+        self._on_close: list = []  # weak references to callbacks that let go of this communicator's groups
+        self.closed = False
         if device_mesh is not None:
             self._groups = self._groups_of_device_mesh(device_mesh)
         else:
@@ -100,6 +120,7 @@ class DistCommunicator(Communicator):
                     pg = dist.new_group(list(ranks), timeout=delta)
                     if self.rank in ranks:
                         self._groups[axis] = pg
+                        self._owned.append(pg)
         self.backend = str(dist.get_backend()).lower()
         if native_ops is None:
             native_ops = next((ops for name, ops in NATIVE_OPS.items() if name in self.backend), frozenset())
@@ -107,6 +128,35 @@ class DistCommunicator(Communicator):
         if unknown:
             raise MeshError(f"native_ops has {sorted(unknown)}, but only {sorted(_ALL)} can be chosen.")
         self.native_ops = frozenset(native_ops)
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Wait for this rank's async collectives still in flight, then destroy the process groups this
+        communicator created (not those of a passed ``device_mesh``) and let go of them. Idempotent; collectives
+        afterwards raise :class:`~autoshard.errors.AutoshardError`."""
+        if self.closed:
+            return
+        try:
+            self.wait_all()
+        finally:
+            self.closed = True
+            _LIVE.discard(self)
+            for ref in self._on_close:
+                fn = ref()
+                if fn is not None:
+                    fn()
+            self._on_close = []
+            owned, self._owned, self._groups = self._owned, [], {}
+            if dist.is_initialized():
+                for pg in owned:
+                    dist.destroy_process_group(pg)
+            del owned
+
+    def on_close(self, method) -> None:
+        """Call the bound ``method`` when this communicator closes, before its groups are destroyed: objects that
+        keep one of its groups (a pipeline schedule's stages) let go of it there, or the group's backend and its
+        threads would outlive the destroy. Held weakly: registering keeps nothing alive."""
+        self._on_close.append(weakref.WeakMethod(method))
 
     def _groups_of_device_mesh(self, device_mesh) -> dict[str, dist.ProcessGroup]:
         theirs = Mesh.from_device_mesh(device_mesh)
@@ -122,7 +172,14 @@ class DistCommunicator(Communicator):
 
     def process_group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along ``axis``."""
+        self._check_open(f"process_group({axis!r})")
         return self._groups[self._axis(axis)]
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise AutoshardError(f"{what} on rank {self.rank}: this communicator was closed "
+                                 "(autoshard.runtime.shutdown() or close()) and its process groups destroyed; "
+                                 "make a new one after init_process_group to communicate again.")
 
     # ---- errors -----------------------------------------------------------------------------------------
     @contextmanager
@@ -130,6 +187,7 @@ class DistCommunicator(Communicator):
         """Re-raise the backend's error for a dead or missing peer as :class:`CollectiveTimeoutError` naming
         ``what``, the group of ``axis`` (None: the whole world, or ``peers`` for a point-to-point transfer) and
         the peer; other errors (a size mismatch gloo detects, a bad argument) pass through unchanged."""
+        self._check_open(what)
         try:
             yield
         except RuntimeError as e:
@@ -256,3 +314,40 @@ class DistCommunicator(Communicator):
         if "nccl" in self.backend and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def shutdown() -> None:
+    """End this process's part of a distributed run cleanly; call it once, when training is done (in a
+    ``finally``), in place of ``torch.distributed.destroy_process_group()``.
+
+    Waits for every async collective still in flight on each live :class:`DistCommunicator` (gradient buckets,
+    ZeRO-3 prefetches), destroys the process groups they created and then the default group, so that no gloo
+    backend, and none of its threads, outlives this call (see the module docstring for why a bare
+    ``destroy_process_group()`` is not enough). It does not wait for the other ranks: each rank calls it when it
+    is done. Safe to call when nothing was initialised, and more than once.
+    """
+    from autoshard.parameters import forget_meshes
+
+    for comm in list(_LIVE):
+        comm.close()
+    forget_meshes()  # the DeviceMeshes of DTensor parameters name this run's groups
+    if not dist.is_initialized():
+        return
+    world = dist.group.WORLD
+    dist.destroy_process_group()
+    _drop_import_time_defaults(world)
+
+
+def _drop_import_time_defaults(world) -> None:
+    """``torch.distributed.nn.functional`` (torch 2.13) declares ``group=group.WORLD`` as default arguments, so
+    importing it after ``init_process_group`` pins the default group for good; put back the ``None`` the defaults
+    have when it is imported before (``group=None`` means the default group in every call it makes)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None or world is None:
+        return
+    for fn in vars(module).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is world for d in defaults):
+            fn.__defaults__ = tuple(None if d is world else d for d in defaults)

@@ -12,7 +12,7 @@ Each child (``multiprocessing`` *spawn* context by default, so scripts calling t
 ``if __name__ == "__main__":``; *forkserver* on request) sets ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, runs with ``OMP_NUM_THREADS=1``, calls
 ``init_process_group(backend, rank, world_size, timeout=timeout)``, runs ``fn(rank, world_size, *args)``, and
 sends back the result (pickled with tensors moved to CPU) or its traceback through its own pipe; it always
-destroys the process group. The parent waits on every pipe at once:
+ends with :func:`autoshard.runtime.shutdown` (every process group destroyed before the interpreter exits). The parent waits on every pipe at once:
 
 * a child raises → the others are killed and the child's error is raised here with its traceback text (as the
   same :mod:`autoshard.errors` class when it was one, else :class:`~autoshard.errors.AutoshardError`);
@@ -210,5 +210,6 @@ def _child(fn, rank, world_size, args, port, backend, timeout, parent_pid, conn)
     # failures by the time they happened.
     conn.send(reply)
     conn.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from autoshard.runtime.dist import shutdown
+
+    shutdown()
