@@ -393,6 +393,14 @@ class ShardedModule(torch.nn.Module):
         self._initialised = True
 
     # ---- the model's tree of DTensor parameters (autoshard/parameters.py) ---------------------------------
+    def parameters(self, recurse: bool = True):
+        self._parameters_ready()  # at the call, as before the first call there is nothing to list
+        return super().parameters(recurse)
+
+    def buffers(self, recurse: bool = True):
+        self._parameters_ready()
+        return super().buffers(recurse)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This rank's parameters under the model's own names, in the model's order (a tied weight under its first
         name, as ``model.named_parameters()`` gives it), each a ``DTensor`` placed as the plan stores it: name-based

@@ -155,7 +155,11 @@ def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, b
     """Run ``program`` on the public tensors: each (owner module, attribute, is parameter, public tensor) of
     ``bindings`` is replaced, for the duration, by the public tensor's ``to_local()`` — a differentiable view for a
     parameter that requires grad (its gradient comes back as a DTensor with the parameter's placements), the local
-    tensor itself otherwise. Tied parameters (one public tensor under two attributes) share one view."""
+    tensor itself otherwise. Tied parameters (one public tensor under two attributes) share one view.
+
+    The view is a plain attribute of its owner for the call (taken out of ``_parameters``/``_buffers``): tools
+    that walk a called module's parameters (``MemTracker``, hooks) see the ShardedModule's DTensor leaves, never a
+    non-leaf view as a parameter."""
     views: dict[int, torch.Tensor] = {}
     saved = []
     try:
@@ -168,13 +172,13 @@ def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, b
                     v = t
                 views[id(t)] = v
             table = owner._parameters if is_param else owner._buffers
-            saved.append((table, attr, table[attr]))
-            table[attr] = v
+            saved.append((owner, table, attr, table.pop(attr)))
+            owner.__dict__[attr] = v
         yield
     finally:
-        for table, attr, old in reversed(saved):
+        for owner, table, attr, old in reversed(saved):
+            owner.__dict__.pop(attr, None)
             table[attr] = old
-
 
 def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     """``local`` as a DTensor laid out as ``template`` (a DTensor); a plain template gives ``local`` itself."""

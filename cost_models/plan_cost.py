@@ -129,10 +129,10 @@ def _zero_sync_saving(x, info, mesh: Mesh, profile: HardwareProfile) -> float:
     if axis not in info.axes:
         return 0.0
     full = local_numel(shape(x), info.src, mesh) * itemsize(x)
-    link = link(profile, mesh, axis)
+    axis_link = link(profile, mesh, axis)
     n = mesh.axis_size(axis)
-    all_reduce = kind_time("grad_all_reduce", full, n, link)[1]
-    reduce_scatter = kind_time("all_gather_sync", full, n, link)[1]
+    all_reduce = kind_time("grad_all_reduce", full, n, axis_link)[1]
+    reduce_scatter = kind_time("all_gather_sync", full, n, axis_link)[1]
     return max(0.0, all_reduce - reduce_scatter)
 
 
