@@ -137,7 +137,6 @@ class Plan:
 
         check_inputs(self.expected_inputs(), tensor_leaves(args, kwargs), local=False, where="Plan.simulate")
         world = SimWorld(self.mesh, timeout=timeout)
-        public = self.public_names()
 
         def body(rank):
             module = self.rank_module(rank).train(mode)
@@ -146,7 +145,7 @@ class Plan:
                 out = module(*a, **k)
             if backward:
                 loss_of(out).backward()
-            grads = {public.get(n, n): p.grad for n, p in module.named_parameters()}
+            grads = {n: p.grad for n, p in module.named_parameters()}
             return out, grads, list(current().log)
 
         results = world.run(body)
@@ -184,14 +183,14 @@ class Plan:
                 if n.op == "get_attr"}
 
     def param_specs(self) -> dict[str, Spec]:
-        """{parameter FQN (a tied weight's first name): the spec it is stored in}."""
-        public = self.public_names()
-        return {public.get(k, k): v for k, v in local_param_specs(self.graph_module).items()}
+        """{parameter FQN, as the rank programs name it: the spec it is stored in} (a tied weight under the name the
+        trace kept; :meth:`public_names` maps it to the model's first name)."""
+        return local_param_specs(self.graph_module)
 
     def param_storage(self) -> dict[str, M.Storage]:
-        """{parameter FQN (a tied weight's first name): its :class:`~autoshard.meta.Storage`} of every parameter
-        stored apart from its compute layout (ZeRO stage > 0)."""
-        return {n.meta.get(M.ALIASES, (str(n.target),))[0]: n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
+        """{parameter FQN: its :class:`~autoshard.meta.Storage`} of every parameter stored apart from its compute
+        layout (ZeRO stage > 0)."""
+        return {n.meta.get(M.PARAM, n.target): n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
                 if n.op == "get_attr" and M.STORAGE in n.meta}
 
     def cost(self, profile=None, optimizer: str | None = None):

@@ -174,8 +174,9 @@ def test_names_and_state_dict_are_the_models():
     for k, v in model.state_dict().items():
         torch.testing.assert_close(full[k], v)
     plan = autoshard.compile(model, ranks[0].mesh, args, kwargs).plan  # a plan that still holds the weights
-    assert set(plan.simulate(args, kwargs).grads) <= set(names)  # a tied weight by its first name
-    assert set(plan.param_specs()) <= set(names)
+    public = plan.public_names()  # the rank programs' attribute names -> the model's first names
+    assert {public[n] for n in plan.simulate(args, kwargs).grads} <= set(names)
+    assert {public[n] for n in plan.param_specs()} <= set(names)
 
 
 def test_dcp_round_trip_on_the_same_and_other_meshes(tmp_path):
@@ -346,8 +347,9 @@ def test_placements_are_the_stored_layout():
 
     def body(rank):
         sharded = ranks[rank]
-        storage = sharded.plan.param_storage()
-        specs = sharded.plan.param_specs()
+        public = sharded.plan.public_names()
+        storage = {public[k]: v for k, v in sharded.plan.param_storage().items()}
+        specs = {public[k]: v for k, v in sharded.plan.param_specs().items()}
         out = []
         for name, p in sharded.named_parameters():
             out.append((name, tuple(p.placements), specs[name], p.device_mesh.mesh_dim_names, tuple(p.shape),

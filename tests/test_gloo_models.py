@@ -33,8 +33,7 @@ def _worker(rank, world_size):
         with use(comm):
             loss = loss_of(module(*a, **k))
             loss.backward()
-        public = plan.public_names()  # a tied weight by its first name, as plan.param_specs() has it
-        out[name] = (loss.detach(), {public.get(n, n): p.grad for n, p in module.named_parameters()},
+        out[name] = (loss.detach(), {n: p.grad for n, p in module.named_parameters()},
                      [(r.kind, r.axis, r.numel, r.phase) for r in comm.log])
     return out
 
