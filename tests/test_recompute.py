@@ -78,7 +78,7 @@ def _sgd_step_per_rank(model, mesh, args, kwargs=None, plan=None, **options):
             for p in sharded.parameters():
                 if p.grad is not None:
                     p -= p.grad
-        regions = [n for n, m in sharded.named_modules() if n.rsplit(".", 1)[-1].startswith("recompute_")]
+        regions = [n for n, m in sharded.local.named_modules() if n.rsplit(".", 1)[-1].startswith("recompute_")]
         return loss.item(), autoshard.full_state_dict(sharded), regions
 
     compiled = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs or None, plan=plan,
