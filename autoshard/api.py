@@ -582,10 +582,9 @@ class ShardedModule(torch.nn.Module):
                                  "device): call sharded.init_weights() or autoshard.load(sharded, path) first.")
         self._check_inputs(args, kwargs)
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
+        from autoshard.parameters import bound
         from autoshard.runtime.comm import use
         from autoshard.runtime.zero import running
-
-        from autoshard.parameters import bound
 
         bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])
                     for owner, attr, is_param, holder, held, held_param in self._bindings(program)]

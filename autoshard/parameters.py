@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 
-__all__ = ["bound", "clip_grad_norm_", "default_device", "build_tree", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
+__all__ = ["bound", "build_tree", "clip_grad_norm_", "default_device", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
 
 _MESHES: dict = {}
 _MESHES_LOCK = threading.Lock()
@@ -222,7 +222,6 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
                                                foreach)
         return total.full_tensor() if isinstance(total, DTensor) else total
     runner = runner()
-    pplan = runner.plan
     first = {name: min(stages) for name, stages in _stages_holding(runner).items()}
     mine = runner.plan.stages_of(runner.rank)
     counted, everything = [], []

@@ -129,11 +129,10 @@ class Plan:
                                 "ShardedModule that could trace the other one: call it as sharded.plan.simulate("
                                 f"...) on the ShardedModule, or compile the model in {_mode_name(mode)} mode.")
             return owner._plan_in_mode(mode).simulate(args, kwargs, backward, timeout, train=mode)
+        from autoshard.inputs import check_inputs, tensor_leaves
         from autoshard.runtime.comm import current
         from autoshard.runtime.sim import SimWorld
         from autoshard.runtime.zero import running
-
-        from autoshard.inputs import check_inputs, tensor_leaves
 
         check_inputs(self.expected_inputs(), tensor_leaves(args, kwargs), local=False, where="Plan.simulate")
         world = SimWorld(self.mesh, timeout=timeout)

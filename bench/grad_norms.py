@@ -25,7 +25,7 @@ def main() -> None:
     for layout in LAYOUTS:
         model, args, kwargs, world, ranks = _ranks(layout)
 
-        def body(rank, ranks=ranks):
+        def body(rank, ranks=ranks, args=args, kwargs=kwargs):
             a, k = ranks[rank].plan.shard_inputs(rank, args, kwargs)
             return _loop(ranks[rank], a, k, steps=2)
 

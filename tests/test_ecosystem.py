@@ -119,7 +119,7 @@ def test_clip_grad_norm_and_adamw_equal_eager(layout):
     params = dict(model.named_parameters())
     assert set(results[0][5]) == set(params)
     for name, value in results[0][5].items():
-        torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("norm_type,foreach", [(2.0, False), (1.0, True), (math.inf, True), (math.inf, False)])
@@ -215,7 +215,7 @@ def test_dcp_round_trip_on_the_same_and_other_meshes(tmp_path):
 
         for got in other_world.run(load_other):
             for name, value in saved_full.items():
-                torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m: f"{axes} {name}: {m}")
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, w=f"{axes} {name}": f"{w}: {m}")
     dcp_to_torch_save(path, str(tmp_path / "full.pt"))
     plain = copy.deepcopy(model)
     plain.load_state_dict(torch.load(tmp_path / "full.pt"))
