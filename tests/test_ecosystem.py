@@ -322,7 +322,6 @@ def _gloo_recipe(rank, world_size, zero, path):
             local_of(p).mul_(-1.0)
     dcp.load(sd, checkpoint_id=path)
     same = sum(torch.equal(local_of(v), saved[k]) for k, v in sharded.state_dict().items())
-    autoshard.runtime.shutdown() if hasattr(autoshard.runtime, "shutdown") else None
     return steps, final, same, len(saved)
 
 
