@@ -45,11 +45,8 @@ from autoshard.errors import TraceError
 from autoshard.graph_utils import fetch_attr  # re-exported: autoshard.trace.fetch_attr
 from autoshard.layer_reuse import find_groups
 from autoshard.progress import slow_step
+from autoshard.runtime.torch_state import GRAPH_LOCK  # re-exported: autoshard.trace.GRAPH_LOCK
 
-# torch.export keeps process-wide dispatch state, and every graph traced from one model shares its fake mode (the
-# FakeTensors in node.meta["val"], which the plan and rank passes compute with): simulated ranks (threads) that
-# compile lazily trace, run passes and make rank programs one at a time. Re-entrant: a pass may trace again.
-GRAPH_LOCK = threading.RLock()
 log = logging.getLogger(__name__)
 
 REUSED_LAYERS = M.REUSED_LAYERS  # gm.meta: container path -> [traced layer, copied layers...] (autoshard.layer_reuse)
@@ -70,7 +67,7 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     if on_meta(model):
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
-    with slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
+    with GRAPH_LOCK, slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
         if reuse_layers:
             try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
                 return _finish(_export_reusing_layers(model, args, kwargs), model)

@@ -36,6 +36,7 @@ import torch
 from autoshard.errors import AutoshardError, CollectiveTimeoutError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.comm import Communicator, use
+from autoshard.runtime.torch_state import serialize_dtensor_propagation
 
 __all__ = ["SimCommunicator", "SimWorld"]
 
@@ -401,6 +402,7 @@ def _threaded_store(serial: bool):
 
             torch._C._distributed_c10d._set_thread_isolation_mode(True)
             multi_threaded_pg._install_threaded_pg()
+            serialize_dtensor_propagation()  # rank threads run DTensor ops while another rank may trace
             _THREADED["installed"] = True
     return dist.HashStore()
 
