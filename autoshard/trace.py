@@ -439,9 +439,10 @@ def _renumber(gm: torch.fx.GraphModule) -> None:
     new._codegen = old._codegen
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in old.nodes:
-        keep = n.op in ("placeholder", "get_attr", "output")
+        keep = n.op in ("placeholder", "output")
+        name = n.name if keep else str(n.target).replace(".", "_") if n.op == "get_attr" else _op_name(n)
         copy = new.create_node(n.op, n.target, torch.fx.map_arg(n.args, env.__getitem__),
-                               torch.fx.map_arg(n.kwargs, env.__getitem__), name=n.name if keep else _op_name(n),
+                               torch.fx.map_arg(n.kwargs, env.__getitem__), name=name,
                                type_expr=n.type)
         copy.meta = n.meta
         env[n] = copy
@@ -462,5 +463,23 @@ def _annotate_params(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     by_name = {n: names for names in groups.values() for n in names}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
+            aliases = tuple(by_name.get(str(node.target), [str(node.target)]))
+            if aliases[0] != node.target:  # a tied weight: the graph names it as model.named_parameters() does
+                _move_attr(gm, str(node.target), aliases[0])
+                node.target = aliases[0]
             node.meta[M.PARAM] = str(node.target)
-            node.meta[M.ALIASES] = tuple(by_name.get(str(node.target), [str(node.target)]))
+            node.meta[M.ALIASES] = aliases
+
+
+def _move_attr(gm: torch.fx.GraphModule, old: str, new: str) -> None:
+    """Re-register the tensor at attribute path ``old`` of ``gm`` under ``new`` (torch.export keeps one name of a
+    tied weight, not necessarily the first)."""
+    from torch.fx.graph_module import _assign_attr
+
+    t = fetch_attr(gm, old)
+    *owner_path, leaf = old.split(".")
+    owner = gm.get_submodule(".".join(owner_path)) if owner_path else gm
+    for table in (owner._parameters, owner._buffers):
+        table.pop(leaf, None)
+    owner.__dict__.pop(leaf, None)
+    _assign_attr(t, gm, new)

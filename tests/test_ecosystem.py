@@ -174,9 +174,11 @@ def test_names_and_state_dict_are_the_models():
     for k, v in model.state_dict().items():
         torch.testing.assert_close(full[k], v)
     plan = autoshard.compile(model, ranks[0].mesh, args, kwargs).plan  # a plan that still holds the weights
-    public = plan.public_names()  # the rank programs' attribute names -> the model's first names
-    assert {public[n] for n in plan.simulate(args, kwargs).grads} <= set(names)
-    assert {public[n] for n in plan.param_specs()} <= set(names)
+    # a tied weight (the GPT's wte.weight = head.weight) is known everywhere by its first name
+    assert set(plan.simulate(args, kwargs).grads) <= set(names)
+    assert set(plan.param_specs()) <= set(names)
+    assert set(plan.public_names().values()) == set(plan.public_names()) == set(plan.param_specs())
+    assert "head.weight" not in plan.param_specs() and "wte.weight" in plan.param_specs()
 
 
 def test_dcp_round_trip_on_the_same_and_other_meshes(tmp_path):

@@ -20,9 +20,9 @@ def forward(self, ids, labels):
     blocks_0_mlp_2_bias = getattr(getattr(self.blocks, "0").mlp, "2").bias
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
-    head_weight = self.head.weight
+    wte_weight = self.wte.weight
     arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False);  rank_device = None
-    grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(head_weight, ['data']);  head_weight = None
+    grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(wte_weight, ['data']);  wte_weight = None
     masked_embedding = autoshard_runtime_ops_masked_embedding(grad_all_reduce, ids, 64, -1);  ids = None
     masked_embedding_1 = autoshard_runtime_ops_masked_embedding(wpe_weight, arange, 8, -1);  wpe_weight = arange = None
     grad_all_reduce_1 = torch.ops.autoshard.grad_all_reduce.default(masked_embedding_1, ['data']);  masked_embedding_1 = None

@@ -16,9 +16,9 @@ def forward(self, ids, labels):
     blocks_0_ln2_bias = getattr(self.blocks, "0").ln2.bias
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
-    head_weight = self.head.weight
+    wte_weight = self.wte.weight
     arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False);  rank_device = None
-    grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(head_weight, ['data']);  head_weight = None
+    grad_all_reduce = torch.ops.autoshard.grad_all_reduce.default(wte_weight, ['data']);  wte_weight = None
     embedding = torch.ops.aten.embedding.default(grad_all_reduce, ids);  ids = None
     embedding_1 = torch.ops.aten.embedding.default(wpe_weight, arange);  wpe_weight = arange = None
     grad_all_reduce_1 = torch.ops.autoshard.grad_all_reduce.default(embedding_1, ['data']);  embedding_1 = None

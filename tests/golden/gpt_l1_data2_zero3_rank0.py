@@ -20,9 +20,9 @@ def forward(self, ids, labels):
     blocks_0_mlp_2_bias = getattr(getattr(self.blocks, "0").mlp, "2").bias
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
-    head_weight = self.head.weight
+    wte_weight = self.wte.weight
     arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False);  rank_device = None
-    all_gather_reshard_group = torch.ops.autoshard.all_gather_reshard_group.default([head_weight, ln_f_weight, ln_f_bias], 'data', [0, 0, 0], 2, ['data'], [blocks_0_ln1_weight, blocks_0_ln1_bias, blocks_0_attn_q_weight, blocks_0_attn_q_bias, blocks_0_attn_k_weight, blocks_0_attn_k_bias, blocks_0_attn_v_weight, blocks_0_attn_v_bias, blocks_0_attn_out_weight, blocks_0_attn_out_bias, blocks_0_ln2_weight, blocks_0_ln2_bias, blocks_0_mlp_0_weight, blocks_0_mlp_0_bias, blocks_0_mlp_2_weight, blocks_0_mlp_2_bias]);  head_weight = ln_f_weight = ln_f_bias = None
+    all_gather_reshard_group = torch.ops.autoshard.all_gather_reshard_group.default([wte_weight, ln_f_weight, ln_f_bias], 'data', [0, 0, 0], 2, ['data'], [blocks_0_ln1_weight, blocks_0_ln1_bias, blocks_0_attn_q_weight, blocks_0_attn_q_bias, blocks_0_attn_k_weight, blocks_0_attn_k_bias, blocks_0_attn_v_weight, blocks_0_attn_v_bias, blocks_0_attn_out_weight, blocks_0_attn_out_bias, blocks_0_ln2_weight, blocks_0_ln2_bias, blocks_0_mlp_0_weight, blocks_0_mlp_0_bias, blocks_0_mlp_2_weight, blocks_0_mlp_2_bias]);  wte_weight = ln_f_weight = ln_f_bias = None
     getitem = all_gather_reshard_group[0]
     getitem_1 = all_gather_reshard_group[1]
     getitem_2 = all_gather_reshard_group[2];  all_gather_reshard_group = None

@@ -20,9 +20,9 @@ def forward(self, ids, labels):
     blocks_0_mlp_2_bias = getattr(getattr(self.blocks, "0").mlp, "2").bias
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
-    head_weight = self.head.weight
+    wte_weight = self.wte.weight
     arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False);  rank_device = None
-    masked_embedding = autoshard_runtime_ops_masked_embedding(head_weight, ids, 0, -1);  ids = None
+    masked_embedding = autoshard_runtime_ops_masked_embedding(wte_weight, ids, 0, -1);  ids = None
     masked_embedding_1 = autoshard_runtime_ops_masked_embedding(wpe_weight, arange, 0, -1);  wpe_weight = arange = None
     add = torch.ops.aten.add.Tensor(masked_embedding, masked_embedding_1);  masked_embedding = masked_embedding_1 = None
     all_reduce = torch.ops.autoshard.all_reduce.default(add, 'model')
@@ -33,7 +33,7 @@ def forward(self, ids, labels):
     getitem_6 = checkpoint[0];  checkpoint = None
     all_reduce_2 = torch.ops.autoshard.all_reduce.default(getitem_6, 'model');  getitem_6 = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(all_reduce_2, [64], ln_f_weight, ln_f_bias, 1e-05, False);  all_reduce_2 = ln_f_weight = ln_f_bias = None
-    linears_grad_all_reduce_2 = torch.ops.autoshard.linears_grad_all_reduce.default(layer_norm_2, ['model'], [head_weight], [], [False]);  layer_norm_2 = head_weight = None
+    linears_grad_all_reduce_2 = torch.ops.autoshard.linears_grad_all_reduce.default(layer_norm_2, ['model'], [wte_weight], [], [False]);  layer_norm_2 = wte_weight = None
     getitem_5 = linears_grad_all_reduce_2[0];  linears_grad_all_reduce_2 = None
     view_3 = torch.ops.aten.view.default(getitem_5, [64, 64]);  getitem_5 = None
     view_4 = torch.ops.aten.view.default(labels, [64]);  labels = None

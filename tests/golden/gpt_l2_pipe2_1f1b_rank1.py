@@ -17,7 +17,7 @@ def forward(self, add_2, labels):
     blocks_1_mlp_2_bias = getattr(getattr(self.blocks, "1").mlp, "2").bias
     ln_f_weight = self.ln_f.weight
     ln_f_bias = self.ln_f.bias
-    head_weight = self.head.weight
+    wte_weight = self.wte.weight
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_2, [64], blocks_1_ln1_weight, blocks_1_ln1_bias, 1e-05, False);  blocks_1_ln1_weight = blocks_1_ln1_bias = None
     linear_6 = torch.ops.aten.linear.default(layer_norm_2, blocks_1_attn_q_weight, blocks_1_attn_q_bias);  blocks_1_attn_q_weight = blocks_1_attn_q_bias = None
     view_3 = torch.ops.aten.view.default(linear_6, [2, 16, 4, 16]);  linear_6 = None
@@ -39,7 +39,7 @@ def forward(self, add_2, labels):
     linear_11 = torch.ops.aten.linear.default(gelu_1, blocks_1_mlp_2_weight, blocks_1_mlp_2_bias);  gelu_1 = blocks_1_mlp_2_weight = blocks_1_mlp_2_bias = None
     add_4 = torch.ops.aten.add.Tensor(add_3, linear_11);  add_3 = linear_11 = None
     layer_norm_4 = torch.ops.aten.layer_norm.default(add_4, [64], ln_f_weight, ln_f_bias, 1e-05, False);  add_4 = ln_f_weight = ln_f_bias = None
-    linear_12 = torch.ops.aten.linear.default(layer_norm_4, head_weight);  layer_norm_4 = head_weight = None
+    linear_12 = torch.ops.aten.linear.default(layer_norm_4, wte_weight);  layer_norm_4 = wte_weight = None
     view_6 = torch.ops.aten.view.default(linear_12, [32, 128]);  linear_12 = None
     view_7 = torch.ops.aten.view.default(labels, [32]);  labels = None
     cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(view_6, view_7);  view_6 = view_7 = None

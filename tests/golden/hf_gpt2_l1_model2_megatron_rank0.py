@@ -16,9 +16,9 @@ def forward(self, input_ids, labels):
     transformer_h_0_mlp_c_proj_bias = getattr(self.transformer.h, "0").mlp.c_proj.bias
     transformer_ln_f_weight = self.transformer.ln_f.weight
     transformer_ln_f_bias = self.transformer.ln_f.bias
-    lm_head_weight = self.lm_head.weight
+    transformer_wte_weight = self.transformer.wte.weight
     view = torch.ops.aten.view.default(input_ids, [4, 16]);  input_ids = None
-    masked_embedding = autoshard_runtime_ops_masked_embedding(lm_head_weight, view, 0, -1);  view = None
+    masked_embedding = autoshard_runtime_ops_masked_embedding(transformer_wte_weight, view, 0, -1);  view = None
     arange = torch.ops.aten.arange.default(16, device = rank_device, pin_memory = False)
     add = torch.ops.aten.add.Tensor(arange, 0);  arange = None
     unsqueeze = torch.ops.aten.unsqueeze.default(add, 0);  add = None
@@ -111,7 +111,7 @@ def forward(self, input_ids, labels):
     layer_norm_2 = torch.ops.aten.layer_norm.default(add_7, [64], transformer_ln_f_weight, transformer_ln_f_bias, 1e-05, False);  add_7 = transformer_ln_f_weight = transformer_ln_f_bias = None
     view_12 = torch.ops.aten.view.default(layer_norm_2, [4, 16, 64]);  layer_norm_2 = None
     alias = torch.ops.aten.alias.default(view_12);  view_12 = None
-    linears_grad_all_reduce = torch.ops.autoshard.linears_grad_all_reduce.default(alias, ['model'], [lm_head_weight], [], [False]);  alias = lm_head_weight = None
+    linears_grad_all_reduce = torch.ops.autoshard.linears_grad_all_reduce.default(alias, ['model'], [transformer_wte_weight], [], [False]);  alias = transformer_wte_weight = None
     getitem_4 = linears_grad_all_reduce[0];  linears_grad_all_reduce = None
     to_3 = torch.ops.aten.to.dtype(getitem_4, torch.float32);  getitem_4 = None
     pad = torch.ops.aten.pad.default(labels, [0, 1], 'constant', -100.0);  labels = None
