@@ -167,7 +167,7 @@ def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, b
             v = views.get(id(t))
             if v is None:
                 if isinstance(t, DTensor):
-                    v = t.to_local() if t.requires_grad and torch.is_grad_enabled() else t._local_tensor
+                    v = _LocalView.apply(t) if t.requires_grad and torch.is_grad_enabled() else t._local_tensor
                 else:
                     v = t
                 views[id(t)] = v
@@ -181,11 +181,41 @@ def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, b
             table[attr] = old
 
 def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
-    """``local`` as a DTensor laid out as ``template`` (a DTensor); a plain template gives ``local`` itself."""
-    if not isinstance(template, DTensor) and not hasattr(template, "device_mesh"):
+    """``local`` as a DTensor laid out as ``template`` (a DTensor); a plain template gives ``local`` itself.
+
+    Not differentiable. Where ``local`` has the template's local shape, stride and dtype (a gradient of a
+    parameter), the DTensor shares the template's spec — FSDP2's ``_from_local_no_grad``: no spec is built, which
+    is most of ``from_local``'s cost, paid per parameter and step."""
+    if not isinstance(template, DTensor):
+        if hasattr(template, "device_mesh"):
+            return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                                      shape=template.shape, stride=template.stride())
         return local
+    mine = template._local_tensor
+    if local.shape == mine.shape and local.dtype == mine.dtype and local.stride() == mine.stride():
+        return DTensor(local, template._spec, requires_grad=False)
     return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
                               shape=template.shape, stride=template.stride())
+
+
+class _LocalView(torch.autograd.Function):
+    """``p.to_local()`` of a DTensor parameter for one call of the rank program: forward a view of its local
+    tensor, backward the gradient as a DTensor laid out as the parameter with the parameter's own spec (not one
+    rebuilt per parameter and step as ``to_local``'s backward does)."""
+
+    @staticmethod
+    def forward(ctx, p: DTensor) -> torch.Tensor:  # noqa: D102 - see the class
+        mine = p._local_tensor
+        ctx.spec, ctx.local = p._spec, (mine.shape, mine.stride(), mine.dtype)
+        return mine.view_as(mine)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:  # noqa: D102
+        spec = ctx.spec
+        if (grad.shape, grad.stride(), grad.dtype) == ctx.local:
+            return DTensor(grad, spec, requires_grad=False)
+        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
 
 
 def local_slice(full: torch.Tensor, template: DTensor) -> DTensor:

@@ -38,6 +38,7 @@ parallel, the parameter bytes that DDP all-reduces; DTensor's collectives are co
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -264,6 +265,19 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             return loss
 
         systems["dp/DDP+loss all-reduce"] = (ddp_global_loss_step, list(ddp_g.parameters()), [ddp_g], None)
+        # what a user runs: the ShardedModule (DTensor parameters bound to the same programs per call), last,
+        # on copies of the model (compiling on a known rank lets go of the model's own weights)
+        sm_tp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, plan={k: (v,) for k, v in ann.items()},
+                                  comm=tp_comm, bucket_cap_mb=25)
+        sm_dp = autoshard.compile(copy.deepcopy(model), dp_mesh, args, comm=dp_comm, bucket_cap_mb=25)
+
+        def sm_step(m, a):
+            return loss_of(m(*a))
+
+        systems["tp/ShardedModule"] = (functools.partial(sm_step, sm_tp, tp_args), list(sm_tp.parameters()),
+                                       [sm_tp], tp_comm)
+        systems["dp/ShardedModule"] = (functools.partial(sm_step, sm_dp, dp_args), list(sm_dp.parameters()),
+                                       [sm_dp], dp_comm)
 
         # warm-up, losses, bytes and collective counts of one step
         info = {}

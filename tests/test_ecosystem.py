@@ -122,39 +122,67 @@ def test_clip_grad_norm_and_adamw_equal_eager(layout):
         torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("norm_type,foreach", [(2.0, False), (1.0, True), (math.inf, True), (math.inf, False)])
-def test_clip_grad_norm_any_norm_type(norm_type, foreach):
+def _each_from_the_start(model, world, ranks, cases, run_eager, run_rank):
+    """For each case: eager and every rank from the same initial weights (one compile, one simulated run for all
+    the cases: a ShardedModule's DeviceMesh lives in the process groups of the run that first used it)."""
+    start = copy.deepcopy(model.state_dict())
+    wants = []
+    for case in cases:
+        model.load_state_dict(start)
+        wants.append(run_eager(case))
+
+    def body(rank):
+        out = []
+        for case in cases:
+            ranks[rank].load_state_dict(start)  # whole tensors: each rank takes its slices
+            out.append(run_rank(rank, case))
+        return out
+
+    per_rank = world.run(body)
+    for i, case in enumerate(cases):
+        yield case, wants[i], [r[i] for r in per_rank]
+
+
+def test_clip_grad_norm_any_norm_type():
     model, args, kwargs, world, ranks = _ranks("tp")
-    want = _loop(model, args, kwargs, steps=2, norm_type=norm_type, foreach=foreach)
+    cases = [(2.0, False), (1.0, True), (math.inf, True), (math.inf, False)]
 
-    def body(rank):
+    def run_rank(rank, case):
         a, k = ranks[rank].plan.shard_inputs(rank, args, kwargs)
-        return _loop(ranks[rank], a, k, steps=2, norm_type=norm_type, foreach=foreach)
+        return _loop(ranks[rank], a, k, steps=2, norm_type=case[0], foreach=case[1])
 
-    for got in world.run(body):
-        for (loss, norm), (want_loss, want_norm) in zip(got, want):
-            assert norm == pytest.approx(want_norm, rel=1e-5)
-            assert loss == pytest.approx(want_loss, rel=1e-4)
+    for case, want, results in _each_from_the_start(
+            model, world, ranks, cases, lambda c: _loop(model, args, kwargs, steps=2, norm_type=c[0], foreach=c[1]),
+            run_rank):
+        for got in results:
+            for (loss, norm), (want_loss, want_norm) in zip(got, want):
+                assert norm == pytest.approx(want_norm, rel=1e-5), case
+                assert loss == pytest.approx(want_loss, rel=1e-4), case
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
 @pytest.mark.parametrize("layout", ["tp", "zero3"])
-def test_optimizers_step_dtensor_parameters_like_eager(layout, opt):
-    make = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
-            "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)}[opt]
+def test_optimizers_step_dtensor_parameters_like_eager(layout):
+    makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+              "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)}
     model, args, kwargs, world, ranks = _ranks(layout)
-    want = _loop(model, args, kwargs, steps=3, max_norm=1e9, make_opt=make)
 
-    def body(rank):
+    def run_eager(opt):
+        return _loop(model, args, kwargs, steps=3, max_norm=1e9, make_opt=makers[opt]), {
+            n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def run_rank(rank, opt):
         a, k = ranks[rank].plan.shard_inputs(rank, args, kwargs)
-        return _loop(ranks[rank], a, k, steps=3, max_norm=1e9, make_opt=make), {
-            n: _full(p) for n, p in ranks[rank].named_parameters()}
+        return _loop(ranks[rank], a, k, steps=3, max_norm=1e9, make_opt=makers[opt]), {
+            n: _full(p).clone() for n, p in ranks[rank].named_parameters()}  # the next case loads in place
 
-    params = dict(model.named_parameters())
-    for got, final in world.run(body):
-        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-4)
-        for name, value in final.items():
-            torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4)
+    for opt, (want, params), results in _each_from_the_start(model, world, ranks, list(makers), run_eager,
+                                                              run_rank):
+        for got, final in results:
+            assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-4), opt
+            assert set(final) == set(params)
+            for name, value in final.items():
+                torch.testing.assert_close(value, params[name], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, name=name, opt=opt: f"{opt} {name}: {m}")
 
 
 def test_names_and_state_dict_are_the_models():

@@ -220,7 +220,9 @@ class GradBucketer:
                     p = self.params[name]
                     old = self._old.pop(name, None)
                     if old is None:
-                        p.grad = like(g, p)
+                        have = p.grad
+                        if have is None or local_of(have).data_ptr() != g.data_ptr():  # else: the hook's, reduced
+                            p.grad = like(g, p)
                     else:
                         local_of(old).add_(g)
                         p.grad = old

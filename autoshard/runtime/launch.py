@@ -55,6 +55,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported by the forkserver before it forks the first child: the compiler and the model libraries the children
+# of a test suite import; multiprocessing skips a name that fails to import.
+_PRELOAD = ("autoshard.api", "autoshard.passes", "transformers", "transformers.models.llama.modeling_llama")
+
+
 def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",
           startup_slack: float = 30.0, start_method: str = "spawn") -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results in rank order.
@@ -75,8 +80,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gl
         raise AutoshardError(f"spawn needs a function defined at module level of an importable module (it is "
                              f"pickled into fresh processes), but {name} cannot be pickled: {e}") from None
     ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload([__name__])
+    if start_method == "forkserver":  # what every child imports, imported once in the server (ignored if absent)
+        ctx.set_forkserver_preload([__name__, *_PRELOAD])
     port = free_port()
     procs, conns = [], {}
     try:
