@@ -596,11 +596,8 @@ class ShardedModule(torch.nn.Module):
         parameter and buffer pinned to its layout in the plan, sharing this rank's tensors."""
         if self._other_box:
             return self._other_box[0]
-        from autoshard.codegen import rank_program
-
         other = self._other_mode_plan()
-        program = rank_program(other.graph_module, self.mesh, self.communicator().rank, other.context.options,
-                               bucket_grads=self.bucketing, local_weights=self.local)
+        program = other.rank_program(self.communicator().rank, bucket_grads=self.bucketing, local_weights=self.local)
         program.train(self.training)
         self._other_box = (program,)
         return program

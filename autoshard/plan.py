@@ -49,9 +49,18 @@ class Plan:
         :class:`~autoshard.runtime.buckets.GradBucketer` to run them bucketed and overlapped with backward."""
         from autoshard.inputs import install_check
 
-        module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads)
-        self._check_signature(module, rank, bucket_grads)
+        module = self.rank_program(rank, weights, bucket_grads)
         return install_check(module, self.expected_inputs(), rank)  # wrong shapes: RuntimeShapeError, not raw
+
+    def rank_program(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False,
+                     local_weights: torch.nn.Module | None = None) -> torch.fx.GraphModule:
+        """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
+        rank program this plan made (``local_weights``: share that program's tensors, see
+        :func:`autoshard.codegen.rank_program`). The only way to a rank program of a plan."""
+        module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads,
+                              local_weights)
+        self._check_signature(module, rank, bucket_grads)
+        return module
 
     def expected_inputs(self) -> list:
         """The tensor inputs the plan was compiled for: name, global and local shape, dtype
