@@ -125,7 +125,13 @@ class Mesh:
         """The ``DeviceMesh`` of this logical mesh over the current process group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+        dm = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+        if dm.ndim > 1:
+            # A value Partial over every axis (the 2-norm of gradients that are partial on data and on model) is
+            # then reduced by one all-reduce over the flattened axis, not one per axis in turn (DTensor looks the
+            # flattened mesh up by its layout; torchtitan flattens its meshes for the same reason).
+            dm._flatten()
+        return dm
 
     def __iter__(self):
         return iter(itertools.product(*(range(s) for s in self.shape)))

@@ -160,6 +160,26 @@ def test_clip_grad_norm_any_norm_type():
                 assert loss == pytest.approx(want_loss, rel=1e-4), case
 
 
+def test_a_norm_partial_on_every_axis_is_one_all_reduce():
+    """ZeRO-3 gradients on data=2 x model=2 make the norm Partial on both axes: the DeviceMesh carries the
+    flattened axis, so DTensor reduces it with one all-reduce (not one per axis, with a warning per rank)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    _, args, kwargs, world, ranks = _ranks("zero3")
+
+    def body(rank):
+        a, k = ranks[rank].plan.shard_inputs(rank, args, kwargs)
+        loss_of(ranks[rank](*a, **k)).backward()
+        with CommDebugMode() as comms:
+            norm = torch.nn.utils.clip_grad_norm_(ranks[rank].parameters(), 0.5)
+            _full(norm)
+        return comms.get_total_counts(), _full(norm).item()
+
+    results = world.run(body)
+    assert [count for count, _ in results] == [1] * 4, results
+    assert len({norm for _, norm in results}) == 1
+
+
 @pytest.mark.parametrize("layout", ["tp", "zero3"])
 def test_optimizers_step_dtensor_parameters_like_eager(layout):
     makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
