@@ -6,7 +6,8 @@
     $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (fits COLUMNS)
     $ autoshard show examples.models:llama3_8b_meta --mesh model=4 --megatron --nodes # every node
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
-    $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
+    $ autoshard plan examples.models:llama3_8b_meta --mesh data=2,model=4 --profile gpu-8x-nvlink \
+          --factory-arg layers=2 --symbolic                                     # search + explain
     $ autoshard show examples.models:gpt --mesh pipe=2,model=2 --megatron --pipeline microbatches=4,schedule=1f1b
     $ autoshard calibrate --world-size 2 -o calibrated.toml                         # measure alpha-beta
 

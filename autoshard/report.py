@@ -435,7 +435,7 @@ def axis_advice(gm, ctx, unused: list[str]) -> str:
         saved = compute * (1 - 1 / size)
         latency = (size - 1) * profile.link_for(name, mesh=ctx.mesh).alpha  # one ring collective's message steps
         verdict = ("less than one collective costs" if saved < latency else
-                   "less than the collectives a split needs, as the search priced them")
+                   "yet every plan splitting over it was priced slower: its collectives cost more than that saves")
         reasons.append(f"splitting the step over `{name}` (size {size}) saves at most {_seconds(saved)} of its "
                        f"{_seconds(compute)} of compute, {verdict} (a collective over `{name}` takes at least "
                        f"{_seconds(latency)} of latency alone)")

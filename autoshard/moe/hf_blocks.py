@@ -19,7 +19,10 @@ Two steps, one at trace time and one in ``passes/expert_rewrite.py``:
    parameter names match the HF model). The instance attribute is removed afterwards: the user's model is left
    exactly as it was. What was found (and why other candidates were not taken) goes to ``gm.meta[FOUND]``.
    Without ``moe=`` the op stays in the graph: its eager form is dropless and exact, and its rule shards it on
-   tokens (plain data parallelism, experts replicated).
+   tokens (data parallelism) and on the stacked weights' expert dim (``"e"``: a rank holding experts
+   ``[o, o + E/n)`` runs them on every token it has and adds only the choices of those experts, a Partial share
+   of the output; the local form passes ``expert_offset=o``). So the planner can split the experts over any axis,
+   or store them sharded over `data` (ZeRO), with no ``moe=`` and nothing dropped.
 2. :func:`rewrite_existing` (``MoE(existing=True)``): each ``hf_experts`` node becomes the expert rewrite's
    capacity-bounded subgraph, made from the same group ops (:mod:`autoshard.moe.graph_ops`)::
 
