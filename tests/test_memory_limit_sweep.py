@@ -21,7 +21,6 @@ import pytest
 
 import autoshard
 from autoshard.api import memory_defaults
-from autoshard.errors import PlanError
 from tests.test_equivalence import assert_simulated_equals_one_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -77,19 +76,23 @@ def test_memory_defaults_are_auto_only_for_the_limited_search_and_explicit_value
     assert memory_defaults("search", 1e6, 3, "model.layers.*") == (3, "model.layers.*")
 
 
-def test_explicit_zero_0_and_no_recompute_still_refuse_a_limit_only_they_could_meet():
-    """``zero=0, recompute=False`` given explicitly win over the defaults: the limit that ZeRO meets is refused."""
+def test_explicit_zero_and_recompute_win_over_the_defaults_under_a_limit():
+    """``zero=0, recompute=False`` given with a limit are kept (no ZeRO stage, nothing recomputed); left out, both
+    are "auto" for the same limited search."""
     from examples import models
 
-    model, args, kwargs = models.hf_llama()
-    mesh = autoshard.Mesh(data=2, model=2)
+    model, args, _ = models.mlp()
+    mesh = autoshard.Mesh(data=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        free = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, planner="search").plan
-        limit = 0.6 * free.cost().memory_per_rank
-        with pytest.raises(PlanError, match="least memory any plan needs"):
-            autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, planner="search", memory_limit=limit,
-                              zero=0, recompute=False)
+        free = autoshard.compile(copy.deepcopy(model), mesh, args, planner="search").plan
+        limit = free.cost().memory_per_rank * 1.01
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, planner="search", memory_limit=limit, zero=0,
+                                 recompute=False).plan
+        assert (plan.context.options.zero, plan.context.options.recompute) == (0, None)
+        assert set(plan.context.report["plan_search"]["zero_stages"]) == {0} and not plan.param_storage()
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, planner="search", memory_limit=limit).plan
+    assert (plan.context.options.zero, plan.context.options.recompute) == ("auto", "auto")
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -119,3 +122,31 @@ def test_hf_experts_split_on_the_expert_dim_sum_to_the_whole_op(gated):
     total.square().sum().backward()
     for got, ref in zip((x.grad, weight.grad, up.grad, down.grad), want):
         torch.testing.assert_close(got, ref)
+
+
+def test_cli_leaves_zero_and_recompute_to_compile_unless_given():
+    from autoshard.cli import _recompute, _zero, build_parser
+
+    args = build_parser().parse_args(["plan", "examples.models:mlp", "--mesh", "data=2", "--memory-limit", "1MiB"])
+    assert (args.zero, args.recompute) == (None, None)  # compile's defaults: "auto" under the limit
+    assert (_zero(None), _zero("auto"), _zero("2")) == (None, "auto", 2)
+    assert (_recompute(None), _recompute("none"), _recompute("auto"), _recompute("h.*")) == (None, False, "auto", "h.*")
+
+
+def test_unused_axis_advice_under_the_search_gives_the_reason_not_the_search():
+    """A tiny GPT searched on gpu-8x-nvlink replicates: the warning says why (compute a split saves vs one
+    collective's latency) and what would change it, and does not tell a user of the search to use the search;
+    ``--symbolic`` says there are no collectives."""
+    from examples import models
+
+    model, args, _ = models.gpt()
+    with pytest.warns(UserWarning) as caught:
+        plan = autoshard.compile(model, autoshard.Mesh(model=4), args, planner="search", profile="gpu-8x-nvlink").plan
+    text = next(str(w.message) for w in caught if "is unused" in str(w.message))
+    assert "planner='search'" not in text
+    assert "replication is cheapest under profile `gpu-8x-nvlink`" in text
+    assert "saves at most" in text and "of latency alone" in text and "a mesh without `model`" in text
+    from autoshard.report import format_symbolic
+
+    symbolic = format_symbolic(plan)  # `autoshard plan --symbolic`: says plainly that there is no formula
+    assert "none: this plan inserts no collective (every rank runs the whole step on the same data)" in symbolic
