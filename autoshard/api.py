@@ -76,8 +76,10 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     (``planner="search"``). Left out (None), both are ``"auto"`` when ``planner="search"`` has a ``memory_limit``
     (the search then uses ZeRO storage and recomputation where the limit needs them, as it uses tensor
     parallelism) and 0 / False otherwise; a value given explicitly always wins (``zero=0, recompute=False``: a
-    limited search without either). ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``:
-    compute in ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
+    limited search without either). Hugging Face sparse-MoE experts need no ``moe=`` for this: their stacked weights
+    may be split on the expert dim or stored sharded like any parameter (:mod:`autoshard.moe.hf_blocks`).
+    ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``: compute in
+    ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
 
     ``context_axis="context"`` (or ``autoshard.ContextParallel(axis, attention="ring"|"all_gather"|"ulysses",
     balance=True)``): context parallelism — pass whole sequences; autoshard cuts them along that mesh axis

@@ -110,17 +110,26 @@ def test_hf_experts_split_on_the_expert_dim_sum_to_the_whole_op(gated):
     weight = torch.rand(tokens, k, generator=g, requires_grad=True)
     up = torch.randn(experts, (2 if gated else 1) * ffn, hidden, generator=g, requires_grad=True)
     down = torch.randn(experts, hidden, ffn, generator=g, requires_grad=True)
+    # the ungated case with biases (GPT-OSS-like experts), sharded with their experts
+    up_bias = None if gated else torch.randn(experts, ffn, generator=g, requires_grad=True)
+    down_bias = None if gated else torch.randn(experts, hidden, generator=g, requires_grad=True)
+    leaves = [t for t in (x, weight, up, down, up_bias, down_bias) if t is not None]
     static = ("silu", gated, False, True)
-    whole = hf_experts(x, index, weight, up, down, None, None, *static)
+    whole = hf_experts(x, index, weight, up, down, up_bias, down_bias, *static)
     whole.square().sum().backward()
-    want = [t.grad.clone() for t in (x, weight, up, down)]
-    for t in (x, weight, up, down):
+    want = [t.grad.clone() for t in leaves]
+    for t in leaves:
         t.grad = None
-    shares = [hf_experts(x, index, weight, up[o:o + 2], down[o:o + 2], None, None, *static, o) for o in (0, 2)]
+
+    def part(t, o):
+        return None if t is None else t[o:o + 2]
+
+    shares = [hf_experts(x, index, weight, up[o:o + 2], down[o:o + 2], part(up_bias, o), part(down_bias, o), *static,
+                         o) for o in (0, 2)]
     total = shares[0] + shares[1]
     torch.testing.assert_close(total, whole)
     total.square().sum().backward()
-    for got, ref in zip((x.grad, weight.grad, up.grad, down.grad), want):
+    for got, ref in zip((t.grad for t in leaves), want):
         torch.testing.assert_close(got, ref)
 
 
