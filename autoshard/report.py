@@ -444,8 +444,12 @@ def axis_advice(gm, ctx, unused: list[str]) -> str:
         fixes.append("a memory_limit the replicated plan does not fit (the search then shards to fit)")
     fixes += ["annotations (plan=...) to force a layout",
               "a mesh without " + ", ".join(f"`{a}`" for a in unused)]
-    return (f"The model is so small that replication is cheapest under profile `{profile.name}`: "
-            + "; ".join(reasons) + ". To use the axis: " + ", ".join(fixes[:-1]) + ", or " + fixes[-1] + ".")
+    use = ctx.report.get("axis_use", {})
+    idle = all(use.get(a, (0, 0))[0] == 0 for a in unused)
+    head = ("The model is so small that replication is cheapest" if idle else
+            "Running most of the work whole is cheapest")
+    return (f"{head} under profile `{profile.name}`: " + "; ".join(reasons) + ". To use the axis: "
+            + ", ".join(fixes[:-1]) + ", or " + fixes[-1] + ".")
 
 
 def format_moe(plan) -> str:
