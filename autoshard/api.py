@@ -33,7 +33,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
             bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
-            device=None, zero: int | str = 0, recompute: str | None = None, precision=None,
+            device=None, zero: int | str | None = None, recompute: str | bool | None = None, precision=None,
             context_axis=None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
@@ -71,10 +71,15 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     0 as computed; 1 sharded (optimizer state sharded too; gradients all-reduced, this rank's slice kept); 2 as 1
     with gradients reduce-scattered; 3 as 2 with the gathered copy freed after forward and gathered again for
     backward (FSDP's reshard-after-forward); ``"auto"`` (``planner="search"``) picks a stage per parameter under
-    ``memory_limit``. ``recompute``: recompute activations in backward instead of saving them — None (only the
+    ``memory_limit``. ``recompute``: recompute activations in backward instead of saving them — False (only the
     model's own ``torch.utils.checkpoint`` regions), a glob over module paths (``"model.layers.*"``) or ``"auto"``
-    (``planner="search"``). ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``:
-    compute in ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
+    (``planner="search"``). Left out (None), both are ``"auto"`` when ``planner="search"`` has a ``memory_limit``
+    (the search then uses ZeRO storage and recomputation where the limit needs them, as it uses tensor
+    parallelism) and 0 / False otherwise; a value given explicitly always wins (``zero=0, recompute=False``: a
+    limited search without either). Hugging Face sparse-MoE experts need no ``moe=`` for this: their stacked weights
+    may be split on the expert dim or stored sharded like any parameter (:mod:`autoshard.moe.hf_blocks`).
+    ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``: compute in
+    ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
 
     ``context_axis="context"`` (or ``autoshard.ContextParallel(axis, attention="ring"|"all_gather"|"ulysses",
     balance=True)``): context parallelism — pass whole sequences; autoshard cuts them along that mesh axis
@@ -130,10 +135,26 @@ def parse_bytes(value) -> float | None:
         raise PlanError(f"memory_limit is {value!r}, but must be a number of bytes or text like '2GiB', '512MB'.") from None
 
 
+def memory_defaults(planner: str, memory_limit, zero=None, recompute=None) -> tuple[int | str, str | None]:
+    """``(zero, recompute)`` as the passes read them: a value left out (None) is ``"auto"`` when the search has a
+    memory limit (a user who sets a limit expects the search to use what it needs to meet it), else 0 / no
+    recomputation; ``recompute=False`` is an explicit "none" (stored as None)."""
+    limited = planner == "search" and memory_limit is not None
+    if zero is None:
+        zero = "auto" if limited else 0
+    if recompute is None:
+        recompute = "auto" if limited else None
+    elif recompute is False:
+        recompute = None
+    return zero, recompute
+
+
 def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "greedy",
                  profile="cpu-gloo", memory_limit=None, optimizer: str = "adam",
-                 sequence_parallel: bool = False, zero: int | str = 0, recompute: str | None = None,
+                 sequence_parallel: bool = False, zero: int | str | None = None, recompute: str | bool | None = None,
                  precision=None) -> Options:
+    """The :class:`Options` of ``compile``'s keywords, checked (a :class:`PlanError` names the bad option); ``zero``
+    and ``recompute`` left out get :func:`memory_defaults`."""
     if planner not in ("search", "greedy"):
         raise PlanError(f"option planner is {planner!r}, but must be 'search' or 'greedy'.")
     if optimizer not in ("adam", "adamw", "sgd", "sgd_momentum"):
@@ -148,11 +169,14 @@ def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner:
             raise PlanError(f"annotation {pattern!r} has {spec!r}, but must be a tuple with one placement per "
                             f"mesh axis {list(mesh.names)}, e.g. (Replicate(), Shard(0)).")
         annotations.append((pattern, tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)))
-    if isinstance(zero, bool) or zero not in (0, 1, 2, 3, "auto"):
-        raise PlanError(f"option zero is {zero!r}, but must be 0, 1, 2, 3 or 'auto'.")
-    if recompute is not None and not isinstance(recompute, str):
-        raise PlanError(f"option recompute is {recompute!r}, but must be None, a glob over module paths such as "
-                        "'model.layers.*', or 'auto'.")
+    if isinstance(zero, bool) or zero not in (None, 0, 1, 2, 3, "auto"):
+        raise PlanError(f"option zero is {zero!r}, but must be 0, 1, 2, 3 or 'auto' (or None: 'auto' when "
+                        "planner='search' has a memory_limit, else 0).")
+    if recompute is not None and recompute is not False and not isinstance(recompute, str):
+        raise PlanError(f"option recompute is {recompute!r}, but must be False (none), a glob over module paths "
+                        "such as 'model.layers.*', 'auto', or None ('auto' when planner='search' has a "
+                        "memory_limit, else none).")
+    zero, recompute = memory_defaults(planner, memory_limit, zero, recompute)
     for name, value in (("zero", zero), ("recompute", recompute)):
         if value == "auto" and planner != "search":
             raise PlanError(f"option {name}='auto' lets the plan search choose, but planner is {planner!r}: pass "

@@ -6,7 +6,8 @@
     $ autoshard show examples.models:llama3_8b_meta --mesh data=2,model=4 --megatron  # summary (fits COLUMNS)
     $ autoshard show examples.models:llama3_8b_meta --mesh model=4 --megatron --nodes # every node
     $ autoshard show mypkg.models:build --mesh model=2 --plan plan.toml --factory-arg layers=1
-    $ autoshard plan examples.models:gpt --mesh model=4 --profile gpu-8x-nvlink --symbolic   # search + explain
+    $ autoshard plan examples.models:llama3_8b_meta --mesh data=2,model=4 --profile gpu-8x-nvlink \
+          --factory-arg layers=2 --symbolic                                     # search + explain
     $ autoshard show examples.models:gpt --mesh pipe=2,model=2 --megatron --pipeline microbatches=4,schedule=1f1b
     $ autoshard calibrate --world-size 2 -o calibrated.toml                         # measure alpha-beta
 
@@ -117,12 +118,13 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--profile", default=profile,
                       help=f"hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default {profile})")
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
-    zero = str(compile_default("zero"))
-    show.add_argument("--zero", default=zero, choices=("0", "1", "2", "3", "auto"),
-                      help=f"ZeRO stage of parameter storage over the data axis; auto: the search picks "
-                           f"(default {zero})")
-    show.add_argument("--recompute", default=None, metavar="GLOB|auto",
-                      help="recompute these modules' activations in backward (glob over module paths), or auto")
+    # left out, --zero and --recompute are compile's defaults: auto when the search has a --memory-limit
+    show.add_argument("--zero", default=compile_default("zero"), choices=("0", "1", "2", "3", "auto"),
+                      help="ZeRO stage of parameter storage over the data axis; auto: the search picks (default: "
+                           "auto for the search with --memory-limit, else 0)")
+    show.add_argument("--recompute", default=compile_default("recompute"), metavar="GLOB|auto|none",
+                      help="recompute these modules' activations in backward (glob over module paths), auto, or "
+                           "none (default: auto for the search with --memory-limit, else none)")
     show.add_argument("--precision", default=None, metavar="PARAM[,REDUCE]",
                       help="mixed precision: compute dtype and gradient-reduce dtype, e.g. bfloat16,float32")
     show.add_argument("--moe", metavar="OPTIONS", default=None,
@@ -226,7 +228,7 @@ def show(args: argparse.Namespace) -> int:
                                profile=args.profile, memory_limit=args.memory_limit,
                                pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,
                                moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None,
-                               zero=args.zero if args.zero == "auto" else int(args.zero), recompute=args.recompute,
+                               zero=_zero(args.zero), recompute=_recompute(args.recompute),
                                precision=parse_precision(args.precision))
     symbolic = getattr(args, "symbolic", False)
     if args.pipeline:  # the stages (or --rank's program of its stage)
@@ -249,6 +251,16 @@ def show(args: argparse.Namespace) -> int:
         if symbolic:
             sys.stdout.write(fit_text(format_symbolic(plan), _width()))
     return 0
+
+
+def _zero(text: str | None) -> int | str | None:
+    """``--zero``: None (left out: compile's default), "auto", or a stage."""
+    return text if text in (None, "auto") else int(text)
+
+
+def _recompute(text: str | None) -> str | bool | None:
+    """``--recompute``: None (left out: compile's default), ``none`` (False: no recomputation), a glob or auto."""
+    return False if text is not None and text.lower() == "none" else text
 
 
 def _width() -> int:

@@ -31,10 +31,12 @@ class Options:
     sequence_parallel: bool = False
     moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
     #: ZeRO/FSDP storage of parameters over the data axis (passes/shard_storage.py): 0 | 1 | 2 | 3 for every
-    #: parameter, or "auto" (planner="search" picks a stage per parameter under memory_limit)
+    #: parameter, or "auto" (planner="search" picks a stage per parameter under memory_limit; compile's default
+    #: when the search has a memory_limit: autoshard.api.memory_defaults)
     zero: int | str = 0
     #: activation recomputation (passes/recompute.py): None (only the model's own torch.utils.checkpoint regions),
-    #: a glob over module paths ("model.layers.*"), or "auto" (planner="search" picks the layers)
+    #: a glob over module paths ("model.layers.*"), or "auto" (planner="search" picks the layers; compile's default
+    #: when the search has a memory_limit)
     recompute: str | None = None
     #: autoshard.MixedPrecision(param_dtype, reduce_dtype, output_dtype) or None (the model's own dtypes)
     precision: Any = None

@@ -224,11 +224,13 @@ def axis_use(gm: torch.fx.GraphModule, mesh) -> dict[str, tuple[int, int]]:
 def warn_axis_use(gm: torch.fx.GraphModule, ctx: Context) -> None:
     """One warning when the plan leaves a mesh axis unused, or runs more of the work whole than split on it:
     every rank of that axis then repeats that work (a plan that says what it does)."""
-    notes = []
+    notes, named = [], []
     for name, (split, whole) in axis_use(gm, ctx.mesh).items():
         size = ctx.mesh.axis_size(name)
         if size == 1 or split + whole == 0:
             continue
+        if split == 0 or whole > split:
+            named.append(name)
         if split == 0:
             notes.append(f"axis `{name}` (size {size}) is unused: its {size} ranks all run the whole model on the "
                          "same data")
@@ -238,8 +240,9 @@ def warn_axis_use(gm: torch.fx.GraphModule, ctx: Context) -> None:
                          f"{size} ranks")
     ctx.report["axis_use"] = axis_use(gm, ctx.mesh)
     if notes:
-        ctx.warn("plan: " + "; ".join(notes) + ". Annotate parameters (plan=...), use planner='search', or use a "
-                 "smaller mesh.")
+        from autoshard.report import axis_advice
+
+        ctx.warn("plan: " + "; ".join(notes) + ". " + axis_advice(gm, ctx, named))
 
 
 def mark_requires_grad(gm: torch.fx.GraphModule) -> None:

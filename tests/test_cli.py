@@ -288,7 +288,7 @@ def test_cli_defaults_are_compiles_defaults():
     for flag in ("on_unsupported", "data_axis", "planner", "profile", "memory_limit", "recompute", "precision",
                  "moe", "pipeline"):
         assert getattr(args, flag) == defaults[flag], flag
-    assert args.zero == str(defaults["zero"])
+    assert args.zero == defaults["zero"]  # None: "auto" for the search with a memory limit, else 0
     assert f"(default: {defaults['on_unsupported']})" in build_parser()._subparsers._group_actions[0].choices[
         "show"].format_help().replace("\n", " ").replace("  ", " ")
 

@@ -79,7 +79,7 @@ def test_a_limit_between_sharded_and_whole_shards_some_parameters_and_equals_one
 def test_recompute_auto_recomputes_layers_under_a_limit_and_equals_one_device(unconstrained):
     # without ZeRO, recomputing a layer is the way to save memory beyond layouts
     limit = 0.97 * unconstrained["hf_llama"][0]["memory_per_rank"]
-    model, args, kwargs, plan = _compile("hf_llama", recompute="auto", memory_limit=limit)
+    model, args, kwargs, plan = _compile("hf_llama", zero=0, recompute="auto", memory_limit=limit)
     report = plan.context.report["plan_search"]
     assert report["memory_per_rank"] <= limit and report["recomputed"]
     marked = {n.meta[M.RECOMPUTE] for n in plan.graph_module.graph.nodes
@@ -91,7 +91,7 @@ def test_recompute_auto_recomputes_layers_under_a_limit_and_equals_one_device(un
 
 def test_an_infeasible_limit_names_the_limit_the_least_memory_and_the_fix():
     with pytest.raises(PlanError) as err:
-        _compile("gpt", zero="auto", memory_limit=1000)
+        _compile("gpt", zero="auto", recompute=False, memory_limit=1000)  # recompute: explicitly none
     text = str(err.value)
     assert text.startswith("option memory_limit is 1.0 KiB per rank, but the least memory any plan needs is ")
     assert "Raise memory_limit to at least" in text and "recompute='auto'" in text

@@ -19,7 +19,10 @@ Two steps, one at trace time and one in ``passes/expert_rewrite.py``:
    parameter names match the HF model). The instance attribute is removed afterwards: the user's model is left
    exactly as it was. What was found (and why other candidates were not taken) goes to ``gm.meta[FOUND]``.
    Without ``moe=`` the op stays in the graph: its eager form is dropless and exact, and its rule shards it on
-   tokens (plain data parallelism, experts replicated).
+   tokens (data parallelism) and on the stacked weights' expert dim (``"e"``: a rank holding experts
+   ``[o, o + E/n)`` runs them on every token it has and adds only the choices of those experts, a Partial share
+   of the output; the local form passes ``expert_offset=o``). So the planner can split the experts over any axis,
+   or store them sharded over `data` (ZeRO), with no ``moe=`` and nothing dropped.
 2. :func:`rewrite_existing` (``MoE(existing=True)``): each ``hf_experts`` node becomes the expert rewrite's
    capacity-bounded subgraph, made from the same group ops (:mod:`autoshard.moe.graph_ops`)::
 
@@ -182,10 +185,13 @@ def _gated(gu: Tensor, act: str, concatenated: bool) -> Tensor:
 
 
 def experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed,
-                      concatenated) -> Tensor:
-    """Dropless, static shapes: ``Σ_c w[t, c] · expert_{i[t, c]}(x[t])`` (every expert runs on every token)."""
+                      concatenated, expert_offset: int = 0) -> Tensor:
+    """Dropless, static shapes: ``Σ_c w[t, c] · expert_{i[t, c]}(x[t])`` (every expert runs on every token).
+
+    ``up``/``down`` may hold a slice of the experts (sharded on the expert dim): experts ``expert_offset`` to
+    ``expert_offset + len(up) - 1``; choices of other experts then add nothing here (this rank's share of a sum)."""
     y = _expert_ffn(hidden, up, down, up_bias, down_bias, act, has_gate, transposed, concatenated)  # [E, T, h]
-    experts = torch.arange(y.shape[0], device=hidden.device)
+    experts = torch.arange(y.shape[0], device=hidden.device) + expert_offset
     weight = ((top_k_index.unsqueeze(0) == experts.view(-1, 1, 1)) * top_k_weights.unsqueeze(0)).sum(-1)  # [E, T]
     return (y * weight.unsqueeze(-1)).sum(0).to(hidden.dtype)
 
@@ -193,14 +199,15 @@ def experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, dow
 @torch.library.custom_op("autoshard::hf_experts", mutates_args=())
 def hf_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, up: Tensor, down: Tensor,
                up_bias: Tensor | None, down_bias: Tensor | None, act: str, has_gate: bool, transposed: bool,
-               concatenated: bool) -> Tensor:
+               concatenated: bool, expert_offset: int = 0) -> Tensor:
     with torch.no_grad():
         return experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate,
-                                 transposed, concatenated)
+                                 transposed, concatenated, expert_offset)
 
 
 @hf_experts.register_fake
-def _(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed, concatenated):
+def _(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed, concatenated,
+      expert_offset=0):
     return torch.empty_like(hidden)
 
 
@@ -221,17 +228,43 @@ def _backward(ctx, grad):
     result = [None] * 7
     for i, g in zip(diff, grads):
         result[i] = g
-    return (*result, None, None, None, None)
+    return (*result, *(None,) * len(ctx.static))
 
 
 hf_experts.register_autograd(_backward, setup_context=_setup)
 
 
-@op(torch.ops.autoshard.hf_experts.default, flops=elementwise, saves=(0, 1, 2, 3, 4))
+def _experts_flops(op) -> object:
+    """Every expert on every token (the op's dropless form): ``2·E·T·(h·out + f·h)`` from the stacked weights."""
+    tokens = op.shape(op.arg(0))[0]
+    up, down = op.shape(op.arg(3)), op.shape(op.arg(4))
+    return 2 * tokens * (up[0] * up[1] * up[2] + down[0] * down[1] * down[2])
+
+
+def _experts_local(graph, new, old, mesh, rank):
+    """Experts sharded on their dim 0: this rank's slice starts at its offset among the experts (the top-k indices
+    stay global), so choices of other experts add nothing here and the output is this rank's Partial share."""
+    from autoshard.ops.local import input_spec
+    from autoshard.placements import Shard, shard_offsets
+
+    spec = input_spec(old, 3)
+    if not any(isinstance(p, Shard) and p.dim == 0 for p in spec):
+        return new
+    offset = shard_offsets(tuple(old.args[3].meta["val"].shape), spec, mesh, rank)[0]
+    args = list(new.args[:11]) + [int(offset)]
+    new.args = tuple(args)
+    new.kwargs = {}
+    return new
+
+
+@op(torch.ops.autoshard.hf_experts.default, flops=_experts_flops, saves=(0, 1, 2, 3, 4), localize=_experts_local)
 def _hf_experts_rule(info: OpInfo) -> DimMap:
-    # token-parallel: hidden, top-k index and weights share the token dim; the experts' weights are whole
+    # token-parallel ("t": hidden, top-k index and weights share the token dim) and expert-parallel ("e": the
+    # stacked weights' and biases' expert dim; it does not reach the output, so a rank holding some experts
+    # computes its Partial share of the sum over each token's choices)
     tok = lambda s: None if s is None else (("t",) + (None,) * (len(s) - 1))
-    ins = tuple(tok(s) if i < 3 else (None if s is None else (None,) * len(s)) for i, s in enumerate(info.in_shapes))
+    exp = lambda s: None if s is None else (("e",) + (None,) * (len(s) - 1))
+    ins = tuple(tok(s) if i < 3 else exp(s) for i, s in enumerate(info.in_shapes))
     return DimMap(ins, (tok(info.out_shapes[0]),))
 
 
