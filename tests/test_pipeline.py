@@ -231,3 +231,21 @@ def test_cli_show_pipeline_prints_the_stages(capsys):
     assert "2 stages (manual split), schedule gpipe, 4 microbatches" in out and "boundary 0->1" in out
     assert main([*argv[:-1], "microbatches=4,split=blocks.9"]) == 2
     assert "names no module of the model" in capsys.readouterr().err
+
+
+def test_stage_programs_go_through_the_plans_collective_check(monkeypatch):
+    """A stage's program is made by ``Plan.rank_program``: the stage's programs on different ranks are compared
+    (here made to differ), each stage against its own first program."""
+    import autoshard.plan as plan_module
+    from autoshard.errors import AutoshardError
+
+    model, args, kwargs = models.gpt(**SMALL)
+    pplan = _pplan(model, args, kwargs, {"pipe": 2, "data": 2}, microbatches=2)
+    made = itertools.count()
+    monkeypatch.setattr(plan_module, "collective_signature", lambda module: (("all_reduce", (next(made),)),))
+    pplan.stage_module(0, 0)
+    pplan.stage_module(1, 2)  # stage 1's first program: its own reference, not stage 0's
+    with pytest.raises(AutoshardError, match=r"^the rank passes made rank 1's program of stage 0 issue collectives "
+                                             r"\(\('all_reduce', \(2,\)\),\), but rank 0's issues \(\('all_reduce', "
+                                             r"\(0,\)\),\): ranks would wait on each other forever"):
+        pplan.stage_module(0, 1)
