@@ -74,8 +74,9 @@ def test_errors_is_a_leaf():
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("autoshard.runtime")))
 def test_runtime_never_imports_the_compiler(module):
-    compiler = ("autoshard.passes", "autoshard.codegen", "autoshard.plan", "autoshard.rules", "autoshard.strategies",
-                "autoshard.cost_models", "autoshard.api", "autoshard.report", "autoshard.ops", "autoshard.collectives")
+    compiler = ("autoshard.passes", "autoshard.codegen", "autoshard.plan", "autoshard.rules",
+                "autoshard.strategies", "autoshard.cost_models", "autoshard.api", "autoshard.report", "autoshard.ops",
+                "autoshard.collectives")
     imported = _imports(MODULES[module], module, top_level_only=False)
     assert not [m for m in imported if m.startswith(compiler)], f"{module} imports the compiler: {sorted(imported)}"
 
