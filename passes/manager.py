@@ -26,9 +26,10 @@ given options::
 Passes exchange results only through namespaced node/graph metadata (:mod:`autoshard.meta`) — never through
 another pass's state or the user's options. After every pass :func:`verify` checks autoshard's own invariants
 (beyond ``graph.lint()``): once propagation has run every tensor node has a spec; once collectives are inserted
-every consumer receives exactly the spec its strategy needs; and the rank programs of one plan issue the same
-collectives in the same order (:func:`collective_signature`, compared across ranks by :class:`~autoshard.plan.Plan`).
-A failure names the pass that broke it and the passes that ran before.
+every consumer receives exactly the spec its strategy needs (in a rank program too, and in every stage graph of a
+pipeline); and the rank programs of one plan (of one stage) issue the same collectives in the same order
+(:func:`collective_signature`, compared across ranks by :class:`~autoshard.plan.Plan`). A failure names the pass that
+broke it and the passes that ran before.
 """
 
 from __future__ import annotations
