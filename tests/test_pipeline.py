@@ -249,3 +249,26 @@ def test_stage_programs_go_through_the_plans_collective_check(monkeypatch):
                                              r"\(\('all_reduce', \(2,\)\),\), but rank 0's issues \(\('all_reduce', "
                                              r"\(0,\)\),\): ranks would wait on each other forever"):
         pplan.stage_module(0, 1)
+
+
+def test_the_verifier_checks_every_stage_graph():
+    """After build_stages the driver verifies each stage graph like the whole one: a stage whose consumer reads an
+    input in another spec than its strategy needs is caught."""
+    from autoshard import meta as M
+    from autoshard.collectives import kind_of
+    from autoshard.errors import AutoshardError
+    from autoshard.passes.manager import verify
+    from autoshard.placements import Partial
+
+    model, args, kwargs = models.gpt(**SMALL)
+    pplan = _pplan(model, args, kwargs, {"pipe": 2, "data": 2}, microbatches=2)
+    gm = pplan.plan.graph_module
+    ran = list(gm.meta[M.PASSES_RUN])
+    verify(gm, ran)
+    stage = pplan.stages[1].gm
+    node, x = next((n, x) for n in stage.graph.nodes if M.STRATEGY in n.meta and kind_of(n) is None
+                   for x, want in zip(n.all_input_nodes, n.meta[M.STRATEGY].input_specs) if want is not None)
+    x.meta = {**x.meta, M.SPEC: (Partial(),)}  # the stage's own copy: the whole graph's node keeps its spec
+    with pytest.raises(AutoshardError, match=rf"^pass 'build_stages' left node `{node.name}` \(.*\) reading input "
+                                             rf"\d+ `{x.name}` as \(Partial\(.*\), but its strategy needs"):
+        verify(gm, ran)
