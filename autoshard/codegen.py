@@ -16,6 +16,7 @@ from autoshard import meta as M
 from autoshard.context import Options
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import ProgramOptions, RankContext, pass_list, run_passes
+from autoshard.passes.pipeline_split import stage_graphs_of
 from autoshard.placements import Spec
 from autoshard.trace import GRAPH_LOCK
 
@@ -34,24 +35,28 @@ def program_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for name in ("_in_spec", "_out_spec"):
         if hasattr(gm, name):
             setattr(copy, name, getattr(gm, name))
-    copy.meta.update(gm.meta)
+    # a pipelined plan's stage graphs stay with the plan: a rank program made from the whole graph does not keep
+    # them (and the full weights they hold) alive
+    copy.meta.update({k: v for k, v in gm.meta.items() if k != M.STAGE_GRAPHS})
     return copy
 
 
 def rank_program(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, options: Options | None = None,
                  weights: torch.nn.Module | None = None, bucket_grads: bool = False,
-                 local_weights: torch.nn.Module | None = None) -> torch.fx.GraphModule:
-    """Rank ``rank``'s program: the rank phase of the pass list over a copy of the global program ``gm``.
+                 local_weights: torch.nn.Module | None = None, stage: int | None = None) -> torch.fx.GraphModule:
+    """Rank ``rank``'s program: the rank phase of the pass list over a copy of the global program ``gm`` — or,
+    with ``stage``, of that stage's graph, which the plan phase's ``build_stages`` pass stored on ``gm``.
     ``weights``: the full tensors to take this rank's slices of (default: ``gm``'s own); ``local_weights``: a
-    program of this rank whose tensors are shared as they are (another mode's program of the same plan)."""
+    program of this rank whose tensors are shared as they are (another mode's program of the same plan).
+    Call it through :meth:`autoshard.plan.Plan.rank_program`, which compares the collectives across ranks."""
     mesh._check_rank(rank)
     options = options or Options()
     ctx = RankContext(mesh, options, rank=rank, weights=weights, bucket_grads=bucket_grads,
                       local_weights=local_weights)
     passes = pass_list(options, program=ProgramOptions(bucket_grads))["rank"]
+    program = gm if stage is None else stage_graphs_of(gm)[stage].gm
     with GRAPH_LOCK:  # the copy shares gm's FakeTensors (and their fake mode) with other ranks' programs
-        return run_passes(program_copy(gm), ctx, passes, ran=tuple(gm.meta.get(M.PASSES_RUN, ())))
-
+        return run_passes(program_copy(program), ctx, passes, ran=tuple(gm.meta.get(M.PASSES_RUN, ())))
 
 
 def local_param_specs(gm: torch.fx.GraphModule) -> dict[str, Spec]:

@@ -19,7 +19,7 @@ from autoshard.codegen import local_param_specs, rank_program
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh
-from autoshard.passes.manager import collective_signature, pass_list, run_passes
+from autoshard.passes.manager import PipelineOptions, collective_signature, pass_list, run_passes
 from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.precision import trace_with_precision
 from autoshard.trace import GRAPH_LOCK, trace
@@ -31,7 +31,7 @@ class Plan:
     mesh: Mesh
     context: Context
     model_name: str = "model"
-    #: bucket_grads -> (rank, collective signature) of the first rank program made (see _check_signature)
+    #: (stage, bucket_grads) -> (rank, collective signature) of the first rank program made (see _check_signature)
     _signatures: dict = field(default_factory=dict, repr=False, compare=False)
     #: the mode (``model.training``) the graph was traced in: dropout and batch-norm statistics follow it
     training: bool = True
@@ -53,13 +53,14 @@ class Plan:
         return install_check(module, self.expected_inputs(), rank)  # wrong shapes: RuntimeShapeError, not raw
 
     def rank_program(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False,
-                     local_weights: torch.nn.Module | None = None) -> torch.fx.GraphModule:
+                     local_weights: torch.nn.Module | None = None, stage: int | None = None) -> torch.fx.GraphModule:
         """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
         rank program this plan made (``local_weights``: share that program's tensors, see
-        :func:`autoshard.codegen.rank_program`). The only way to a rank program of a plan."""
+        :func:`autoshard.codegen.rank_program`; ``stage``: the program of that pipeline stage, checked against the
+        stage's first one). The only way to a rank program of a plan."""
         module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads,
-                              local_weights)
-        self._check_signature(module, rank, bucket_grads)
+                              local_weights, stage)
+        self._check_signature(module, rank, bucket_grads, stage)
         return module
 
     def expected_inputs(self) -> list:
@@ -89,13 +90,16 @@ class Plan:
                 if isinstance(t, torch.Tensor) and not t.is_meta:
                     setattr(module, name, torch.empty_like(t, device="meta"))
 
-    def _check_signature(self, module: torch.fx.GraphModule, rank: int, bucket_grads: bool) -> None:
-        """Every rank's program must issue the same collectives in the same order as the first one made."""
+    def _check_signature(self, module: torch.fx.GraphModule, rank: int, bucket_grads: bool,
+                         stage: int | None = None) -> None:
+        """Every rank's program (of one stage) must issue the same collectives in the same order as the first one
+        made."""
         signature = collective_signature(module)
-        first = self._signatures.setdefault(bucket_grads, (rank, signature))
+        first = self._signatures.setdefault((stage, bucket_grads), (rank, signature))
         if first[1] != signature:
-            raise AutoshardError(f"the rank passes made rank {rank}'s program issue collectives {signature}, but "
-                                 f"rank {first[0]}'s issues {first[1]}: ranks would wait on each other forever. "
+            which = "" if stage is None else f" of stage {stage}"
+            raise AutoshardError(f"the rank passes made rank {rank}'s program{which} issue collectives {signature}, "
+                                 f"but rank {first[0]}'s issues {first[1]}: ranks would wait on each other forever. "
                                  "This is a bug in autoshard's rank passes (passes/manager.py); please report it.")
 
     def code(self, rank: int = 0) -> str:
@@ -268,10 +272,15 @@ def _gc_paused():
             gc.enable()
 
 
-def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options) -> Plan:
-    with GRAPH_LOCK, _gc_paused():
+def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
+               pipeline: PipelineOptions | None = None) -> Plan:
+    """The plan of ``model`` on ``mesh``: trace, then the plan phase of the one pass list. The one way to a plan:
+    ``compile``, the other mode's plan of a ShardedModule and the pipelined plan (``pipeline``: the split and
+    stage-building passes enabled, the stage graphs left on ``gm.meta``; :mod:`autoshard.pipeline.plan`) all
+    come here."""
+    with GRAPH_LOCK, _gc_paused():  # one trace and its passes at a time per process
         gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
             model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
         ctx = Context(mesh, options)
-        gm = run_passes(gm, ctx, pass_list(options)["plan"])
+        gm = run_passes(gm, ctx, pass_list(options, pipeline=pipeline)["plan"])
     return Plan(gm, mesh, ctx, type(model).__name__, training=model.training)

@@ -5,10 +5,11 @@
     torchrun --nproc-per-node 2 examples/hf_model.py --mesh model=2
 
 Put your own model in ``build()``: any ``transformers`` model that returns a loss, with ``use_cache=False`` (a
-``DynamicCache`` cannot be traced with static shapes). ``PLAN`` is Megatron tensor parallelism for Llama-style
-names (column-parallel q/k/v, gate and up; row-parallel o and down); every other tensor is placed by propagation
-and the batch is split over the ``data`` axis. Both modes compare the sharded loss (and, simulated, every
-gradient) with the same model run eagerly, print the comparison, and exit 1 on a mismatch.
+``DynamicCache`` cannot be traced with static shapes). ``TENSOR_PARALLEL`` annotates Megatron tensor parallelism
+for Llama-style names (column-parallel q/k/v, gate and up; row-parallel o and down), given to ``compile`` as
+``plan=``; every other tensor is placed by propagation and the batch is split over the ``data`` axis. Both modes
+compare the sharded loss (and, simulated, every gradient) with the same model run eagerly, print the comparison,
+and exit 1 on a mismatch.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def build() -> tuple[torch.nn.Module, dict]:
     return model, {"input_ids": ids, "labels": ids}
 
 
-def plan_for(mesh: autoshard.Mesh) -> dict:
-    """``PLAN``: each weight's placement per mesh axis, sharded on ``model`` when the mesh has that axis."""
+def annotations_for(mesh: autoshard.Mesh) -> dict:
+    """``TENSOR_PARALLEL`` as annotations: each weight's placement per mesh axis, sharded on ``model`` when the mesh
+    has that axis."""
     if "model" not in mesh.names:
         return {}
     return {glob: tuple(p if axis == "model" else Replicate() for axis in mesh.names)
@@ -65,7 +67,7 @@ def eager(model: torch.nn.Module, kwargs: dict) -> tuple[float, dict[str, torch.
 def simulated(mesh: autoshard.Mesh) -> int:
     model, kwargs = build()
     ref_loss, ref_grads = eager(model, kwargs)
-    sharded = autoshard.compile(model, mesh, (), kwargs, plan=plan_for(mesh))
+    sharded = autoshard.compile(model, mesh, (), kwargs, plan=annotations_for(mesh))
     sharded.show()
     sim = sharded.plan.simulate((), kwargs)  # every rank in this process, forward and backward
     losses = [loss_of(out).item() for out in sim.outputs]
@@ -88,7 +90,7 @@ def distributed(mesh: autoshard.Mesh) -> int:
         rank = dist.get_rank()
         model, kwargs = build()
         ref_loss, _ = eager(model, kwargs)
-        sharded = autoshard.compile(model, mesh, plan=plan_for(mesh))  # lazy: plans on the first call
+        sharded = autoshard.compile(model, mesh, plan=annotations_for(mesh))  # lazy: plans on the first call
         local = {k: autoshard.data_shard(v, mesh, rank).to(sharded.device) for k, v in kwargs.items()}
         loss = loss_of(sharded(**local))
         loss.backward()

@@ -20,15 +20,16 @@ given options::
     context_attention   (the context-parallel forms)
     reduce_precision    (precision reduce_dtype)
     pipeline_split      (pipeline=...)                 fuse_linears_grad_sync
-                                                       recompute             (regions → checkpointed child modules)
+    build_stages        (pipeline=...: stage graphs)   recompute             (regions → checkpointed child modules)
                                                        group_gathers         (ZeRO-3: a layer's gathers as one)
 
 Passes exchange results only through namespaced node/graph metadata (:mod:`autoshard.meta`) — never through
 another pass's state or the user's options. After every pass :func:`verify` checks autoshard's own invariants
 (beyond ``graph.lint()``): once propagation has run every tensor node has a spec; once collectives are inserted
-every consumer receives exactly the spec its strategy needs; and the rank programs of one plan issue the same
-collectives in the same order (:func:`collective_signature`, compared across ranks by :class:`~autoshard.plan.Plan`).
-A failure names the pass that broke it and the passes that ran before.
+every consumer receives exactly the spec its strategy needs (in a rank program too, and in every stage graph of a
+pipeline); and the rank programs of one plan (of one stage) issue the same collectives in the same order
+(:func:`collective_signature`, compared across ranks by :class:`~autoshard.plan.Plan`). A failure names the pass that
+broke it and the passes that ran before.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from autoshard.collectives import kind_of
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError
 from autoshard.graph_utils import is_tensor_node
+from autoshard.placements import Placement
 
 __all__ = ["Pass", "PipelineOptions", "ProgramOptions", "RankContext", "collective_signature", "pass_list", "run_passes",
            "verify"]
@@ -102,7 +104,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
               ) -> dict[str, list[Pass]]:
     """The passes for these options, in order, by phase: ``{"plan": [...], "rank": [...]}``."""
     from autoshard.passes.expert_rewrite import ExpertRewrite
-    from autoshard.passes.pipeline_split import PipelineSplit
+    from autoshard.passes.pipeline_split import BuildStages, PipelineSplit
     from autoshard.passes.plan_search import PlanSearch
 
     program = program or ProgramOptions()
@@ -122,6 +124,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         ContextAttention(),
         ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp else None,
         PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
+        BuildStages() if pipeline else None,
     ]
     rank = [
         FuseGatherGradSync(),
@@ -157,28 +160,41 @@ def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes: list[Pass], ran: 
 
 # ---- the verifier -----------------------------------------------------------------------------------------
 def verify(gm: torch.fx.GraphModule, ran: list[str]) -> None:
-    """autoshard's invariants for a graph after the passes ``ran`` (the last one is blamed for a failure)."""
+    """autoshard's invariants for a graph after the passes ``ran`` (the last one is blamed for a failure): the
+    global program's, then a rank program's (after ``localize``), and every stage graph's (after ``build_stages``)."""
     last = ran[-1]
-    if "localize" in ran:
-        return  # rank programs: local nodes carry no specs; their collectives are compared across ranks
     if "propagate" in ran:
         for node in gm.graph.nodes:
             if (node.op in ("call_function", "get_attr", "placeholder")
                     and isinstance(node.meta.get("val"), torch.Tensor) and M.SPEC not in node.meta):
                 raise AutoshardError(f"pass '{last}' left node `{node.name}` ({node.target}) without a spec "
                                          f"(after passes {ran}): every tensor node must have one.")
+    # localize drops the global FakeTensors (their shapes are not this rank's) and keeps specs and strategies: in a
+    # rank program the tensors are the nodes whose spec is one placement per axis (a multi-output op has a tuple).
+    # A node reading a value made by an op's local form (``bias_once``: no spec of its own) is not checked.
+    local = "localize" in ran
     if "insert_collectives" in ran:
         for node in gm.graph.nodes:
             strat = node.meta.get(M.STRATEGY)
             if strat is None or kind_of(node) is not None:
                 continue
-            leaves = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(x)]
+            if local and not all(M.SPEC in x.meta for x in node.all_input_nodes):
+                continue
+            leaves = [x for x in pytree.tree_leaves((node.args, node.kwargs))
+                      if (_has_tensor_spec(x) if local else is_tensor_node(x))]
             for i, (x, want) in enumerate(zip(leaves, strat.input_specs)):
                 have = x.meta.get(M.SPEC)
                 if want is not None and have != want:
                     raise AutoshardError(f"pass '{last}' left node `{node.name}` ({node.target}) reading input "
                                          f"{i} `{x.name}` as {have}, but its strategy needs {want} (after passes "
                                          f"{ran}).")
+    for stage in gm.meta.get(M.STAGE_GRAPHS, ()):
+        verify(stage.gm, ran)
+
+
+def _has_tensor_spec(x) -> bool:
+    spec = x.meta.get(M.SPEC) if isinstance(x, torch.fx.Node) else None
+    return isinstance(spec, tuple) and all(isinstance(p, Placement) for p in spec) and bool(spec)
 
 
 def collective_signature(gm: torch.fx.GraphModule) -> tuple:

@@ -1,9 +1,15 @@
 """Pipeline split: cut the annotated global graph into ``p`` stages balanced by the cost model.
 
-Runs after :class:`~autoshard.passes.collectives.InsertCollectives`, on the graph planned over the mesh *without*
-its pipeline axis (so every stage carries its own data/model sharding and collectives). It is an analysis: it
-leaves the graph unchanged and stores a :class:`StageSplit` in ``ctx.report["pipeline_split"]``;
-:func:`build_stage_graphs` then builds one GraphModule per stage, copying ``node.meta`` (a structural rewrite).
+Two passes of the plan phase, the last ones of the pass list when a pipeline is asked for. They run after
+:class:`~autoshard.passes.collectives.InsertCollectives`, on the graph planned over the mesh *without* its pipeline
+axis (so every stage carries its own data/model sharding and collectives):
+
+* :class:`PipelineSplit` (``pipeline_split``) is an analysis: it leaves the graph unchanged and stores a
+  :class:`StageSplit` on ``gm.meta[autoshard.meta.STAGE_SPLIT]`` (and in ``ctx.report["pipeline_split"]``);
+* :class:`BuildStages` (``build_stages``) is the structural rewrite: one global GraphModule per stage
+  (:func:`build_stage_graphs`, copying ``node.meta`` and the graph's own metadata), stored as a tuple of
+  :class:`StageGraph` on ``gm.meta[autoshard.meta.STAGE_GRAPHS]``. The driver verifies every stage graph after it;
+  each stage's rank programs are then made from it by the rank phase (``Plan.rank_program(rank, stage=s)``).
 
 Formulation. Nodes fall in two kinds:
 
@@ -102,9 +108,26 @@ class PipelineSplit:
         return gm
 
 
-def stage_split_of(gm: torch.fx.GraphModule):
+@dataclass(frozen=True)
+class BuildStages:
+    """One global GraphModule per stage of the split ``pipeline_split`` stored on ``gm`` (:func:`build_stage_graphs`),
+    kept on ``gm.meta[autoshard.meta.STAGE_GRAPHS]``; ``gm`` itself is unchanged."""
+
+    name: str = "build_stages"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        gm.meta[M.STAGE_GRAPHS] = tuple(build_stage_graphs(gm, stage_split_of(gm)))
+        return gm
+
+
+def stage_split_of(gm: torch.fx.GraphModule) -> StageSplit:
     """The :class:`StageSplit` the pipeline_split pass stored on ``gm``."""
     return gm.meta[M.STAGE_SPLIT]
+
+
+def stage_graphs_of(gm: torch.fx.GraphModule) -> tuple[StageGraph, ...]:
+    """The :class:`StageGraph` of every stage, as the build_stages pass stored them on ``gm`` (empty: no pipeline)."""
+    return gm.meta.get(M.STAGE_GRAPHS, ())
 
 
 # ---- analysis ---------------------------------------------------------------------------------------------
@@ -369,6 +392,9 @@ class StageGraph:
 
 
 def build_stage_graphs(gm: torch.fx.GraphModule, split: StageSplit) -> list[StageGraph]:
+    """One GraphModule per stage of ``split``: the nodes of its span of ``split.order``, the recomputable nodes they
+    read, the activations it receives as placeholders; ``node.meta`` and ``gm.meta`` (the graph-level results of
+    the passes, e.g. a context-parallel layout, that the rank phase reads) copied."""
     nodes = {n.name: n for n in gm.graph.nodes}
     order = [nodes[name] for name in split.order]
     pos = {n: i for i, n in enumerate(order)}
@@ -419,11 +445,12 @@ def build_stage_graphs(gm: torch.fx.GraphModule, split: StageSplit) -> list[Stag
         graph.output(tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in outs))
         graph.lint()
         sgm = torch.fx.GraphModule(gm, graph, class_name=f"Stage{k}")
+        sgm.meta.update({key: v for key, v in gm.meta.items() if key != M.STAGE_GRAPHS})
         stages.append(StageGraph(k, sgm, tuple(v.name for v in acts), tuple(inputs),
                                  tuple(x.name if isinstance(x, torch.fx.Node) else repr(x) for x in outs),
                                  tuple(params)))
     return stages
 
 
-__all__ = ["Boundary", "PipelineSplit", "StageGraph", "StageSplit", "analyse", "build_stage_graphs", "split_graph",
-           "unit_of"]
+__all__ = ["Boundary", "BuildStages", "PipelineSplit", "StageGraph", "StageSplit", "analyse", "build_stage_graphs",
+           "split_graph", "stage_graphs_of", "stage_split_of", "unit_of"]

@@ -7,7 +7,9 @@
 * no module imports another module's private (``_name``) names, nor reads them as ``module._name``;
 * every ``node.meta``/``gm.meta`` key is defined in :mod:`autoshard.meta`;
 * every pass class in ``passes/`` is in the one pass list (:func:`autoshard.passes.manager.pass_list`), passes are
-  made and run only by ``passes/manager.py``, and a compiled plan records exactly the list's passes, in order;
+  made and run only by ``passes/manager.py``, the list is driven only by ``build_plan`` and the rank phase's
+  ``codegen.rank_program`` (reached only through ``Plan.rank_program``, which compares collective signatures), and
+  a compiled plan, a rank program and a pipeline stage's program record exactly the list's passes, in order;
 * no home-made transport: the runtime names no ``/dev/shm`` and no shared-memory mapping.
 """
 
@@ -72,8 +74,9 @@ def test_errors_is_a_leaf():
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("autoshard.runtime")))
 def test_runtime_never_imports_the_compiler(module):
-    compiler = ("autoshard.passes", "autoshard.codegen", "autoshard.plan", "autoshard.rules", "autoshard.strategies",
-                "autoshard.cost_models", "autoshard.api", "autoshard.report", "autoshard.ops", "autoshard.collectives")
+    compiler = ("autoshard.passes", "autoshard.codegen", "autoshard.plan", "autoshard.rules",
+                "autoshard.strategies", "autoshard.cost_models", "autoshard.api", "autoshard.report", "autoshard.ops",
+                "autoshard.collectives")
     imported = _imports(MODULES[module], module, top_level_only=False)
     assert not [m for m in imported if m.startswith(compiler)], f"{module} imports the compiler: {sorted(imported)}"
 
@@ -349,3 +352,66 @@ def test_a_plan_records_exactly_the_listed_passes():
     options = [manager.pass_list(plan.context.options, program=manager.ProgramOptions(bucket_grads=b))["rank"]
                for b in (False, True)]
     assert ran in [plan_names + tuple(p.name for p in rank) for rank in options], ran
+
+
+#: function -> the only modules that may import it: the drivers of the pass list and what passes do inside
+DRIVERS = {
+    ("autoshard.passes.manager", "run_passes"): {"autoshard.plan", "autoshard.codegen"},
+    ("autoshard.codegen", "rank_program"): {"autoshard.plan"},  # Plan.rank_program: signatures compared
+    ("autoshard.passes.pipeline_split", "build_stage_graphs"): set(),  # the build_stages pass
+    ("autoshard.passes.pipeline_split", "split_graph"): set(),  # the pipeline_split pass
+}
+
+
+def test_the_pass_list_is_driven_only_by_build_plan_and_plan_rank_program():
+    """A graph made by calling the list's driver or a pass's work function from elsewhere would skip the passes
+    before it, the verifier, or the cross-rank collective check."""
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        tree = ast.parse(path.read_text())
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for a in node.names:
+                    if (base, a.name) in DRIVERS and module != base and module not in DRIVERS[(base, a.name)]:
+                        bad.append(f"{module}:{node.lineno}: imports {base}.{a.name}")
+                    if f"{base}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in MODULES})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                key = (aliases[node.value.id], node.attr)
+                if key in DRIVERS and module not in DRIVERS[key]:
+                    bad.append(f"{module}:{node.lineno}: uses {key[0]}.{key[1]}")
+    assert not bad, "the pass list driven from outside its drivers:\n" + "\n".join(bad)
+
+
+def test_a_pipelined_plan_builds_its_stages_in_the_list():
+    """The stage graphs are the build_stages pass's result, verified by the driver; each stage's program is made by
+    ``Plan.rank_program`` and records the plan's passes then the rank phase's."""
+    from autoshard import meta as M
+    from autoshard.api import make_options
+    from autoshard.passes import manager
+    from autoshard.pipeline import Pipeline, build_pipeline_plan
+    from examples import models
+
+    model, args, kwargs = models.gpt(layers=2, hidden=32, heads=4, seq=8, batch=4)
+    mesh = autoshard.Mesh(pipe=2, data=2)
+    pplan = build_pipeline_plan(model, mesh, args, kwargs, make_options(None, "data", "error", mesh),
+                                Pipeline(microbatches=2))
+    gm = pplan.plan.graph_module
+    names = gm.meta[M.PASSES_RUN]
+    assert names[-2:] == ("pipeline_split", "build_stages"), names
+    assert [sg.gm for sg in pplan.stages] == [sg.gm for sg in gm.meta[M.STAGE_GRAPHS]]
+    rank = tuple(p.name for p in manager.pass_list(pplan.plan.context.options,
+                                                   program=manager.ProgramOptions(True))["rank"])
+    for stage in range(pplan.num_stages):
+        program = pplan.stage_module(stage, pplan.mesh.rank_of({"pipe": stage, "data": 1}), bucket_grads=True)
+        assert program.meta[M.PASSES_RUN] == names + rank
+        assert M.STAGE_GRAPHS not in program.meta  # a rank program keeps no stage graph (nor its weights) alive

@@ -430,6 +430,25 @@ def test_pass_failure_names_the_pass_and_those_before_it():
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def test_the_verifier_keeps_checking_rank_programs():
+    """After localize a rank program still carries specs and strategies: a rank pass that leaves a consumer reading
+    an input in another spec than its strategy needs is caught and named."""
+    from autoshard import meta as M
+    from autoshard.collectives import kind_of
+    from autoshard.passes.manager import verify
+
+    program = autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),)).plan.rank_program(1)
+    ran = list(program.meta[M.PASSES_RUN])
+    assert "localize" in ran
+    verify(program, ran)
+    node, x = next((n, x) for n in program.graph.nodes if M.STRATEGY in n.meta and kind_of(n) is None
+                   for x, want in zip(n.all_input_nodes, n.meta[M.STRATEGY].input_specs) if want is not None)
+    x.meta[M.SPEC] = (Partial(), Partial())
+    with pytest.raises(AutoshardError, match=rf"^pass 'spoil' left node `{node.name}` \(.*\) reading input 0 "
+                                             rf"`{x.name}` as \(Partial\(.*\), but its strategy needs .*'localize'"):
+        verify(program, ran + ["spoil"])
+
+
 def test_untraceable_model_error_names_the_source_line_and_stays_short():
     import traceback
 

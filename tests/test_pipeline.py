@@ -231,3 +231,44 @@ def test_cli_show_pipeline_prints_the_stages(capsys):
     assert "2 stages (manual split), schedule gpipe, 4 microbatches" in out and "boundary 0->1" in out
     assert main([*argv[:-1], "microbatches=4,split=blocks.9"]) == 2
     assert "names no module of the model" in capsys.readouterr().err
+
+
+def test_stage_programs_go_through_the_plans_collective_check(monkeypatch):
+    """A stage's program is made by ``Plan.rank_program``: the stage's programs on different ranks are compared
+    (here made to differ), each stage against its own first program."""
+    import autoshard.plan as plan_module
+    from autoshard.errors import AutoshardError
+
+    model, args, kwargs = models.gpt(**SMALL)
+    pplan = _pplan(model, args, kwargs, {"pipe": 2, "data": 2}, microbatches=2)
+    made = itertools.count()
+    monkeypatch.setattr(plan_module, "collective_signature", lambda module: (("all_reduce", (next(made),)),))
+    pplan.stage_module(0, 0)
+    pplan.stage_module(1, 2)  # stage 1's first program: its own reference, not stage 0's
+    with pytest.raises(AutoshardError, match=r"^the rank passes made rank 1's program of stage 0 issue collectives "
+                                             r"\(\('all_reduce', \(2,\)\),\), but rank 0's issues \(\('all_reduce', "
+                                             r"\(0,\)\),\): ranks would wait on each other forever"):
+        pplan.stage_module(0, 1)
+
+
+def test_the_verifier_checks_every_stage_graph():
+    """After build_stages the driver verifies each stage graph like the whole one: a stage whose consumer reads an
+    input in another spec than its strategy needs is caught."""
+    from autoshard import meta as M
+    from autoshard.collectives import kind_of
+    from autoshard.errors import AutoshardError
+    from autoshard.passes.manager import verify
+    from autoshard.placements import Partial
+
+    model, args, kwargs = models.gpt(**SMALL)
+    pplan = _pplan(model, args, kwargs, {"pipe": 2, "data": 2}, microbatches=2)
+    gm = pplan.plan.graph_module
+    ran = list(gm.meta[M.PASSES_RUN])
+    verify(gm, ran)
+    stage = pplan.stages[1].gm
+    node, x = next((n, x) for n in stage.graph.nodes if M.STRATEGY in n.meta and kind_of(n) is None
+                   for x, want in zip(n.all_input_nodes, n.meta[M.STRATEGY].input_specs) if want is not None)
+    x.meta = {**x.meta, M.SPEC: (Partial(),)}  # the stage's own copy: the whole graph's node keeps its spec
+    with pytest.raises(AutoshardError, match=rf"^pass 'build_stages' left node `{node.name}` \(.*\) reading input "
+                                             rf"\d+ `{x.name}` as \(Partial\(.*\), but its strategy needs"):
+        verify(gm, ran)

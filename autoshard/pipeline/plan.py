@@ -1,5 +1,11 @@
 """The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages
-(:func:`build_pipeline_plan`), and each rank's stage programs."""
+(:func:`build_pipeline_plan`), and each rank's stage programs.
+
+The plan is :func:`autoshard.plan.build_plan`'s, with the ``pipeline_split`` and ``build_stages`` passes of the one
+pass list enabled: the split and the stage graphs are results of the list (``gm.meta``), verified by its driver,
+and a stage program is made by the plan's one checked path, :meth:`autoshard.plan.Plan.rank_program` with
+``stage=`` (the stage's programs on every rank issue the same collectives, or it raises).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard.context import Context, Options
+from autoshard.context import Options
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.pipeline.options import Pipeline
 from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
-from autoshard.precision import trace_with_precision
 
 
 @dataclass
@@ -55,12 +60,10 @@ class PipelinePlan:
     def stage_module(self, stage: int, rank: int, bucket_grads: bool = False) -> torch.fx.GraphModule:
         """Rank ``rank``'s program of stage ``stage`` (its shard of the stage's parameters). ``bucket_grads``: leave
         the parameters' data-parallel gradient sync out of the program (listed in ``module.meta``) for the runner
-        to do once per step."""
-        from autoshard.codegen import rank_program
-
+        to do once per step. Made by the plan's one checked path (:meth:`autoshard.plan.Plan.rank_program`): the
+        stage's programs on every rank issue the same collectives."""
         self.mesh._check_rank(rank)
-        return rank_program(self.stages[stage].gm, self.submesh, self.sub_rank(rank), self.plan.context.options,
-                            bucket_grads=bucket_grads)
+        return self.plan.rank_program(self.sub_rank(rank), bucket_grads=bucket_grads, stage=stage)
 
     def code(self, rank: int = 0, stage: int | None = None) -> str:
         stage = self.stages_of(rank)[0] if stage is None else stage
@@ -230,10 +233,9 @@ def _microbatch_examples(args, kwargs, m: int):
 
 def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
                         pipeline: Pipeline) -> PipelinePlan:
-    from autoshard.passes.manager import PipelineOptions, pass_list, run_passes
-    from autoshard.passes.pipeline_split import build_stage_graphs, stage_split_of
-    from autoshard.plan import Plan
-    from autoshard.trace import GRAPH_LOCK, trace
+    from autoshard.passes.manager import PipelineOptions
+    from autoshard.passes.pipeline_split import stage_graphs_of, stage_split_of
+    from autoshard.plan import build_plan
 
     if not isinstance(pipeline, Pipeline):
         raise PlanError(f"pipeline= has type {type(pipeline).__name__}, but must be autoshard.Pipeline(...).")
@@ -247,20 +249,13 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
             raise PlanError(f"a microbatch has {mb} rows (batch {batch} / {pipeline.microbatches} microbatches), "
                             f"but the data axis `{options.data_axis}` of size {d} must divide it: use a batch that "
                             f"is a multiple of {pipeline.microbatches * d}.")
-    sub_options = _strip_axis(options, mesh, pipeline.axis)
-    ctx = Context(sub, sub_options)
     stages = mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
-    # the plan phase of the one pass list, with the pipeline split enabled
-    passes = pass_list(sub_options, pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
-    with GRAPH_LOCK:  # as build_plan: one trace and its passes at a time per process
-        gm = trace(model, margs, mkwargs) if options.precision is None else trace_with_precision(
-            model, margs, mkwargs, options.precision)
-        gm = run_passes(gm, ctx, passes["plan"])
-        stage_split = stage_split_of(gm)
-        stage_graphs = build_stage_graphs(gm, stage_split)
-    plan = Plan(gm, sub, ctx, type(model).__name__, training=model.training)
-    return PipelinePlan(plan, mesh, sub, pipeline, stage_split, stage_graphs, batch,
+    # the plan phase of the one pass list, with the pipeline split and the stage graphs enabled
+    plan = build_plan(model, sub, margs, mkwargs, _strip_axis(options, mesh, pipeline.axis),
+                      pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
+    gm = plan.graph_module
+    return PipelinePlan(plan, mesh, sub, pipeline, stage_split_of(gm), list(stage_graphs_of(gm)), batch,
                         type(model).__name__)
 
 
