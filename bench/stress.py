@@ -56,8 +56,8 @@ _SUCCESS = {"gpt": re.compile(r"^max \|sharded - single\| over \d+ steps: ([0-9.
 
 
 def _torchrun() -> list[str]:
-    exe = shutil.which("torchrun")
-    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    """torchrun as a module of this interpreter (the ``torchrun`` on PATH may belong to another Python)."""
+    return [sys.executable, "-m", "torch.distributed.run"]
 
 
 def command(example: str, port: int, steps: int | None = None) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +22,9 @@ def test_demo_in_the_simulator_matches_single_device(capsys):
 
 @pytest.mark.gloo
 def test_train_gpt_under_torchrun_matches_one_process():
-    torchrun = shutil.which("torchrun")
-    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"])
+    # torchrun as a module of this interpreter: the `torchrun` on PATH may belong to another Python (a venv's tests
+    # would then launch ranks that import another checkout)
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
     from autoshard.runtime.launch import free_port
 
     cmd += ["--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
