@@ -109,8 +109,7 @@ class _Walk:
         return self.total - self.elapsed()
 
     def second_copy(self) -> None:
-        if self.warm[0] is not None:  # the second copy starts from the first's optimal basis
-            self.warm.append(self.warm[0].copy(self.base))
+        self.warm.append(self.warm[0].copy(self.base))  # from the first's optimal basis
 
     def program_for(self, units) -> Program:
         """One program for every recomputation choice: only the option columns' seconds and bytes depend on it."""
@@ -136,8 +135,7 @@ class _Walk:
 
     def integer_optimum(self, prog: Program, cost: np.ndarray, solver: int = 0) -> list[int]:
         left = max(1.0, self.left())
-        warm = self.warm[solver] if solver < len(self.warm) else None
-        x = warm.solve(cost, left) if warm is not None else None
+        x = self.warm[solver].solve(cost, left)
         if x is not None and integral(x[prog.integer == 1]):  # an integral LP optimum is an ILP optimum
             return prog.choice(self.problem, x)
         res = solve_program(self.problem, prog, cost, left)
@@ -283,11 +281,10 @@ def lp_bound(problem: Problem, lam: float) -> float:
     λ (coordinate descent) and so may overstate this one; solving this program takes ~3× longer per λ, so the
     search does not (``bench/search_plans.py`` prints both)."""
     prog = _shares_program(problem)
-    warm = WarmLP.create(prog)
     objective = prog.c + lam * prog.mem
-    x = warm.solve(objective, DEFAULT_TIME_LIMIT) if warm is not None else None
+    x = WarmLP.create(prog).solve(objective, DEFAULT_TIME_LIMIT)
     if x is None:
-        raise PlanError("lp_bound: HiGHS did not solve the program (it needs scipy.optimize._highspy)")
+        raise PlanError(f"lp_bound: HiGHS did not solve the program in {DEFAULT_TIME_LIMIT:g} s")
     most = sum(max(ties(problem, d), default=0.0) for d in problem.decisions)  # the most ties add to a plan
     return float(objective @ x) - lam * (problem.memory_limit - problem.fixed_memory) - most
 
