@@ -47,7 +47,6 @@ from autoshard.passes.plan_search.problem import (DecisionVar, Problem, ValueTer
                                                   output_spec_for)
 from autoshard.passes.plan_search.repair import repair
 from autoshard.passes.plan_search.solver import WarmLP
-from autoshard.passes.propagate import functionalize, mark_requires_grad, seed_specs
 
 from autoshard import meta as M
 from autoshard.context import Context
@@ -80,9 +79,6 @@ class PlanSearch:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        functionalize(gm)  # in-place writes on activations as functional ops, as propagation sees them
-        mark_requires_grad(gm)
-        seed_specs(gm, ctx)
         zero, recompute = ctx.options.zero, ctx.options.recompute
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
                                 zero=zero if zero in (0, 1, 2, 3, "auto") else 0, recompute=recompute)
@@ -103,7 +99,8 @@ class PlanSearch:
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
             "cpu_seconds": time.process_time() - cpu0,  # this process's CPU time: what a busy machine does not inflate
             "binding": binding(problem, memory),
-            "optimal": status["optimal"], "gap": status["gap"],  # not optimal: the time limit was reached
+            "optimal": status["optimal"], "gap": status["gap"],  # gap: to the best lower bound the search knows
+            "timed_out": bool(status.get("timed_out")),  # time_limit stopped the search before it finished
             "method": status.get("method"), "lower_bound": status.get("bound"),
             "multiplier": status.get("multiplier"),  # λ (seconds per byte) of the lower bound
             "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
@@ -112,6 +109,11 @@ class PlanSearch:
         return gm
 
     def _gap_warning(self, problem: Problem, status: dict) -> str:
+        if status.get("timed_out"):
+            return (f"plan_search: its time limit ({self.time_limit or DEFAULT_TIME_LIMIT:g} s) ran out before the "
+                    f"search under memory_limit finished: the plan is the best found within the limit, its estimated "
+                    f"step time at most {status['gap']:.2%} above the best lower bound known ({status['method']}); "
+                    "it is used as it is.")
         scope = ("every plan" if not problem.units else "the plans recomputing the layers the walk chose (the "
                  "bound does not range over other recomputation choices)")
         return (f"plan_search: the plan is not proven optimal under memory_limit: its estimated step time is at "
