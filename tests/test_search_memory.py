@@ -298,8 +298,9 @@ def test_a_limit_no_plan_meets_is_refused_before_any_solve(monkeypatch, mamba_fr
 
 def test_a_walk_stopped_by_time_keeps_an_honest_bound():
     """Under a time limit the walk stops where it is; the plan it returns fits, and its gap is no smaller than its
-    true distance to the exact optimum (HiGHS's ILP with the memory row, proven optimal on this small program)."""
-    from autoshard.passes.plan_search import evaluate, search, solve
+    true distance to the exact optimum (HiGHS's ILP with the memory row, proven optimal on this small program).
+    Without a limit, too: whether HiGHS or the solver-free descent made the plan, its gap holds."""
+    from autoshard.passes.plan_search import evaluate, fallback_plan, search, solve
 
     from tests.test_plan_search import TwoLinear
 
@@ -317,3 +318,9 @@ def test_a_walk_stopped_by_time_keeps_an_honest_bound():
         assert m <= problem.memory_limit and info["timed_out"]
         assert info["bound"] <= t_exact * (1 + 1e-9)
         assert (t - t_exact) / t <= info["gap"] + 1e-9
+    t_free = evaluate(free, solve(free))[0]
+    info = {}
+    t = evaluate(free, search(free, time_limit=1e-3, info=info)[0])[0]
+    assert info["bound"] <= t_free * (1 + 1e-9) and (t - t_free) / t <= info["gap"] + 1e-9
+    made = fallback_plan(free, 0.5)
+    assert made.time == pytest.approx(evaluate(free, list(made.choice))[0]) and made.time >= t_free * (1 - 1e-9)

@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from autoshard.passes.plan_search.ilp import (Program, build_program, integral, solve, solve_program, with_costs,
+from autoshard.passes.plan_search.ilp import (Program, build_program, integral, solve_program, with_costs,
                                               with_memory_row)
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, option_vectors, ties,
                                                     transient_bytes)
@@ -61,14 +61,13 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     ``problem.memory_limit`` (see the module docstring). ``info`` receives optimal, gap, bound, multiplier and
     method."""
     info = info if info is not None else {}
-    if problem.memory_limit is None:  # (no time_limit: solve's own default, 120 s)
-        choice = solve(problem, info=info) if time_limit is None else solve(problem, time_limit=time_limit, info=info)
-        info.update(method="ilp", bound=evaluate(problem, choice)[0])
-        return choice, frozenset()
+    total = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    if problem.memory_limit is None:
+        return _unconstrained(problem, total, info)
     least = least_memory_plan(problem)  # its bytes without the transient ones bound every plan's from below
     if least.priced_memory > problem.memory_limit:
         raise _no_plan_fits(problem, least.memory)
-    walk = _Walk(problem, DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    walk = _Walk(problem, total)
     lo = walk.point(0.0)
     if lo is None:  # time_limit ran out in the first solve
         return _out_of_time(problem, walk, info)
@@ -97,6 +96,22 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         # proven for the recomputed units the walk chose, not over every recomputation choice (lp_bound is)
         info.update(optimal=False, method=info["method"] + " (optimal for the recomputed layers chosen)")
     return list(best.choice), best.recompute
+
+
+def _unconstrained(problem: Problem, total: float, info: dict) -> tuple[list[int], frozenset]:
+    """The exact ILP without a memory row; when HiGHS runs out of time before any plan, the solver-free plan of
+    :func:`.repair.fallback_plan`, its gap measured to the least seconds of every decision."""
+    prog = build_program(problem)
+    res = solve_program(problem, prog, prog.c, total)
+    if res.choice is not None:
+        info.update(optimal=res.optimal, gap=res.gap, message=res.message, method="ilp",
+                    bound=evaluate(problem, res.choice)[0], timed_out=res.timed_out)
+        return res.choice, frozenset()
+    made = fallback_plan(problem, max(1.0, 0.1 * total))
+    bound = sum(min(d.cost) for d in problem.decisions if d.cost)
+    info.update(optimal=False, gap=_gap(made.time, bound), bound=bound, timed_out=True, message=res.message,
+                method=f"time_limit={total:g} s reached before HiGHS found a plan: coordinate descent")
+    return list(made.choice), frozenset()
 
 
 def _out_of_time(problem: Problem, walk: _Walk, info: dict) -> tuple[list[int], frozenset | dict]:

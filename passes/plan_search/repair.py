@@ -16,7 +16,8 @@ When the search's time runs out before the walk met a plan within the limit, :fu
 a solver, in time linear in the program: the memory is a sum over decisions (plus the transient bytes), so the
 option of least bytes per decision, every unit recomputed, is the least-memory plan (:func:`least_memory_plan`);
 coordinate descent over layouts (:func:`improve_layouts`: per decision the option of fewest seconds, its value
-terms included, that keeps the plan within the limit) and :func:`repair` then buy back time.
+terms included, that keeps the plan within the limit) and :func:`repair` then buy back time. Without a limit (HiGHS
+out of time on the unconstrained program) the descent starts from :func:`quickest_plan`.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def improve_layouts(problem: Problem, start: Candidate, deadline: float) -> Cand
     """Coordinate descent from ``start`` (within the limit): per decision, the option of fewest seconds (its own and
     those of the value terms it touches) whose bytes keep the plan within the limit; rounds until none improves or
     ``deadline`` (``time.perf_counter()``) passes."""
-    limit, units = problem.memory_limit, start.recompute
+    limit = problem.memory_limit if problem.memory_limit is not None else float("inf")
+    units = start.recompute
     touching = terms_touching(problem)
     choice = list(start.choice)
     t, m = start.time, start.memory
@@ -223,9 +225,17 @@ def improve_layouts(problem: Problem, start: Candidate, deadline: float) -> Cand
     return Candidate.of(problem, choice, units, start.multiplier)
 
 
+def quickest_plan(problem: Problem) -> Candidate:
+    """Per decision the option of fewest seconds of its own (communication left out), nothing recomputed."""
+    choice = [min(range(len(d.options)), key=lambda k: (d.cost[k], k)) for d in problem.decisions]
+    return Candidate.of(problem, choice, frozenset())
+
+
 def fallback_plan(problem: Problem, seconds: float) -> Candidate | None:
     """A plan within the limit made without a solver in about ``seconds`` (see the module docstring), or None when
-    even the least-memory plan does not fit."""
+    even the least-memory plan does not fit. Without a limit: coordinate descent from :func:`quickest_plan`."""
+    if problem.memory_limit is None:
+        return improve_layouts(problem, quickest_plan(problem), time.perf_counter() + seconds)
     least = least_memory_plan(problem)
     if least.memory > problem.memory_limit:
         return None
