@@ -61,7 +61,7 @@ def test_zero_auto_without_a_limit_keeps_every_parameter_whole_when_that_is_fast
 def test_a_limit_between_sharded_and_whole_shards_some_parameters_and_equals_one_device(name, unconstrained):
     free = unconstrained[name][0]["memory_per_rank"]
     limit = 0.7 * free
-    model, args, kwargs, plan = _compile(name, zero="auto", memory_limit=limit)
+    model, args, kwargs, plan = _compile(name, zero="auto", recompute=False, memory_limit=limit)
     report = plan.context.report["plan_search"]
     assert report["memory_per_rank"] <= limit
     assert plan.cost().memory_per_rank <= limit
@@ -252,7 +252,7 @@ def _mamba_plan(monkeypatch, memory_limit=None, time_limit=None):
     # the pass list makes the pass from the package at every compile
     monkeypatch.setattr(plan_search, "PlanSearch", functools.partial(plan_search.PlanSearch, time_limit=time_limit))
     return build_plan(copy.deepcopy(model), mesh, args, kwargs, make_options(
-        None, "data", "replicate", mesh, planner="search", memory_limit=memory_limit))
+        None, "data", "replicate", mesh, planner="search", memory_limit=memory_limit, zero=0, recompute=False))
 
 
 @pytest.fixture(scope="module")
