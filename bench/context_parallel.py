@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, seq: int, batch: int, steps: int, cases=CASES
                         loss = loss_of(module(*a, **k))
                         saved = _saved_by_attention(loss)
                         loss.backward()
-                    peak = sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()) \
+                    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] \
                         if torch.device("cpu") in tracker.get_tracker_snapshot("peak") else None
                 else:
                     loss_of(module(*a, **k)).backward()
