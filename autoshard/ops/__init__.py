@@ -48,6 +48,7 @@ from autoshard.ops.registry import (
     OUTPUT,
     Localizer,
     OpEntry,
+    Workspace,
     elementwise,
     entry,
     op,
@@ -59,4 +60,4 @@ from autoshard.ops.registry import (
 )
 
 __all__ = ["DEFAULTS", "MASK", "OUTPUT", "DimMap", "Labels", "Localizer", "OpEntry", "OpInfo", "RuleFn",
-           "elementwise", "entry", "op", "registered", "replicate_only", "rule_for", "stated", "unregister", "zero"]
+           "Workspace", "elementwise", "entry", "op", "registered", "replicate_only", "rule_for", "stated", "unregister", "zero"]

@@ -20,7 +20,7 @@ from autoshard import meta as M
 from autoshard.errors import PlanError
 from autoshard.ops.dimmap import DimMap, OpInfo, broadcast_labels
 from autoshard.ops.local import arg, replace_node
-from autoshard.ops.registry import OUTPUT, Shapes, op
+from autoshard.ops.registry import OUTPUT, Shapes, Workspace, op
 from autoshard.placements import Shard, local_shape
 
 aten = torch.ops.aten
@@ -86,11 +86,93 @@ def context_comm(node: torch.fx.Node, strategy: M.Strategy, mesh, profile) -> fl
     return (4 + (8 if grad else 0)) * one
 
 
+#: Score-sized blocks a local form of context attention holds at once: in forward the scores, ``exp(s - lse)``, its
+#: zero fill and the result; in backward p, dO·Vᵀ, its difference with delta and dS (``runtime/context.py``).
+SCORE_BLOCKS = 4
+
+
+def sdpa_workspace(node: torch.fx.Node, strategy: M.Strategy, mesh) -> Workspace:
+    """What attention allocates besides its output on one rank (the ``workspace`` facet).
+
+    - Whole attention (no context form) with a boolean mask: sdpa converts the mask to a float mask of q's dtype
+      (0 / -inf, the mask's local shape), kept for backward when the attention has a gradient, else transient.
+      Every attention reading one mask keeps the same copy (``kept_key``: the rank program converts the mask once,
+      :func:`_share_additive_mask`). The CPU and flash kernels work in small blocks: nothing else counts.
+    - A context form: :data:`SCORE_BLOCKS` fp32 score blocks ``[b, h, c, c]`` of the local batch and heads (Ulysses:
+      the heads over the axis), ``c`` the chunk length (the local sequence, halved under head-tail balancing),
+      plus the K/V the form holds besides its own: ring the two blocks in flight, all-gather the whole sequence's,
+      Ulysses the re-sharded q, k, v and output.
+    """
+    from autoshard.graph_utils import itemsize
+
+    q, k, v = node.args[:3]
+    q_local = local_shape(tuple(q.meta["val"].shape), strategy.input_specs[0], mesh)
+    form = context_form(strategy)
+    if form is None:
+        mask = arg(node, 3, "attn_mask")
+        if not _is_bool_mask(mask):
+            return Workspace()
+        size = math.prod(local_shape(tuple(mask.meta["val"].shape), strategy.input_specs[3], mesh)) * itemsize(q)
+        if node.meta.get(M.REQUIRES_GRAD):
+            return Workspace(kept=size, kept_key=("additive_mask", mask))
+        return Workspace(transient=size)
+    n = mesh.shape[context_axis_of(strategy, len(q_local))]
+    layout = node.graph.owning_module.meta.get(M.CONTEXT) if node.graph.owning_module is not None else None
+    balanced = bool(layout is not None and layout.balance and layout.axis == mesh.names[context_axis_of(
+        strategy, len(q_local))])
+    c = q_local[-2] // (2 if balanced else 1)
+    heads = q_local[-3] // (n if form == "ulysses" else 1)
+    acc = 8 if q.meta["val"].dtype == torch.float64 else 4
+    scores = SCORE_BLOCKS * math.prod(q_local[:-3]) * heads * c * c * acc
+
+    def local_bytes(i, x):
+        return math.prod(local_shape(tuple(x.meta["val"].shape), strategy.input_specs[i], mesh)) * itemsize(x)
+
+    kv = local_bytes(1, k) + local_bytes(2, v)
+    moved = {"ring": 2 * kv, "all_gather": n * kv, "ulysses": 2 * (local_bytes(0, q) + kv)}[form]
+    return Workspace(transient=scores + moved)
+
+
+def _is_bool_mask(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and \
+        x.meta["val"].dtype == torch.bool
+
+
+def _plain_readers(mask: torch.fx.Node) -> list[torch.fx.Node]:
+    """The attention nodes of the global graph that read ``mask`` as their mask and run whole (no context form)."""
+    return [u for u in mask.users if u.target == aten.scaled_dot_product_attention.default
+            and arg(u, 3, "attn_mask") is mask and M.STRATEGY in u.meta and context_form(u.meta[M.STRATEGY]) is None]
+
+
+def _share_additive_mask(graph: torch.fx.Graph, new: torch.fx.Node, old: torch.fx.Node) -> torch.fx.Node:
+    """Where several attentions read one boolean mask, pass them one float copy made once (``additive_mask``):
+    sdpa converts a boolean mask to that very tensor on each call and keeps its copy for backward, so L layers
+    would keep L copies of a [b, 1, s, s] float mask (at sequence 4096, batch 8: 512 MiB each). One attention
+    alone is left as traced (the conversion inside sdpa costs the same)."""
+    from autoshard.runtime.ops import additive_mask
+
+    mask, old_mask = arg(new, 3, "attn_mask"), arg(old, 3, "attn_mask")
+    if not (_is_bool_mask(old_mask) and isinstance(mask, torch.fx.Node) and len(_plain_readers(old_mask)) > 1):
+        return new
+    dtype = old.args[0].meta["val"].dtype
+    made = next((u for u in mask.users if u.target is additive_mask and u.args[1] == dtype), None)
+    if made is None:
+        with graph.inserting_after(mask):
+            made = graph.call_function(additive_mask, (mask, dtype))
+        made.meta.update({k: v for k, v in mask.meta.items() if k != "val"})
+        made.meta["val"] = torch.empty_like(mask.meta["val"], dtype=dtype) if "val" in mask.meta else None
+    if len(new.args) > 3:
+        new.args = (*new.args[:3], made, *new.args[4:])
+    else:
+        new.kwargs = {**new.kwargs, "attn_mask": made}
+    return new
+
+
 def _localize(graph: torch.fx.Graph, new: torch.fx.Node, old: torch.fx.Node, mesh, rank: int) -> torch.fx.Node:
     strategy = old.meta[M.STRATEGY]
     form = context_form(strategy)
     if form is None:
-        return new
+        return _share_additive_mask(graph, new, old)
     from autoshard.graph_utils import node_location
     from autoshard.runtime.context import context_attention
 
@@ -125,7 +207,7 @@ op(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
    aten._scaled_dot_product_cudnn_attention, flops=sdpa_flops, backward=2.5, saves=(0, 1, 2, OUTPUT))
 
 
-@op(aten.scaled_dot_product_attention.default, localize=_localize, comm=context_comm)
+@op(aten.scaled_dot_product_attention.default, localize=_localize, comm=context_comm, workspace=sdpa_workspace)
 def _sdpa(info: OpInfo) -> DimMap:
     q, k, _v = info.in_shapes[:3]
     causal = bool(info.arg(5, "is_causal", False))

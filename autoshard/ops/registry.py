@@ -18,6 +18,11 @@ facet               meaning                                                     
 ``comm``            seconds the op's *local form itself* communicates under a strategy (context-  none: 0
                     parallel attention passes K/V around the axis), ``(node, strategy, mesh,
                     profile) -> seconds``, forward + backward; redistributions are priced apart
+``workspace``       bytes one rank's op allocates besides its outputs under a strategy,         none: nothing
+                    ``(node, strategy, mesh) -> Workspace``: ``kept`` (autograd keeps them for
+                    backward, e.g. attention's float copy of a boolean mask) and ``transient``
+                    (alive only while the op runs forward or backward, e.g. ring attention's
+                    score blocks)
 ==================  ==========================================================================  =================
 
 Keys are what an FX node's ``target`` is: an ``OpOverload`` (``aten.mm.default``), an ``OpOverloadPacket``
@@ -46,8 +51,8 @@ import torch
 
 from autoshard.ops.dimmap import RuleFn
 
-__all__ = ["DEFAULTS", "MASK", "OUTPUT", "Localizer", "OpEntry", "Shapes", "elementwise", "entry", "op", "registered",
-           "rule_for", "stated", "unregister", "zero"]
+__all__ = ["DEFAULTS", "MASK", "OUTPUT", "Localizer", "OpEntry", "Shapes", "Workspace", "elementwise", "entry", "op",
+           "registered", "rule_for", "stated", "unregister", "zero"]
 
 #: ``localize(graph, new_node, old_node, mesh, rank) -> node``: rewrites the copied node ``new_node`` of the
 #: rank-local graph (the global ``old_node`` carries the plan's meta: spec, strategy, global ``val``) and returns
@@ -74,6 +79,28 @@ FlopsFn = Callable[[Shapes], object]
 CommFn = Callable[[Any, Any, Any, Any], float]
 
 
+@dataclass(frozen=True)
+class Workspace:
+    """Bytes one rank's op allocates besides its outputs (the ``workspace`` facet).
+
+    - ``kept``: what autograd keeps from the op's forward to its backward that is neither an argument nor an
+      output of the node (those are the ``saves`` facet): attention's float copy of a boolean mask;
+    - ``kept_key``: when not None, ops with the same key keep one storage between them (count ``kept`` once per
+      key): every attention reading one boolean mask saves the same float copy (the rank program converts it once,
+      :func:`autoshard.runtime.context.float_mask`);
+    - ``transient``: the most the op holds at once while it runs, forward or backward, freed when it returns
+      (ring attention's score blocks); the memory model adds it where the op runs, not to the whole step.
+    """
+
+    kept: int = 0
+    transient: int = 0
+    kept_key: object = None
+
+
+#: ``workspace(node, strategy, mesh) -> Workspace`` of the op under ``strategy`` on one rank
+WorkspaceFn = Callable[[Any, Any, Any], Workspace]
+
+
 def elementwise(op: Shapes):
     """One FLOP per output element: the default for ops nobody priced."""
     return op.out_numel()
@@ -96,15 +123,16 @@ class OpEntry:
     bytes: str | None = None
     saves: tuple[int | str, ...] | None = None
     comm: CommFn | None = None
+    workspace: WorkspaceFn | None = None
 
     def stated(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 #: What an unstated facet is: no rule (an unsupported op), no local form, one FLOP per output element, backward
-#: as costly as forward, bytes in + out, nothing saved.
+#: as costly as forward, bytes in + out, nothing saved, no workspace.
 DEFAULTS = OpEntry(rule=None, localize=None, flops=elementwise, backward=1.0, backward_flops=None, bytes="io",
-                   saves=(), comm=None)
+                   saves=(), comm=None, workspace=None)
 
 _REGISTRY: dict[object, OpEntry] = {}
 _RESOLVED: dict[object, OpEntry] = {}  # entry()'s answers; cleared whenever the table changes
@@ -139,14 +167,15 @@ class _Registration:
 
 def op(*targets, rule: RuleFn | None = None, localize: Localizer | None = None, flops: FlopsFn | None = None,
        backward: float | None = None, backward_flops: FlopsFn | None = None, bytes: str | None = None,
-       saves: tuple[int | str, ...] | None = None, comm: CommFn | None = None) -> _Registration:
+       saves: tuple[int | str, ...] | None = None, comm: CommFn | None = None,
+       workspace: WorkspaceFn | None = None) -> _Registration:
     """Register the given facets for each target (an OpOverload, an OpOverloadPacket or a callable).
 
     A target is registered once: a second ``op()`` for it raises (:func:`unregister` first to replace it).
     Used as a decorator, the decorated function becomes the rule."""
     if not targets:
         raise ValueError("op() needs at least one target")
-    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm)
+    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm, workspace)
     for t in targets:
         if t in _REGISTRY:
             raise ValueError(f"op {t} is registered twice; each op has one entry in autoshard/ops")

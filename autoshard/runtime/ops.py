@@ -172,3 +172,10 @@ def bias_once(bias: torch.Tensor, keep: bool) -> torch.Tensor:
     """Forward: the bias on one rank of a Partial sum, zero on the others. Backward: the whole gradient on every
     rank (the gradient of a Partial output is complete everywhere), so the bias needs no all-reduce."""
     return bias if keep else bias - bias.detach()
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float form of a boolean attention mask: 0 where ``mask`` is True, -inf where False — the tensor
+    ``scaled_dot_product_attention`` makes from a boolean mask on every call and keeps for its backward. Made once
+    per mask and passed to every attention that reads it, the layers share one saved copy instead of one each."""
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))
