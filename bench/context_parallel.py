@@ -1,7 +1,7 @@
 """Context parallelism against data parallelism at a long sequence: HF Llama (hidden 256, 2 layers, GQA 8/4 heads)
 at sequence 4096 on 4 gloo ranks, the same global batch, one training step (forward + backward) each:
 
-* **context=1**: one rank, the whole batch and sequence (the same global shape; in the simulator, one thread);
+* **context=1**: one rank, the whole batch and sequence (the same global shape; one gloo process);
 * **data=4**: ``Mesh(data=4)`` — each rank the whole sequence of a quarter of the batch;
 * **context=4**: ``Mesh(context=4)`` with ``context_axis="context"`` (ring attention, head-tail balanced) — each
   rank every sequence of the batch, a quarter of each.
@@ -10,9 +10,9 @@ Reported per rank (max over ranks), and as the ratio context=4 / context=1: peak
 ``torch.distributed._tools.mem_tracker.MemTracker`` (tensors allocated during forward + backward, parameters and
 gradients included; its "Total" at the peak) and by the CPU allocator (``torch.profiler`` memory events above the
 step's start, plus the parameters: it also sees what a custom op allocates inside its kernel, which MemTracker's
-dispatch mode does not — ring attention's score blocks), the bytes autograd saves for attention (measured), the memory model's estimate of the same
-step (``plan.cost().memory``: peak and activations), and the step time (median of ``--steps`` steps after one
-warm-up, side by side in the same processes' run order).
+dispatch mode does not — ring attention's score blocks), the bytes autograd saves for attention (measured), the
+memory model's estimate of the same step (``plan.cost().memory``: peak and activations), and the step time (median
+of ``--steps`` steps after one warm-up, side by side in the same processes' run order).
 
     python bench/context_parallel.py              # seq 4096, batch 8 (several minutes on 2 cores)
     python bench/context_parallel.py --quick      # seq 512
@@ -98,8 +98,8 @@ def _worker(rank: int, world: int, seq: int, batch: int, steps: int, cases=CASES
                 comm.barrier()
                 times.append(time.perf_counter() - t0)
         cost = plan.cost("cpu-gloo")
-        out[name] = dict(peak=peak, alloc=alloc, saved=saved, time=statistics.median(times[1:]), est_peak=cost.memory_per_rank,
-                         est_act=cost.memory.activations, est_time=cost.step_time)
+        out[name] = dict(peak=peak, alloc=alloc, saved=saved, time=statistics.median(times[1:]),
+                         est_peak=cost.memory_per_rank, est_act=cost.memory.activations, est_time=cost.step_time)
     return out
 
 
@@ -122,8 +122,8 @@ def main(argv=None) -> None:
     print(f"{'':12} {'peak MiB':>10} {'alloc MiB':>10} {'attn saved MiB':>15} {'est peak MiB':>13} {'est act MiB':>12} "
           f"{'step s':>8} {'est step s':>11}")
     for name, r in rows.items():
-        print(f"{name:12} {r['peak'] / MiB:10.1f} {r['alloc'] / MiB:10.1f} {r['saved'] / MiB:15.1f} {r['est_peak'] / MiB:13.1f} "
-              f"{r['est_act'] / MiB:12.1f} {r['time']:8.3f} {r['est_time']:11.3f}")
+        print(f"{name:12} {r['peak'] / MiB:10.1f} {r['alloc'] / MiB:10.1f} {r['saved'] / MiB:15.1f} "
+              f"{r['est_peak'] / MiB:13.1f} {r['est_act'] / MiB:12.1f} {r['time']:8.3f} {r['est_time']:11.3f}")
     c4 = rows["context=4"]
     for base in ("context=1", "data=4"):
         c1 = rows[base]

@@ -60,4 +60,5 @@ from autoshard.ops.registry import (
 )
 
 __all__ = ["DEFAULTS", "MASK", "OUTPUT", "DimMap", "Labels", "Localizer", "OpEntry", "OpInfo", "RuleFn",
-           "Workspace", "elementwise", "entry", "op", "registered", "replicate_only", "rule_for", "stated", "unregister", "zero"]
+           "Workspace", "elementwise", "entry", "op", "registered", "replicate_only", "rule_for", "stated", "unregister",
+           "zero"]
