@@ -506,10 +506,15 @@ def _own_bytes(node: Node, spec, local_numel: Callable) -> tuple[list[int], int]
     return own, (local_numel(tensors[0].shape, specs[0]) if tensors else 0)
 
 
-def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None) -> MemoryBreakdown:
+def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None,
+                in_flight: int = 1) -> MemoryBreakdown:
     """:class:`MemoryBreakdown` of an annotated global graph (after ``propagate`` and ``insert_collectives``; ZeRO
     storage read from :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None:
-    the parameters' own dtype). Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of."""
+    the parameters' own dtype). ``in_flight``: microbatches whose activations are alive at once (a pipeline
+    stage's: :meth:`autoshard.pipeline.plan.PipelinePlan.stage_memory`; their gradients accumulate in one set).
+    Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of."""
+    if not isinstance(in_flight, int) or in_flight < 1:
+        raise PlanError(f"plan_memory has in_flight={in_flight!r}, but it counts microbatches: an int >= 1.")
     from autoshard.placements import local_shape
 
     def local_numel(shape_, spec) -> int:
@@ -580,6 +585,7 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                 v.reads.append((r, a, (copy, numel * cval.element_size())))
                 largest_activation = max(largest_activation, largest_gradient(numel, cval.dtype))
     acts, kinds["activations"] = saved_bytes(list(values.values()))
+    acts, kinds["activations"] = acts * in_flight, kinds["activations"] * in_flight
     for v in values.values():  # what a recomputed region saves while its backward runs, recomputed
         region = recompute_region(v.node)
         if region is not None:
@@ -616,3 +622,134 @@ def _storage_base(node: Node) -> Node:
 
 def _no_region(node: Node) -> None:
     return None
+
+
+# ---- the same model, priced per decision option: the plan search's coefficients ----------------------------
+class GraphMemory:
+    """The memory model of a global graph *before* collective insertion, as the plan search prices it.
+
+    Linear coefficients, bytes per liveness point (:class:`Timeline`) of one option of one decision:
+
+    - a parameter stored at a spec and ZeRO stage (:meth:`parameter`: :func:`parameter_points`), a buffer
+      (:meth:`buffer`);
+    - an op's outputs under a strategy (:meth:`op_option`): its saved outputs at local size, as if every reader
+      read them in that layout (a storage shared by views counts at its first saved member);
+
+    and the terms that are no sum of options (:meth:`points`): the copies a redistribution makes for a reader that
+    keeps them, readers that keep another layout than the one produced (an exact account: :func:`saved_bytes` on
+    :class:`SavedValue`\\ s built from the chosen layouts), the ZeRO-3 layer gathered at once, backward's first
+    temporaries and the optimizer's. :func:`plan_memory` prices the same plan after collective insertion with the
+    same functions, so the search's memory of a plan is ``plan.cost()``'s."""
+
+    def __init__(self, gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None,
+                 region_of: Callable[[Node], str | None] = recompute_region):
+        from autoshard.placements import local_shape
+
+        optimizer_state_bytes(0, optimizer)  # an optimizer without a model is an error here, not at pricing
+        self.mesh, self.optimizer, self.compute_dtype, self.region_of = mesh, optimizer, compute_dtype, region_of
+        self.timeline = Timeline.of(gm)
+        self._local_shape = local_shape
+        self.owners: dict = {}  # storage key -> the first node whose saved output lives in it (graph order)
+        for n in gm.graph.nodes:
+            if not self.is_value(n):
+                continue
+            multi = len(output_tensors(n)) > 1
+            mine = region_of(n)
+            own = mine is None and OUTPUT in _saves(n)
+            if multi:
+                for k in range(len(output_tensors(n))):
+                    if own:
+                        self.owners.setdefault((n, k), n)
+                continue
+            if own or any(keeps(r, n, n, region_of) for r in n.users if r.op == "call_function"):
+                self.owners.setdefault(storage_key(n), n)
+
+    def local_numel(self, shape_, spec) -> int:
+        return math.prod(self._local_shape(tuple(shape_), spec, self.mesh))
+
+    @staticmethod
+    def is_value(n: Node) -> bool:
+        """An activation the model counts: a requires-grad op's output that is no parameter or view of one."""
+        return (n.op == "call_function" and bool(n.meta.get(M.REQUIRES_GRAD)) and bool(output_tensors(n))
+                and not _is_param(n))
+
+    # ---- parameters ----------------------------------------------------------------------------------------
+    def parameter_state(self, node: Node, spec, stage: int, data_size: int) -> dict[str, int]:
+        """:func:`zero_state_bytes` of parameter ``node`` used in layout ``spec``, stored at ZeRO ``stage``."""
+        val = node.meta["val"]
+        cd = self.compute_dtype if self.compute_dtype is not None and val.dtype.is_floating_point else None
+        return zero_state_bytes(self.local_numel(val.shape, spec), stage, data_size, val.dtype, self.optimizer, cd)
+
+    def parameter(self, nodes: list[Node], spec, stage: int, data_size: int) -> np.ndarray:
+        """Bytes per point of the parameters ``nodes`` (tied copies of one decision) in ``spec`` at ``stage``."""
+        out = np.zeros(self.timeline.points)
+        for n in nodes:
+            state = self.parameter_state(n, spec, stage, data_size)
+            out += parameter_points(self.timeline, state, *self.timeline.uses(n))
+        return out
+
+    def zero3_gathered(self, node: Node, spec) -> tuple[str, int]:
+        """(the layer it is gathered with, bytes of its compute copy) of a ZeRO-3 parameter."""
+        val = node.meta["val"]
+        return (segment_key(node) or str(node.target),
+                param_bytes(self.local_numel(val.shape, spec), self.compute_dtype or val.dtype))
+
+    def buffer(self, node: Node, spec) -> int:
+        val = node.meta["val"]
+        return self.local_numel(val.shape, spec) * val.element_size()
+
+    # ---- activations ---------------------------------------------------------------------------------------
+    def alive(self, nodes: list[Node]) -> np.ndarray:
+        """The liveness of activations made by ``nodes`` (tied copies: their points add up)."""
+        return sum((self.timeline.activation_alive(self.timeline.segment(n)) for n in nodes),
+                   np.zeros(self.timeline.points))
+
+    def own_bytes(self, node: Node, output_spec) -> tuple[list[int], int]:
+        """(local bytes of each output, local elements of the first) of ``node`` under ``output_spec``."""
+        return _own_bytes(node, output_spec, self.local_numel)
+
+    def op_option(self, node: Node, output_spec, region_of: Callable | None = None) -> float:
+        """Saved bytes at the end of forward of op ``node``'s outputs in layout ``output_spec``, as if every reader
+        read that layout (the linear part: :meth:`points` adds what redistributions change). Getitems of a
+        multi-output op count with it. ``region_of``: the recomputation regions to price it under."""
+        region_of = region_of or self.region_of
+        if not self.is_value(node):
+            return 0.0
+        own, numel = self.own_bytes(node, output_spec)
+        values = [SavedValue(node, own, [(r, node, None) for r in node.users if r.op == "call_function"],
+                             np.ones(1), numel)]
+        if len(own) > 1:
+            for g in node.users:
+                if g.target is operator.getitem and self.is_value(g):
+                    b = own[g.args[1]]
+                    values.append(SavedValue(g, [b], [(r, g, None) for r in g.users if r.op == "call_function"],
+                                             np.ones(1), b // max(1, output_tensors(g)[0].element_size())))
+        total = 0.0
+        for v in values:  # a storage shared with an earlier value counts there (owners), dropout's mask here
+            mine = region_of(v.node)
+            if self.owners.get(storage_key(v.node) if len(v.own) == 1 else (v.node, 0)) is v.node:
+                total += saved_bytes([v], region_of)[1]
+            elif MASK in _saves(v.node) and mine is None:
+                total += v.numel
+        return total
+
+    def gradient(self, node: Node, output_spec) -> int:
+        """Bytes of the gradient of ``node``'s output in backward (single-output values; 0 otherwise)."""
+        if not self.is_value(node) or len(output_tensors(node)) != 1:
+            return 0
+        own, numel = self.own_bytes(node, output_spec)
+        return largest_gradient(numel, output_tensors(node)[0].dtype)
+
+    def copy_bytes(self, node: Node, spec) -> int:
+        """Local bytes of a copy of ``node``'s (single) output redistributed to ``spec``."""
+        t = output_tensors(node)[0]
+        return self.local_numel(t.shape, spec) * t.element_size()
+
+    def points(self, fixed: np.ndarray, values: list[SavedValue], zero3_layers: dict[str, int],
+               temporaries: float, largest_parameter: float) -> np.ndarray:
+        """Bytes per liveness point of a plan: ``fixed`` (the options' parameter and buffer bytes per point), the
+        saved activations of ``values`` (:func:`saved_bytes`), the ZeRO-3 layer gathered at once (twice: the one
+        in use and the next one's prefetch), backward's first ``temporaries`` and the optimizer's."""
+        acts = saved_bytes(values, self.region_of)[0] if values else 0.0
+        return point_totals(0.0, fixed + acts, 2 * max(zero3_layers.values(), default=0), temporaries,
+                            largest_parameter)
