@@ -176,7 +176,3 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
                 compute += compute_time(n, profile, shard_factor(n, n.meta[M.STRATEGY], mesh))
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
     return PlanCost(compute + comm, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes, breakdown)
-
-
-# the plan search imported these under their former private names; kept until it imports the public ones
-_link, _local_numel = link, local_numel

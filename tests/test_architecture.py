@@ -219,12 +219,7 @@ def test_no_import_cycles_counting_function_level_imports():
 
 # ---- private names ---------------------------------------------------------------------------------------------
 #: (importing module prefix, private name) pairs still imported across modules, each to be removed with its user.
-PENDING_PRIVATE_IMPORTS: set[tuple[str, str]] = {
-    # the plan search reads the cost model's link and local size helpers by their former names (now public:
-    # autoshard.cost_models.plan_cost.link / local_numel)
-    ("autoshard.passes.plan_search", "_link"),
-    ("autoshard.passes.plan_search", "_local_numel"),
-}
+PENDING_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 
 def _private_uses(module: str, path: Path) -> list[str]:

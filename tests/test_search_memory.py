@@ -161,7 +161,7 @@ def test_search_reaches_the_exact_ilp_optimum_or_reports_at_least_its_distance(f
 def test_repair_starts_from_the_shares_it_is_given():
     """A plan's recomputed shares given as {unit: share}: a share of 0 is not recomputed (a unit listed with 0 used to
     count as recomputed whole), and the plan returned fits and keeps every layout."""
-    from autoshard.passes.plan_search import _repair, evaluate, solve
+    from autoshard.passes.plan_search import evaluate, repair, solve
 
     model, args, _ = models.FACTORIES["gpt"](layers=4)
     problem = _problem(model, args, autoshard.Mesh(**MESH), None, recompute="auto")
@@ -170,15 +170,16 @@ def test_repair_starts_from_the_shares_it_is_given():
     none = {u: 0.0 for u in range(len(problem.units))}
     t, m = evaluate(problem, choice, none)
     problem.memory_limit = m  # it fits as it is: nothing to free, and recomputing only costs time
-    repaired_choice, shares, t2, m2 = _repair(problem, choice, none)
-    assert shares == none and repaired_choice == choice
-    assert (t2, m2) == pytest.approx((t, m), rel=1e-12)
+    fixed = repair(problem, choice, none)
+    assert fixed.recompute == none and list(fixed.choice) == choice
+    assert (fixed.time, fixed.memory) == pytest.approx((t, m), rel=1e-12)
     problem.memory_limit = 0.9 * m  # now some copy must be recomputed or some parameter sharded
-    repaired_choice, shares, t3, m3 = _repair(problem, choice, none)
-    assert m3 <= 0.9 * m and t3 >= t
-    assert [d.options[k] for d, k in zip(problem.decisions, repaired_choice)] == \
+    fixed = repair(problem, choice, none)
+    assert fixed.memory <= 0.9 * m and fixed.time >= t
+    assert [d.options[k] for d, k in zip(problem.decisions, fixed.choice)] == \
         [d.options[k] for d, k in zip(problem.decisions, choice)]
-    assert (t3, m3) == pytest.approx(evaluate(problem, repaired_choice, shares), rel=1e-12)
+    assert (fixed.time, fixed.memory) == pytest.approx(evaluate(problem, list(fixed.choice), fixed.recompute),
+                                                       rel=1e-12)
 
 
 def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):

@@ -1,0 +1,304 @@
+"""The exact program of the plan search: a 0/1 integer linear program solved by HiGHS.
+
+Variables and rows (built by :func:`build_program`, solved by :func:`solve_program`; :func:`solve` is both, with the
+memory row):
+
+* ``x[d, k] ∈ {0, 1}``: decision ``d`` takes option ``k``; ``Σ_k x[d, k] = 1`` (:meth:`_Builder.choose_one`).
+* ``y[u, o] = Σ x[d, k]`` over the options that make value ``u`` come out as spec ``o`` (an expression).
+* Values read by one position of each consumer use the tight "marginal" formulation (its LP is exact on
+  tree-shaped parts of the graph; :meth:`_Builder.marginal`): per consumer ``c``, ``e[c, o, i] ≥ 0`` with
+  ``Σ_i e[c, o, i] = y[o]`` and ``Σ_o e[c, o, i] = z[c, i]`` (the consumer's options that need ``i``); the
+  redistribution ``o → i`` is bought once, ``w[o, i] ≥ e[c, o, i]`` for every ``c``.
+* Otherwise (:meth:`_Builder.shared_redistributions`): ``r[u, i] ≥ x[c, k]`` for every consumer option that needs
+  ``u`` as ``i`` (bought once, shared by every consumer, as ``passes/collectives.py`` shares it) and
+  ``q[u, o, i] ≥ y[u, o] + r[u, i] − 1`` paying ``time(o → i)``; impossible pairs get ``y[u, o] + r[u, i] ≤ 1``.
+* ``g[u, i, axes] ≥ x[c, k]`` for consumer options that need the gradient of ``u`` all-reduced over ``axes``
+  (:meth:`_Builder.syncs`); graph outputs add a cost per producer spec (:meth:`_Builder.outputs`).
+* objective: ``Σ x·compute_time + Σ q·redistribution_time + Σ g·all_reduce_time`` (seconds, forward + backward;
+  no overlap of communication and compute), plus the tie-breaking seconds of :func:`.objective.ties`;
+* memory: ``Σ x·bytes ≤ limit − fixed`` (:func:`build_program` with ``memory_row``; :func:`with_memory_row` adds it
+  to a program built without).
+
+HiGHS solves the LP relaxation first (through ``scipy.optimize.milp``): an integral LP optimum is an optimum of the
+integer program; otherwise it branches (``mip_rel_gap = 0``). Objectives are solved in nanoseconds, since HiGHS also
+stops at an absolute gap of 1e-6.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from autoshard.passes.plan_search.objective import option_vectors
+from autoshard.passes.plan_search.problem import Problem, ValueTerm, output_spec_for
+
+from autoshard.errors import PlanError
+from autoshard.placements import format_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Program:
+    """The ILP of a problem for one recomputation set, built once and solved for many objectives."""
+
+    c: np.ndarray  # seconds per variable (ties broken)
+    mem: np.ndarray  # bytes per variable (option variables only)
+    a: object  # scipy.sparse CSR constraint matrix
+    lo: list
+    hi: list
+    integer: np.ndarray  # 1 for the option variables x[d, k], 0 for the auxiliary ones
+    offsets: list[int]  # first column of each decision's options
+
+    def choice(self, problem: Problem, x: np.ndarray) -> list[int]:
+        """The option of each decision in the solution ``x``."""
+        return [int(np.argmax(x[o: o + len(d.options)])) for o, d in zip(self.offsets, problem.decisions)]
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """What :func:`solve_program` found: a choice (None: no plan in time, or none exists), whether it is proven
+    optimal, HiGHS's relative gap, its message, and whether it stopped at the time limit."""
+
+    choice: list[int] | None
+    optimal: bool
+    gap: float
+    message: str
+    timed_out: bool
+
+
+class _Builder:
+    """Columns and rows of the program, appended in order (a sparse matrix in coordinate form)."""
+
+    def __init__(self, problem: Problem, recompute):
+        self.problem = problem
+        self.offsets, n = [], 0
+        for d in problem.decisions:
+            self.offsets.append(n)
+            n += len(d.options)
+        self.cost, self.memory = option_vectors(problem, recompute)
+        self.integer = [1] * n
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def new_var(self, c: float) -> int:
+        self.cost.append(c)
+        self.integer.append(0)
+        return len(self.cost) - 1
+
+    def constraint(self, entries, lb: float, ub: float) -> None:
+        r = len(self.lo)
+        for col, v in entries:
+            self.rows.append(r)
+            self.cols.append(col)
+            self.vals.append(v)
+        self.lo.append(lb)
+        self.hi.append(ub)
+
+    def choose_one(self) -> None:
+        for i, d in enumerate(self.problem.decisions):
+            self.constraint([(self.offsets[i] + k, 1.0) for k in range(len(d.options))], 1.0, 1.0)
+
+    def term(self, term: ValueTerm) -> None:
+        if term.fixed is not None:
+            y = {term.fixed: []}  # constant: always this spec
+        else:
+            y = {}
+            for d, k, spec in term.out:
+                y.setdefault(spec, []).append(self.offsets[d] + k)
+        consumers = sorted({d for users in term.needs.values() for d, _ in users})
+        if term.fixed is None and consumers and _single_position(term):
+            self.marginal(term, y, consumers)
+        else:
+            self.shared_redistributions(term, y)
+        self.outputs(term, y)
+        self.syncs(term)
+
+    def marginal(self, term: ValueTerm, y: dict, consumers: list[int]) -> None:
+        m = term.multiplicity
+        ylist = list(y.items())
+        needed_by: dict = {}  # consumer -> specs it may need
+        for i, users in term.needs.items():
+            for d, _ in users:
+                needed_by.setdefault(d, set()).add(i)
+        spec_id: dict = {}
+        bought: dict = {}  # (producer spec index, needed spec id) -> variable
+        # build_problem interns specs (one object per spec): look pairs up by identity, not by hashing
+        # placements (the program's largest loop: a pair per producer spec, needed spec and consumer)
+        pair_cost = {(id(o), id(i)): v for (o, i), v in term.pair_cost.items()}
+        for c in consumers:
+            needs = sorted(needed_by[c], key=format_spec)
+            ids = [spec_id.setdefault(i, len(spec_id)) for i in needs]
+            evars: dict = {}  # (producer spec index, needs index) -> variable
+            for oi, (o, _) in enumerate(ylist):
+                for ii, i in enumerate(needs):
+                    pc = pair_cost[(id(o), id(i))]
+                    if pc is None:
+                        continue
+                    if len(consumers) == 1:
+                        evars[(oi, ii)] = self.new_var(m * pc)
+                        continue
+                    ev = evars[(oi, ii)] = self.new_var(0.0)
+                    if pc > 0:
+                        bv = bought.get((oi, ids[ii]))
+                        if bv is None:
+                            bv = bought[(oi, ids[ii])] = self.new_var(m * pc)
+                        self.constraint([(bv, 1.0), (ev, -1.0)], 0.0, np.inf)
+            for oi, (o, ys) in enumerate(ylist):
+                self.constraint([(evars[(oi, ii)], 1.0) for ii in range(len(needs)) if (oi, ii) in evars]
+                                + [(v, -1.0) for v in ys], 0.0, 0.0)
+            for ii, i in enumerate(needs):
+                self.constraint([(evars[(oi, ii)], 1.0) for oi in range(len(ylist)) if (oi, ii) in evars]
+                                + [(self.offsets[d] + k, -1.0) for d, k in term.needs[i] if d == c], 0.0, 0.0)
+
+    def shared_redistributions(self, term: ValueTerm, y: dict) -> None:
+        """Redistributions wanted by consumers, shared between them."""
+        m = term.multiplicity
+        for i, users in sorted(term.needs.items(), key=lambda kv: format_spec(kv[0])):
+            costs = {o: term.pair_cost[(o, i)] for o in y}
+            if all(c == 0 for c in costs.values()):
+                continue
+            rv = self.new_var(0.0)
+            for d, ks in _by_decision(users).items():  # a consumer's options exclude each other: sum them
+                self.constraint([(rv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
+            for o, ys in y.items():
+                c = costs[o]
+                if c == 0:
+                    continue
+                if term.fixed is not None:  # y is the constant 1
+                    if c is None:
+                        self.constraint([(rv, 1.0)], 0.0, 0.0)
+                    else:
+                        self.cost[rv] += m * c
+                    continue
+                if c is None:
+                    self.constraint([(rv, 1.0)] + [(v, 1.0) for v in ys], -np.inf, 1.0)
+                    continue
+                qv = self.new_var(m * c)
+                self.constraint([(qv, 1.0), (rv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
+
+    def outputs(self, term: ValueTerm, y: dict) -> None:
+        """Graph outputs: a cost that depends on the producer's spec only."""
+        if not term.outputs:
+            return
+        for o, ys in y.items():
+            costs = [term.pair_cost[(o, output_spec_for(o, keep))] for keep in term.outputs]
+            if any(c is None for c in costs):
+                for v in ys:
+                    self.constraint([(v, 1.0)], 0.0, 0.0)
+                continue
+            if term.fixed is not None:
+                continue  # constant
+            for v in ys:
+                self.cost[v] += term.multiplicity * sum(costs)
+
+    def syncs(self, term: ValueTerm) -> None:
+        for key, users in sorted(term.syncs.items(), key=lambda kv: (format_spec(kv[0][0]), kv[0][1])):
+            gv = self.new_var(term.multiplicity * term.sync_cost[key])
+            for d, ks in _by_decision(users).items():
+                self.constraint([(gv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
+
+    def program(self) -> Program:
+        from scipy.sparse import coo_matrix
+
+        n = len(self.cost)
+        a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
+        mem = np.zeros(n)
+        mem[:len(self.memory)] = self.memory
+        return Program(np.array(self.cost), mem, a, self.lo, self.hi, np.array(self.integer), self.offsets)
+
+
+def build_program(problem: Problem, recompute=frozenset(), reserve: float = 0.0, memory_row: bool = True) -> Program:
+    """The ILP of ``problem`` with the units in ``recompute`` recomputed; with ``memory_row`` (and a limit) the
+    memory row ``Σ x·bytes ≤ memory_limit − fixed − reserve``."""
+    b = _Builder(problem, recompute)
+    b.choose_one()
+    for term in problem.terms:
+        b.term(term)
+    if problem.memory_limit is not None and memory_row:
+        b.constraint([(col, m) for col, m in enumerate(b.memory) if m], -np.inf,
+                     problem.memory_limit - problem.fixed_memory - reserve)
+    return b.program()
+
+
+def with_memory_row(prog: Program, room: float) -> Program:
+    """``prog`` plus the row ``Σ mem·x ≤ room``."""
+    from scipy.sparse import csr_matrix, vstack
+
+    return Program(prog.c, prog.mem, vstack([prog.a, csr_matrix(prog.mem)]).tocsr(), [*prog.lo, -np.inf],
+                   [*prog.hi, room], prog.integer, prog.offsets)
+
+
+def with_costs(prog: Program, cost: np.ndarray, mem: np.ndarray) -> Program:
+    """``prog``'s rows with other seconds and bytes per column (another recomputation set)."""
+    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets)
+
+
+def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float) -> SolveResult:
+    """The least-``cost`` integer point of ``prog``: the LP relaxation first (an integral LP optimum is an optimum
+    of the integer program: it is feasible there, and no integer point beats the relaxation), else branch and
+    bound within what is left of ``time_limit`` seconds."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    nvar = len(cost)
+    # HiGHS also stops at an absolute gap of 1e-6: in seconds that hides real differences, so solve in nanoseconds.
+    c, cons, bounds = cost * 1e9, LinearConstraint(prog.a, prog.lo, prog.hi), Bounds(np.zeros(nvar), np.ones(nvar))
+    integer = prog.integer
+    started = time.perf_counter()
+    disp = logger.isEnabledFor(logging.DEBUG)
+    res = milp(c, constraints=cons, integrality=np.zeros_like(integer), bounds=bounds,
+               options={"time_limit": time_limit, "presolve": False, "disp": disp})
+    logger.debug("LP relaxation: status %s, integral %s", res.status,
+                 None if res.x is None else integral(res.x[integer == 1]))
+    if res.x is None or not integral(res.x[integer == 1]):
+        left = max(0.1, time_limit - (time.perf_counter() - started))  # one time limit for both calls
+        res = milp(c, constraints=cons, integrality=integer, bounds=bounds,
+                   options={"mip_rel_gap": 0.0, "time_limit": left, "presolve": False, "disp": disp})
+        logger.debug("MILP: status %s after %.2f s", res.status, time.perf_counter() - started)
+    gap = float(getattr(res, "mip_gap", None) or 0.0)
+    choice = prog.choice(problem, res.x) if res.x is not None else None
+    return SolveResult(choice, res.status == 0, gap, str(res.message), res.status == 1)
+
+
+def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None, recompute=frozenset(),
+          reserve: float = 0.0) -> list[int]:
+    """One option per decision: the exact optimum of the ILP with the memory row (``memory_limit`` less
+    ``reserve`` bytes, less the fixed memory). ``info`` (when given) receives ``optimal`` (False when HiGHS stopped
+    at ``time_limit`` seconds with a feasible plan that is not proven optimal), ``gap`` and ``message``. Raises
+    :class:`~autoshard.errors.PlanError` when HiGHS finds no plan."""
+    prog = build_program(problem, recompute, reserve)
+    res = solve_program(problem, prog, prog.c, time_limit)
+    if res.choice is None:
+        limit = f" under the memory limit of {problem.memory_limit:.0f} bytes per rank" if problem.memory_limit else ""
+        raise PlanError(f"the plan search found no valid plan{limit} ({res.message}). Raise memory_limit, use a "
+                        "larger mesh, or relax the annotations.")
+    if info is not None:
+        info.update(optimal=res.optimal, gap=res.gap, message=res.message)
+    return res.choice
+
+
+def integral(values: np.ndarray, tol: float = 1e-9) -> bool:
+    return bool(np.all(np.minimum(np.abs(values), np.abs(values - 1.0)) <= tol))
+
+
+def _by_decision(users) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d, k in users:
+        out.setdefault(d, []).append(k)
+    return out
+
+
+def _single_position(term: ValueTerm) -> bool:
+    """Every consumer option needs exactly one spec of the value (no consumer reads it at two positions)."""
+    seen = {}
+    for i, users in term.needs.items():
+        for d, k in users:
+            if (d, k) in seen:
+                return False
+            seen[(d, k)] = i
+    return True

@@ -1,0 +1,390 @@
+"""The plan search's problem: decisions, their options' seconds and bytes, and the value terms between them.
+
+Built by :func:`build_problem` from an annotated graph (after ``functionalize``, ``mark_requires_grad`` and
+``seed_specs``):
+
+* a :class:`DecisionVar` per op (its options: the strategies of :func:`passes.propagate.node_strategies` that
+  keep every annotated parameter's layout; :func:`_op_decisions`) and per free parameter (its options: every
+  layout a consumer asks for, replicated first, each at the ZeRO stages it may be stored at;
+  :func:`_parameter_decisions`, priced by :class:`ParameterPricing`);
+* a :class:`ValueTerm` per group of equivalent values (same canonical value, same canonical consumers): which
+  option makes the value come out as which spec, which consumer options need which spec or a gradient sync,
+  and the seconds of every redistribution (:func:`_value_terms`).
+
+Repeated layers share variables (:func:`.layers.find_layers`): the costs of every tied copy add up on the
+canonical node's decision, and a value term counts its copies as ``multiplicity``. ``recompute="auto"`` puts
+every op of a repeated layer in a recomputation :class:`.layers.Unit` (its forward seconds and the bytes it keeps
+when recomputed). How the program over this problem reads is in :mod:`.ilp`; the seconds and bytes of one
+assignment are :func:`.objective.evaluate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from autoshard.collectives import time as kind_time
+from autoshard.cost_models.compute import compute_time
+from autoshard.cost_models.memory import optimizer_state_bytes, zero_state_bytes
+from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_times, redistribution_time_of,
+                                             shard_factor)
+from autoshard.cost_models.profile import HardwareProfile
+from autoshard.passes.plan_search.layers import LayerUnits, find_layers, leaves_unit, recompute_units
+from autoshard.passes.propagate import annotation_error, keeps_layout, node_strategies, pin_conflict, pinned_values
+
+from autoshard import meta as M
+from autoshard.context import Context
+from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
+from autoshard.mesh import Mesh
+from autoshard.placements import Replicate, Shard, Spec, format_spec
+
+
+@dataclass
+class DecisionVar:
+    """One decision of the program (its 0/1 variables ``x[d, k]``): an op's strategy or a free parameter's layout.
+    Not to be confused with :class:`autoshard.meta.Decision`, the explanation of a choice stored on a node."""
+
+    node: torch.fx.Node  # canonical node
+    options: list  # Strategy (ops) or Spec (free parameters)
+    cost: list[float]  # summed over every copy
+    memory: list[float]  # per-rank bytes, summed over every copy
+    copies: int = 1
+    stages: list[int] | None = None  # parameters: the ZeRO stage of each option (options repeat a spec per stage)
+    forward: list[float] | None = None  # ops: forward seconds of each option (what recomputing it costs again)
+    memory_recomputed: list[float] | None = None  # ops in a recomputation unit: bytes when the unit is recomputed
+    unit: int | None = None  # the recomputation unit (Problem.units) the op lies in
+
+
+@dataclass(frozen=True)
+class OptionIndex:
+    """A value term looked up by option (built once per term): what :func:`.objective.term_cost` reads for a
+    choice instead of scanning every option's users."""
+
+    producers: list[int]  # decisions whose options set the value's spec
+    out: dict  # (d, k) -> spec out
+    consumers: list[int]  # decisions whose options need a spec or a sync
+    need: dict  # (d, k) -> specs needed
+    sync: dict  # (d, k) -> sync keys (spec, axes)
+
+
+@dataclass
+class ValueTerm:
+    """The cost terms of one group of equivalent values: redistributions and gradient syncs they need."""
+
+    value: torch.fx.Node  # canonical value
+    multiplicity: int
+    out: list = field(default_factory=list)  # (decision, option, spec) triples that produce each spec
+    fixed: Spec | None = None  # the spec of an input or annotated parameter (no producer decision)
+    needs: dict = field(default_factory=dict)  # spec i -> list of (decision, option) requiring it
+    syncs: dict = field(default_factory=dict)  # (spec, axes) -> list of (decision, option)
+    outputs: list = field(default_factory=list)  # keep-flags of every graph output this value is (output_spec_for)
+    pair_cost: dict = field(default_factory=dict)  # (o, i) -> seconds or None (impossible)
+    sync_cost: dict = field(default_factory=dict)  # (spec, axes) -> seconds
+    by_option: OptionIndex | None = field(default=None, repr=False, compare=False)
+
+    def index(self) -> OptionIndex:
+        if self.by_option is None:
+            need: dict = {}
+            for i, users in self.needs.items():
+                for dk in users:
+                    need.setdefault(dk, []).append(i)
+            sync: dict = {}
+            for key, users in self.syncs.items():
+                for dk in users:
+                    sync.setdefault(dk, []).append(key)
+            self.by_option = OptionIndex(
+                producers=sorted({d for d, _, _ in self.out}), out={(d, k): spec for d, k, spec in self.out},
+                consumers=sorted({d for d, _ in need} | {d for d, _ in sync}), need=need, sync=sync)
+        return self.by_option
+
+
+@dataclass
+class Problem:
+    mesh: Mesh
+    decisions: list[DecisionVar]
+    index: dict  # canonical node -> decision index
+    terms: list[ValueTerm]
+    memory_limit: float | None
+    fixed_memory: float = 0.0
+    canon: dict = field(default_factory=dict)
+    data_axis: str | None = None  # ties between plans are broken against parameters sharded on this axis
+    units: list = field(default_factory=list)  # recomputation candidates (layers.Unit), when recompute="auto"
+    gathered: dict = field(default_factory=dict)  # decision -> (layer key, compute bytes of one copy per option)
+
+
+def canonical(canon: dict, n: torch.fx.Node) -> torch.fx.Node:
+    return canon.get(n, n)
+
+
+@dataclass(frozen=True)
+class ParameterPricing:
+    """Bytes and seconds of storing a parameter in a layout at a ZeRO stage (``zero``: 0, 1-3 or "auto")."""
+
+    mesh: Mesh
+    data_axis: str | None
+    data_link: object  # cost_models.plan_cost.link of the data axis (None without one)
+    optimizer: str
+    zero: int | str
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.axis_size(self.data_axis) if self.data_axis else 1
+
+    def state_bytes(self, x: torch.fx.Node, spec: Spec, stage: int = 0) -> float:
+        numel = local_numel(shape(x), spec, self.mesh)
+        if not x.meta.get(M.REQUIRES_GRAD):
+            return float(numel * itemsize(x))
+        if stage == 0:
+            b = numel * itemsize(x)
+            return float(2 * b + optimizer_state_bytes(b, self.optimizer))
+        return float(sum(zero_state_bytes(numel, stage, self.data_size, x.meta["val"].dtype,
+                                          self.optimizer).values()))
+
+    def stage_options(self, x: torch.fx.Node, specs: list) -> tuple[list, list[int]]:
+        """Each spec at every stage it can be stored at (stage 0 alone for buffers and unshardable layouts)."""
+        from autoshard.passes.shard_storage import stored_spec
+
+        if self.zero == 0 or not x.meta.get(M.REQUIRES_GRAD) or self.data_axis is None:
+            return specs, [0] * len(specs)
+        wanted = (0, 2, 3) if self.zero == "auto" else (int(self.zero),)
+        opts, stages = [], []
+        for spec in specs:
+            ok = stored_spec(spec, shape(x), self.mesh, self.data_axis) is not None
+            for st in (wanted if ok else (0,)):
+                opts.append(spec)
+                stages.append(st)
+        return opts, stages
+
+    def stage_time(self, x: torch.fx.Node, spec: Spec, stage: int) -> float:
+        """Seconds a stage adds to the data axis's gradient all-reduce (priced by the value terms): stage 2 an
+        all-gather forward and a reduce-scatter backward in its place, stage 3 one more all-gather in backward."""
+        if stage == 0:
+            return 0.0
+        b = local_numel(shape(x), spec, self.mesh) * itemsize(x)
+        nd, ln = self.data_size, self.data_link
+        kind = {1: "all_gather", 2: "all_gather_sync", 3: "all_gather_reshard"}[stage]
+        extra = sum(kind_time(kind, b, nd, ln))
+        if stage > 1:
+            extra -= kind_time("grad_all_reduce", b, nd, ln)[1]
+        return max(0.0, extra)
+
+
+def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfile, memory_limit, optimizer: str,
+                  tie_layers: bool = True, zero: int | str = 0, recompute: str | None = None) -> Problem:
+    """The program for ``gm``. ``zero``: 0 (parameters stored in their compute layout), 1-3 (every parameter that
+    :func:`~autoshard.passes.shard_storage.stored_spec` can shard is stored at that stage: its memory counts the
+    stored state) or "auto" (each parameter's options repeat each spec at stages 0, 2 and 3).
+    ``recompute="auto"``: every copy of a repeated layer is a recomputation candidate (:class:`.layers.Unit`)."""
+    mesh = ctx.mesh
+    canon = find_layers(gm) if tie_layers else {}
+    data_axis = ctx.options.data_axis if ctx.options.data_axis in mesh.names else None
+    layers = recompute_units(gm, canon) if recompute == "auto" or zero in ("auto", 3) else LayerUnits()
+    if recompute != "auto":
+        layers = LayerUnits(layer_of=layers.layer_of, copy_of=layers.copy_of)
+    copies: dict[torch.fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        c = canonical(canon, n)
+        copies[c] = copies.get(c, 0) + 1
+    problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {})
+    _op_decisions(gm, ctx, profile, problem, copies, layers)
+    pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero)
+    _parameter_decisions(gm, problem, copies, pricing, layers)
+    problem.terms = _value_terms(gm, ctx, profile, problem)
+    return problem
+
+
+def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, copies: dict,
+                  layers: LayerUnits) -> None:
+    """A decision per canonical op: its strategies (those that keep every annotated parameter's layout), their
+    seconds and saved activation bytes over every copy, and, in a recomputation unit, what recomputing costs."""
+    mesh, canon = problem.mesh, problem.canon
+    pinned = pinned_values(gm)
+    strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_getitem(n) or canonical(canon, n) is not n:
+            continue
+        planned = n.meta.get(M.PLANNED)
+        strats = [planned] if planned is not None else node_strategies(n, ctx)
+        conflicts = [pin_conflict(tensor_inputs(n), s, strict) for s in strats]
+        if all(c is not None for c in conflicts):
+            x = conflicts[0][0]
+            raise annotation_error(n, x, [w for b, w in conflicts if b is x], pinned)
+        strats = [s for s, c in zip(strats, conflicts) if c is None]
+        k = copies[n]
+        mem = [k * _activation_bytes(n, s, mesh) for s in strats]
+        dv = DecisionVar(n, strats, [k * t for t in op_times(n, strats, mesh, profile)], mem, k)
+        u = layers.unit_of.get(n)
+        if u is not None:
+            # Recomputed, a unit keeps only what leaves it (its output, which the next layer saves as its input)
+            dv.unit = u
+            dv.memory_recomputed = mem if leaves_unit(n, layers.copy_of[n]) else [0.0] * len(mem)
+            fwd = compute_time(n, profile, 1)
+            vals = [x.meta["val"] for x in tensor_inputs(n)] + out_vals(n)
+            dv.forward = [k * fwd / shard_factor(n, s, mesh, vals) for s in strats]
+        problem.index[n] = len(problem.decisions)
+        problem.decisions.append(dv)
+
+
+def _activation_bytes(n: torch.fx.Node, strategy: M.Strategy, mesh: Mesh) -> float:
+    """Bytes per rank of the outputs a requires-grad op saves for backward (counted whole)."""
+    if not n.meta.get(M.REQUIRES_GRAD):
+        return 0.0
+    outs = strategy.output_spec if isinstance(strategy.output_spec[0], tuple) else (strategy.output_spec,)
+    return float(sum(local_numel(v.shape, spec, mesh) * v.element_size() for v, spec in zip(out_vals(n), outs)))
+
+
+def _wanted_specs(gm, problem: Problem) -> dict[torch.fx.Node, list]:
+    """{canonical free parameter: every spec a consumer option asks for it in}."""
+    wanted: dict[torch.fx.Node, list] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or is_getitem(n) or n not in problem.index:
+            continue
+        for pos, x in enumerate(tensor_inputs(n)):
+            if x.op == "get_attr" and x.meta.get(M.SPEC) is None:
+                for s in problem.decisions[problem.index[n]].options:  # never Partial: parameters stay whole
+                    lst = wanted.setdefault(canonical(problem.canon, x), [])
+                    if s.input_specs[pos] not in lst:
+                        lst.append(s.input_specs[pos])
+    return wanted
+
+
+def _parameter_decisions(gm, problem: Problem, copies: dict, pricing: ParameterPricing, layers: LayerUnits) -> None:
+    """A decision per canonical free parameter (any spec a consumer asks for, replicated first, at every ZeRO stage
+    it may be stored at), and per annotated one with a stage to choose; the rest is fixed memory."""
+    wanted = _wanted_specs(gm, problem)
+    mesh = problem.mesh
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or not is_tensor_node(n) or canonical(problem.canon, n) is not n:
+            continue
+        if n.meta.get(M.SPEC) is not None:  # annotated: its layout is fixed, its stage may not be
+            options, stages = pricing.stage_options(n, [n.meta[M.SPEC]])
+            if len(options) == 1:
+                problem.fixed_memory += copies[n] * pricing.state_bytes(n, options[0], stages[0])
+                continue
+        else:
+            specs = sorted(wanted.get(n, []), key=lambda s: (sum(not isinstance(p, type(s[0])) for p in s),
+                                                              format_spec(s)))
+            options, stages = pricing.stage_options(n, specs or [None])  # consumed by no op: one option
+        problem.index[n] = len(problem.decisions)
+        problem.decisions.append(DecisionVar(
+            n, options, [copies[n] * pricing.stage_time(n, s, st) for s, st in zip(options, stages)],
+            [copies[n] * pricing.state_bytes(n, s, st) for s, st in zip(options, stages)], copies[n], stages=stages))
+        if 3 in stages:
+            gathered = [local_numel(shape(n), s, mesh) * itemsize(n) if st == 3 else 0
+                        for s, st in zip(options, stages)]
+            problem.gathered[len(problem.decisions) - 1] = (layers.layer_of.get(n, str(n.target)), gathered)
+
+
+def _consumers(gm) -> dict[torch.fx.Node, list[tuple]]:
+    """{value: [(consumer, input position)]}, the graph's output node included."""
+    consumers_of: dict[torch.fx.Node, list[tuple]] = {}
+    for n in gm.graph.nodes:
+        if (n.op == "call_function" and not is_getitem(n)) or n.op == "output":
+            for pos, x in enumerate(tensor_inputs(n)):
+                consumers_of.setdefault(x, []).append((n, pos))
+    return consumers_of
+
+
+class _SpecPool:
+    """Specs interned (one object per distinct spec): the terms' dicts are keyed by spec pairs, and tuples of
+    DTensor placements compare element by element in Python unless they are the same objects."""
+
+    def __init__(self):
+        self.pool: dict = {}
+
+    def __call__(self, spec):
+        return self.pool.setdefault(spec, spec)
+
+
+def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -> list[ValueTerm]:
+    """One term per group of values with the same canonical value and canonical consumers."""
+    canon = problem.canon
+    consumers_of = _consumers(gm)
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    for u, cons in consumers_of.items():
+        key = (canonical(canon, u), tuple(sorted({(canonical(canon, c).name, p) for c, p in cons})))
+        groups.setdefault(key, []).append(u)
+    out_req = _output_requirements(gm, ctx)
+    pinned = pinned_values(gm)
+    intern = _SpecPool()
+    pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
+    terms = []
+    for (cu, _), members in groups.items():
+        u = members[0]
+        term = ValueTerm(cu, len(members))
+        _producer_options(u, cu, problem, term, intern)
+        _consumer_options(u, consumers_of[u], problem, term, intern, out_req)
+        _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs)
+        terms.append(term)
+    return terms
+
+
+def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, intern: _SpecPool, out_req: dict):
+    """Fill ``term.needs`` (spec -> consumer options needing it), ``term.syncs`` and ``term.outputs``."""
+    seen: set = set()  # (spec, decision, option) and (spec, axes, decision, option) already listed
+    for c, pos in consumers:
+        if c.op == "output":
+            term.outputs.append(out_req[(c, pos)])
+            continue
+        d = problem.index[canonical(problem.canon, c)]
+        for k, s in enumerate(problem.decisions[d].options):
+            i = intern(s.input_specs[pos])
+            if (i, d, k) not in seen:  # copies of a tied layer read a shared value through the same variables
+                seen.add((i, d, k))
+                term.needs.setdefault(i, []).append((d, k))
+            axes = tuple(s.grad_sync[pos]) if s.grad_sync else ()
+            if axes and u.meta.get(M.REQUIRES_GRAD) and (i, axes, d, k) not in seen:
+                seen.add((i, axes, d, k))
+                term.syncs.setdefault((i, axes), []).append((d, k))
+
+
+def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned: dict, intern: _SpecPool,
+                pair_costs: dict) -> None:
+    """Seconds of every redistribution (producer spec -> needed spec; None where a value computed only from
+    annotated parameters would be gathered) and of every gradient sync."""
+    outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
+    value = (shape(u), itemsize(u), bool(u.meta.get(M.REQUIRES_GRAD)))
+    costs = pair_costs.setdefault(value, {})
+    needed = list(term.needs)
+    for o in outs:
+        targets = needed
+        if term.outputs:
+            extra = {id(x): x for x in (intern(output_spec_for(o, keep)) for keep in term.outputs)}
+            targets = needed + [x for x in extra.values() if x not in term.needs]
+        for i in targets:
+            pc = costs.get((id(o), id(i)), costs)  # interned and kept alive by the pool: ids are keys
+            if pc is costs:
+                pc = costs[(id(o), id(i))] = redistribution_time_of(o, i, *value, mesh, profile)
+            if u in pinned and i in term.needs and not keeps_layout(o, i, pinned[u]):
+                pc = None  # computed only from annotated parameters: never gathered
+            term.pair_cost[(o, i)] = pc
+    for (i, axes) in term.syncs:
+        term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
+
+
+def _output_requirements(gm, ctx: Context) -> dict:
+    """Per graph output: which mesh axes may keep a batch shard (the data axis, as with DDP)."""
+    mesh, opts = ctx.mesh, ctx.options
+    keep = tuple(opts.output_keep_data_shard and name == opts.data_axis for name in mesh.names)
+    return {(n, pos): keep for n in gm.graph.nodes if n.op == "output" for pos, _ in enumerate(tensor_inputs(n))}
+
+
+def output_spec_for(src: Spec, keep: tuple[bool, ...]) -> Spec:
+    return tuple(p if (k and isinstance(p, Shard) and p.dim == 0) else Replicate() for p, k in zip(src, keep))
+
+
+def _producer_options(u, cu, problem: Problem, term: ValueTerm, intern: _SpecPool) -> None:
+    """Fill ``term.fixed`` (inputs, annotated parameters) or ``term.out`` (the options making each spec)."""
+    decisions = problem.decisions
+    if u.op == "placeholder" or (u.op == "get_attr" and u.meta.get(M.SPEC) is not None):
+        term.fixed = intern(u.meta[M.SPEC])
+    elif u.op == "get_attr":
+        d = problem.index[cu]
+        term.out = [(d, k, intern(s)) for k, s in enumerate(decisions[d].options)]
+    elif is_getitem(u):
+        d = problem.index[canonical(problem.canon, u.args[0])]
+        term.out = [(d, k, intern(s.output_spec[u.args[1]])) for k, s in enumerate(decisions[d].options)]
+    else:
+        d = problem.index[cu]
+        term.out = [(d, k, intern(s.output_spec)) for k, s in enumerate(decisions[d].options)]

@@ -1,0 +1,171 @@
+"""Repair: a plan within the memory limit from a plan of the Lagrangian walk, by moves that keep every layout.
+
+The walk's plans are optimal for their multiplier λ, but their memory jumps in steps between λs; the repair fills
+the slack between the steps (:func:`repair`). A :class:`Move` changes one parameter's ZeRO stage (another option
+of the same spec) or recomputes one more (or one fewer) copy of a unit; layouts never change, so the
+communication seconds stay those of the starting plan and each move's seconds and bytes are exact deltas.
+
+1. While the plan is over the limit: apply the move of least seconds added per byte freed (:func:`_fit`).
+2. Then, while the plan improves: the move saving the most seconds that still fits, else a pair of moves (one
+   saving seconds, one freeing the bytes it needs; estimated linearly, then evaluated exactly) (:func:`_improve`).
+
+With neither ZeRO stages nor recomputation to choose (``zero=0``, no ``recompute="auto"``) there is no move: a plan
+over the limit stays over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.passes.plan_search.objective import Candidate, term_cost, transient_bytes
+from autoshard.passes.plan_search.problem import Problem
+
+
+@dataclass(frozen=True)
+class Move:
+    """A parameter's option ``index`` set to ``value`` (kind "stage": another stage of the same spec), or unit
+    ``index``'s recomputed share set to ``value`` (kind "unit")."""
+
+    kind: str
+    index: int
+    value: float | int
+
+
+@dataclass(frozen=True)
+class PricedMove:
+    move: Move
+    seconds: float  # added (negative: saved)
+    bytes: float  # added (negative: freed)
+
+
+class _Plan:
+    """The plan being repaired: its choice and recomputed shares, with the seconds and bytes of moves."""
+
+    def __init__(self, problem: Problem, choice, units):
+        self.problem = problem
+        self.choice = list(choice)
+        self.share = {u: (float(units.get(u, 0.0)) if isinstance(units, dict) else float(u in units))
+                      for u in range(len(problem.units))}
+        self.members: dict = {}
+        for i, d in enumerate(problem.decisions):
+            if d.unit is not None:
+                self.members.setdefault(d.unit, []).append(i)
+        self.staged = [i for i, d in enumerate(problem.decisions) if d.stages]
+        self.comm = sum(term_cost(term, self.choice) for term in problem.terms)  # moves keep every layout
+
+    def moves(self) -> list[PricedMove]:
+        out = []
+        for i in self.staged:
+            d, k = self.problem.decisions[i], self.choice[i]
+            for k2, spec in enumerate(d.options):
+                if k2 != k and spec == d.options[k]:
+                    out.append(PricedMove(Move("stage", i, k2), d.cost[k2] - d.cost[k], d.memory[k2] - d.memory[k]))
+        for u, ds in self.members.items():
+            step = 1.0 / len(self.problem.units[u].copies)
+            decisions = [(self.problem.decisions[i], self.choice[i]) for i in ds]
+            dt = step * sum(d.forward[k] for d, k in decisions)
+            dm = step * sum(d.memory_recomputed[k] - d.memory[k] for d, k in decisions)
+            if self.share[u] < 1.0 - 1e-9:
+                out.append(PricedMove(Move("unit", u, min(1.0, self.share[u] + step)), dt, dm))
+            if self.share[u] > 1e-9:
+                out.append(PricedMove(Move("unit", u, max(0.0, self.share[u] - step)), -dt, -dm))
+        return out
+
+    def apply(self, move: Move) -> Move:
+        """Apply ``move``; returns the move that undoes it."""
+        if move.kind == "stage":
+            undo = Move("stage", move.index, self.choice[move.index])
+            self.choice[move.index] = move.value
+        else:
+            undo = Move("unit", move.index, self.share[move.index])
+            self.share[move.index] = move.value
+        return undo
+
+    def evaluate(self) -> tuple[float, float]:
+        """:func:`.objective.evaluate` with the communication fixed: the chosen option's seconds and bytes only
+        (this runs hundreds of times per repair; building every option's list each time was its cost)."""
+        t, m = self.comm, self.problem.fixed_memory
+        for i, d in enumerate(self.problem.decisions):
+            k = self.choice[i]
+            f = self.share[d.unit] if d.unit is not None else 0.0
+            if f:
+                t += d.cost[k] + f * d.forward[k]
+                m += (1 - f) * d.memory[k] + f * d.memory_recomputed[k]
+            else:
+                t += d.cost[k]
+                m += d.memory[k]
+        return t, m + transient_bytes(self.problem, self.choice, self.share)
+
+
+def repair(problem: Problem, choice, units) -> Candidate | None:
+    """A plan within ``problem.memory_limit`` from ``choice`` with ``units`` recomputed (a set of units recomputed
+    whole, or {unit: share of its copies}) by moves that keep every layout, or None when no move makes it fit.
+    The candidate's ``recompute`` is the {unit: share} it ends with."""
+    plan = _Plan(problem, choice, units)
+    if not _fit(plan, problem.memory_limit):
+        return None
+    t, m = _improve(plan, problem.memory_limit)
+    return Candidate(tuple(plan.choice), plan.share, t, m, m - transient_bytes(problem, plan.choice, plan.share))
+
+
+def _fit(plan: _Plan, limit: float) -> bool:
+    """Apply the move of least seconds added per byte freed until the plan fits; False when no move is left."""
+    t, m = plan.evaluate()
+    while m > limit:
+        freeing = [(pm.seconds / -pm.bytes, pm.move) for pm in plan.moves() if pm.bytes < 0]
+        if not freeing:
+            return False
+        plan.apply(min(freeing, key=lambda x: x[0])[1])
+        t, m = plan.evaluate()
+    return True
+
+
+def _improve(plan: _Plan, limit: float) -> tuple[float, float]:
+    """Take the moves that save seconds most while the plan still fits, then pairs of moves; (seconds, bytes)."""
+    t, m = plan.evaluate()
+    improved = True
+    while improved:
+        listed = plan.moves()
+        better = _best_single(plan, listed, limit, t) or _best_pair(plan, listed, limit, t, m)
+        improved = better is not None
+        if improved:
+            t, m = better
+    return t, m
+
+
+def _best_single(plan: _Plan, listed: list[PricedMove], limit: float, t: float) -> tuple[float, float] | None:
+    for pm in sorted((pm for pm in listed if pm.seconds < 0), key=lambda pm: (pm.seconds, _order(pm.move))):
+        undo = plan.apply(pm.move)
+        t2, m2 = plan.evaluate()
+        if m2 <= limit and t2 < t:
+            return t2, m2
+        plan.apply(undo)
+    return None
+
+
+def _best_pair(plan: _Plan, listed: list[PricedMove], limit: float, t: float, m: float) -> tuple[float, float] | None:
+    """A move saving seconds whose bytes another frees (linear estimate first, then evaluated exactly)."""
+    saving = sorted((pm for pm in listed if pm.seconds < 0), key=_key)
+    freeing = sorted((pm for pm in listed if pm.bytes < 0 and pm.seconds >= 0), key=_key)
+    for a in saving:
+        for b in freeing:
+            if (a.seconds + b.seconds >= 0 or m + a.bytes + b.bytes > limit
+                    or (a.move.kind, a.move.index) == (b.move.kind, b.move.index)):
+                continue
+            undo_a = plan.apply(a.move)
+            undo_b = plan.apply(b.move)
+            t2, m2 = plan.evaluate()
+            if m2 <= limit and t2 < t:
+                return t2, m2
+            plan.apply(undo_b)
+            plan.apply(undo_a)
+    return None
+
+
+def _order(move: Move) -> tuple:
+    return (move.kind, move.index, move.value)
+
+
+def _key(pm: PricedMove) -> tuple:
+    """The order the moves were tried in before (seconds, bytes, then the move itself): deterministic."""
+    return (pm.seconds, pm.bytes, _order(pm.move))
