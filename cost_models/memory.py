@@ -303,8 +303,9 @@ def keeps(reader: Node, arg: Node, origin: Node, region_of: Callable[[Node], str
 class SavedValue:
     """One value of the forward, as the memory model sees it in a plan: ``node`` (its op, or a getitem), the bytes
     of its own outputs on one rank (``own``: one entry per output; a getitem's single output), ``reads``: who reads
-    which copy — ``(reader, arg, copy)`` with ``arg`` the node the reader takes, ``copy`` None for the value
-    itself or ``(key, bytes)`` for a redistributed copy (one per target layout) — and ``alive``: the liveness
+    which copy — ``(reader, arg, copy)`` with ``arg`` the node the reader takes (``reader`` None: a reader already
+    known to keep it), ``copy`` None for the value itself or ``(key, bytes)`` for a redistributed copy (one per
+    target layout) — and ``alive``: the liveness
     points it counts at (a multiple of :meth:`Timeline.activation_alive`: tied layer copies add up)."""
 
     node: Node
@@ -347,7 +348,7 @@ def saved_bytes(values: list[SavedValue], region_of: Callable[[Node], str | None
         own = mine is None and OUTPUT in _saves(v.node)
         copies: dict = {}
         for reader, arg, copy in v.reads:
-            if not keeps(reader, arg, v.node, region_of):
+            if reader is not None and not keeps(reader, arg, v.node, region_of):
                 continue
             if copy is None:
                 own = True

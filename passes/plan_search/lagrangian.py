@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from autoshard.passes.plan_search.ilp import (Program, build_program, integral, solve, solve_program, with_costs,
                                               with_memory_row)
-from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, option_vectors, ties,
-                                                    transient_bytes)
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_vectors,
+                                                    ties, transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
 from autoshard.passes.plan_search.repair import repair
 from autoshard.passes.plan_search.solver import WarmLP
@@ -63,6 +63,13 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if lo.memory <= problem.memory_limit:
         info.update(optimal=True, gap=0.0, bound=lo.time, method="unconstrained optimum within the limit")
         return list(lo.choice), lo.recompute
+    # the row the walk prices: the liveness point where the least-time plan peaks (any one point's row gives a
+    # valid bound: a plan within the limit is within it at every point)
+    point = int(np.argmax(memory_points(problem, list(lo.choice), lo.recompute)))
+    if point != problem.point:
+        problem.price_at(point)
+        walk.reprice()
+        lo = Candidate.of(problem, lo.choice, lo.recompute, lo.multiplier)
     walk.second_copy()
     lo, hi = walk.bracket(lo)
     walk.descend(lo, hi, accept_gap)
@@ -107,6 +114,14 @@ class _Walk:
 
     def left(self) -> float:
         return self.total - self.elapsed()
+
+    def reprice(self) -> None:
+        """The programs' bytes again, after :meth:`Problem.price_at` moved the priced point."""
+        mem = np.zeros(len(self.base.c))
+        options = option_vectors(self.problem, frozenset())[1]
+        mem[:len(options)] = options
+        self.base = with_costs(self.base, self.base.c, mem)
+        self.programs = {frozenset(): self.base}
 
     def second_copy(self) -> None:
         if self.warm[0] is not None:  # the second copy starts from the first's optimal basis
@@ -185,15 +200,30 @@ class _Walk:
             if hi is not None:
                 break
         else:  # the least memory any plan needs (time only breaks ties), for the message
-            choice = self.least_memory(self.everything, self.seen[0].priced_memory, lo.time)
-            t, m = evaluate(self.problem, choice, self.everything)
-            hi = Candidate(tuple(choice), self.everything, t, m, m, np.inf)
+            hi = self.least_peak(lo.time)
         if hi.memory > self.limit:
             raise _no_plan_fits(self.problem, hi.memory)
         self.best, self.multiplier = hi, hi.multiplier
         for p in self.seen:
             self.repaired(p)
         return lo, hi
+
+    def least_peak(self, seconds_scale: float) -> Candidate:
+        """The plan of least peak among the least-bytes plans of the row at the priced point, at the end of forward
+        and at the optimizer step (each the ILP's optimum of its row) and every plan met: the peak is the largest
+        point, which no single row prices."""
+        problem, priced = self.problem, self.problem.point
+        best = min(self.seen, key=lambda p: p.memory)
+        for point in dict.fromkeys((priced, 0, len(problem.fixed_points) - 1)):
+            problem.price_at(point)
+            self.reprice()
+            choice = self.least_memory(self.everything, max(self.seen[0].priced_memory, 1.0), seconds_scale)
+            t, m = evaluate(problem, choice, self.everything)
+            if m < best.memory:
+                best = Candidate(tuple(choice), self.everything, t, m, m, np.inf)
+        problem.price_at(priced)
+        self.reprice()
+        return best
 
     def repaired(self, p: Candidate) -> None:
         """Every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the walk early."""

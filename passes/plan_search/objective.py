@@ -7,9 +7,12 @@ For a choice (one option index per decision) and a recomputation set (units reco
   forward again where recomputed, :func:`option_cost`), each redistribution bought once per (value, needed spec)
   and each gradient sync (:func:`term_cost`) — the same objective the program of :mod:`.ilp` minimises, less the
   tie-breaking seconds (:func:`ties`);
-* bytes ``M = fixed + Σ_d option_memory(d)[k_d] + transient_bytes`` (:func:`option_memory`,
-  :func:`transient_bytes`): the sum counts every saved activation and every parameter's state as alive at once;
-  the transient bytes add the two largest ZeRO-3 gathered layers and the largest recomputed copy's activations.
+* bytes ``M``: the peak over the liveness points of :mod:`autoshard.cost_models.memory` (:func:`memory_points`:
+  the end of forward, each backward segment boundary, the optimizer step) — the parameters' options' bytes per
+  point, the saved activations of the chosen layouts (own outputs, and the copies redistributions make for
+  readers that keep them), ZeRO-3's gathered layers and the temporaries — the same model and functions
+  ``plan.cost()`` prices the compiled plan with. The program prices one point linearly (``memory``, the
+  coefficients of :meth:`.problem.Problem.price_at`); :func:`transient_bytes` is what the peak adds to that row.
 
 :func:`explain` turns a choice into the :class:`autoshard.meta.Decision` stored on every op (its cost share and the
 best rejected option).
@@ -19,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from autoshard.cost_models.compute import output_tensors
+from autoshard.cost_models.memory import SavedValue, largest_gradient, point_totals, saved_bytes
 from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, output_spec_for
 
 from autoshard import meta as M
@@ -86,8 +92,7 @@ def evaluate(problem: Problem, choice: list[int], recompute=frozenset()) -> tupl
     ``recompute`` recomputed (memory: the sum plus :func:`transient_bytes`)."""
     t = sum(option_cost(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
     t += sum(term_cost(term, choice) for term in problem.terms)
-    mem = problem.fixed_memory + sum(option_memory(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
-    return t, mem + transient_bytes(problem, choice, recompute)
+    return t, float(memory_points(problem, choice, recompute).max())
 
 
 def recomputed_share(d: DecisionVar, recompute) -> float:
@@ -113,18 +118,90 @@ def option_memory(d: DecisionVar, recompute=frozenset()) -> list[float]:
 
 
 def transient_bytes(problem: Problem, choice: list[int], recompute=frozenset()) -> float:
-    """Bytes alive at the peak besides the sum: the ZeRO-3 copies of the largest layer gathered at once (twice: one
-    layer prefetched while the other computes) and, with recomputation, the activations of the largest recomputed
-    layer copy, alive again while its backward runs."""
+    """What a plan's peak (:func:`memory_points`) adds to the bytes the program prices linearly at its point
+    (``fixed_memory + Σ option_memory``): the other points' excess, ZeRO-3's gathered layers, backward's and the
+    optimizer's temporaries, and what the redistributed copies and the readers' layouts change."""
+    linear = problem.fixed_memory + sum(option_memory(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
+    return float(memory_points(problem, choice, recompute).max()) - linear
+
+
+def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) -> np.ndarray:
+    """Bytes per liveness point of one plan by the memory model (:class:`autoshard.cost_models.memory.GraphMemory`):
+    annotated parameters and buffers, each parameter option's stored state, gradient and kept gathered copy, the
+    saved activations of the chosen layouts (:func:`_activations`), a recomputed share's change (its options'
+    ``points_recomputed`` less ``points``), ZeRO-3's two gathered layers, backward's first temporaries (the largest
+    activation gradient and the largest recomputed copy's activations) and the optimizer's (its largest stored
+    tensor)."""
+    varying = problem.fixed_points.copy()
+    stored, gradient = problem.fixed_stored, 0.0
+    live: dict = {}
+    for i, d in enumerate(problem.decisions):
+        k = choice[i]
+        if d.stored is not None:  # a parameter or buffer
+            varying += d.points[k]
+            stored = max(stored, d.stored[k])
+            continue
+        gradient = max(gradient, d.gradient[k])
+        f = recomputed_share(d, recompute)
+        if f:
+            varying += f * (d.points_recomputed[k] - d.points[k])
+            live[d.unit] = live.get(d.unit, 0.0) + d.points[k][0] / (d.copies or 1)
+    acts, copies_gradient = _activations(problem, choice)
     per_layer: dict = {}
     for d, (layer, gathered) in problem.gathered.items():
         per_layer[layer] = per_layer.get(layer, 0.0) + gathered[choice[d]]
-    peak = 2 * max(per_layer.values(), default=0.0)
-    live: dict = {}
-    for i, d in enumerate(problem.decisions):
-        if recomputed_share(d, recompute):
-            live[d.unit] = live.get(d.unit, 0.0) + d.memory[choice[i]] / (d.copies or 1)
-    return peak + max(live.values(), default=0.0)
+    return point_totals(0.0, varying + acts, 2 * max(per_layer.values(), default=0.0),
+                        max(gradient, copies_gradient) + max(live.values(), default=0.0), stored)
+
+
+def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float]:
+    """(saved activation bytes per point, the largest gradient of a redistributed copy) of the chosen layouts:
+    :func:`autoshard.cost_models.memory.saved_bytes` of every value group — its own output where a reader that
+    keeps it reads the layout it is produced in, a copy per other layout a keeping reader needs, the outputs of
+    multi-output ops that save them — as ``plan_memory`` counts the compiled graph. Layouts do not change while a
+    plan is repaired: the last answer is kept for the same layouts."""
+    key = tuple(choice[i] if d.stored is None else id(d.options[choice[i]]) for i, d in enumerate(problem.decisions))
+    cached = problem.activations_cache  # (read once: two HiGHS copies evaluate plans in two threads)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    memory = problem.memory_model
+    values, copies_gradient = [], 0.0
+    for d, k in zip(problem.decisions, choice):
+        if d.stored is None and len(output_tensors(d.node)) > 1 and memory.is_value(d.node):
+            own, numel = memory.own_bytes(d.node, d.options[k].output_spec)
+            values.append(SavedValue(d.node, own, [], d.alive, numel))
+    for term in problem.terms:
+        u = term.members[0]
+        parameter = u.op == "get_attr" and bool(u.meta.get(M.REQUIRES_GRAD))
+        if not parameter and (not memory.is_value(u) or len(output_tensors(u)) != 1):
+            continue
+        ix = term.index()
+        o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
+                                                           if (d, choice[d]) in ix.out)
+        dtype = u.meta["val"].dtype
+        reads, seen = [], set()
+        for d in ix.consumers:
+            if not term.kept.get(d):
+                continue
+            for i in ix.need.get((d, choice[d]), ()):
+                if i == o:
+                    reads.append((None, u, None))
+                elif id(i) not in seen:
+                    seen.add(id(i))
+                    reads.append((None, u, (("copy", id(term), id(i)), memory.copy_bytes(u, i))))
+        wanted = {id(i): i for d in ix.consumers for i in ix.need.get((d, choice[d]), ())}
+        for keep in term.outputs:
+            spec = output_spec_for(o, keep)
+            wanted.setdefault(id(spec), spec)
+        for i in wanted.values():  # every copy's gradient exists in backward, kept or not
+            if i != o:
+                t = memory.copy_bytes(u, i) // max(1, u.meta["val"].element_size())
+                copies_gradient = max(copies_gradient, largest_gradient(t, dtype))
+        own, numel = ([0], 0) if parameter else memory.own_bytes(u, o)
+        values.append(SavedValue(u, own, reads, term.alive, numel))
+    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient)
+    problem.activations_cache = (key, result)
+    return result
 
 
 def ties(problem: Problem, d: DecisionVar) -> list[float]:
