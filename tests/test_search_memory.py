@@ -173,9 +173,11 @@ def test_repair_starts_from_the_shares_it_is_given():
     fixed = repair(problem, choice, none)
     assert fixed.recompute == none and list(fixed.choice) == choice
     assert (fixed.time, fixed.memory) == pytest.approx((t, m), rel=1e-12)
-    problem.memory_limit = 0.9 * m  # now some copy must be recomputed or some parameter sharded
+    # now some copy must be recomputed (no ZeRO here); recomputing frees activations, not the optimizer step's
+    # parameters, gradients and Adam state, which bound the peak from below (~7% under the end of forward here)
+    problem.memory_limit = 0.95 * m
     fixed = repair(problem, choice, none)
-    assert fixed.memory <= 0.9 * m and fixed.time >= t
+    assert fixed.memory <= 0.95 * m and fixed.time >= t
     assert [d.options[k] for d, k in zip(problem.decisions, fixed.choice)] == \
         [d.options[k] for d, k in zip(problem.decisions, choice)]
     assert (fixed.time, fixed.memory) == pytest.approx(evaluate(problem, list(fixed.choice), fixed.recompute),

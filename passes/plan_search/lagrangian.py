@@ -29,8 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from autoshard.passes.plan_search.ilp import (Program, build_program, integral, solve, solve_program, with_costs,
-                                              with_memory_row)
+from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve,
+                                              solve_program, with_costs, with_memory_row)
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_vectors,
                                                     ties, transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
@@ -120,6 +120,8 @@ class _Walk:
         mem = np.zeros(len(self.base.c))
         options = option_vectors(self.problem, frozenset())[1]
         mem[:len(options)] = options
+        for col, v in self.base.extra.items():
+            mem[col] = v[self.problem.point]
         self.base = with_costs(self.base, self.base.c, mem)
         self.programs = {frozenset(): self.base}
 
@@ -134,7 +136,7 @@ class _Walk:
             c, mem = option_vectors(self.problem, units)
             cost = self.base.c.copy()  # (option columns also carry costs of graph outputs: add the difference)
             cost[:len(c)] += np.array(c) - self.base_options
-            memory = np.zeros(len(cost))
+            memory = self.base.mem.copy()  # (auxiliary columns: the copies kept for backward)
             memory[:len(mem)] = mem
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
@@ -209,20 +211,16 @@ class _Walk:
         return lo, hi
 
     def least_peak(self, seconds_scale: float) -> Candidate:
-        """The plan of least peak among the least-bytes plans of the row at the priced point, at the end of forward
-        and at the optimizer step (each the ILP's optimum of its row) and every plan met: the peak is the largest
-        point, which no single row prices."""
-        problem, priced = self.problem, self.problem.point
+        """The plan of least peak (the ILP of every liveness point's row bounding one peak variable,
+        :func:`.ilp.least_peak_program`), or a plan met that needs less by :func:`.objective.evaluate`."""
+        problem = self.problem
         best = min(self.seen, key=lambda p: p.memory)
-        for point in dict.fromkeys((priced, 0, len(problem.fixed_points) - 1)):
-            problem.price_at(point)
-            self.reprice()
-            choice = self.least_memory(self.everything, max(self.seen[0].priced_memory, 1.0), seconds_scale)
-            t, m = evaluate(problem, choice, self.everything)
-            if m < best.memory:
-                best = Candidate(tuple(choice), self.everything, t, m, m, np.inf)
-        problem.price_at(priced)
-        self.reprice()
+        prog = least_peak_program(problem, self.everything, 2 * max(p.memory for p in self.seen), seconds_scale)
+        res = solve_program(problem, prog, prog.c, max(1.0, self.left()))
+        if res.choice is not None:
+            least = Candidate.of(problem, res.choice, self.everything, np.inf)
+            if least.memory < best.memory:
+                best = least
         return best
 
     def repaired(self, p: Candidate) -> None:
@@ -235,7 +233,7 @@ class _Walk:
         """Walk λ along the breakpoints of the dual until no plan lies below the segment lo–hi."""
         while self.elapsed() < self.total:
             lam = (hi.time - lo.time) / max(lo.priced_memory - hi.priced_memory, 1e-30)
-            if not lam > 0:
+            if not 0 < lam < np.inf or lam * lo.priced_memory > 1e6 * max(lo.time, 1e-30):
                 break  # (a plan over the limit that is slower than one within it: the walk has nothing left to cut)
             # beside the cutting-plane multiplier, the midpoint of the multipliers lo and hi were found at
             mid = (lo.multiplier + hi.multiplier) / 2 if np.isfinite(hi.multiplier) else None

@@ -198,6 +198,8 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
                 t = memory.copy_bytes(u, i) // max(1, u.meta["val"].element_size())
                 copies_gradient = max(copies_gradient, largest_gradient(t, dtype))
         own, numel = ([0], 0) if parameter else memory.own_bytes(u, o)
+        if not parameter:  # (ops' own outputs are the decisions' gradient; a getitem's is here)
+            copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))
         values.append(SavedValue(u, own, reads, term.alive, numel))
     result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient)
     problem.activations_cache = (key, result)
