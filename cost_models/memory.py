@@ -218,6 +218,7 @@ class Timeline:
 
     segments: tuple[str, ...]
     index: dict = field(default_factory=dict, compare=False)  # call_function node -> segment number
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)  # (kind, segment or node) -> answer
 
     @classmethod
     def of(cls, gm) -> Timeline:
@@ -257,14 +258,26 @@ class Timeline:
 
     def activation_alive(self, segment: int) -> np.ndarray:
         """1 at the points an activation of ``segment`` is alive (until its segment's backward), else 0."""
-        return (np.arange(self.points) < len(self.segments) - segment).astype(float)
+        key = ("activation", segment)
+        if key not in self._cache:
+            self._cache[key] = (np.arange(self.points) < len(self.segments) - segment).astype(float)
+        return self._cache[key]
 
     def gradient_alive(self, segment: int) -> np.ndarray:
         """1 at the points a gradient made by ``segment``'s backward is alive (from then to the step), else 0."""
-        return (np.arange(self.points) >= len(self.segments) - segment).astype(float)
+        key = ("gradient", segment)
+        if key not in self._cache:
+            self._cache[key] = (np.arange(self.points) >= len(self.segments) - segment).astype(float)
+        return self._cache[key]
 
     def uses(self, param: Node) -> tuple[int, int]:
         """(first, last) segment of the ops that use ``param`` (through views, casts and collectives)."""
+        key = ("uses", param)
+        if key not in self._cache:
+            self._cache[key] = self._uses(param)
+        return self._cache[key]
+
+    def _uses(self, param: Node) -> tuple[int, int]:
         seen, todo, segs = set(), list(param.users), []
         while todo:
             u = todo.pop()
@@ -651,6 +664,7 @@ class GraphMemory:
         self.timeline = Timeline.of(gm)
         self._local_shape = local_shape
         self.owners: dict = {}  # storage key -> the first node whose saved output lives in it (graph order)
+        self._counted_cache: dict = {}
         for n in gm.graph.nodes:
             if not self.is_value(n):
                 continue
@@ -713,26 +727,40 @@ class GraphMemory:
         """Saved bytes at the end of forward of op ``node``'s outputs in layout ``output_spec``, as if every reader
         read that layout (the linear part: :meth:`points` adds what redistributions change). Getitems of a
         multi-output op count with it. ``region_of``: the recomputation regions to price it under."""
-        region_of = region_of or self.region_of
         if not self.is_value(node):
             return 0.0
+        counted, mask = self._counted(node, region_of or self.region_of)
+        if not counted and not mask:
+            return 0.0
         own, numel = self.own_bytes(node, output_spec)
-        values = [SavedValue(node, own, [(r, node, None) for r in node.users if r.op == "call_function"],
-                             np.ones(1), numel)]
-        if len(own) > 1:
+        return float(sum(own[k] for k in counted) + (numel if mask else 0))
+
+    def _counted(self, node: Node, region_of: Callable) -> tuple[tuple[int, ...], bool]:
+        """(the outputs of ``node`` whose saved bytes it carries, whether its dropout mask counts): what
+        :func:`saved_bytes` keeps of its outputs when every reader reads them as produced, each storage at its
+        owner. The same for every layout: cached."""
+        key = (node, region_of)
+        cached = self._counted_cache.get(key)
+        if cached is not None:
+            return cached
+        counted: list[int] = []
+        n_out = len(output_tensors(node))
+        mine = region_of(node)
+        own = mine is None and OUTPUT in _saves(node)
+        if n_out > 1:
+            if own and self.owners.get((node, 0)) is node:
+                counted = list(range(n_out))
             for g in node.users:
-                if g.target is operator.getitem and self.is_value(g):
-                    b = own[g.args[1]]
-                    values.append(SavedValue(g, [b], [(r, g, None) for r in g.users if r.op == "call_function"],
-                                             np.ones(1), b // max(1, output_tensors(g)[0].element_size())))
-        total = 0.0
-        for v in values:  # a storage shared with an earlier value counts there (owners), dropout's mask here
-            mine = region_of(v.node)
-            if self.owners.get(storage_key(v.node) if len(v.own) == 1 else (v.node, 0)) is v.node:
-                total += saved_bytes([v], region_of)[1]
-            elif MASK in _saves(v.node) and mine is None:
-                total += v.numel
-        return total
+                if (g.target is operator.getitem and self.is_value(g) and g.args[1] not in counted
+                        and self.owners.get(storage_key(g)) is g
+                        and any(keeps(r, g, g, region_of) for r in g.users if r.op == "call_function")):
+                    counted.append(g.args[1])
+        elif self.owners.get(storage_key(node)) is node and (
+                own or any(keeps(r, node, node, region_of) for r in node.users if r.op == "call_function")):
+            counted = [0]
+        answer = (tuple(counted), MASK in _saves(node) and mine is None)
+        self._counted_cache[key] = answer
+        return answer
 
     def gradient(self, node: Node, output_spec) -> int:
         """Bytes of the gradient of ``node``'s output in backward (single-output values; 0 otherwise)."""

@@ -121,8 +121,73 @@ def transient_bytes(problem: Problem, choice: list[int], recompute=frozenset()) 
     """What a plan's peak (:func:`memory_points`) adds to the bytes the program prices linearly at its point
     (``fixed_memory + Σ option_memory``): the other points' excess, ZeRO-3's gathered layers, backward's and the
     optimizer's temporaries, and what the redistributed copies and the readers' layouts change."""
-    linear = problem.fixed_memory + sum(option_memory(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
+    cols = _columns(problem)
+    at, shares = cols.at(choice), cols.shares(choice, recompute)
+    p = problem.point
+    linear = problem.fixed_memory + float((cols.points[at, p] + shares * cols.recomputed[at, p]).sum())
     return float(memory_points(problem, choice, recompute).max()) - linear
+
+
+@dataclass
+class _Columns:
+    """Every option's bytes as arrays over the program's columns (built once per problem): ``points``
+    (columns × liveness points), ``recomputed`` (what a recomputed share adds), ``parameter`` (1 for parameter
+    and buffer options), the gradient and stored bytes, and the unit and ZeRO-3 layer of each column."""
+
+    offsets: np.ndarray
+    points: np.ndarray
+    recomputed: np.ndarray
+    parameter: np.ndarray
+    gradient: np.ndarray
+    stored: np.ndarray
+    unit: np.ndarray  # -1: in no unit
+    live: np.ndarray  # an op's end-of-forward bytes per copy (a recomputed copy's, alive again in its backward)
+    layer: np.ndarray  # ZeRO-3 layer number, -1: not gathered at stage 3
+    gathered: np.ndarray
+
+    def at(self, choice) -> np.ndarray:
+        return self.offsets + np.asarray(choice)
+
+    def shares(self, choice, recompute) -> np.ndarray:
+        """The recomputed share of each chosen column's decision."""
+        units = self.unit[self.at(choice)]
+        if isinstance(recompute, dict):
+            table = np.array([recompute.get(u, 0.0) for u in range(max(self.unit.max() + 1, 0))] + [0.0])
+        else:
+            table = np.array([float(u in recompute) for u in range(max(self.unit.max() + 1, 0))] + [0.0])
+        return table[units]  # (unit -1 reads the trailing 0)
+
+
+def _columns(problem: Problem) -> _Columns:
+    if problem.columns is not None:
+        return problem.columns
+    n = sum(len(d.options) for d in problem.decisions)
+    width = len(problem.fixed_points)
+    cols = _Columns(np.zeros(len(problem.decisions), dtype=int), np.zeros((n, width)), np.zeros((n, width)),
+                    np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.full(n, -1), np.zeros(n), np.full(n, -1),
+                    np.zeros(n))
+    layers: dict = {}
+    c = 0
+    for i, d in enumerate(problem.decisions):
+        cols.offsets[i] = c
+        for k in range(len(d.options)):
+            cols.points[c + k] = d.points[k]
+            if d.stored is not None:
+                cols.parameter[c + k] = True
+                cols.stored[c + k] = d.stored[k]
+            else:
+                cols.gradient[c + k] = d.gradient[k]
+                cols.live[c + k] = d.points[k][0] / (d.copies or 1)
+            if d.unit is not None:
+                cols.unit[c + k] = d.unit
+                cols.recomputed[c + k] = d.points_recomputed[k] - d.points[k]
+        if i in problem.gathered:
+            layer, gathered = problem.gathered[i]
+            cols.layer[c: c + len(d.options)] = layers.setdefault(layer, len(layers))
+            cols.gathered[c: c + len(d.options)] = gathered
+        c += len(d.options)
+    problem.columns = cols
+    return cols
 
 
 def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) -> np.ndarray:
@@ -132,26 +197,20 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     ``points_recomputed`` less ``points``), ZeRO-3's two gathered layers, backward's first temporaries (the largest
     activation gradient and the largest recomputed copy's activations) and the optimizer's (its largest stored
     tensor)."""
-    varying = problem.fixed_points.copy()
-    stored, gradient = problem.fixed_stored, 0.0
-    live: dict = {}
-    for i, d in enumerate(problem.decisions):
-        k = choice[i]
-        if d.stored is not None:  # a parameter or buffer
-            varying += d.points[k]
-            stored = max(stored, d.stored[k])
-            continue
-        gradient = max(gradient, d.gradient[k])
-        f = recomputed_share(d, recompute)
-        if f:
-            varying += f * (d.points_recomputed[k] - d.points[k])
-            live[d.unit] = live.get(d.unit, 0.0) + d.points[k][0] / (d.copies or 1)
+    cols = _columns(problem)
+    at = cols.at(choice)
+    shares = cols.shares(choice, recompute)
+    params = at[cols.parameter[at]]
+    varying = problem.fixed_points + cols.points[params].sum(0) + (shares[:, None] * cols.recomputed[at]).sum(0)
+    stored = max(float(problem.fixed_stored), float(cols.stored[at].max(initial=0.0)))
+    recomputed = shares > 0
+    live = np.bincount(cols.unit[at][recomputed], cols.live[at][recomputed]).max(initial=0.0) if recomputed.any() \
+        else 0.0
+    zero3 = cols.layer[at] >= 0
+    gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
     acts, copies_gradient = _activations(problem, choice)
-    per_layer: dict = {}
-    for d, (layer, gathered) in problem.gathered.items():
-        per_layer[layer] = per_layer.get(layer, 0.0) + gathered[choice[d]]
-    return point_totals(0.0, varying + acts, 2 * max(per_layer.values(), default=0.0),
-                        max(gradient, copies_gradient) + max(live.values(), default=0.0), stored)
+    return point_totals(0.0, varying + acts, 2 * gathered,
+                        max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
 
 
 def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float]:

@@ -132,6 +132,7 @@ class Problem:
     fixed_stored: int = 0  # the largest stored tensor of the annotated parameters (the optimizer's temporaries)
     #: (layouts, answer) of the last :func:`.objective._activations`: a repair changes no layout
     activations_cache: tuple | None = field(default=None, repr=False, compare=False)
+    columns: object = field(default=None, repr=False, compare=False)  # .objective._Columns, built once
 
     def price_at(self, point: int) -> None:
         """Price the program's memory row at liveness ``point``: every decision's ``memory`` (and
