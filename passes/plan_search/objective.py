@@ -25,6 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 from autoshard.cost_models.compute import output_tensors
 from autoshard.cost_models.memory import SavedValue, largest_gradient, point_totals, saved_bytes
+
+
+def _no_region(node) -> None:
+    return None
 from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, output_spec_for
 
 from autoshard import meta as M
@@ -203,12 +207,11 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     params = at[cols.parameter[at]]
     varying = problem.fixed_points + cols.points[params].sum(0) + (shares[:, None] * cols.recomputed[at]).sum(0)
     stored = max(float(problem.fixed_stored), float(cols.stored[at].max(initial=0.0)))
-    recomputed = shares > 0
-    live = np.bincount(cols.unit[at][recomputed], cols.live[at][recomputed]).max(initial=0.0) if recomputed.any() \
-        else 0.0
     zero3 = cols.layer[at] >= 0
     gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
-    acts, copies_gradient = _activations(problem, choice)
+    acts, copies_gradient, per_unit = _activations(problem, choice)
+    recomputed = {int(u) for u in cols.unit[at][shares > 0]}
+    live = max((per_unit.get(u, 0.0) for u in recomputed), default=0.0)
     return point_totals(0.0, varying + acts, 2 * gathered,
                         max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
 
@@ -224,7 +227,7 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
     if cached is not None and cached[0] == key:
         return cached[1]
     memory = problem.memory_model
-    values, copies_gradient = [], 0.0
+    values, copies_gradient, live = [], 0.0, {}
     for d, k in zip(problem.decisions, choice):
         if d.stored is None and len(output_tensors(d.node)) > 1 and memory.is_value(d.node):
             own, numel = memory.own_bytes(d.node, d.options[k].output_spec)
@@ -238,16 +241,20 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
                                                            if (d, choice[d]) in ix.out)
         dtype = u.meta["val"].dtype
-        reads, seen = [], set()
+        unit = problem.decisions[ix.producers[0]].unit if ix.producers else None
+        reads, seen, inside = [], set(), []  # inside: what the value's unit keeps of it while recomputed
         for d in ix.consumers:
             if not term.kept.get(d):
                 continue
             for i in ix.need.get((d, choice[d]), ()):
                 if i == o:
                     reads.append((None, u, None))
+                    inside.append(reads[-1])
                 elif id(i) not in seen:
                     seen.add(id(i))
                     reads.append((None, u, (("copy", id(term), id(i)), memory.copy_bytes(u, i))))
+                    if problem.decisions[d].unit == unit:
+                        inside.append(reads[-1])
         wanted = {id(i): i for d in ix.consumers for i in ix.need.get((d, choice[d]), ())}
         for keep in term.outputs:
             spec = output_spec_for(o, keep)
@@ -260,7 +267,10 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         if not parameter:  # (ops' own outputs are the decisions' gradient; a getitem's is here)
             copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))
         values.append(SavedValue(u, own, reads, term.alive, numel))
-    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient)
+        if unit is not None:
+            one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
+            live[unit] = live.get(unit, 0.0) + one
+    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient, live)
     problem.activations_cache = (key, result)
     return result
 
