@@ -198,17 +198,30 @@ class _Walk:
         for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
             lam = scale * lo.time / lo.priced_memory
             self.seen += self.points((lam, self.everything), (lam / 2, self.everything))
+            self.follow_peak()
             lo, hi = self.closest(self.seen)
             if hi is not None:
                 break
         else:  # the least memory any plan needs (time only breaks ties), for the message
-            hi = self.least_peak(lo.time)
+            fixed = repair(self.problem, *(lambda p: (p.choice, p.recompute))(min(self.seen, key=lambda p: p.memory)))
+            hi = fixed if fixed is not None else self.least_peak(lo.time)
         if hi.memory > self.limit:
             raise _no_plan_fits(self.problem, hi.memory)
         self.best, self.multiplier = hi, hi.multiplier
         for p in self.seen:
             self.repaired(p)
         return lo, hi
+
+    def follow_peak(self) -> None:
+        """Price the row of the point where the least-memory plan met peaks: raising λ on one point's bytes moves
+        the peak to another point (activations freed, parameters' state left), which that row then has to see."""
+        problem = self.problem
+        least = min(self.seen, key=lambda p: p.memory)
+        point = int(np.argmax(memory_points(problem, list(least.choice), least.recompute)))
+        if point != problem.point:
+            problem.price_at(point)
+            self.reprice()
+            self.seen = [Candidate.of(problem, p.choice, p.recompute, p.multiplier) for p in self.seen]
 
     def least_peak(self, seconds_scale: float) -> Candidate:
         """The plan of least peak (the ILP of every liveness point's row bounding one peak variable,

@@ -209,9 +209,14 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     stored = max(float(problem.fixed_stored), float(cols.stored[at].max(initial=0.0)))
     zero3 = cols.layer[at] >= 0
     gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
-    acts, copies_gradient, per_unit = _activations(problem, choice)
+    acts, copies_gradient, per_unit, region_inputs = _activations(problem, choice)
     recomputed = {int(u) for u in cols.unit[at][shares > 0]}
     live = max((per_unit.get(u, 0.0) for u in recomputed), default=0.0)
+    # a recomputed unit keeps its inputs whether or not its ops save them (its share of copies)
+    unit_share = dict(zip(cols.unit[at].tolist(), shares.tolist()))
+    for u, vec in region_inputs.items():
+        if unit_share.get(u, 0.0):
+            acts = acts + unit_share[u] * vec
     return point_totals(0.0, varying + acts, 2 * gathered,
                         max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
 
@@ -227,7 +232,7 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
     if cached is not None and cached[0] == key:
         return cached[1]
     memory = problem.memory_model
-    values, copies_gradient, live = [], 0.0, {}
+    values, copies_gradient, live, region_inputs = [], 0.0, {}, {}
     for d, k in zip(problem.decisions, choice):
         if d.stored is None and len(output_tensors(d.node)) > 1 and memory.is_value(d.node):
             own, numel = memory.own_bytes(d.node, d.options[k].output_spec)
@@ -242,9 +247,17 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
                                                            if (d, choice[d]) in ix.out)
         dtype = u.meta["val"].dtype
         unit = problem.decisions[ix.producers[0]].unit if ix.producers else None
+
+        def own_bytes(spec, u=u):
+            return memory.copy_bytes(u, spec)
         reads, seen, inside = [], set(), []  # inside: what the value's unit keeps of it while recomputed
+        regions: dict = {}  # unit -> {spec id: bytes} read by a unit that keeps it only as its region's input
         for d in ix.consumers:
             if not term.kept.get(d):
+                du = problem.decisions[d].unit
+                if du is not None and du != unit and not parameter:
+                    for i in ix.need.get((d, choice[d]), ()):
+                        regions.setdefault(du, {})[id(i)] = own_bytes(i)
                 continue
             for i in ix.need.get((d, choice[d]), ()):
                 if i == o:
@@ -267,10 +280,16 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         if not parameter:  # (ops' own outputs are the decisions' gradient; a getitem's is here)
             copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))
         values.append(SavedValue(u, own, reads, term.alive, numel))
+        kept_layouts = {id(o)} if any(c is None for _, _, c in reads) else set()
+        kept_layouts |= {c[0][2] for _, _, c in reads if c is not None}
+        for du, layouts in regions.items():  # (a layout some reader keeps anyway counts once)
+            extra = sum(b for i, b in layouts.items() if i not in kept_layouts)
+            if extra:
+                region_inputs[du] = region_inputs.get(du, 0.0) + extra * term.alive
         if unit is not None:
             one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
             live[unit] = live.get(unit, 0.0) + one
-    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient, live)
+    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient, live, region_inputs)
     problem.activations_cache = (key, result)
     return result
 
