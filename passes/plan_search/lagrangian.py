@@ -73,6 +73,12 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     walk.second_copy()
     lo, hi = walk.bracket(lo)
     walk.descend(lo, hi, accept_gap)
+    if not np.isfinite(walk.bound):  # the walk made no step on the row it prices now: one multiplier's bound
+        lam = next((p.multiplier for p in (hi, lo) if p.multiplier is not None and 0 < p.multiplier < np.inf),
+                   lo.time / max(lo.priced_memory, 1.0))
+        p = walk.point(lam, best_units(problem, hi.choice, lam))
+        walk.bound, walk.multiplier = p.time + lam * (p.priced_memory - problem.memory_limit), lam
+        walk.repaired(p)
     best, bound = walk.best, walk.bound
     gap = _gap(best.time, bound)
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, lagrangian_seconds=walk.elapsed(),
