@@ -94,10 +94,11 @@ class _Builder:
         self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
-        """The gradient of a redistributed copy exists in backward (backward's temporaries): ``cols`` make it."""
+        """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
+        it. (A parameter's copy's gradient goes to its ``.grad``, counted with the parameter.)"""
         u = term.members[0]
         memory = self.problem.memory_model
-        if not (memory.is_value(u) or (u.op == "get_attr" and u.meta.get(M.REQUIRES_GRAD))):
+        if not memory.is_value(u):
             return
         numel = memory.copy_bytes(u, spec) // max(1, u.meta["val"].element_size())
         g = largest_gradient(numel, u.meta["val"].dtype)

@@ -243,6 +243,9 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         if not parameter and (not memory.is_value(u) or len(output_tensors(u)) != 1):
             continue
         ix = term.index()
+        if parameter and any(problem.decisions[d].stages and problem.decisions[d].stages[choice[d]]
+                             for d in ix.producers):
+            continue  # stored sharded (ZeRO): its gathers and what follows them count as ``gathered``, as plan_memory
         o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
                                                            if (d, choice[d]) in ix.out)
         dtype = u.meta["val"].dtype
@@ -272,8 +275,8 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         for keep in term.outputs:
             spec = output_spec_for(o, keep)
             wanted.setdefault(id(spec), spec)
-        for i in wanted.values():  # every copy's gradient exists in backward, kept or not
-            if i != o:
+        for i in wanted.values():  # every copy's gradient exists in backward, kept or not (parameters': .grad)
+            if i != o and not parameter:
                 t = memory.copy_bytes(u, i) // max(1, u.meta["val"].element_size())
                 copies_gradient = max(copies_gradient, largest_gradient(t, dtype))
         own, numel = ([0], 0) if parameter else memory.own_bytes(u, o)
