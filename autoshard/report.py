@@ -94,7 +94,9 @@ def format_summary(plan) -> str:
                  f"{axes}; memory per rank {cost.memory_per_rank / 2**20:.1f} MiB"
                  + (f" of {limit / 2**20:.1f} MiB allowed" if limit else "")
                  + f"; binding constraint: {search['binding']}; search: {search['decisions']} decisions "
-                 "(repeated layers shared), solved exactly")
+                 "(repeated layers shared), "
+                 + ("solved exactly" if search["optimal"] else f"within {search['gap']:.2%} of its lower bound"
+                    + (" (stopped by its time limit)" if search.get("timed_out") else "")))
     return text
 
 

@@ -301,6 +301,19 @@ def hf_gptj(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, hea
     return model, (), {"input_ids": ids, "labels": labels}
 
 
+def hf_mamba(batch: int = 4, seq: int = 16, layers: int = 2, hidden: int = 64, state: int = 16, vocab: int = 128,
+             seed: int = 0):
+    """Tiny Mamba (selective state-space layers, Hugging Face's sequential scan: no attention, a conv1d per layer)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MambaConfig(vocab_size=vocab, hidden_size=hidden, state_size=state, num_hidden_layers=layers, expand=2,
+                      conv_kernel=4, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = MambaForCausalLM(cfg)
+    ids, labels = _ids(batch, seq, vocab, seed + 1)
+    return model, (), {"input_ids": ids, "labels": labels}
+
+
 # ---- Hugging Face Mixture-of-Experts models (tests/test_hf_moe.py; moe=autoshard.MoE(existing=True)) --------
 def hf_mixtral(batch: int = 4, seq: int = 8, layers: int = 1, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                experts: int = 4, top_k: int = 2, vocab: int = 64, aux_loss: bool = True, seed: int = 0):

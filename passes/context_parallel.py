@@ -61,7 +61,7 @@ class CutSequence:
     phase: str = "plan"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        from autoshard.passes.propagate import node_strategies, seed_specs
+        from autoshard.passes.propagate import node_strategies
 
         cp = ctx.options.context
         attn = [n for n in _attention_nodes(gm) if n.args[0].meta["val"].shape[-2] == n.args[1].meta["val"].shape[-2]]
@@ -70,7 +70,7 @@ class CutSequence:
                             "model calls no scaled_dot_product_attention over one sequence (HF models: "
                             "attn_implementation='sdpa'). Drop context_axis, or use an SDPA attention.")
         length = attn[0].args[0].meta["val"].shape[-2]
-        seed_specs(gm, ctx)  # the inputs' layouts on the other axes (propagation seeds them again)
+        # the inputs' layouts on the other axes were seeded by the seed_specs pass (passes/prepare.py)
         a = ctx.mesh.index(cp.axis)
         feeds = _ancestors([n.args[0] for n in attn])  # inputs the queries are computed from (not the labels)
         cut = []

@@ -9,7 +9,10 @@ given options::
     expert_rewrite      (moe=...)                      fuse_gather_grad_sync
     mark_recompute      (recompute="<glob>")
     inline_autocast     (torch.autocast regions)
+    functionalize       (in-place writes on activations as functional ops)
+    seed_specs          (inputs and annotated parameters)
     cut_sequence        (context_axis=...)
+    mark_requires_grad
     plan_search         (planner="search")             bucket_grad_sync      (bucket_grads=True)
     propagate                                          localize              (local shapes, local forms, shards)
                                                        balance_context       (head-tail layout, context_axis)
@@ -46,6 +49,7 @@ from autoshard.passes.group_gathers import GroupGathers
 from autoshard.passes.localize import Localize
 from autoshard.passes.mixed_precision import (AutocastParamCasts, InlineAutocast, MixedPrecisionCasts,
                                               ReducePrecision)
+from autoshard.passes.prepare import Functionalize, MarkRequiresGrad, SeedSpecs
 from autoshard.passes.propagate import Propagate
 from autoshard.passes.rank_device import FollowRankDevice
 from autoshard.passes.recompute import MarkRecompute, Recompute
@@ -111,7 +115,10 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         ExpertRewrite() if getattr(options, "moe", None) is not None else None,
         MarkRecompute(options.recompute) if options.recompute not in (None, "auto") else None,
         InlineAutocast(),
+        Functionalize(),
+        SeedSpecs(),
         CutSequence() if getattr(options, "context", None) is not None else None,
+        MarkRequiresGrad(),
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
         if options.planner == "search" else None,
         Propagate(),

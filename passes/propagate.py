@@ -52,9 +52,8 @@ class Propagate:
     name: str = "propagate"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        functionalize(gm)
-        mark_requires_grad(gm)
-        fixed = seed_specs(gm, ctx)
+        # (the graph is functional, its inputs and annotated parameters seeded and its gradients marked by the
+        # passes before this one: passes/prepare.py)
         pinned = pinned_values(gm)
         paid: set[tuple] = set()  # (node, spec) redistributions and (node, spec, axes) grad syncs already bought
         decisions = 0
@@ -72,7 +71,7 @@ class Propagate:
             if node.op != "call_function":
                 raise UnsupportedOpError(f"{node_location(node)} is a {node.op} node, but autoshard only handles "
                                          "aten call_function nodes after tracing.")
-            _choose(node, ctx, fixed, paid, pinned)
+            _choose(node, ctx, paid, pinned)
             decisions += 1
         for node in gm.graph.nodes:  # parameters nobody consumed stay replicated
             if node.op == "get_attr" and node.meta.get(M.SPEC) is None:
@@ -362,8 +361,7 @@ def _pinned_sources(x: torch.fx.Node, pinned: dict):
         stack.extend(a for a in n.all_input_nodes if a in pinned)
 
 
-def _choose(node: torch.fx.Node, ctx: Context, fixed: set[torch.fx.Node], paid: set[tuple],
-            pinned: dict[torch.fx.Node, bool]) -> None:
+def _choose(node: torch.fx.Node, ctx: Context, paid: set[tuple], pinned: dict[torch.fx.Node, bool]) -> None:
     inputs = tensor_inputs(node)
     planned = node.meta.get(M.PLANNED)
     if planned is not None and node.meta.get(M.PLANNED_BY) == "plan_search":

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from autoshard.passes.manager import run_passes
+from autoshard.passes.prepare import MarkRequiresGrad, SeedSpecs
 from autoshard.passes.propagate import Propagate
 from torch import nn
 
@@ -424,9 +425,10 @@ class _Broken:
 def test_pass_failure_names_the_pass_and_those_before_it():
     gm = trace(Mlp(), (_x(),))
     with pytest.raises(AutoshardError, match=r"^An error occurred when running the 'broken' pass after the "
-                                             r"following passes: \['propagate'\]: ValueError: something inside "
-                                             r"the pass$") as info:
-        run_passes(gm, Context(Mesh(data=2), Options()), passes=(Propagate(), _Broken()))
+                                             r"following passes: \['seed_specs', 'mark_requires_grad', 'propagate'\]: "
+                                             r"ValueError: something inside the pass$") as info:
+        run_passes(gm, Context(Mesh(data=2), Options()), passes=(SeedSpecs(), MarkRequiresGrad(), Propagate(),
+                                                                  _Broken()))
     assert isinstance(info.value.__cause__, ValueError)
 
 

@@ -237,3 +237,93 @@ def test_lp_bound_is_below_every_plan_whatever_it_recomputes():
     for lam in (0.0, info["multiplier"], 2 * info["multiplier"]):
         assert all(lp_bound(problem, lam) <= t * (1 + 1e-9) for t in within)
     assert lp_bound(problem, info["multiplier"]) >= 0.8 * plans[0][0]
+
+
+# ---- a time limit never leaves the search without a plan (issue 23) -----------------------------------------------
+def _mamba_plan(monkeypatch, memory_limit=None, time_limit=None):
+    """An HF Mamba (2 layers, hidden 64) searched on data=2 x model=2, zero=0, the search given ``time_limit``."""
+    import functools
+
+    from autoshard.passes import plan_search
+
+    from autoshard.api import make_options
+    from autoshard.plan import build_plan
+
+    model, args, kwargs = models.hf_mamba()
+    mesh = autoshard.Mesh(**MESH)
+    # the pass list makes the pass from the package at every compile
+    monkeypatch.setattr(plan_search, "PlanSearch", functools.partial(plan_search.PlanSearch, time_limit=time_limit))
+    return build_plan(copy.deepcopy(model), mesh, args, kwargs, make_options(
+        None, "data", "replicate", mesh, planner="search", memory_limit=memory_limit))
+
+
+@pytest.fixture(scope="module")
+def mamba_free():
+    """The unconstrained searched plan of the Mamba case (its memory sets the limits below)."""
+    with pytest.MonkeyPatch.context() as mp:
+        return _mamba_plan(mp)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_a_search_out_of_time_returns_a_plan_that_fits_and_reports_its_gap(monkeypatch, mamba_free):
+    """HiGHS used to stop at the time limit with no plan at all (205 s on this case). With a time limit too short
+    for any solve, the search returns a plan within 80% of the unconstrained plan's memory (the least plan with
+    zero=0 needs ~69% by the memory model), reports that time stopped it and its gap to a lower bound, and warns
+    with that gap."""
+    import warnings
+
+    limit = 0.8 * mamba_free.context.report["plan_search"]["memory_per_rank"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _mamba_plan(monkeypatch, limit, time_limit=1e-3)
+    report = plan.context.report["plan_search"]
+    assert report["memory_per_rank"] <= limit
+    assert report["timed_out"] and not report["optimal"]
+    assert report["lower_bound"] <= report["step_time"] and 0 < report["gap"] < 1
+    assert report["gap"] == pytest.approx((report["step_time"] - report["lower_bound"]) / report["step_time"])
+    assert any("its time limit (0.001 s) ran out" in str(w.message) and f"{report['gap']:.2%}" in str(w.message)
+               for w in caught)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_a_limit_no_plan_meets_is_refused_before_any_solve(monkeypatch, mamba_free):
+    """The issue's limit, 60% of the unconstrained plan's ``plan.cost()`` peak, is below the least memory the
+    memory model allows for any plan with zero=0 (~69% of it): that is
+    the one error, naming the least memory and the options that lower it — found without a solve, so even a time
+    limit too short for one gives it."""
+    limit = 0.6 * mamba_free.cost().memory_per_rank
+    with pytest.raises(PlanError) as err:
+        _mamba_plan(monkeypatch, limit, time_limit=1e-3)
+    assert err.value.least_memory > limit
+    text = str(err.value)
+    assert "the least memory any plan needs is" in text and "zero='auto'" in text and "recompute='auto'" in text
+
+
+def test_a_walk_stopped_by_time_keeps_an_honest_bound():
+    """Under a time limit the walk stops where it is; the plan it returns fits, and its gap is no smaller than its
+    true distance to the exact optimum (HiGHS's ILP with the memory row, proven optimal on this small program).
+    Without a limit, too: whether HiGHS or the solver-free descent made the plan, its gap holds."""
+    from autoshard.passes.plan_search import evaluate, fallback_plan, search, solve
+
+    from tests.test_plan_search import TwoLinear
+
+    torch.manual_seed(0)
+    model, args, mesh = TwoLinear(), (torch.randn(64, 64),), autoshard.Mesh(**MESH)
+    free = _problem(model, args, mesh, None, zero="auto")
+    problem = _problem(model, args, mesh, 0.5 * evaluate(free, solve(free))[1], zero="auto")
+    exact: dict = {}
+    t_exact = evaluate(problem, solve(problem, info=exact))[0]
+    assert exact["optimal"]
+    for time_limit in (1e-3, 0.0):
+        info: dict = {}
+        choice, units = search(problem, time_limit=time_limit, info=info)
+        t, m = evaluate(problem, choice, units)
+        assert m <= problem.memory_limit and info["timed_out"]
+        assert info["bound"] <= t_exact * (1 + 1e-9)
+        assert (t - t_exact) / t <= info["gap"] + 1e-9
+    t_free = evaluate(free, solve(free))[0]
+    info = {}
+    t = evaluate(free, search(free, time_limit=1e-3, info=info)[0])[0]
+    assert info["bound"] <= t_free * (1 + 1e-9) and (t - t_free) / t <= info["gap"] + 1e-9
+    made = fallback_plan(free, 0.5)
+    assert made.time == pytest.approx(evaluate(free, list(made.choice))[0]) and made.time >= t_free * (1 - 1e-9)

@@ -22,7 +22,11 @@ The pass (:class:`PlanSearch`) builds a problem, searches it and writes the choi
 * **The objective of one plan** (:mod:`.objective`, :func:`evaluate`): the seconds and bytes the search minimises
   and bounds, computed independently of the program (tests and explanations use it).
 
-A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned about, never silently used.
+A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned about, never silently used. Time never
+ends the search without a plan (:func:`search`: the best plan met, or a solver-free one, with its gap and
+``timed_out``); the one error is a memory limit below the least memory any plan needs, known before any solve.
+The graph arrives functional, its inputs and annotated parameters seeded and its gradients marked
+(``passes/prepare.py``, earlier in the pass list).
 Annotated parameters are hard constraints, as in propagation (:func:`autoshard.passes.propagate.pinned_values`).
 The pass hands its choices to propagation through node metadata only: ``autoshard.meta.PLANNED`` (with
 ``PLANNED_BY = "plan_search"``) and ``autoshard.meta.DECISION`` on ops, the spec on free parameters,
@@ -45,9 +49,9 @@ from autoshard.passes.plan_search.objective import (INFEASIBLE, TIE_BREAK, Candi
                                                     option_cost, option_memory, term_cost, transient_bytes)
 from autoshard.passes.plan_search.problem import (DecisionVar, Problem, ValueTerm, build_problem, canonical,
                                                   output_spec_for)
-from autoshard.passes.plan_search.repair import repair
+from autoshard.passes.plan_search.repair import (fallback_plan, improve_layouts, least_memory_plan, quickest_plan,
+                                                 repair)
 from autoshard.passes.plan_search.solver import WarmLP
-from autoshard.passes.propagate import functionalize, mark_requires_grad, seed_specs
 
 from autoshard import meta as M
 from autoshard.context import Context
@@ -56,8 +60,9 @@ from autoshard.progress import slow_step
 
 __all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "TIE_BREAK", "Candidate", "DecisionVar", "PlanSearch",
            "Problem", "Program", "Unit", "ValueTerm", "WarmLP", "best_units", "build_problem", "build_program",
-           "evaluate", "explain", "find_layers", "layer_copies", "leaves_unit", "lp_bound", "option_cost",
-           "option_memory", "output_spec_for", "repair", "search", "solve", "term_cost", "transient_bytes"]
+           "evaluate", "explain", "fallback_plan", "find_layers", "improve_layouts", "layer_copies",
+           "least_memory_plan", "leaves_unit", "lp_bound", "option_cost", "option_memory", "output_spec_for",
+           "quickest_plan", "repair", "search", "solve", "term_cost", "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,6 @@ class PlanSearch:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        functionalize(gm)  # in-place writes on activations as functional ops, as propagation sees them
-        mark_requires_grad(gm)
-        seed_specs(gm, ctx)
         zero, recompute = ctx.options.zero, ctx.options.recompute
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
                                 zero=zero if zero in (0, 1, 2, 3, "auto") else 0, recompute=recompute)
@@ -103,7 +105,8 @@ class PlanSearch:
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
             "cpu_seconds": time.process_time() - cpu0,  # this process's CPU time: what a busy machine does not inflate
             "binding": binding(problem, memory),
-            "optimal": status["optimal"], "gap": status["gap"],  # not optimal: the time limit was reached
+            "optimal": status["optimal"], "gap": status["gap"],  # gap: to the best lower bound the search knows
+            "timed_out": bool(status.get("timed_out")),  # time_limit stopped the search before it finished
             "method": status.get("method"), "lower_bound": status.get("bound"),
             "multiplier": status.get("multiplier"),  # λ (seconds per byte) of the lower bound
             "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
@@ -112,6 +115,12 @@ class PlanSearch:
         return gm
 
     def _gap_warning(self, problem: Problem, status: dict) -> str:
+        if status.get("timed_out"):
+            within = " within memory_limit" if problem.memory_limit is not None else ""
+            return (f"plan_search: its time limit ({self.time_limit or DEFAULT_TIME_LIMIT:g} s) ran out before the "
+                    f"search finished: the plan is the best found{within}, its estimated step time at most "
+                    f"{status['gap']:.2%} above the best lower bound known ({status['method']}); it is used as it "
+                    "is.")
         scope = ("every plan" if not problem.units else "the plans recomputing the layers the walk chose (the "
                  "bound does not range over other recomputation choices)")
         return (f"plan_search: the plan is not proven optimal under memory_limit: its estimated step time is at "

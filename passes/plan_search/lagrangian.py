@@ -6,11 +6,13 @@ With ``T(x)`` the estimated step time and ``M(x)`` the priced bytes of a plan (:
 tight structure, so it solves like the unconstrained one, from the previous HiGHS basis (:class:`.solver.WarmLP`;
 :meth:`_Walk.relaxed`). The walk (:func:`search`):
 
+0. The memory is a sum over decisions (plus transient bytes), so the least any plan needs is known before any
+   solve (:func:`.repair.least_memory_plan`): a limit below it is :class:`~autoshard.errors.PlanError` at once,
+   naming the least memory and the options that would lower it (:func:`_no_plan_fits`) — the only error.
 1. ``λ = 0`` (:meth:`_Walk.point`): the least-time plan; if it fits, it is optimal.
 2. Bracket the limit (:meth:`_Walk.bracket`): λ in units of that plan's seconds per byte, raised ×10 until some plan
-   fits, with a second probe at λ/2 on a second HiGHS copy (HiGHS releases the GIL: two λ solve at once). If even
-   the least-memory plan does not fit, :class:`~autoshard.errors.PlanError` names the least memory and the options
-   that would lower it (:func:`_no_plan_fits`).
+   fits, with a second probe at λ/2 on a second HiGHS copy (HiGHS releases the GIL: two λ solve at once); failing
+   that, the least-memory plan.
 3. Walk (:meth:`_Walk.descend`): λ is the slope between the plans nearest the limit on either side (``lo`` over it,
    ``hi`` within it), plus the midpoint of the multipliers they were found at; stop when no plan lies below the
    segment (λ is the best multiplier) or within ``accept_gap`` of the best bound. Every plan met is repaired to fit
@@ -20,6 +22,12 @@ tight structure, so it solves like the unconstrained one, from the previous HiGH
    λ; :func:`lp_bound` is one over every recomputation choice (each unit's share an LP variable).
 5. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with the memory row (for the best
    plan's units, :func:`_exact`), for ``exact_limit`` seconds. A gap still left is reported (``info``).
+
+Time never ends the search without a plan: every solve gets what is left of ``time_limit``, and a solve that runs
+out stops the walk where it is (``info["timed_out"]``). The best plan met that fits is returned; before the walk
+met one, :func:`.repair.fallback_plan` makes one without a solver (:func:`_out_of_time`). The gap is then measured to
+the best bound known (:meth:`_Walk.final_bound`: the walk's, ``L(λ)`` of every plan the bracket met, and at worst
+the least seconds of every decision).
 """
 
 from __future__ import annotations
@@ -29,12 +37,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve,
-                                              solve_program, with_costs, with_memory_row)
+from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve_program,
+                                              with_costs, with_memory_row)
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_vectors,
                                                     ties, transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
-from autoshard.passes.plan_search.repair import repair
+from autoshard.passes.plan_search.repair import fallback_plan, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
 
 from autoshard.errors import PlanError
@@ -53,12 +61,16 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     ``problem.memory_limit`` (see the module docstring). ``info`` receives optimal, gap, bound, multiplier and
     method."""
     info = info if info is not None else {}
-    if problem.memory_limit is None:  # (no time_limit: solve's own default, 120 s)
-        choice = solve(problem, info=info) if time_limit is None else solve(problem, time_limit=time_limit, info=info)
-        info.update(method="ilp", bound=evaluate(problem, choice)[0])
-        return choice, frozenset()
-    walk = _Walk(problem, DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    total = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    if problem.memory_limit is None:
+        return _unconstrained(problem, total, info)
+    least = least_memory_plan(problem)  # its bytes without the transient ones bound every plan's from below
+    if least.priced_memory > problem.memory_limit:  # (its priced bytes: a lower bound of every plan's peak)
+        raise _no_plan_fits(problem, least.priced_memory)
+    walk = _Walk(problem, total)
     lo = walk.point(0.0)
+    if lo is None:  # time_limit ran out in the first solve
+        return _out_of_time(problem, walk, info)
     one_solve = walk.elapsed()  # what one relaxed solve of this program costs
     if lo.memory <= problem.memory_limit:
         info.update(optimal=True, gap=0.0, bound=lo.time, method="unconstrained optimum within the limit")
@@ -72,6 +84,8 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         lo = Candidate.of(problem, lo.choice, lo.recompute, lo.multiplier)
     walk.second_copy()
     lo, hi = walk.bracket(lo)
+    if hi is None:  # time_limit ran out before the walk met a plan within the limit
+        return _out_of_time(problem, walk, info)
     walk.descend(lo, hi, accept_gap)
     if not np.isfinite(walk.bound):  # the walk made no step on the row it prices now: one multiplier's bound
         lam = next((p.multiplier for p in (hi, lo) if p.multiplier is not None and 0 < p.multiplier < np.inf),
@@ -79,10 +93,12 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         p = walk.point(lam, best_units(problem, hi.choice, lam))
         walk.bound, walk.multiplier = p.time + lam * (p.priced_memory - problem.memory_limit), lam
         walk.repaired(p)
-    best, bound = walk.best, walk.bound
+    best, bound = walk.best, walk.final_bound()
     gap = _gap(best.time, bound)
+    stopped = f" (time_limit={walk.total:g} s reached)" if walk.timed_out else ""
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, lagrangian_seconds=walk.elapsed(),
-                method=f"lagrangian ({walk.solves} solves) + repair", multiplier=walk.multiplier)
+                method=f"lagrangian ({walk.solves} solves) + repair{stopped}", multiplier=walk.multiplier,
+                timed_out=walk.timed_out)
     left = min(walk.left(), exact_limit)
     # The exact ILP branches on top of the LP: a budget under ~10 relaxed solves of this program closes no gap
     if accept_gap >= gap > GAP_TOLERANCE:
@@ -92,6 +108,40 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if problem.units and info.get("optimal"):
         # proven for the recomputed units the walk chose, not over every recomputation choice (lp_bound is)
         info.update(optimal=False, method=info["method"] + " (optimal for the recomputed layers chosen)")
+    return list(best.choice), best.recompute
+
+
+def _unconstrained(problem: Problem, total: float, info: dict) -> tuple[list[int], frozenset]:
+    """The exact ILP without a memory row; when HiGHS runs out of time before any plan, the solver-free plan of
+    :func:`.repair.fallback_plan`, its gap measured to the least seconds of every decision."""
+    prog = build_program(problem)
+    res = solve_program(problem, prog, prog.c, total)
+    if res.choice is not None:
+        info.update(optimal=res.optimal, gap=res.gap, message=res.message, method="ilp",
+                    bound=evaluate(problem, res.choice)[0], timed_out=res.timed_out)
+        return res.choice, frozenset()
+    made = fallback_plan(problem, max(1.0, 0.1 * total))
+    bound = sum(min(d.cost) for d in problem.decisions if d.cost)
+    info.update(optimal=False, gap=_gap(made.time, bound), bound=bound, timed_out=True, message=res.message,
+                method=f"time_limit={total:g} s reached before HiGHS found a plan: coordinate descent")
+    return list(made.choice), frozenset()
+
+
+def _out_of_time(problem: Problem, walk: _Walk, info: dict) -> tuple[list[int], frozenset | dict]:
+    """The plan when time_limit ran out before the walk met one within the limit: the solver-free plan of
+    :func:`.repair.fallback_plan` (a tenth of the time limit, at least a second, to improve it) or a repaired plan
+    of the walk, whichever is faster; the gap to the best lower bound known is reported."""
+    made = fallback_plan(problem, max(1.0, 0.1 * walk.total))
+    found = [p for p in (made, walk.best) if p is not None]
+    if not found:
+        raise _no_plan_fits(problem, least_memory_plan(problem).memory)
+    best = min(found, key=lambda p: p.time)
+    bound = walk.final_bound()
+    gap = _gap(best.time, bound)
+    info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, lagrangian_seconds=walk.elapsed(),
+                multiplier=walk.multiplier, timed_out=True,
+                method=f"time_limit={walk.total:g} s reached after {walk.solves} relaxed solves: least-memory plan + "
+                       "coordinate descent + repair")
     return list(best.choice), best.recompute
 
 
@@ -114,6 +164,7 @@ class _Walk:
         self.best: Candidate | None = None
         self.bound, self.multiplier, self.solves = -np.inf, None, 0
         self.everything = frozenset(range(len(problem.units)))
+        self.timed_out = False  # a solve found no plan in the time left: the walk stops where it is
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -132,8 +183,7 @@ class _Walk:
         self.programs = {frozenset(): self.base}
 
     def second_copy(self) -> None:
-        if self.warm[0] is not None:  # the second copy starts from the first's optimal basis
-            self.warm.append(self.warm[0].copy(self.base))
+        self.warm.append(self.warm[0].copy(self.base))  # from the first's optimal basis
 
     def program_for(self, units) -> Program:
         """One program for every recomputation choice: only the option columns' seconds and bytes depend on it."""
@@ -147,33 +197,36 @@ class _Walk:
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
 
-    def relaxed(self, lam: float, units, solver: int = 0) -> list[int]:
-        """The least ``T + λ·M`` plan: from the warm LP when its optimum is integral, else from the ILP."""
+    def relaxed(self, lam: float, units, solver: int = 0) -> list[int] | None:
+        """The least ``T + λ·M`` plan: from the warm LP when its optimum is integral, else from the ILP; None when
+        the time left did not suffice."""
         prog = self.program_for(units)
         return self.integer_optimum(prog, prog.c + lam * prog.mem, solver)
 
-    def least_memory(self, units, bytes_scale: float, seconds_scale: float) -> list[int]:
+    def least_memory(self, units, bytes_scale: float, seconds_scale: float) -> list[int] | None:
         """The least ``M`` plan, ``T`` breaking ties (each in units of a plan's bytes and seconds)."""
         prog = self.program_for(units)
         return self.integer_optimum(prog, prog.mem / bytes_scale + prog.c * 1e-6 / seconds_scale)
 
-    def integer_optimum(self, prog: Program, cost: np.ndarray, solver: int = 0) -> list[int]:
-        left = max(1.0, self.left())
-        warm = self.warm[solver] if solver < len(self.warm) else None
-        x = warm.solve(cost, left) if warm is not None else None
+    def integer_optimum(self, prog: Program, cost: np.ndarray, solver: int = 0) -> list[int] | None:
+        if self.left() <= 0:
+            self.timed_out = True
+            return None
+        left = max(1.0, self.left())  # a solve begun gets at least a second
+        x = self.warm[solver].solve(cost, left)
         if x is not None and integral(x[prog.integer == 1]):  # an integral LP optimum is an ILP optimum
             return prog.choice(self.problem, x)
-        res = solve_program(self.problem, prog, cost, left)
-        if res.choice is None:
-            raise PlanError(f"the plan search found no valid plan under the memory limit of {self.limit:.0f} bytes "
-                            f"per rank ({res.message}). Raise memory_limit, use a larger mesh, or relax the "
-                            "annotations.")
+        res = solve_program(self.problem, prog, cost, max(1.0, self.left()))
+        if res.choice is None:  # the program without the memory row always has a plan: time ran out
+            self.timed_out = True
         return res.choice
 
-    def point(self, lam: float, units=frozenset(), solver: int = 0) -> Candidate:
-        """The relaxed optimum at ``lam``, its recomputed units chosen by coordinate descent."""
+    def point(self, lam: float, units=frozenset(), solver: int = 0) -> Candidate | None:
+        """The relaxed optimum at ``lam``, its recomputed units chosen by coordinate descent (None: out of time)."""
         for _ in range(4):
             choice = self.relaxed(lam, units, solver)
+            if choice is None:
+                return None
             better = best_units(self.problem, choice, lam)
             if better == units:
                 break
@@ -182,12 +235,15 @@ class _Walk:
         return Candidate.of(self.problem, choice, units, lam)
 
     def points(self, first: tuple, second: tuple | None) -> list[Candidate]:
-        """``point(*first)`` and, on the second HiGHS copy at the same time, ``point(*second)``."""
+        """``point(*first)`` and, on the second HiGHS copy at the same time, ``point(*second)`` (those found in
+        the time left)."""
         if second is None or len(self.warm) < 2:
-            return [self.point(*first)]
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            other = pool.submit(self.point, *second, 1)
-            return [self.point(*first), other.result()]
+            found = [self.point(*first)]
+        else:
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                other = pool.submit(self.point, *second, 1)
+                found = [self.point(*first), other.result()]
+        return [p for p in found if p is not None]
 
     def closest(self, candidates) -> tuple[Candidate | None, Candidate | None]:
         """(lo, hi): the plan over the limit with the least memory and the plan within it with the most (the
@@ -197,8 +253,9 @@ class _Walk:
         return (min(over, key=lambda p: p.memory) if over else None,
                 max(within, key=lambda p: p.memory) if within else None)
 
-    def bracket(self, lo: Candidate) -> tuple[Candidate, Candidate]:
-        """λ raised until a plan fits, a probe at λ/2 bracketing the limit from below; raises when none fits."""
+    def bracket(self, lo: Candidate) -> tuple[Candidate, Candidate | None]:
+        """λ raised until a plan fits, a probe at λ/2 bracketing the limit from below; raises when none fits.
+        ``hi`` is None when time ran out first."""
         self.seen = [lo]
         hi = None
         for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
@@ -206,11 +263,17 @@ class _Walk:
             self.seen += self.points((lam, self.everything), (lam / 2, self.everything))
             self.follow_peak()
             lo, hi = self.closest(self.seen)
-            if hi is not None:
+            if hi is not None or self.timed_out:
                 break
         else:  # the least memory any plan needs (time only breaks ties), for the message
-            fixed = repair(self.problem, *(lambda p: (p.choice, p.recompute))(min(self.seen, key=lambda p: p.memory)))
+            least = min(self.seen, key=lambda p: p.memory)
+            fixed = repair(self.problem, least.choice, least.recompute)
             hi = fixed if fixed is not None else self.least_peak(lo.time)
+            plan = least_memory_plan(self.problem)  # (solver-free)
+            if hi.memory > self.limit >= plan.memory:
+                hi = Candidate(plan.choice, plan.recompute, plan.time, plan.memory, plan.memory, np.inf)
+        if hi is None:
+            return lo, None
         if hi.memory > self.limit:
             raise _no_plan_fits(self.problem, hi.memory)
         self.best, self.multiplier = hi, hi.multiplier
@@ -242,6 +305,17 @@ class _Walk:
                 best = least
         return best
 
+    def final_bound(self) -> float:
+        """The best lower bound: the walk's; when time stopped it, also ``L(λ)`` of every plan the bracket met,
+        and without any, the least seconds of every decision (communication costs at least nothing)."""
+        if not self.timed_out:
+            return self.bound
+        bounds = [self.bound]
+        bounds += [p.time + p.multiplier * (p.priced_memory - self.limit) for p in self.seen
+                   if p.multiplier is not None and np.isfinite(p.multiplier)]
+        bounds.append(sum(min(d.cost) for d in self.problem.decisions if d.cost))
+        return max(bounds)
+
     def repaired(self, p: Candidate) -> None:
         """Every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the walk early."""
         fixed = repair(self.problem, p.choice, p.recompute)
@@ -266,6 +340,9 @@ class _Walk:
                 self.repaired(p)
                 logger.debug("λ=%.3e t=%.6f m=%.4e bound=%.6f best=%.6f", p.multiplier, p.time, p.memory,
                              self.bound, self.best.time)
+            if self.timed_out:
+                self.best = min([self.best, *(p for p in xs if p.memory <= self.limit)], key=lambda p: p.time)
+                break  # (a point found beside one that was not is no step of the walk)
             line = lo.time + lam * lo.priced_memory
             if xs[0].time + lam * xs[0].priced_memory >= line - GAP_TOLERANCE * abs(line):
                 break  # nothing below the segment: λ is the best multiplier
@@ -330,11 +407,10 @@ def lp_bound(problem: Problem, lam: float) -> float:
     λ (coordinate descent) and so may overstate this one; solving this program takes ~3× longer per λ, so the
     search does not (``bench/search_plans.py`` prints both)."""
     prog = _shares_program(problem)
-    warm = WarmLP.create(prog)
     objective = prog.c + lam * prog.mem
-    x = warm.solve(objective, DEFAULT_TIME_LIMIT) if warm is not None else None
+    x = WarmLP.create(prog).solve(objective, DEFAULT_TIME_LIMIT)
     if x is None:
-        raise PlanError("lp_bound: HiGHS did not solve the program (it needs scipy.optimize._highspy)")
+        raise PlanError(f"lp_bound: HiGHS did not solve the program in {DEFAULT_TIME_LIMIT:g} s")
     most = sum(max(ties(problem, d), default=0.0) for d in problem.decisions)  # the most ties add to a plan
     return float(objective @ x) - lam * (problem.memory_limit - problem.fixed_memory) - most
 

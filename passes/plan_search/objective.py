@@ -329,14 +329,20 @@ def format_bytes(b: float) -> str:
     return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
-def explain(problem: Problem, choice: list[int]) -> list[M.Decision]:
-    """Per decision: its cost share and the best rejected option (cost if only this decision changed)."""
+def terms_touching(problem: Problem) -> dict[int, list[ValueTerm]]:
+    """{decision: the value terms whose seconds depend on its option}."""
     touching: dict[int, list[ValueTerm]] = {}
     for term in problem.terms:
         ds = {d for d, _, _ in term.out} | {d for users in term.needs.values() for d, _ in users}
         ds |= {d for users in term.syncs.values() for d, _ in users}
         for d in ds:
             touching.setdefault(d, []).append(term)
+    return touching
+
+
+def explain(problem: Problem, choice: list[int]) -> list[M.Decision]:
+    """Per decision: its cost share and the best rejected option (cost if only this decision changed)."""
+    touching = terms_touching(problem)
     decisions: list[M.Decision] = []
     for i, d in enumerate(problem.decisions):
         terms = touching.get(i, [])

@@ -11,13 +11,22 @@ communication seconds stay those of the starting plan and each move's seconds an
 
 With neither ZeRO stages nor recomputation to choose (``zero=0``, no ``recompute="auto"``) there is no move: a plan
 over the limit stays over it.
+
+When the search's time runs out before the walk met a plan within the limit, :func:`fallback_plan` makes one without
+a solver, in time linear in the program: the memory is a sum over decisions (plus the transient bytes), so the
+option of least bytes per decision, every unit recomputed, is the least-memory plan (:func:`least_memory_plan`);
+coordinate descent over layouts (:func:`improve_layouts`: per decision the option of fewest seconds, its value
+terms included, that keeps the plan within the limit) and :func:`repair` then buy back time. Without a limit (HiGHS
+out of time on the unconstrained program) the descent starts from :func:`quickest_plan`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from autoshard.passes.plan_search.objective import Candidate, term_cost, transient_bytes
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, option_cost, option_memory, term_cost,
+                                                    terms_touching, transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
 
 
@@ -169,3 +178,67 @@ def _order(move: Move) -> tuple:
 def _key(pm: PricedMove) -> tuple:
     """The order the moves were tried in before (seconds, bytes, then the move itself): deterministic."""
     return (pm.seconds, pm.bytes, _order(pm.move))
+
+
+def least_memory_plan(problem: Problem) -> Candidate:
+    """Per decision the option of fewest bytes (fewest seconds among equals), every unit recomputed."""
+    every = frozenset(range(len(problem.units)))
+    choice = []
+    for d in problem.decisions:
+        mem, cost = option_memory(d, every), option_cost(d, every)
+        choice.append(min(range(len(d.options)), key=lambda k: (mem[k], cost[k], k)))
+    return Candidate.of(problem, choice, every, float("inf"))
+
+
+def improve_layouts(problem: Problem, start: Candidate, deadline: float) -> Candidate:
+    """Coordinate descent from ``start`` (within the limit): per decision, the option of fewest seconds (its own and
+    those of the value terms it touches) whose bytes keep the plan within the limit; rounds until none improves or
+    ``deadline`` (``time.perf_counter()``) passes."""
+    limit = problem.memory_limit if problem.memory_limit is not None else float("inf")
+    units = start.recompute
+    touching = terms_touching(problem)
+    choice = list(start.choice)
+    t, m = start.time, start.memory
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for i, d in enumerate(problem.decisions):
+            if time.perf_counter() >= deadline:
+                break
+            k0 = choice[i]
+            cost, mem = option_cost(d, units), option_memory(d, units)
+            seconds = {}
+            for k in range(len(d.options)):
+                if k == k0 or m + mem[k] - mem[k0] <= limit:
+                    choice[i] = k
+                    seconds[k] = cost[k] + sum(term_cost(term, choice) for term in touching.get(i, ()))
+            k = min(seconds, key=lambda k: (seconds[k], k))
+            choice[i] = k
+            if k == k0 or not seconds[k] < seconds[k0]:
+                choice[i] = k0
+                continue
+            t2, m2 = evaluate(problem, choice, units)  # exact: the transient bytes depend on the whole choice
+            if m2 <= limit and t2 < t:
+                t, m, improved = t2, m2, True
+            else:
+                choice[i] = k0
+    return Candidate.of(problem, choice, units, start.multiplier)
+
+
+def quickest_plan(problem: Problem) -> Candidate:
+    """Per decision the option of fewest seconds of its own (communication left out), nothing recomputed."""
+    choice = [min(range(len(d.options)), key=lambda k: (d.cost[k], k)) for d in problem.decisions]
+    return Candidate.of(problem, choice, frozenset())
+
+
+def fallback_plan(problem: Problem, seconds: float) -> Candidate | None:
+    """A plan within the limit made without a solver in about ``seconds`` (see the module docstring), or None when
+    even the least-memory plan does not fit. Without a limit: coordinate descent from :func:`quickest_plan`."""
+    if problem.memory_limit is None:
+        return improve_layouts(problem, quickest_plan(problem), time.perf_counter() + seconds)
+    least = least_memory_plan(problem)
+    if least.memory > problem.memory_limit:
+        return None
+    best = improve_layouts(problem, least, time.perf_counter() + seconds)
+    fixed = repair(problem, best.choice, best.recompute)
+    return fixed if fixed is not None and fixed.time <= best.time else best
