@@ -130,7 +130,8 @@ def format_case(name, mesh_axes, limit, rows) -> str:
                  f"{rep['cpu_seconds']:.2f} s CPU "
                  f"({rep['method']}); {status}")
     lines.append(f"  search's own estimate: step {rep['step_time'] * 1e3:.2f} ms (with recomputation's extra forward, "
-                 f"as Plan.cost prices it too), memory {rep['memory_per_rank'] / GiB:.2f} GiB (its sum)")
+                 f"as Plan.cost prices it too), memory {rep['memory_per_rank'] / GiB:.2f} GiB "
+                 "(the peak by cost_models.memory)")
     lines.append(f"  chosen: ZeRO stages {rep['zero_stages']} (stage: parameters), recomputed layers "
                  f"{len(rep['recomputed'])}")
     for w in s["warnings"]:

@@ -26,9 +26,12 @@ not activations. Two views of one saved tensor both count (an over-estimate that
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.fx import Node
 
@@ -182,22 +185,220 @@ def recompute_region(node: Node) -> str | None:
     return node.meta.get(M.RECOMPUTE) if node.op == "call_function" else None
 
 
-# ---- a plan's memory per rank, by kind ---------------------------------------------------------------------
+# ---- liveness points: the moments a step's peak is taken at -----------------------------------------------
+def segment_key(node: Node) -> str | None:
+    """The repeated layer ``node`` lies in — its module path (a parameter: its target) up to the first numeric
+    component, ``model.layers.3`` — or None outside every numbered module."""
+    path = str(node.target) if node.op == "get_attr" else M.module_path(node)
+    parts = path.split(".") if path else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _inherits_segment(node: Node) -> bool:
+    """Nodes a pass inserted (collectives, getitems, casts without a module stack) lie where their neighbours do."""
+    return (M.COLLECTIVE in node.meta or node.target is operator.getitem or not node.meta.get("nn_module_stack"))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The forward cut into segments — what precedes the first repeated layer, each layer copy, what lies between
+    and after — and the liveness points of a training step:
+
+    - point 0, the end of forward: every saved activation, no gradient;
+    - point ``k`` (1 .. S-1): the backward of the last ``k`` segments done — their activations freed, the
+      gradients of the parameters they use made;
+    - point S, the optimizer step: every gradient, no activation.
+
+    An activation lives from its forward to its segment's backward (:meth:`activation_alive`), a gradient from its
+    parameter's last segment's backward to the step (:meth:`gradient_alive`). The anchors' ILPs (Alpa,
+    autoparallel) bound memory at such points; the peak of a step is the largest of them."""
+
+    segments: tuple[str, ...]
+    index: dict = field(default_factory=dict, compare=False)  # call_function node -> segment number
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)  # (kind, segment or node) -> answer
+
+    @classmethod
+    def of(cls, gm) -> Timeline:
+        segments: list[str] = []
+        number: dict[str, int] = {}
+        index: dict[Node, int] = {}
+        current: str | None = None
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            key = segment_key(n)
+            if key is None:
+                if current is not None and (_inherits_segment(n) or current.startswith("between ")
+                                            or current == "prologue"):
+                    key = current
+                else:
+                    key = "prologue" if current is None else f"between {current}"
+            if key not in number:
+                number[key] = len(segments)
+                segments.append(key)
+            index[n] = number[key]
+            current = key
+        return cls(tuple(segments) or ("prologue",), index)
+
+    @property
+    def points(self) -> int:
+        return len(self.segments) + 1
+
+    def names(self) -> list[str]:
+        s = len(self.segments)
+        return (["end of forward"] + [f"backward done through {self.segments[s - k]}" for k in range(1, s)]
+                + ["optimizer step"])
+
+    def segment(self, node: Node) -> int:
+        """The segment of a call_function node (0 for any other node)."""
+        return self.index.get(node, 0)
+
+    def activation_alive(self, segment: int) -> np.ndarray:
+        """1 at the points an activation of ``segment`` is alive (until its segment's backward), else 0."""
+        key = ("activation", segment)
+        if key not in self._cache:
+            self._cache[key] = (np.arange(self.points) < len(self.segments) - segment).astype(float)
+        return self._cache[key]
+
+    def gradient_alive(self, segment: int) -> np.ndarray:
+        """1 at the points a gradient made by ``segment``'s backward is alive (from then to the step), else 0."""
+        key = ("gradient", segment)
+        if key not in self._cache:
+            self._cache[key] = (np.arange(self.points) >= len(self.segments) - segment).astype(float)
+        return self._cache[key]
+
+    def uses(self, param: Node) -> tuple[int, int]:
+        """(first, last) segment of the ops that use ``param`` (through views, casts and collectives)."""
+        key = ("uses", param)
+        if key not in self._cache:
+            self._cache[key] = self._uses(param)
+        return self._cache[key]
+
+    def _uses(self, param: Node) -> tuple[int, int]:
+        seen, todo, segs = set(), list(param.users), []
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.op != "call_function":
+                continue
+            if M.COLLECTIVE in u.meta or str(u.target) in _CASTS or entry(u.target).bytes == "view":
+                todo.extend(u.users)
+            segs.append(self.segment(u))
+        return (min(segs), max(segs)) if segs else (0, 0)
+
+
+def parameter_points(timeline: Timeline, state: dict[str, int], first: int, last: int) -> np.ndarray:
+    """Bytes per liveness point of one parameter whose :func:`zero_state_bytes` are ``state``, used by segments
+    ``first`` .. ``last``: stored tensor and optimizer state always, its gradient from ``last``'s backward, a kept
+    gathered copy (ZeRO-1/2) until ``first``'s backward."""
+    return (np.full(timeline.points, float(state["parameters"] + state["optimizer"]))
+            + state["gradients"] * timeline.gradient_alive(last)
+            + state["gathered"] * timeline.activation_alive(first))
+
+
+# ---- saved activations of values: one accounting for a plan's graph and for the search ---------------------
+def keeps(reader: Node, arg: Node, origin: Node, region_of: Callable[[Node], str | None] = recompute_region) -> bool:
+    """``reader`` keeps ``arg`` (a copy of the value ``origin``: itself, or ``origin`` redistributed) for its
+    backward: it saves that argument (the op's ``saves`` facet), or it lies in a recomputation region that does not
+    hold ``origin`` (a region keeps its inputs to run again). A reader in ``origin``'s own region keeps nothing."""
+    mine, theirs = region_of(origin), region_of(reader)
+    if mine is not None and theirs == mine:
+        return False
+    return theirs is not None or any(x is arg for x in _saved_inputs(reader))
+
+
+@dataclass
+class SavedValue:
+    """One value of the forward, as the memory model sees it in a plan: ``node`` (its op, or a getitem), the bytes
+    of its own outputs on one rank (``own``: one entry per output; a getitem's single output), ``reads``: who reads
+    which copy — ``(reader, arg, copy)`` with ``arg`` the node the reader takes (``reader`` None: a reader already
+    known to keep it), ``copy`` None for the value itself or ``(key, bytes)`` for a redistributed copy (one per
+    target layout) — and ``alive``: the liveness
+    points it counts at (a multiple of :meth:`Timeline.activation_alive`: tied layer copies add up)."""
+
+    node: Node
+    own: list[int]
+    reads: list[tuple]
+    alive: np.ndarray
+    numel: int = 0  # elements of its own (first) output on one rank: dropout's mask
+
+
+def region_part(v: SavedValue) -> SavedValue:
+    """What of ``v`` (a value in a recomputation region) its region keeps while its backward runs: its own output,
+    and the copies that readers in the same region take."""
+    region = recompute_region(v.node)
+    reads = [(r, a, c) for r, a, c in v.reads if c is None or recompute_region(r) == region]
+    return SavedValue(v.node, v.own, reads, v.alive, v.numel)
+
+
+def storage_key(node: Node):
+    """What ``node``'s output shares storage with: through views and same-dtype casts to a value; a getitem of a
+    multi-output op is ``(op, index)``."""
+    base = _storage_base(node)
+    if base.target is operator.getitem and isinstance(base.args[0], Node):
+        return (base.args[0], base.args[1])
+    return base
+
+
+def saved_bytes(values: list[SavedValue], region_of: Callable[[Node], str | None] = recompute_region
+                ) -> tuple[np.ndarray, int]:
+    """(bytes per liveness point, bytes at the end of forward) of the saved activations of ``values``.
+
+    A value's own output counts when it saves it (relu, softmax, attention: every output) or a reader keeps the
+    value itself (:func:`keeps`); a redistributed copy counts once per layout a reader keeps; dropout adds its
+    boolean mask. Outputs sharing storage (views, same-dtype casts, a getitem and its op) count once: the largest."""
+    shared: dict = {}  # storage key -> (bytes, alive)
+    points = None
+    for v in values:
+        points = np.zeros_like(v.alive) if points is None else points
+        mine = region_of(v.node)
+        multi = len(v.own) > 1
+        own = mine is None and OUTPUT in _saves(v.node)
+        copies: dict = {}
+        for reader, arg, copy in v.reads:
+            if reader is not None and not keeps(reader, arg, v.node, region_of):
+                continue
+            if copy is None:
+                own = True
+            else:
+                copies[copy[0]] = copy[1]
+        if own:
+            keys = [(v.node, k) for k in range(len(v.own))] if multi else [storage_key(v.node)]
+            for key, b in zip(keys, v.own):
+                if b > shared.get(key, (0, None))[0]:
+                    shared[key] = (b, v.alive)
+        extra = sum(copies.values()) + (v.numel if MASK in _saves(v.node) and mine is None else 0)
+        if extra:
+            points = points + extra * v.alive
+    for b, alive in shared.values():
+        points = points + b * alive
+    if points is None:
+        return np.zeros(1), 0
+    return points, int(round(points[0]))
+
+
+# ---- a plan's memory per rank, by kind and by liveness point -----------------------------------------------
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Estimated bytes per rank of one plan, by kind, and the peak of a training step.
 
     - ``parameters``, ``gradients``, ``optimizer``: the stored parameters (ZeRO shards where stored so), their
       gradients and optimizer state (:func:`zero_state_bytes`); ``buffers``: buffers and frozen parameters;
-    - ``activations``: what autograd keeps from forward for backward (:func:`activation_bytes`, at local sizes);
+    - ``activations``: what autograd keeps from forward for backward (:func:`saved_bytes`, at local sizes);
     - ``gathered``: parameter copies made for compute and kept for backward — every ZeRO-1/2 parameter's gathered
       copy, for ZeRO-3 the largest layer's twice (the layer in use, and the next layer's gather the runtime prefetches),
       and the copies other redistributions of a parameter make (a gradient sync's clone, a gather for a layout).
 
-    The step's peak is the larger of two moments: the end of forward (everything but gradients: a step's gradients
-    appear as its activations are freed, so the two are not counted together) and the optimizer step (parameters,
-    gradients and optimizer state, plus the optimizer's temporaries: one parameter-sized buffer of the largest
-    parameter for a per-parameter update).
+    The step's peak is the largest of its liveness points (:class:`Timeline`): the end of forward (everything but
+    gradients), each backward segment boundary (``between``: the activations of the segments not yet run
+    backward, the gradients of those that have) and the optimizer step (parameters, gradients and optimizer state,
+    plus the optimizer's temporaries: one parameter-sized buffer of the largest parameter for a per-parameter
+    update).
     """
 
     parameters: int = 0
@@ -212,6 +413,8 @@ class MemoryBreakdown:
     #: loss), plus the activations of one recomputed region while its backward runs (the largest region's)
     temporaries: int = 0
     stages: dict = field(default_factory=dict)  # ZeRO stage -> number of parameters stored at it
+    #: bytes at each backward segment boundary (the liveness points between the end of forward and the step)
+    between: tuple = ()
 
     @property
     def end_of_forward(self) -> int:
@@ -222,8 +425,13 @@ class MemoryBreakdown:
         return self.parameters + self.gradients + self.optimizer + self.buffers + self.largest_parameter
 
     @property
+    def points(self) -> tuple[int, ...]:
+        """Bytes at every liveness point, in :meth:`Timeline.names` order."""
+        return (self.end_of_forward, *self.between, self.optimizer_step)
+
+    @property
     def peak(self) -> int:
-        return max(self.end_of_forward, self.optimizer_step)
+        return max(self.points)
 
     def as_dict(self) -> dict:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
@@ -231,14 +439,22 @@ class MemoryBreakdown:
                 "temporaries": self.temporaries, "peak": self.peak, "stages": dict(self.stages)}
 
 
-def _layer_of(fqn: str) -> str:
-    """The repeated layer a parameter belongs to: its FQN up to the first numeric component (``blocks.3``,
-    ``model.layers.11``); the FQN itself where there is none."""
-    parts = fqn.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:i + 1])
-    return fqn
+def point_totals(fixed: float, varying: np.ndarray, zero3_gathered: float, temporaries: float,
+                 largest_parameter: float) -> np.ndarray:
+    """Bytes per liveness point from the sums: ``fixed`` (at every point), ``varying`` (per point: activations,
+    gradients, kept gathered copies), the ZeRO-3 layers gathered at once (every point but the step), backward's
+    first temporaries (the end of forward) and the optimizer's (the step)."""
+    out = fixed + np.asarray(varying, dtype=float)
+    out[:-1] += zero3_gathered
+    out[0] += temporaries
+    out[-1] += largest_parameter
+    return out
+
+
+def largest_gradient(local_numel: int, dtype: torch.dtype) -> int:
+    """Bytes of an activation's gradient in backward: at least fp32 (losses compute in fp32: vocab-parallel
+    cross-entropy, HF's upcast)."""
+    return int(local_numel) * max(dtype.itemsize, 4)
 
 
 _CASTS = ("aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")
@@ -268,25 +484,65 @@ def _parameter_copy(node: Node) -> tuple[Node | None, bool]:
     return cur, False
 
 
-def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None) -> MemoryBreakdown:
-    """:class:`MemoryBreakdown` of an annotated global graph (after ``propagate``; ZeRO storage read from
-    :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None: the parameters'
-    own dtype)."""
-    import math
+def _is_collective(n: Node) -> bool:
+    return n.op == "call_function" and M.COLLECTIVE in n.meta and bool(n.args) and isinstance(n.args[0], Node)
 
+
+def _through_syncs(n: Node) -> Node:
+    """A gradient sync is the identity forward: the copy it passes on is its input's."""
+    while _is_collective(n) and n.meta[M.COLLECTIVE].kind == "grad_all_reduce":
+        n = n.args[0]
+    return n
+
+
+def _origin(n: Node) -> Node:
+    """The value a chain of collectives redistributes."""
+    while _is_collective(n):
+        n = n.args[0]
+    return n
+
+
+def _tensor_args(node: Node) -> list[Node]:
+    out = []
+    for a in (*node.args, *node.kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(x, Node):
+                out.append(x)
+    return out
+
+
+def _own_bytes(node: Node, spec, local_numel: Callable) -> tuple[list[int], int]:
+    """(local bytes of each output of ``node`` under ``spec``, local elements of its first output)."""
+    tensors = output_tensors(node)
+    multi = isinstance(spec, tuple) and spec and isinstance(spec[0], tuple)
+    specs = list(spec) if multi else [spec] * len(tensors)
+    own = [local_numel(t.shape, s) * t.element_size() for t, s in zip(tensors, specs)]
+    return own, (local_numel(tensors[0].shape, specs[0]) if tensors else 0)
+
+
+def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None,
+                in_flight: int = 1) -> MemoryBreakdown:
+    """:class:`MemoryBreakdown` of an annotated global graph (after ``propagate`` and ``insert_collectives``; ZeRO
+    storage read from :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None:
+    the parameters' own dtype). ``in_flight``: microbatches whose activations are alive at once (a pipeline
+    stage's: :meth:`autoshard.pipeline.plan.PipelinePlan.stage_memory`; their gradients accumulate in one set).
+    Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of."""
+    if not isinstance(in_flight, int) or in_flight < 1:
+        raise PlanError(f"plan_memory has in_flight={in_flight!r}, but it counts microbatches: an int >= 1.")
     from autoshard.placements import local_shape
 
     def local_numel(shape_, spec) -> int:
         return math.prod(local_shape(tuple(shape_), spec, mesh))
 
+    timeline = Timeline.of(gm)
     kinds = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers", "activations", "gathered"), 0)
+    varying = np.zeros(timeline.points)  # gradients and kept copies per point (activations are added below)
     largest = 0
     stages: dict[int, int] = {}
     layer_gathers: dict[str, int] = {}
     largest_activation = 0
     regions: dict[str, int] = {}
-    by_storage: dict[Node, int] = {}
-    region_of = _regions_with_collectives(gm)
+    values: dict[Node, SavedValue] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "get_attr" and isinstance(val, torch.Tensor):
@@ -302,64 +558,60 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                                      else None)
             for k in ("parameters", "gradients", "optimizer", "gathered"):
                 kinds[k] += state[k]
+            first, last = timeline.uses(n)
+            varying += parameter_points(timeline, state, first, last) - (state["parameters"] + state["optimizer"])
             largest = max(largest, state["parameters"])
             stages[stage] = stages.get(stage, 0) + 1
             if stage == 3:
                 gathered = param_bytes(local_numel(val.shape, compute), compute_dtype or val.dtype)
-                layer = _layer_of(n.meta.get(M.PARAM, str(n.target)))
+                layer = segment_key(n) or str(n.target)
                 layer_gathers[layer] = layer_gathers.get(layer, 0) + gathered
         elif n.op == "call_function" and n.meta.get(M.REQUIRES_GRAD) and M.SPEC in n.meta:
             spec = n.meta[M.SPEC]
             source, counted = _parameter_copy(n)
             if source is not None:  # a copy of a parameter made for compute: never an activation
                 if not counted and isinstance(val, torch.Tensor):
-                    kinds["gathered"] += activation_bytes(n, local_numel(val.shape, spec))
+                    b = activation_bytes(n, local_numel(val.shape, spec))
+                    kinds["gathered"] += b
+                    varying += b * timeline.activation_alive(timeline.segment(n))
                 continue
-            if isinstance(val, torch.Tensor) and isinstance(spec, tuple) and (not spec or not isinstance(spec[0], tuple)):
-                local = local_numel(val.shape, spec)
-                saved = activation_bytes(n, local, region_of=region_of)
-                if saved:  # one storage counts once, whichever of its aliases (views, same-dtype casts) is saved
-                    base = _storage_base(n)
-                    kinds["activations"] += max(0, saved - by_storage.get(base, 0))
-                    by_storage[base] = max(by_storage.get(base, 0), saved)
-                # its gradient, at least in fp32: losses compute in fp32 (vocab-parallel cross-entropy, HF's upcast)
-                largest_activation = max(largest_activation, local * max(val.element_size(), 4))
-                region = region_of(n)
-                if region is not None:  # what the region saves while its backward runs, recomputed
-                    regions[region] = regions.get(region, 0) + activation_bytes(n, local, region_of=_no_region)
+            if _is_collective(n) or _is_param(n) or not output_tensors(n):
+                continue
+            own, numel = _own_bytes(n, spec, local_numel)
+            values[n] = SavedValue(n, own, [], timeline.activation_alive(timeline.segment(n)), numel)
+            if len(own) == 1:
+                largest_activation = max(largest_activation, largest_gradient(numel, val.dtype))
+    # who reads which copy of each value: itself (through gradient syncs) or a redistribution of it
+    for r in gm.graph.nodes:  # (the output node keeps nothing, but a copy made for it has a gradient in backward)
+        if r.op not in ("call_function", "output") or _is_collective(r):
+            continue
+        for a in _tensor_args(r):
+            copy = _through_syncs(a)
+            origin = _origin(copy)
+            v = values.get(origin)
+            if v is None:
+                continue
+            if copy is origin:
+                v.reads.append((r, a, None))
             else:
-                kinds["activations"] += activation_bytes(n)  # multi-output: at global size (an over-estimate)
-    if layer_gathers:
-        kinds["gathered"] += 2 * max(layer_gathers.values())  # the layer in use and the next one's prefetch
+                cval = copy.meta["val"]
+                numel = local_numel(cval.shape, copy.meta[M.SPEC])
+                v.reads.append((r, a, (copy, numel * cval.element_size())))
+                largest_activation = max(largest_activation, largest_gradient(numel, cval.dtype))
+    acts, kinds["activations"] = saved_bytes(list(values.values()))
+    acts, kinds["activations"] = acts * in_flight, kinds["activations"] * in_flight
+    for v in values.values():  # what a recomputed region saves while its backward runs, recomputed
+        region = recompute_region(v.node)
+        if region is not None:
+            regions[region] = regions.get(region, 0) + saved_bytes([region_part(v)], _no_region)[1]
+    zero3 = 2 * max(layer_gathers.values(), default=0)  # the layer in use and the next one's prefetch
+    kinds["gathered"] += zero3
     # backward's first temporaries: the largest activation's gradient, and one recomputed region's activations
     temporaries = largest_activation + max(regions.values(), default=0)
-    return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages)
-
-
-def _regions_with_collectives(gm):
-    """``node -> region`` (:data:`autoshard.meta.RECOMPUTE`) where a collective between two ops of one region counts
-    in that region, as the recompute rank pass makes regions convex (the global graph marks only the model's ops)."""
-    nodes = list(gm.graph.nodes)
-
-    def is_collective(n: Node) -> bool:
-        return n.op == "call_function" and M.COLLECTIVE in n.meta and bool(n.args) and isinstance(n.args[0], Node)
-
-    up: dict[Node, str | None] = {}  # the region of the op a chain of collectives starts from
-    for n in nodes:
-        up[n] = recompute_region(n) or (up.get(n.args[0]) if is_collective(n) else None)
-    down: dict[Node, str | None] = {}  # the one region every op a chain of collectives feeds is in
-    for n in reversed(nodes):
-        region = recompute_region(n)
-        if region is None and is_collective(n):
-            users = {down.get(u) for u in n.users}
-            region = users.pop() if len(users) == 1 else None
-        down[n] = region
-    inferred = {n: up[n] for n in nodes if is_collective(n) and up[n] is not None and up[n] == down[n]}
-
-    def region_of(node: Node) -> str | None:
-        return recompute_region(node) or inferred.get(node)
-
-    return region_of
+    fixed = kinds["parameters"] + kinds["optimizer"] + kinds["buffers"]
+    points = point_totals(fixed, varying + acts, zero3, temporaries, largest)
+    return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages,
+                           between=tuple(int(round(x)) for x in points[1:-1]))
 
 
 _ALIAS_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")  # (_to_copy always copies)
@@ -384,3 +636,149 @@ def _storage_base(node: Node) -> Node:
 
 def _no_region(node: Node) -> None:
     return None
+
+
+# ---- the same model, priced per decision option: the plan search's coefficients ----------------------------
+class GraphMemory:
+    """The memory model of a global graph *before* collective insertion, as the plan search prices it.
+
+    Linear coefficients, bytes per liveness point (:class:`Timeline`) of one option of one decision:
+
+    - a parameter stored at a spec and ZeRO stage (:meth:`parameter`: :func:`parameter_points`), a buffer
+      (:meth:`buffer`);
+    - an op's outputs under a strategy (:meth:`op_option`): its saved outputs at local size, as if every reader
+      read them in that layout (a storage shared by views counts at its first saved member);
+
+    and the terms that are no sum of options (:meth:`points`): the copies a redistribution makes for a reader that
+    keeps them, readers that keep another layout than the one produced (an exact account: :func:`saved_bytes` on
+    :class:`SavedValue`\\ s built from the chosen layouts), the ZeRO-3 layer gathered at once, backward's first
+    temporaries and the optimizer's. :func:`plan_memory` prices the same plan after collective insertion with the
+    same functions, so the search's memory of a plan is ``plan.cost()``'s."""
+
+    def __init__(self, gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None,
+                 region_of: Callable[[Node], str | None] = recompute_region):
+        from autoshard.placements import local_shape
+
+        optimizer_state_bytes(0, optimizer)  # an optimizer without a model is an error here, not at pricing
+        self.mesh, self.optimizer, self.compute_dtype, self.region_of = mesh, optimizer, compute_dtype, region_of
+        self.timeline = Timeline.of(gm)
+        self._local_shape = local_shape
+        self.owners: dict = {}  # storage key -> the first node whose saved output lives in it (graph order)
+        self._counted_cache: dict = {}
+        for n in gm.graph.nodes:
+            if not self.is_value(n):
+                continue
+            multi = len(output_tensors(n)) > 1
+            mine = region_of(n)
+            own = mine is None and OUTPUT in _saves(n)
+            if multi:
+                for k in range(len(output_tensors(n))):
+                    if own:
+                        self.owners.setdefault((n, k), n)
+                continue
+            if own or any(keeps(r, n, n, region_of) for r in n.users if r.op == "call_function"):
+                self.owners.setdefault(storage_key(n), n)
+
+    def local_numel(self, shape_, spec) -> int:
+        return math.prod(self._local_shape(tuple(shape_), spec, self.mesh))
+
+    @staticmethod
+    def is_value(n: Node) -> bool:
+        """An activation the model counts: a requires-grad op's output that is no parameter or view of one."""
+        return (n.op == "call_function" and bool(n.meta.get(M.REQUIRES_GRAD)) and bool(output_tensors(n))
+                and not _is_param(n))
+
+    # ---- parameters ----------------------------------------------------------------------------------------
+    def parameter_state(self, node: Node, spec, stage: int, data_size: int) -> dict[str, int]:
+        """:func:`zero_state_bytes` of parameter ``node`` used in layout ``spec``, stored at ZeRO ``stage``."""
+        val = node.meta["val"]
+        cd = self.compute_dtype if self.compute_dtype is not None and val.dtype.is_floating_point else None
+        return zero_state_bytes(self.local_numel(val.shape, spec), stage, data_size, val.dtype, self.optimizer, cd)
+
+    def parameter(self, nodes: list[Node], spec, stage: int, data_size: int) -> np.ndarray:
+        """Bytes per point of the parameters ``nodes`` (tied copies of one decision) in ``spec`` at ``stage``."""
+        out = np.zeros(self.timeline.points)
+        for n in nodes:
+            state = self.parameter_state(n, spec, stage, data_size)
+            out += parameter_points(self.timeline, state, *self.timeline.uses(n))
+        return out
+
+    def zero3_gathered(self, node: Node, spec) -> tuple[str, int]:
+        """(the layer it is gathered with, bytes of its compute copy) of a ZeRO-3 parameter."""
+        val = node.meta["val"]
+        return (segment_key(node) or str(node.target),
+                param_bytes(self.local_numel(val.shape, spec), self.compute_dtype or val.dtype))
+
+    def buffer(self, node: Node, spec) -> int:
+        val = node.meta["val"]
+        return self.local_numel(val.shape, spec) * val.element_size()
+
+    # ---- activations ---------------------------------------------------------------------------------------
+    def alive(self, nodes: list[Node]) -> np.ndarray:
+        """The liveness of activations made by ``nodes`` (tied copies: their points add up)."""
+        return sum((self.timeline.activation_alive(self.timeline.segment(n)) for n in nodes),
+                   np.zeros(self.timeline.points))
+
+    def own_bytes(self, node: Node, output_spec) -> tuple[list[int], int]:
+        """(local bytes of each output, local elements of the first) of ``node`` under ``output_spec``."""
+        return _own_bytes(node, output_spec, self.local_numel)
+
+    def op_option(self, node: Node, output_spec, region_of: Callable | None = None) -> float:
+        """Saved bytes at the end of forward of op ``node``'s outputs in layout ``output_spec``, as if every reader
+        read that layout (the linear part: :meth:`points` adds what redistributions change). Getitems of a
+        multi-output op count with it. ``region_of``: the recomputation regions to price it under."""
+        if not self.is_value(node):
+            return 0.0
+        counted, mask = self._counted(node, region_of or self.region_of)
+        if not counted and not mask:
+            return 0.0
+        own, numel = self.own_bytes(node, output_spec)
+        return float(sum(own[k] for k in counted) + (numel if mask else 0))
+
+    def _counted(self, node: Node, region_of: Callable) -> tuple[tuple[int, ...], bool]:
+        """(the outputs of ``node`` whose saved bytes it carries, whether its dropout mask counts): what
+        :func:`saved_bytes` keeps of its outputs when every reader reads them as produced, each storage at its
+        owner. The same for every layout: cached."""
+        key = (node, region_of)
+        cached = self._counted_cache.get(key)
+        if cached is not None:
+            return cached
+        counted: list[int] = []
+        n_out = len(output_tensors(node))
+        mine = region_of(node)
+        own = mine is None and OUTPUT in _saves(node)
+        if n_out > 1:
+            if own and self.owners.get((node, 0)) is node:
+                counted = list(range(n_out))
+            for g in node.users:
+                if (g.target is operator.getitem and self.is_value(g) and g.args[1] not in counted
+                        and self.owners.get(storage_key(g)) is g
+                        and any(keeps(r, g, g, region_of) for r in g.users if r.op == "call_function")):
+                    counted.append(g.args[1])
+        elif self.owners.get(storage_key(node)) is node and (
+                own or any(keeps(r, node, node, region_of) for r in node.users if r.op == "call_function")):
+            counted = [0]
+        answer = (tuple(counted), MASK in _saves(node) and mine is None)
+        self._counted_cache[key] = answer
+        return answer
+
+    def gradient(self, node: Node, output_spec) -> int:
+        """Bytes of the gradient of ``node``'s output in backward (single-output values; 0 otherwise)."""
+        if not self.is_value(node) or len(output_tensors(node)) != 1:
+            return 0
+        own, numel = self.own_bytes(node, output_spec)
+        return largest_gradient(numel, output_tensors(node)[0].dtype)
+
+    def copy_bytes(self, node: Node, spec) -> int:
+        """Local bytes of a copy of ``node``'s (single) output redistributed to ``spec``."""
+        t = output_tensors(node)[0]
+        return self.local_numel(t.shape, spec) * t.element_size()
+
+    def points(self, fixed: np.ndarray, values: list[SavedValue], zero3_layers: dict[str, int],
+               temporaries: float, largest_parameter: float) -> np.ndarray:
+        """Bytes per liveness point of a plan: ``fixed`` (the options' parameter and buffer bytes per point), the
+        saved activations of ``values`` (:func:`saved_bytes`), the ZeRO-3 layer gathered at once (twice: the one
+        in use and the next one's prefetch), backward's first ``temporaries`` and the optimizer's."""
+        acts = saved_bytes(values, self.region_of)[0] if values else 0.0
+        return point_totals(0.0, fixed + acts, 2 * max(zero3_layers.values(), default=0), temporaries,
+                            largest_parameter)

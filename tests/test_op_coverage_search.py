@@ -1,7 +1,7 @@
-"""Issue "Any model" under the exact search: with default options, ``planner="search"`` and a memory limit of 60% of
-the unconstrained searched plan's per-rank memory on data=2 x model=2, T5, BART, ViT, Bloom, GPT-J, Mixtral,
-Qwen2-MoE and a Conv+BatchNorm CNN compile, shard some parameter on the `model` axis, and equal one device in loss
-and every gradient (1e-4) in the simulator; the CNN's running statistics equal one device's after a step.
+"""Issue "Any model" under the exact search: with default options, ``planner="search"`` and a memory limit of 60%
+(Mixtral: 70%) of the unconstrained searched plan's per-rank memory on data=2 x model=2, T5, BART, ViT, Bloom, GPT-J,
+Mixtral, Qwen2-MoE and a Conv+BatchNorm CNN compile, shard some parameter on the `model` axis, and equal one device
+in loss and every gradient (1e-4) in the simulator; the CNN's running statistics equal one device's after a step.
 
 The limited searches of T5, BART, Mixtral and Qwen2-MoE are hard integer programs for HiGHS (a memory knapsack over
 thousands of binaries: the LP bound is ~2-4% below the first plans it finds and branching closes the gap slowly,
@@ -27,6 +27,9 @@ from tests.test_op_coverage import MESH, _check, check_running_stats
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
 FRACTION = 0.6
+#: Mixtral's least plan needs 65% of its unconstrained plan's peak by the memory model's liveness points (the search
+#: used to bound a sum of every byte a step keeps, of which 60% was reachable)
+FRACTIONS = {"MixtralForCausalLM": 0.7}
 TIME_LIMIT = 60.0  # seconds for each search (the search's default is 120); one stopped by it reports its gap
 
 
@@ -37,18 +40,17 @@ def solver_time_limit(monkeypatch):
 
 
 def _check_limited(monkeypatch, factory, **compile_kw):
-    """Search without a limit, then under 60% of that plan's per-rank memory (as the search counts it); ``_check``
+    """Search without a limit, then under 60% (:data:`FRACTIONS`) of that plan's per-rank memory; ``_check``
     compares the second plan with one device (it calls ``autoshard.compile``, routed here to the limited search)."""
     model, args, kwargs = factory()
     search = functools.partial(autoshard.compile, planner="search", **compile_kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         free = search(copy.deepcopy(model), MESH, example_inputs=args, example_kwargs=kwargs).plan
-    # the search bounds its own memory model (a sum over everything a step keeps); plan.cost() estimates the step's
-    # peak (cost_models/memory.py: plan_memory), which is never above it for these plans: both must fit the limit
+    # the search and plan.cost() price the same memory model (cost_models/memory.py): both must fit the limit
     unconstrained = free.context.report["plan_search"]["memory_per_rank"]
-    assert free.cost().memory_per_rank <= unconstrained * (1 + 1e-9)
-    limit = FRACTION * unconstrained
+    assert free.cost().memory_per_rank == pytest.approx(unconstrained, rel=0.01)
+    limit = FRACTIONS.get(type(model).__name__, FRACTION) * unconstrained
     monkeypatch.setattr(autoshard, "compile", functools.partial(search, memory_limit=limit))
     plan, messages = _check(lambda: (model, args, kwargs))
     assert plan.context.report["plan_search"]["memory_limit"] == pytest.approx(limit)

@@ -173,9 +173,11 @@ def test_repair_starts_from_the_shares_it_is_given():
     fixed = repair(problem, choice, none)
     assert fixed.recompute == none and list(fixed.choice) == choice
     assert (fixed.time, fixed.memory) == pytest.approx((t, m), rel=1e-12)
-    problem.memory_limit = 0.9 * m  # now some copy must be recomputed or some parameter sharded
+    # now some copy must be recomputed (no ZeRO here); recomputing frees activations, not the optimizer step's
+    # parameters, gradients and Adam state, which bound the peak from below (~7% under the end of forward here)
+    problem.memory_limit = 0.95 * m
     fixed = repair(problem, choice, none)
-    assert fixed.memory <= 0.9 * m and fixed.time >= t
+    assert fixed.memory <= 0.95 * m and fixed.time >= t
     assert [d.options[k] for d, k in zip(problem.decisions, fixed.choice)] == \
         [d.options[k] for d, k in zip(problem.decisions, choice)]
     assert (fixed.time, fixed.memory) == pytest.approx(evaluate(problem, list(fixed.choice), fixed.recompute),
@@ -265,11 +267,12 @@ def mamba_free():
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 def test_a_search_out_of_time_returns_a_plan_that_fits_and_reports_its_gap(monkeypatch, mamba_free):
     """HiGHS used to stop at the time limit with no plan at all (205 s on this case). With a time limit too short
-    for any solve, the search returns a plan within 60% of the unconstrained plan's memory (the search's own memory
-    model), reports that time stopped it and its gap to a lower bound, and warns with that gap."""
+    for any solve, the search returns a plan within 80% of the unconstrained plan's memory (the least plan with
+    zero=0 needs ~69% by the memory model), reports that time stopped it and its gap to a lower bound, and warns
+    with that gap."""
     import warnings
 
-    limit = 0.6 * mamba_free.context.report["plan_search"]["memory_per_rank"]
+    limit = 0.8 * mamba_free.context.report["plan_search"]["memory_per_rank"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = _mamba_plan(monkeypatch, limit, time_limit=1e-3)
@@ -285,7 +288,7 @@ def test_a_search_out_of_time_returns_a_plan_that_fits_and_reports_its_gap(monke
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 def test_a_limit_no_plan_meets_is_refused_before_any_solve(monkeypatch, mamba_free):
     """The issue's limit, 60% of the unconstrained plan's ``plan.cost()`` peak, is below the least memory the
-    search's model allows for any plan with zero=0 (it sums every saved activation and parameter state): that is
+    memory model allows for any plan with zero=0 (~69% of it): that is
     the one error, naming the least memory and the options that lower it — found without a solve, so even a time
     limit too short for one gives it."""
     limit = 0.6 * mamba_free.cost().memory_per_rank

@@ -9,7 +9,6 @@ and a stage program is made by the plan's one checked path, :meth:`autoshard.pla
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -169,27 +168,26 @@ class PipelinePlan:
             console.print(text, markup=False, highlight=False)
 
     def stage_memory(self, stage: int, rank: int = 0) -> int:
-        """Estimated bytes on a rank for stage ``stage``: parameters + gradients + Adam state, plus the
-        activations of the microbatches in flight (all of them for GPipe, ``stages - stage`` for 1F1B)."""
-        from autoshard.cost_models.memory import activation_bytes, training_state_bytes
+        """Estimated peak bytes on a rank for stage ``stage`` (:func:`autoshard.cost_models.memory.plan_memory` of
+        the stage's graph on the non-pipe axes, with the plan's optimizer and mixed precision): its parameters,
+        gradients and optimizer state, plus the saved activations of the microbatches in flight at once (all of
+        them for GPipe, ``stages - stage`` for 1F1B)."""
+        return self.stage_breakdown(stage, rank).peak
 
-        gm = self.stages[stage].gm
-        self.mesh._check_rank(rank)
-        state = acts = 0
-        for n in gm.graph.nodes:
-            val = n.meta.get("val")
-            if n.op == "get_attr" and isinstance(val, torch.Tensor) and isinstance(val, torch.nn.Parameter):
-                numel = 1
-                for s in local_shape(val.shape, n.meta[M.SPEC], self.submesh):
-                    numel *= s
-                state += training_state_bytes(numel, val.dtype)
-            elif n.op == "call_function":
-                with contextlib.suppress(Exception):  # an estimate: ops the memory model cannot price count 0
-                    acts += activation_bytes(n)
+    def stage_breakdown(self, stage: int, rank: int = 0):
+        """:class:`autoshard.cost_models.memory.MemoryBreakdown` of stage ``stage`` on ``rank`` (see
+        :meth:`stage_memory`)."""
+        from autoshard.cost_models.memory import plan_memory
+
+        self.mesh._check_rank(rank)  # shards are even: every rank of a stage holds the same bytes
+        if not 0 <= stage < self.num_stages:
+            raise PlanError(f"stage_memory has stage={stage}, but the pipeline has stages 0..{self.num_stages - 1}.")
         flight = self.pipeline.microbatches if self.pipeline.schedule == "gpipe" else \
             min(self.pipeline.microbatches, self.num_stages - stage)
-        shard = max(1, self.submesh.size)
-        return state + flight * acts // shard
+        options = self.plan.context.options
+        precision = options.precision
+        return plan_memory(self.stages[stage].gm, self.submesh, options.optimizer,
+                           precision.param_dtype if precision is not None else None, in_flight=flight)
 
 
 def _submesh(mesh: Mesh, axis: str) -> Mesh:

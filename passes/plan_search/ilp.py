@@ -16,8 +16,9 @@ memory row):
   (:meth:`_Builder.syncs`); graph outputs add a cost per producer spec (:meth:`_Builder.outputs`).
 * objective: ``Σ x·compute_time + Σ q·redistribution_time + Σ g·all_reduce_time`` (seconds, forward + backward;
   no overlap of communication and compute), plus the tie-breaking seconds of :func:`.objective.ties`;
-* memory: ``Σ x·bytes ≤ limit − fixed`` (:func:`build_program` with ``memory_row``; :func:`with_memory_row` adds it
-  to a program built without).
+* memory: per liveness point of :mod:`autoshard.cost_models.memory`, ``Σ x·bytes[point] + transients ≤ limit −
+  fixed[point]`` (:func:`build_program` with ``memory_row``: :meth:`_Builder.memory_rows`); :func:`with_memory_row`
+  adds the one row the Lagrangian walk prices to a program built without.
 
 HiGHS solves the LP relaxation first (through ``scipy.optimize.milp``): an integral LP optimum is an optimum of the
 integer program; otherwise it branches (``mip_rel_gap = 0``). Objectives are solved in nanoseconds, since HiGHS also
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-from autoshard.passes.plan_search.objective import option_vectors
+from autoshard.cost_models.memory import largest_gradient
+from autoshard.passes.plan_search.objective import option_vectors, recomputed_share
 from autoshard.passes.plan_search.problem import Problem, ValueTerm, output_spec_for
 
+from autoshard import meta as M
 from autoshard.errors import PlanError
 from autoshard.placements import format_spec
 
@@ -51,6 +54,8 @@ class Program:
     hi: list
     integer: np.ndarray  # 1 for the option variables x[d, k], 0 for the auxiliary ones
     offsets: list[int]  # first column of each decision's options
+    #: auxiliary column -> its bytes per liveness point (copies kept for backward): ``mem`` holds the priced point's
+    extra: dict = field(default_factory=dict, compare=False)
 
     def choice(self, problem: Problem, x: np.ndarray) -> list[int]:
         """The option of each decision in the solution ``x``."""
@@ -85,6 +90,31 @@ class _Builder:
         self.vals: list[float] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
+        self.extra: dict[int, np.ndarray] = {}  # auxiliary column -> bytes per liveness point (kept copies)
+        self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
+
+    def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
+        """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
+        it. (A parameter's copy's gradient goes to its ``.grad``, counted with the parameter.)"""
+        u = term.members[0]
+        memory = self.problem.memory_model
+        if not memory.is_value(u):
+            return
+        numel = memory.copy_bytes(u, spec) // max(1, u.meta["val"].element_size())
+        g = largest_gradient(numel, u.meta["val"].dtype)
+        self.gradients += [(col, g) for col in cols]
+
+    def copy_points(self, term: ValueTerm, spec, keepers) -> np.ndarray | None:
+        """Bytes per point of the copy of ``term``'s value that a redistribution to ``spec`` makes, when one of
+        ``keepers`` (consumer decisions) keeps it for backward and the memory model counts the value (an
+        activation, or a parameter's kept copy); None otherwise."""
+        u = term.members[0]
+        memory = self.problem.memory_model
+        if not any(term.kept.get(d) for d in keepers):
+            return None
+        if not (memory.is_value(u) or (u.op == "get_attr" and u.meta.get(M.REQUIRES_GRAD))):
+            return None
+        return memory.copy_bytes(u, spec) * term.alive
 
     def new_var(self, c: float) -> int:
         self.cost.append(c)
@@ -140,8 +170,13 @@ class _Builder:
                     pc = pair_cost[(id(o), id(i))]
                     if pc is None:
                         continue
+                    kept = self.copy_points(term, i, [c]) if o is not i else None
                     if len(consumers) == 1:
                         evars[(oi, ii)] = self.new_var(m * pc)
+                        if o is not i:
+                            self.copy_gradient(term, i, [evars[(oi, ii)]])
+                        if kept is not None:
+                            self.extra[evars[(oi, ii)]] = kept
                         continue
                     ev = evars[(oi, ii)] = self.new_var(0.0)
                     if pc > 0:
@@ -149,6 +184,14 @@ class _Builder:
                         if bv is None:
                             bv = bought[(oi, ids[ii])] = self.new_var(m * pc)
                         self.constraint([(bv, 1.0), (ev, -1.0)], 0.0, np.inf)
+                    if o is not i:
+                        self.copy_gradient(term, i, [ev])
+                    if kept is not None:  # the copy a keeping consumer holds, made once for all of them
+                        kv = bought.get(("kept", oi, ids[ii]))
+                        if kv is None:
+                            kv = bought[("kept", oi, ids[ii])] = self.new_var(0.0)
+                            self.extra[kv] = kept
+                        self.constraint([(kv, 1.0), (ev, -1.0)], 0.0, np.inf)
             for oi, (o, ys) in enumerate(ylist):
                 self.constraint([(evars[(oi, ii)], 1.0) for ii in range(len(needs)) if (oi, ii) in evars]
                                 + [(v, -1.0) for v in ys], 0.0, 0.0)
@@ -166,6 +209,8 @@ class _Builder:
             rv = self.new_var(0.0)
             for d, ks in _by_decision(users).items():  # a consumer's options exclude each other: sum them
                 self.constraint([(rv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
+            # the copy, where a consumer keeps it (priced as if every consumer needing it did: an upper bound)
+            kept = self.copy_points(term, i, {d for d, _ in users})
             for o, ys in y.items():
                 c = costs[o]
                 if c == 0:
@@ -175,12 +220,20 @@ class _Builder:
                         self.constraint([(rv, 1.0)], 0.0, 0.0)
                     else:
                         self.cost[rv] += m * c
+                        if kept is not None and o is not i:
+                            self.extra[rv] = kept
+                        if o is not i:
+                            self.copy_gradient(term, i, [rv])
                     continue
                 if c is None:
                     self.constraint([(rv, 1.0)] + [(v, 1.0) for v in ys], -np.inf, 1.0)
                     continue
                 qv = self.new_var(m * c)
                 self.constraint([(qv, 1.0), (rv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
+                if kept is not None and o is not i:
+                    self.extra[qv] = kept
+                if o is not i:
+                    self.copy_gradient(term, i, [qv])
 
     def outputs(self, term: ValueTerm, y: dict) -> None:
         """Graph outputs: a cost that depends on the producer's spec only."""
@@ -192,6 +245,9 @@ class _Builder:
                 for v in ys:
                     self.constraint([(v, 1.0)], 0.0, 0.0)
                 continue
+            for keep in term.outputs:
+                if output_spec_for(o, keep) != o:
+                    self.copy_gradient(term, output_spec_for(o, keep), ys)
             if term.fixed is not None:
                 continue  # constant
             for v in ys:
@@ -203,6 +259,61 @@ class _Builder:
             for d, ks in _by_decision(users).items():
                 self.constraint([(gv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
 
+    def memory_rows(self, recompute, room: float | None, scale: float | None = None) -> int | None:
+        """One row per liveness point (:func:`.objective.memory_points` as a linear program): the options' bytes at
+        that point, ZeRO-3's two gathered layers (every point but the step), backward's first temporaries (the end
+        of forward) and the optimizer's (the step) as variables bounded below by what every chosen option needs
+        (``v ≥ Σ_k bytes[k]·x[d, k]`` per decision, per layer, per recomputed unit). The copies redistributions
+        make for readers that keep them are columns of their own (:meth:`copy_points`). ``room`` None: the rows
+        bound a peak variable instead (bytes / ``scale``; returned), which the caller minimises."""
+        problem = self.problem
+        last = len(problem.fixed_points) - 1
+        # the variables are in [0, 1]: bytes / scale (more than the room never fits)
+        scale = max(room if room is not None else scale, 1.0)
+        peak = self.new_var(0.0) if room is None else None
+
+        def at_least(var: int, parts) -> None:  # var ≥ Σ bytes·x over ``parts`` [(decision, bytes per option)]
+            entries = [(self.offsets[i] + k, -b) for i, per in parts for k, b in enumerate(per) if b]
+            if entries:
+                self.constraint([(var, scale)] + entries, 0.0, np.inf)
+
+        gradient, stored, zero3, live = (self.new_var(0.0) for _ in range(4))
+        self.constraint([(stored, scale)], problem.fixed_stored, np.inf)
+        layers: dict = {}
+        for i, d in enumerate(problem.decisions):
+            if d.stored is not None:
+                at_least(stored, [(i, d.stored)])
+            else:
+                at_least(gradient, [(i, d.gradient)])
+        for col, g in self.gradients:
+            self.constraint([(gradient, scale), (col, -g)], 0.0, np.inf)
+        for i, (layer, gathered) in problem.gathered.items():
+            layers.setdefault(layer, []).append((i, gathered))
+        for parts in layers.values():
+            at_least(zero3, parts)
+        units: dict = {}
+        for i, d in enumerate(problem.decisions):
+            if recomputed_share(d, recompute):
+                units.setdefault(d.unit, []).append((i, [v[0] / (d.copies or 1) for v in d.points]))
+        for parts in units.values():
+            at_least(live, parts)
+        for p in range(last + 1):
+            entries = []
+            for i, d in enumerate(problem.decisions):
+                f = recomputed_share(d, recompute)
+                for k, v in enumerate(d.points):
+                    b = (1 - f) * v[p] + f * d.points_recomputed[k][p] if f else v[p]
+                    if b:
+                        entries.append((self.offsets[i] + k, b))
+            entries += [(col, v[p]) for col, v in self.extra.items() if v[p]]
+            entries += [(zero3, 2.0 * scale)] if p < last else [(stored, scale)]
+            entries += [(gradient, scale), (live, scale)] if p == 0 else []
+            if peak is None:
+                self.constraint(entries, -np.inf, room - float(problem.fixed_points[p]))
+            else:
+                self.constraint(entries + [(peak, -scale)], -np.inf, -float(problem.fixed_points[p]))
+        return peak
+
     def program(self) -> Program:
         from scipy.sparse import coo_matrix
 
@@ -210,7 +321,10 @@ class _Builder:
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
         mem = np.zeros(n)
         mem[:len(self.memory)] = self.memory
-        return Program(np.array(self.cost), mem, a, self.lo, self.hi, np.array(self.integer), self.offsets)
+        for col, v in self.extra.items():
+            mem[col] = v[self.problem.point]
+        return Program(np.array(self.cost), mem, a, self.lo, self.hi, np.array(self.integer), self.offsets,
+                       self.extra)
 
 
 def build_program(problem: Problem, recompute=frozenset(), reserve: float = 0.0, memory_row: bool = True) -> Program:
@@ -221,9 +335,22 @@ def build_program(problem: Problem, recompute=frozenset(), reserve: float = 0.0,
     for term in problem.terms:
         b.term(term)
     if problem.memory_limit is not None and memory_row:
-        b.constraint([(col, m) for col, m in enumerate(b.memory) if m], -np.inf,
-                     problem.memory_limit - problem.fixed_memory - reserve)
+        b.memory_rows(recompute, problem.memory_limit - reserve)
     return b.program()
+
+
+def least_peak_program(problem: Problem, recompute, scale: float, seconds_scale: float) -> Program:
+    """The program whose optimum is the plan of least peak by the point rows of :meth:`_Builder.memory_rows`
+    (bytes up to ``scale``), its seconds (in units of ``seconds_scale``) breaking ties."""
+    b = _Builder(problem, recompute)
+    b.choose_one()
+    for term in problem.terms:
+        b.term(term)
+    peak = b.memory_rows(recompute, None, scale)
+    prog = b.program()
+    cost = prog.c * 1e-6 / max(seconds_scale, 1e-30)
+    cost[peak] = 1.0
+    return with_costs(prog, cost, prog.mem)
 
 
 def with_memory_row(prog: Program, room: float) -> Program:
@@ -231,12 +358,12 @@ def with_memory_row(prog: Program, room: float) -> Program:
     from scipy.sparse import csr_matrix, vstack
 
     return Program(prog.c, prog.mem, vstack([prog.a, csr_matrix(prog.mem)]).tocsr(), [*prog.lo, -np.inf],
-                   [*prog.hi, room], prog.integer, prog.offsets)
+                   [*prog.hi, room], prog.integer, prog.offsets, prog.extra)
 
 
 def with_costs(prog: Program, cost: np.ndarray, mem: np.ndarray) -> Program:
     """``prog``'s rows with other seconds and bytes per column (another recomputation set)."""
-    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets)
+    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets, prog.extra)
 
 
 def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float) -> SolveResult:

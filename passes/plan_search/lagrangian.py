@@ -37,10 +37,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from autoshard.passes.plan_search.ilp import (Program, build_program, integral, solve_program, with_costs,
-                                              with_memory_row)
-from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, option_vectors, ties,
-                                                    transient_bytes)
+from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve_program,
+                                              with_costs, with_memory_row)
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_vectors,
+                                                    ties, transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
 from autoshard.passes.plan_search.repair import fallback_plan, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
@@ -65,8 +65,8 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if problem.memory_limit is None:
         return _unconstrained(problem, total, info)
     least = least_memory_plan(problem)  # its bytes without the transient ones bound every plan's from below
-    if least.priced_memory > problem.memory_limit:
-        raise _no_plan_fits(problem, least.memory)
+    if least.priced_memory > problem.memory_limit:  # (its priced bytes: a lower bound of every plan's peak)
+        raise _no_plan_fits(problem, least.priced_memory)
     walk = _Walk(problem, total)
     lo = walk.point(0.0)
     if lo is None:  # time_limit ran out in the first solve
@@ -75,11 +75,24 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if lo.memory <= problem.memory_limit:
         info.update(optimal=True, gap=0.0, bound=lo.time, method="unconstrained optimum within the limit")
         return list(lo.choice), lo.recompute
+    # the row the walk prices: the liveness point where the least-time plan peaks (any one point's row gives a
+    # valid bound: a plan within the limit is within it at every point)
+    point = int(np.argmax(memory_points(problem, list(lo.choice), lo.recompute)))
+    if point != problem.point:
+        problem.price_at(point)
+        walk.reprice()
+        lo = Candidate.of(problem, lo.choice, lo.recompute, lo.multiplier)
     walk.second_copy()
     lo, hi = walk.bracket(lo)
     if hi is None:  # time_limit ran out before the walk met a plan within the limit
         return _out_of_time(problem, walk, info)
     walk.descend(lo, hi, accept_gap)
+    if not np.isfinite(walk.bound):  # the walk made no step on the row it prices now: one multiplier's bound
+        lam = next((p.multiplier for p in (hi, lo) if p.multiplier is not None and 0 < p.multiplier < np.inf),
+                   lo.time / max(lo.priced_memory, 1.0))
+        p = walk.point(lam, best_units(problem, hi.choice, lam))
+        walk.bound, walk.multiplier = p.time + lam * (p.priced_memory - problem.memory_limit), lam
+        walk.repaired(p)
     best, bound = walk.best, walk.final_bound()
     gap = _gap(best.time, bound)
     stopped = f" (time_limit={walk.total:g} s reached)" if walk.timed_out else ""
@@ -159,6 +172,16 @@ class _Walk:
     def left(self) -> float:
         return self.total - self.elapsed()
 
+    def reprice(self) -> None:
+        """The programs' bytes again, after :meth:`Problem.price_at` moved the priced point."""
+        mem = np.zeros(len(self.base.c))
+        options = option_vectors(self.problem, frozenset())[1]
+        mem[:len(options)] = options
+        for col, v in self.base.extra.items():
+            mem[col] = v[self.problem.point]
+        self.base = with_costs(self.base, self.base.c, mem)
+        self.programs = {frozenset(): self.base}
+
     def second_copy(self) -> None:
         self.warm.append(self.warm[0].copy(self.base))  # from the first's optimal basis
 
@@ -169,7 +192,7 @@ class _Walk:
             c, mem = option_vectors(self.problem, units)
             cost = self.base.c.copy()  # (option columns also carry costs of graph outputs: add the difference)
             cost[:len(c)] += np.array(c) - self.base_options
-            memory = np.zeros(len(cost))
+            memory = self.base.mem.copy()  # (auxiliary columns: the copies kept for backward)
             memory[:len(mem)] = mem
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
@@ -238,17 +261,17 @@ class _Walk:
         for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
             lam = scale * lo.time / lo.priced_memory
             self.seen += self.points((lam, self.everything), (lam / 2, self.everything))
+            self.follow_peak()
             lo, hi = self.closest(self.seen)
             if hi is not None or self.timed_out:
                 break
         else:  # the least memory any plan needs (time only breaks ties), for the message
-            choice = self.least_memory(self.everything, self.seen[0].priced_memory, lo.time)
-            if choice is not None:
-                t, m = evaluate(self.problem, choice, self.everything)
-                hi = Candidate(tuple(choice), self.everything, t, m, m, np.inf)
-                least = least_memory_plan(self.problem)  # (the LP's leaves the transient bytes out)
-                if hi.memory > self.limit >= least.memory:
-                    hi = Candidate(least.choice, least.recompute, least.time, least.memory, least.memory, np.inf)
+            least = min(self.seen, key=lambda p: p.memory)
+            fixed = repair(self.problem, least.choice, least.recompute)
+            hi = fixed if fixed is not None else self.least_peak(lo.time)
+            plan = least_memory_plan(self.problem)  # (solver-free)
+            if hi.memory > self.limit >= plan.memory:
+                hi = Candidate(plan.choice, plan.recompute, plan.time, plan.memory, plan.memory, np.inf)
         if hi is None:
             return lo, None
         if hi.memory > self.limit:
@@ -257,6 +280,30 @@ class _Walk:
         for p in self.seen:
             self.repaired(p)
         return lo, hi
+
+    def follow_peak(self) -> None:
+        """Price the row of the point where the least-memory plan met peaks: raising λ on one point's bytes moves
+        the peak to another point (activations freed, parameters' state left), which that row then has to see."""
+        problem = self.problem
+        least = min(self.seen, key=lambda p: p.memory)
+        point = int(np.argmax(memory_points(problem, list(least.choice), least.recompute)))
+        if point != problem.point:
+            problem.price_at(point)
+            self.reprice()
+            self.seen = [Candidate.of(problem, p.choice, p.recompute, p.multiplier) for p in self.seen]
+
+    def least_peak(self, seconds_scale: float) -> Candidate:
+        """The plan of least peak (the ILP of every liveness point's row bounding one peak variable,
+        :func:`.ilp.least_peak_program`), or a plan met that needs less by :func:`.objective.evaluate`."""
+        problem = self.problem
+        best = min(self.seen, key=lambda p: p.memory)
+        prog = least_peak_program(problem, self.everything, 2 * max(p.memory for p in self.seen), seconds_scale)
+        res = solve_program(problem, prog, prog.c, max(1.0, self.left()))
+        if res.choice is not None:
+            least = Candidate.of(problem, res.choice, self.everything, np.inf)
+            if least.memory < best.memory:
+                best = least
+        return best
 
     def final_bound(self) -> float:
         """The best lower bound: the walk's; when time stopped it, also ``L(λ)`` of every plan the bracket met,
@@ -279,7 +326,7 @@ class _Walk:
         """Walk λ along the breakpoints of the dual until no plan lies below the segment lo–hi."""
         while self.elapsed() < self.total:
             lam = (hi.time - lo.time) / max(lo.priced_memory - hi.priced_memory, 1e-30)
-            if not lam > 0:
+            if not 0 < lam < np.inf or lam * lo.priced_memory > 1e6 * max(lo.time, 1e-30):
                 break  # (a plan over the limit that is slower than one within it: the walk has nothing left to cut)
             # beside the cutting-plane multiplier, the midpoint of the multipliers lo and hi were found at
             mid = (lo.multiplier + hi.multiplier) / 2 if np.isfinite(hi.multiplier) else None

@@ -7,9 +7,12 @@ For a choice (one option index per decision) and a recomputation set (units reco
   forward again where recomputed, :func:`option_cost`), each redistribution bought once per (value, needed spec)
   and each gradient sync (:func:`term_cost`) — the same objective the program of :mod:`.ilp` minimises, less the
   tie-breaking seconds (:func:`ties`);
-* bytes ``M = fixed + Σ_d option_memory(d)[k_d] + transient_bytes`` (:func:`option_memory`,
-  :func:`transient_bytes`): the sum counts every saved activation and every parameter's state as alive at once;
-  the transient bytes add the two largest ZeRO-3 gathered layers and the largest recomputed copy's activations.
+* bytes ``M``: the peak over the liveness points of :mod:`autoshard.cost_models.memory` (:func:`memory_points`:
+  the end of forward, each backward segment boundary, the optimizer step) — the parameters' options' bytes per
+  point, the saved activations of the chosen layouts (own outputs, and the copies redistributions make for
+  readers that keep them), ZeRO-3's gathered layers and the temporaries — the same model and functions
+  ``plan.cost()`` prices the compiled plan with. The program prices one point linearly (``memory``, the
+  coefficients of :meth:`.problem.Problem.price_at`); :func:`transient_bytes` is what the peak adds to that row.
 
 :func:`explain` turns a choice into the :class:`autoshard.meta.Decision` stored on every op (its cost share and the
 best rejected option).
@@ -19,6 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from autoshard.cost_models.compute import output_tensors
+from autoshard.cost_models.memory import SavedValue, largest_gradient, point_totals, saved_bytes
+
+
+def _no_region(node) -> None:
+    return None
 from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, output_spec_for
 
 from autoshard import meta as M
@@ -86,8 +96,7 @@ def evaluate(problem: Problem, choice: list[int], recompute=frozenset()) -> tupl
     ``recompute`` recomputed (memory: the sum plus :func:`transient_bytes`)."""
     t = sum(option_cost(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
     t += sum(term_cost(term, choice) for term in problem.terms)
-    mem = problem.fixed_memory + sum(option_memory(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
-    return t, mem + transient_bytes(problem, choice, recompute)
+    return t, float(memory_points(problem, choice, recompute).max())
 
 
 def recomputed_share(d: DecisionVar, recompute) -> float:
@@ -113,18 +122,179 @@ def option_memory(d: DecisionVar, recompute=frozenset()) -> list[float]:
 
 
 def transient_bytes(problem: Problem, choice: list[int], recompute=frozenset()) -> float:
-    """Bytes alive at the peak besides the sum: the ZeRO-3 copies of the largest layer gathered at once (twice: one
-    layer prefetched while the other computes) and, with recomputation, the activations of the largest recomputed
-    layer copy, alive again while its backward runs."""
-    per_layer: dict = {}
-    for d, (layer, gathered) in problem.gathered.items():
-        per_layer[layer] = per_layer.get(layer, 0.0) + gathered[choice[d]]
-    peak = 2 * max(per_layer.values(), default=0.0)
-    live: dict = {}
+    """What a plan's peak (:func:`memory_points`) adds to the bytes the program prices linearly at its point
+    (``fixed_memory + Σ option_memory``): the other points' excess, ZeRO-3's gathered layers, backward's and the
+    optimizer's temporaries, and what the redistributed copies and the readers' layouts change."""
+    cols = _columns(problem)
+    at, shares = cols.at(choice), cols.shares(choice, recompute)
+    p = problem.point
+    linear = problem.fixed_memory + float((cols.points[at, p] + shares * cols.recomputed[at, p]).sum())
+    return float(memory_points(problem, choice, recompute).max()) - linear
+
+
+@dataclass
+class _Columns:
+    """Every option's bytes as arrays over the program's columns (built once per problem): ``points``
+    (columns × liveness points), ``recomputed`` (what a recomputed share adds), ``parameter`` (1 for parameter
+    and buffer options), the gradient and stored bytes, and the unit and ZeRO-3 layer of each column."""
+
+    offsets: np.ndarray
+    points: np.ndarray
+    recomputed: np.ndarray
+    parameter: np.ndarray
+    gradient: np.ndarray
+    stored: np.ndarray
+    unit: np.ndarray  # -1: in no unit
+    live: np.ndarray  # an op's end-of-forward bytes per copy (a recomputed copy's, alive again in its backward)
+    layer: np.ndarray  # ZeRO-3 layer number, -1: not gathered at stage 3
+    gathered: np.ndarray
+
+    def at(self, choice) -> np.ndarray:
+        return self.offsets + np.asarray(choice)
+
+    def shares(self, choice, recompute) -> np.ndarray:
+        """The recomputed share of each chosen column's decision."""
+        units = self.unit[self.at(choice)]
+        if isinstance(recompute, dict):
+            table = np.array([recompute.get(u, 0.0) for u in range(max(self.unit.max() + 1, 0))] + [0.0])
+        else:
+            table = np.array([float(u in recompute) for u in range(max(self.unit.max() + 1, 0))] + [0.0])
+        return table[units]  # (unit -1 reads the trailing 0)
+
+
+def _columns(problem: Problem) -> _Columns:
+    if problem.columns is not None:
+        return problem.columns
+    n = sum(len(d.options) for d in problem.decisions)
+    width = len(problem.fixed_points)
+    cols = _Columns(np.zeros(len(problem.decisions), dtype=int), np.zeros((n, width)), np.zeros((n, width)),
+                    np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.full(n, -1), np.zeros(n), np.full(n, -1),
+                    np.zeros(n))
+    layers: dict = {}
+    c = 0
     for i, d in enumerate(problem.decisions):
-        if recomputed_share(d, recompute):
-            live[d.unit] = live.get(d.unit, 0.0) + d.memory[choice[i]] / (d.copies or 1)
-    return peak + max(live.values(), default=0.0)
+        cols.offsets[i] = c
+        for k in range(len(d.options)):
+            cols.points[c + k] = d.points[k]
+            if d.stored is not None:
+                cols.parameter[c + k] = True
+                cols.stored[c + k] = d.stored[k]
+            else:
+                cols.gradient[c + k] = d.gradient[k]
+                cols.live[c + k] = d.points[k][0] / (d.copies or 1)
+            if d.unit is not None:
+                cols.unit[c + k] = d.unit
+                cols.recomputed[c + k] = d.points_recomputed[k] - d.points[k]
+        if i in problem.gathered:
+            layer, gathered = problem.gathered[i]
+            cols.layer[c: c + len(d.options)] = layers.setdefault(layer, len(layers))
+            cols.gathered[c: c + len(d.options)] = gathered
+        c += len(d.options)
+    problem.columns = cols
+    return cols
+
+
+def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) -> np.ndarray:
+    """Bytes per liveness point of one plan by the memory model (:class:`autoshard.cost_models.memory.GraphMemory`):
+    annotated parameters and buffers, each parameter option's stored state, gradient and kept gathered copy, the
+    saved activations of the chosen layouts (:func:`_activations`), a recomputed share's change (its options'
+    ``points_recomputed`` less ``points``), ZeRO-3's two gathered layers, backward's first temporaries (the largest
+    activation gradient and the largest recomputed copy's activations) and the optimizer's (its largest stored
+    tensor)."""
+    cols = _columns(problem)
+    at = cols.at(choice)
+    shares = cols.shares(choice, recompute)
+    params = at[cols.parameter[at]]
+    varying = problem.fixed_points + cols.points[params].sum(0) + (shares[:, None] * cols.recomputed[at]).sum(0)
+    stored = max(float(problem.fixed_stored), float(cols.stored[at].max(initial=0.0)))
+    zero3 = cols.layer[at] >= 0
+    gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
+    acts, copies_gradient, per_unit, region_inputs = _activations(problem, choice)
+    recomputed = {int(u) for u in cols.unit[at][shares > 0]}
+    live = max((per_unit.get(u, 0.0) for u in recomputed), default=0.0)
+    # a recomputed unit keeps its inputs whether or not its ops save them (its share of copies)
+    unit_share = dict(zip(cols.unit[at].tolist(), shares.tolist()))
+    for u, vec in region_inputs.items():
+        if unit_share.get(u, 0.0):
+            acts = acts + unit_share[u] * vec
+    return point_totals(0.0, varying + acts, 2 * gathered,
+                        max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
+
+
+def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float]:
+    """(saved activation bytes per point, the largest gradient of a redistributed copy) of the chosen layouts:
+    :func:`autoshard.cost_models.memory.saved_bytes` of every value group — its own output where a reader that
+    keeps it reads the layout it is produced in, a copy per other layout a keeping reader needs, the outputs of
+    multi-output ops that save them — as ``plan_memory`` counts the compiled graph. Layouts do not change while a
+    plan is repaired: the last answer is kept for the same layouts."""
+    key = tuple(choice[i] if d.stored is None else id(d.options[choice[i]]) for i, d in enumerate(problem.decisions))
+    cached = problem.activations_cache  # (read once: two HiGHS copies evaluate plans in two threads)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    memory = problem.memory_model
+    values, copies_gradient, live, region_inputs = [], 0.0, {}, {}
+    for d, k in zip(problem.decisions, choice):
+        if d.stored is None and len(output_tensors(d.node)) > 1 and memory.is_value(d.node):
+            own, numel = memory.own_bytes(d.node, d.options[k].output_spec)
+            values.append(SavedValue(d.node, own, [], d.alive, numel))
+    for term in problem.terms:
+        u = term.members[0]
+        parameter = u.op == "get_attr" and bool(u.meta.get(M.REQUIRES_GRAD))
+        if not parameter and (not memory.is_value(u) or len(output_tensors(u)) != 1):
+            continue
+        ix = term.index()
+        if parameter and any(problem.decisions[d].stages and problem.decisions[d].stages[choice[d]]
+                             for d in ix.producers):
+            continue  # stored sharded (ZeRO): its gathers and what follows them count as ``gathered``, as plan_memory
+        o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
+                                                           if (d, choice[d]) in ix.out)
+        dtype = u.meta["val"].dtype
+        unit = problem.decisions[ix.producers[0]].unit if ix.producers else None
+
+        def own_bytes(spec, u=u):
+            return memory.copy_bytes(u, spec)
+        reads, seen, inside = [], set(), []  # inside: what the value's unit keeps of it while recomputed
+        regions: dict = {}  # unit -> {spec id: bytes} read by a unit that keeps it only as its region's input
+        for d in ix.consumers:
+            if not term.kept.get(d):
+                du = problem.decisions[d].unit
+                if du is not None and du != unit and not parameter:
+                    for i in ix.need.get((d, choice[d]), ()):
+                        regions.setdefault(du, {})[id(i)] = own_bytes(i)
+                continue
+            for i in ix.need.get((d, choice[d]), ()):
+                if i == o:
+                    reads.append((None, u, None))
+                    inside.append(reads[-1])
+                elif id(i) not in seen:
+                    seen.add(id(i))
+                    reads.append((None, u, (("copy", id(term), id(i)), memory.copy_bytes(u, i))))
+                    if problem.decisions[d].unit == unit:
+                        inside.append(reads[-1])
+        wanted = {id(i): i for d in ix.consumers for i in ix.need.get((d, choice[d]), ())}
+        for keep in term.outputs:
+            spec = output_spec_for(o, keep)
+            wanted.setdefault(id(spec), spec)
+        for i in wanted.values():  # every copy's gradient exists in backward, kept or not (parameters': .grad)
+            if i != o and not parameter:
+                t = memory.copy_bytes(u, i) // max(1, u.meta["val"].element_size())
+                copies_gradient = max(copies_gradient, largest_gradient(t, dtype))
+        own, numel = ([0], 0) if parameter else memory.own_bytes(u, o)
+        if not parameter:  # (ops' own outputs are the decisions' gradient; a getitem's is here)
+            copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))
+        values.append(SavedValue(u, own, reads, term.alive, numel))
+        kept_layouts = {id(o)} if any(c is None for _, _, c in reads) else set()
+        kept_layouts |= {c[0][2] for _, _, c in reads if c is not None}
+        for du, layouts in regions.items():  # (a layout some reader keeps anyway counts once)
+            extra = sum(b for i, b in layouts.items() if i not in kept_layouts)
+            if extra:
+                region_inputs[du] = region_inputs.get(du, 0.0) + extra * term.alive
+        if unit is not None:
+            one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
+            live[unit] = live.get(unit, 0.0) + one
+    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient, live, region_inputs)
+    problem.activations_cache = (key, result)
+    return result
 
 
 def ties(problem: Problem, d: DecisionVar) -> list[float]:

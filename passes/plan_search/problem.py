@@ -22,15 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx
 from autoshard.collectives import time as kind_time
 from autoshard.cost_models.compute import compute_time
-from autoshard.cost_models.memory import optimizer_state_bytes, zero_state_bytes
+from autoshard.cost_models.memory import GraphMemory, keeps
 from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_times, redistribution_time_of,
                                              shard_factor)
 from autoshard.cost_models.profile import HardwareProfile
-from autoshard.passes.plan_search.layers import LayerUnits, find_layers, leaves_unit, recompute_units
+from autoshard.passes.plan_search.layers import LayerUnits, find_layers, recompute_units
 from autoshard.passes.propagate import annotation_error, keeps_layout, node_strategies, pin_conflict, pinned_values
 
 from autoshard import meta as M
@@ -54,6 +55,14 @@ class DecisionVar:
     forward: list[float] | None = None  # ops: forward seconds of each option (what recomputing it costs again)
     memory_recomputed: list[float] | None = None  # ops in a recomputation unit: bytes when the unit is recomputed
     unit: int | None = None  # the recomputation unit (Problem.units) the op lies in
+    #: bytes of each option at every liveness point (:class:`autoshard.cost_models.memory.Timeline`), summed over
+    #: every copy; ``memory`` (and ``memory_recomputed``) are these at the point the program prices
+    #: (:meth:`Problem.price_at`)
+    points: list | None = None
+    points_recomputed: list | None = None
+    gradient: list[int] | None = None  # ops: bytes of the gradient of each option's output (backward's temporaries)
+    alive: object = None  # ops: the liveness of their outputs as activations (tied copies added up)
+    stored: list[int] | None = None  # parameters: bytes of each option's stored tensor (the optimizer's temporaries)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,11 @@ class ValueTerm:
     outputs: list = field(default_factory=list)  # keep-flags of every graph output this value is (output_spec_for)
     pair_cost: dict = field(default_factory=dict)  # (o, i) -> seconds or None (impossible)
     sync_cost: dict = field(default_factory=dict)  # (spec, axes) -> seconds
+    #: the liveness of the group's values as activations (their segments' points added up: tied copies)
+    alive: np.ndarray | None = None
+    members: list = field(default_factory=list, repr=False)  # the group's values (one per tied copy)
+    #: consumer decision -> whether it keeps the value for its backward (:func:`autoshard.cost_models.memory.keeps`)
+    kept: dict = field(default_factory=dict, repr=False)
     by_option: OptionIndex | None = field(default=None, repr=False, compare=False)
 
     def index(self) -> OptionIndex:
@@ -111,6 +125,24 @@ class Problem:
     data_axis: str | None = None  # ties between plans are broken against parameters sharded on this axis
     units: list = field(default_factory=list)  # recomputation candidates (layers.Unit), when recompute="auto"
     gathered: dict = field(default_factory=dict)  # decision -> (layer key, compute bytes of one copy per option)
+    #: the memory model (:class:`autoshard.cost_models.memory.GraphMemory`) the bytes come from
+    memory_model: GraphMemory | None = None
+    fixed_points: np.ndarray | None = None  # bytes per liveness point of annotated parameters and buffers
+    point: int = 0  # the liveness point the program's memory row prices (``memory`` of every decision)
+    fixed_stored: int = 0  # the largest stored tensor of the annotated parameters (the optimizer's temporaries)
+    #: (layouts, answer) of the last :func:`.objective._activations`: a repair changes no layout
+    activations_cache: tuple | None = field(default=None, repr=False, compare=False)
+    columns: object = field(default=None, repr=False, compare=False)  # .objective._Columns, built once
+
+    def price_at(self, point: int) -> None:
+        """Price the program's memory row at liveness ``point``: every decision's ``memory`` (and
+        ``memory_recomputed``) and ``fixed_memory`` become their bytes at that point."""
+        self.point = point
+        for d in self.decisions:
+            d.memory = [float(v[point]) for v in d.points]
+            if d.points_recomputed is not None:
+                d.memory_recomputed = [float(v[point]) for v in d.points_recomputed]
+        self.fixed_memory = float(self.fixed_points[point])
 
 
 def canonical(canon: dict, n: torch.fx.Node) -> torch.fx.Node:
@@ -131,15 +163,19 @@ class ParameterPricing:
     def data_size(self) -> int:
         return self.mesh.axis_size(self.data_axis) if self.data_axis else 1
 
-    def state_bytes(self, x: torch.fx.Node, spec: Spec, stage: int = 0) -> float:
-        numel = local_numel(shape(x), spec, self.mesh)
+    def state_points(self, memory: GraphMemory, nodes: list, spec: Spec, stage: int = 0) -> np.ndarray:
+        """Bytes per liveness point of parameter (or buffer) ``nodes`` (a decision's tied copies) in ``spec``
+        stored at ``stage`` (:meth:`GraphMemory.parameter`, :meth:`GraphMemory.buffer`)."""
+        x = nodes[0]
         if not x.meta.get(M.REQUIRES_GRAD):
-            return float(numel * itemsize(x))
-        if stage == 0:
-            b = numel * itemsize(x)
-            return float(2 * b + optimizer_state_bytes(b, self.optimizer))
-        return float(sum(zero_state_bytes(numel, stage, self.data_size, x.meta["val"].dtype,
-                                          self.optimizer).values()))
+            return np.full(memory.timeline.points, float(len(nodes) * memory.buffer(x, spec)))
+        return memory.parameter(nodes, spec, stage, self.data_size)
+
+    def stored(self, memory: GraphMemory, x: torch.fx.Node, spec: Spec, stage: int = 0) -> int:
+        """Bytes of one copy's stored tensor (what the optimizer's per-parameter temporaries are the size of)."""
+        if not x.meta.get(M.REQUIRES_GRAD):
+            return 0
+        return memory.parameter_state(x, spec, stage, self.data_size)["parameters"]
 
     def stage_options(self, x: torch.fx.Node, specs: list) -> tuple[list, list[int]]:
         """Each spec at every stage it can be stored at (stage 0 alone for buffers and unshardable layouts)."""
@@ -183,22 +219,33 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     if recompute != "auto":
         layers = LayerUnits(layer_of=layers.layer_of, copy_of=layers.copy_of)
     copies: dict[torch.fx.Node, int] = {}
+    members: dict[torch.fx.Node, list] = {}  # canonical node -> every copy
     for n in gm.graph.nodes:
         c = canonical(canon, n)
         copies[c] = copies.get(c, 0) + 1
-    problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {})
-    _op_decisions(gm, ctx, profile, problem, copies, layers)
+        members.setdefault(c, []).append(n)
+    precision = ctx.options.precision
+    memory = GraphMemory(gm, mesh, optimizer, precision.param_dtype if precision is not None else None)
+    problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {}, memory,
+                      np.zeros(memory.timeline.points))
+    _op_decisions(gm, ctx, profile, problem, members, layers)
     pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero)
-    _parameter_decisions(gm, problem, copies, pricing, layers)
+    _parameter_decisions(gm, problem, members, pricing)
     problem.terms = _value_terms(gm, ctx, profile, problem)
+    for term in problem.terms:
+        term.alive = memory.alive(term.members)
+    problem.price_at(0)
     return problem
 
 
-def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, copies: dict,
+def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, members: dict,
                   layers: LayerUnits) -> None:
     """A decision per canonical op: its strategies (those that keep every annotated parameter's layout), their
-    seconds and saved activation bytes over every copy, and, in a recomputation unit, what recomputing costs."""
-    mesh, canon = problem.mesh, problem.canon
+    seconds and saved activation bytes over every copy (:meth:`GraphMemory.op_option` at each copy's liveness
+    points), and, in a recomputation unit, what recomputing costs and what it keeps then (every unit's copy its
+    own region, as when the layers around it are recomputed too)."""
+    mesh, canon, memory = problem.mesh, problem.canon, problem.memory_model
+    regions = {x: path for unit in layers.units for path, nodes in unit.copies.items() for x in nodes}
     pinned = pinned_values(gm)
     strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
     for n in gm.graph.nodes:
@@ -211,27 +258,21 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
             x = conflicts[0][0]
             raise annotation_error(n, x, [w for b, w in conflicts if b is x], pinned)
         strats = [s for s, c in zip(strats, conflicts) if c is None]
-        k = copies[n]
-        mem = [k * _activation_bytes(n, s, mesh) for s in strats]
-        dv = DecisionVar(n, strats, [k * t for t in op_times(n, strats, mesh, profile)], mem, k)
+        k = len(members[n])
+        alive = memory.alive(members[n])
+        dv = DecisionVar(n, strats, [k * t for t in op_times(n, strats, mesh, profile)], [], k,
+                         points=[memory.op_option(n, s.output_spec) * alive for s in strats],
+                         gradient=[memory.gradient(n, s.output_spec) for s in strats], alive=alive)
         u = layers.unit_of.get(n)
         if u is not None:
             # Recomputed, a unit keeps only what leaves it (its output, which the next layer saves as its input)
             dv.unit = u
-            dv.memory_recomputed = mem if leaves_unit(n, layers.copy_of[n]) else [0.0] * len(mem)
+            dv.points_recomputed = [memory.op_option(n, s.output_spec, regions.get) * alive for s in strats]
             fwd = compute_time(n, profile, 1)
             vals = [x.meta["val"] for x in tensor_inputs(n)] + out_vals(n)
             dv.forward = [k * fwd / shard_factor(n, s, mesh, vals) for s in strats]
         problem.index[n] = len(problem.decisions)
         problem.decisions.append(dv)
-
-
-def _activation_bytes(n: torch.fx.Node, strategy: M.Strategy, mesh: Mesh) -> float:
-    """Bytes per rank of the outputs a requires-grad op saves for backward (counted whole)."""
-    if not n.meta.get(M.REQUIRES_GRAD):
-        return 0.0
-    outs = strategy.output_spec if isinstance(strategy.output_spec[0], tuple) else (strategy.output_spec,)
-    return float(sum(local_numel(v.shape, spec, mesh) * v.element_size() for v, spec in zip(out_vals(n), outs)))
 
 
 def _wanted_specs(gm, problem: Problem) -> dict[torch.fx.Node, list]:
@@ -249,31 +290,34 @@ def _wanted_specs(gm, problem: Problem) -> dict[torch.fx.Node, list]:
     return wanted
 
 
-def _parameter_decisions(gm, problem: Problem, copies: dict, pricing: ParameterPricing, layers: LayerUnits) -> None:
+def _parameter_decisions(gm, problem: Problem, members: dict, pricing: ParameterPricing) -> None:
     """A decision per canonical free parameter (any spec a consumer asks for, replicated first, at every ZeRO stage
     it may be stored at), and per annotated one with a stage to choose; the rest is fixed memory."""
     wanted = _wanted_specs(gm, problem)
-    mesh = problem.mesh
+    memory = problem.memory_model
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not is_tensor_node(n) or canonical(problem.canon, n) is not n:
             continue
         if n.meta.get(M.SPEC) is not None:  # annotated: its layout is fixed, its stage may not be
             options, stages = pricing.stage_options(n, [n.meta[M.SPEC]])
             if len(options) == 1:
-                problem.fixed_memory += copies[n] * pricing.state_bytes(n, options[0], stages[0])
+                problem.fixed_points += pricing.state_points(memory, members[n], options[0], stages[0])
+                problem.fixed_stored = max(problem.fixed_stored, pricing.stored(memory, n, options[0], stages[0]))
                 continue
         else:
             specs = sorted(wanted.get(n, []), key=lambda s: (sum(not isinstance(p, type(s[0])) for p in s),
                                                               format_spec(s)))
             options, stages = pricing.stage_options(n, specs or [None])  # consumed by no op: one option
         problem.index[n] = len(problem.decisions)
+        k = len(members[n])
         problem.decisions.append(DecisionVar(
-            n, options, [copies[n] * pricing.stage_time(n, s, st) for s, st in zip(options, stages)],
-            [copies[n] * pricing.state_bytes(n, s, st) for s, st in zip(options, stages)], copies[n], stages=stages))
+            n, options, [k * pricing.stage_time(n, s, st) for s, st in zip(options, stages)], [], k, stages=stages,
+            points=[pricing.state_points(memory, members[n], s, st) for s, st in zip(options, stages)],
+            stored=[pricing.stored(memory, n, s, st) for s, st in zip(options, stages)]))
         if 3 in stages:
-            gathered = [local_numel(shape(n), s, mesh) * itemsize(n) if st == 3 else 0
-                        for s, st in zip(options, stages)]
-            problem.gathered[len(problem.decisions) - 1] = (layers.layer_of.get(n, str(n.target)), gathered)
+            layer = memory.zero3_gathered(n, options[stages.index(3)])[0]
+            problem.gathered[len(problem.decisions) - 1] = (layer, [memory.zero3_gathered(n, s)[1] if st == 3 else 0
+                                                                    for s, st in zip(options, stages)])
 
 
 def _consumers(gm) -> dict[torch.fx.Node, list[tuple]]:
@@ -312,7 +356,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
     terms = []
     for (cu, _), members in groups.items():
         u = members[0]
-        term = ValueTerm(cu, len(members))
+        term = ValueTerm(cu, len(members), members=members)
         _producer_options(u, cu, problem, term, intern)
         _consumer_options(u, consumers_of[u], problem, term, intern, out_req)
         _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs)
@@ -328,6 +372,7 @@ def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, int
             term.outputs.append(out_req[(c, pos)])
             continue
         d = problem.index[canonical(problem.canon, c)]
+        term.kept[d] = term.kept.get(d, False) or keeps(c, u, u)
         for k, s in enumerate(problem.decisions[d].options):
             i = intern(s.input_specs[pos])
             if (i, d, k) not in seen:  # copies of a tied layer read a shared value through the same variables
