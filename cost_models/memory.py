@@ -17,7 +17,10 @@ size, when
   embedding (its indices); or
 - the node itself saves its output: relu, sigmoid, tanh, exp, softmax and log_softmax, sqrt and rsqrt, and the
   attention ops (their output and log-sum-exp; for multi-output ops every output counts);
-- plus dropout's boolean mask (one byte per element) on top.
+- plus dropout's boolean mask (one byte per element) on top;
+- plus what an op keeps besides its arguments and outputs, and what it holds only while it runs, from the op
+  registry's ``workspace`` facet (:mod:`.workspace`): attention's float copy of a boolean mask among the
+  activations (once per mask), ring attention's score blocks at the liveness point where the op's backward runs.
 
 Outputs read only by ops that save nothing (add, sub, views, reductions) are freed during the forward and do not
 count. Parameters (``get_attr`` nodes, nodes carrying ``autoshard.param``) and views of them count as parameters,
@@ -40,6 +43,7 @@ from autoshard.errors import PlanError
 from autoshard.ops import MASK, OUTPUT, entry
 
 from .compute import output_tensors
+from .workspace import kept_workspace, op_workspace, transient_workspace
 
 __all__ = [
     "OPTIMIZERS",
@@ -415,10 +419,14 @@ class MemoryBreakdown:
     stages: dict = field(default_factory=dict)  # ZeRO stage -> number of parameters stored at it
     #: bytes at each backward segment boundary (the liveness points between the end of forward and the step)
     between: tuple = ()
+    #: the transient workspace (:mod:`.workspace`) of the last segment's ops, whose backward runs first: at the end
+    #: of forward (the other segments' ops add theirs to their own point of ``between``)
+    transient: int = 0
 
     @property
     def end_of_forward(self) -> int:
-        return self.parameters + self.optimizer + self.buffers + self.activations + self.gathered + self.temporaries
+        return (self.parameters + self.optimizer + self.buffers + self.activations + self.gathered + self.temporaries
+                + self.transient)
 
     @property
     def optimizer_step(self) -> int:
@@ -436,7 +444,8 @@ class MemoryBreakdown:
     def as_dict(self) -> dict:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "buffers": self.buffers, "activations": self.activations, "gathered": self.gathered,
-                "temporaries": self.temporaries, "peak": self.peak, "stages": dict(self.stages)}
+                "temporaries": self.temporaries, "transient": self.transient, "peak": self.peak,
+                "stages": dict(self.stages)}
 
 
 def point_totals(fixed: float, varying: np.ndarray, zero3_gathered: float, temporaries: float,
@@ -448,6 +457,15 @@ def point_totals(fixed: float, varying: np.ndarray, zero3_gathered: float, tempo
     out[:-1] += zero3_gathered
     out[0] += temporaries
     out[-1] += largest_parameter
+    return out
+
+
+def transient_point(timeline: Timeline, node: Node) -> np.ndarray:
+    """1 at the liveness point where ``node``'s transient workspace counts: just before its segment's backward
+    (the activations of its segment and those before alive, the gradients of the later ones made), else 0. Two
+    ops of one segment add up there (an upper bound: they run one after the other)."""
+    out = np.zeros(timeline.points)
+    out[len(timeline.segments) - 1 - timeline.segment(node)] = 1.0
     return out
 
 
@@ -599,7 +617,17 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                 v.reads.append((r, a, (copy, numel * cval.element_size())))
                 largest_activation = max(largest_activation, largest_gradient(numel, cval.dtype))
     acts, kinds["activations"] = saved_bytes(list(values.values()))
+    # what ops keep besides their outputs (attention's float mask): once per storage, until its first keeper's
+    # segment runs backward
+    for size, first in kept_workspace(gm, mesh, timeline.segment):
+        kinds["activations"] += size
+        acts = acts + size * timeline.activation_alive(timeline.segment(first))
     acts, kinds["activations"] = acts * in_flight, kinds["activations"] * in_flight
+    # what ops hold while they run (ring attention's score blocks): at the point where their segment's backward
+    # runs next — every activation of it and of the segments before alive, as in its forward and more
+    transient = np.zeros(timeline.points)
+    for size, n in transient_workspace(gm, mesh):
+        transient += size * transient_point(timeline, n)
     for v in values.values():  # what a recomputed region saves while its backward runs, recomputed
         region = recompute_region(v.node)
         if region is not None:
@@ -609,9 +637,9 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     # backward's first temporaries: the largest activation's gradient, and one recomputed region's activations
     temporaries = largest_activation + max(regions.values(), default=0)
     fixed = kinds["parameters"] + kinds["optimizer"] + kinds["buffers"]
-    points = point_totals(fixed, varying + acts, zero3, temporaries, largest)
+    points = point_totals(fixed, varying + acts, zero3, temporaries, largest) + transient
     return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages,
-                           between=tuple(int(round(x)) for x in points[1:-1]))
+                           between=tuple(int(round(x)) for x in points[1:-1]), transient=int(transient[0]))
 
 
 _ALIAS_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")  # (_to_copy always copies)
@@ -664,6 +692,7 @@ class GraphMemory:
         self.timeline = Timeline.of(gm)
         self._local_shape = local_shape
         self.owners: dict = {}  # storage key -> the first node whose saved output lives in it (graph order)
+        self._kept_owners: dict = {}  # Workspace.kept_key -> the first op keeping it (kept_owner)
         self._counted_cache: dict = {}
         for n in gm.graph.nodes:
             if not self.is_value(n):
@@ -761,6 +790,28 @@ class GraphMemory:
         answer = (tuple(counted), MASK in _saves(node) and mine is None)
         self._counted_cache[key] = answer
         return answer
+
+    def workspace(self, nodes: list[Node], strategy) -> np.ndarray:
+        """Bytes per point of what the ops ``nodes`` (tied copies of one decision) allocate besides their outputs
+        under ``strategy`` (:mod:`.workspace`), as :func:`plan_memory` counts them: a kept storage at the first op
+        of the graph that keeps it (:meth:`kept_owner`), alive until that op's segment runs backward; a transient
+        at :func:`transient_point`."""
+        out = np.zeros(self.timeline.points)
+        for n in nodes:
+            w = op_workspace(n, self.mesh, strategy)
+            if w.kept and self.kept_owner(n, w) is n:
+                out += w.kept * self.timeline.activation_alive(self.timeline.segment(n))
+            if w.transient:
+                out += w.transient * transient_point(self.timeline, n)
+        return out
+
+    def kept_owner(self, node: Node, w) -> Node:
+        """The first op in graph order keeping the storage ``w.kept_key`` (``node`` itself without a key): the
+        users of the key's node that report that key under their first strategy... or, simply, the first op of
+        the graph asked about that key (the search asks in graph order)."""
+        if w.kept_key is None:
+            return node
+        return self._kept_owners.setdefault(w.kept_key, node)
 
     def gradient(self, node: Node, output_spec) -> int:
         """Bytes of the gradient of ``node``'s output in backward (single-output values; 0 otherwise)."""

@@ -217,6 +217,10 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     for u, vec in region_inputs.items():
         if unit_share.get(u, 0.0):
             acts = acts + unit_share[u] * vec
+    # what the chosen ops allocate besides their outputs (GraphMemory.workspace), as plan_memory counts it
+    for d, k in zip(problem.decisions, choice):
+        if d.workspace is not None:
+            acts = acts + d.workspace[k]
     return point_totals(0.0, varying + acts, 2 * gathered,
                         max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
 

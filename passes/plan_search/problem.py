@@ -62,6 +62,9 @@ class DecisionVar:
     points_recomputed: list | None = None
     gradient: list[int] | None = None  # ops: bytes of the gradient of each option's output (backward's temporaries)
     alive: object = None  # ops: the liveness of their outputs as activations (tied copies added up)
+    #: ops: bytes per point each option allocates besides its outputs, over every copy (GraphMemory.workspace:
+    #: attention's kept float mask, ring attention's score blocks); None where no option has any
+    workspace: list | None = None
     stored: list[int] | None = None  # parameters: bytes of each option's stored tensor (the optimizer's temporaries)
 
 
@@ -263,11 +266,16 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
         dv = DecisionVar(n, strats, [k * t for t in op_times(n, strats, mesh, profile)], [], k,
                          points=[memory.op_option(n, s.output_spec) * alive for s in strats],
                          gradient=[memory.gradient(n, s.output_spec) for s in strats], alive=alive)
+        workspace = [memory.workspace(members[n], s) for s in strats]
+        if any(w.any() for w in workspace):
+            dv.workspace = workspace
+            dv.points = [p + w for p, w in zip(dv.points, workspace)]
         u = layers.unit_of.get(n)
         if u is not None:
             # Recomputed, a unit keeps only what leaves it (its output, which the next layer saves as its input)
             dv.unit = u
-            dv.points_recomputed = [memory.op_option(n, s.output_spec, regions.get) * alive for s in strats]
+            dv.points_recomputed = [memory.op_option(n, s.output_spec, regions.get) * alive + w
+                                    for s, w in zip(strats, workspace)]
             fwd = compute_time(n, profile, 1)
             vals = [x.meta["val"] for x in tensor_inputs(n)] + out_vals(n)
             dv.forward = [k * fwd / shard_factor(n, s, mesh, vals) for s in strats]
