@@ -626,8 +626,13 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     # what ops hold while they run (ring attention's score blocks): at the point where their segment's backward
     # runs next — every activation of it and of the segments before alive, as in its forward and more
     transient = np.zeros(timeline.points)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for size, n in transient_workspace(gm, mesh):
-        transient += size * transient_point(timeline, n)
+        # by then the backward of its segment's later ops has freed what they saved (an attention's MLP after it)
+        later = [v for v in values.values() if timeline.segment(v.node) == timeline.segment(n)
+                 and order[v.node] > order[n]]
+        freed = saved_bytes(later)[1] * in_flight if later else 0
+        transient += max(0, size - freed) * transient_point(timeline, n)
     for v in values.values():  # what a recomputed region saves while its backward runs, recomputed
         region = recompute_region(v.node)
         if region is not None:
@@ -795,7 +800,8 @@ class GraphMemory:
         """Bytes per point of what the ops ``nodes`` (tied copies of one decision) allocate besides their outputs
         under ``strategy`` (:mod:`.workspace`), as :func:`plan_memory` counts them: a kept storage at the first op
         of the graph that keeps it (:meth:`kept_owner`), alive until that op's segment runs backward; a transient
-        at :func:`transient_point`."""
+        at :func:`transient_point` — whole: :func:`plan_memory` credits what the segment's later ops saved and have
+        freed by then, which depends on their layouts, so the search's transient is an upper bound of it."""
         out = np.zeros(self.timeline.points)
         for n in nodes:
             w = op_workspace(n, self.mesh, strategy)
@@ -806,9 +812,8 @@ class GraphMemory:
         return out
 
     def kept_owner(self, node: Node, w) -> Node:
-        """The first op in graph order keeping the storage ``w.kept_key`` (``node`` itself without a key): the
-        users of the key's node that report that key under their first strategy... or, simply, the first op of
-        the graph asked about that key (the search asks in graph order)."""
+        """The op that carries the storage ``w.kept_key`` (``node`` itself without a key): the first op asked
+        about that key, the first in graph order as the search asks (``_op_decisions`` walks the graph)."""
         if w.kept_key is None:
             return node
         return self._kept_owners.setdefault(w.kept_key, node)
