@@ -8,6 +8,7 @@ questions about itself without any process group: ``show()``, ``format()``, ``co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
@@ -279,8 +280,43 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     stage-building passes enabled, the stage graphs left on ``gm.meta``; :mod:`autoshard.pipeline.plan`) all
     come here."""
     with GRAPH_LOCK, _gc_paused():  # one trace and its passes at a time per process
-        gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
-            model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
-        ctx = Context(mesh, options)
-        gm = run_passes(gm, ctx, pass_list(options, pipeline=pipeline)["plan"])
+        target = options.memory_limit
+        for attempt in range(1 + SEARCH_REPLANS):
+            gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
+                model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
+            ctx = Context(mesh, options)
+            planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
+            gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline)["plan"])
+            peak = _searched_peak(gm, mesh, options, pipeline)
+            if peak is None or peak <= options.memory_limit:
+                break
+            if attempt == SEARCH_REPLANS:
+                ctx.warn(f"plan search: the plan needs {peak / 2**20:.4g} MiB per rank by plan.cost(), over "
+                         f"memory_limit={options.memory_limit / 2**20:.4g} MiB after {SEARCH_REPLANS} re-plans (the "
+                         "search's memory of recomputed layers is a little below plan.cost()'s): lower memory_limit "
+                         "by the difference, or pass recompute=False.")
+                break
+            # the search priced its plan below what plan.cost() counts (e.g. recomputed regions' inputs): plan
+            # again for a limit that many bytes below what the search counted for this plan, so the plan fits by
+            # the model the user reads
+            searched = ctx.report["plan_search"]["memory_per_rank"]
+            target = min(target, searched) - (peak - options.memory_limit) * (1 + 1e-3) - 1
+        if target != options.memory_limit:
+            ctx.report["plan_search"].update(memory_limit=options.memory_limit, searched_limit=target,
+                                             replans=attempt)
     return Plan(gm, mesh, ctx, type(model).__name__, training=model.training)
+
+
+#: how often build_plan plans again when the searched plan's peak by plan.cost() exceeds the memory limit
+SEARCH_REPLANS = 2
+
+
+def _searched_peak(gm: torch.fx.GraphModule, mesh: Mesh, options: Options, pipeline) -> float | None:
+    """The per-rank peak of a searched plan under a memory limit by :meth:`Plan.cost`'s model (None: nothing to
+    check — no search, no limit, or a pipeline, whose stages are priced per stage)."""
+    if options.planner != "search" or options.memory_limit is None or pipeline is not None:
+        return None
+    from autoshard.cost_models.memory import plan_memory
+
+    precision = options.precision
+    return plan_memory(gm, mesh, options.optimizer, precision.param_dtype if precision is not None else None).peak

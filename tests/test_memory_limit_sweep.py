@@ -37,23 +37,12 @@ def _bench():
 
 SWEEP = _bench()
 
-#: Known causes outside this test's reach (the search's own memory model; issue 23's other parts)
-SEARCH_MEMORY = ("the search's memory model disagrees with plan.cost() for this model (cost_models/memory.py as the "
-                 "search's single memory model is another branch of issue 23)")
-XFAIL = {
-    # the searched plan fits the search's count (49.6 KiB) but plan.cost() says 50.6 KiB against a 50.0 KiB limit
-    "conv_bn": SEARCH_MEMORY,
-    # the search counts the unconstrained plan at 850 KB where plan.cost() says 352 KB, so 60% of the latter is
-    # below the least memory the search believes any plan needs (228 KiB)
-    "hf_mamba": SEARCH_MEMORY,
-}
 MOE = ("hf_mixtral", "hf_qwen2_moe")
 CASES = ["hf_llama", "hf_bloom", "hf_gptj", "hf_t5", "hf_bart", "hf_vit", "hf_mixtral", "hf_qwen2_moe", "hf_mamba",
          "conv_bn"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=False, reason=XFAIL[n]))
-                                  if n in XFAIL else n for n in CASES])
+@pytest.mark.parametrize("name", CASES)
 def test_memory_limit_alone_fits_matches_one_device_and_shards(name):
     row = SWEEP.run_case(name)
     plan = row["plan"]
