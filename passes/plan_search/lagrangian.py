@@ -66,7 +66,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         return _unconstrained(problem, total, info)
     least = least_memory_plan(problem)  # its bytes without the transient ones bound every plan's from below
     if least.priced_memory > problem.memory_limit:  # (its priced bytes: a lower bound of every plan's peak)
-        raise _no_plan_fits(problem, least.priced_memory)
+        raise _no_plan_fits(problem, _least_peak(problem, least, total))
     walk = _Walk(problem, total)
     lo = walk.point(0.0)
     if lo is None:  # time_limit ran out in the first solve
@@ -369,6 +369,18 @@ def _exact(problem: Problem, walk: _Walk, best: Candidate, left: float, info: di
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, method=info["method"] + " + exact ILP",
                 message=res.message)
     return best
+
+
+def _least_peak(problem: Problem, least: Candidate, seconds: float) -> float:
+    """The least memory to name when a limit is refused before the walk: the least-peak ILP's plan when HiGHS proves
+    it optimal (a limit that high is met; transients included), else the priced bytes of the least-memory plan (a
+    lower bound of every plan's peak, but one that transients such as a loss's logits may leave far below it)."""
+    every = frozenset(range(len(problem.units)))
+    prog = least_peak_program(problem, every, 2 * least.memory, max(least.time, 1e-30))
+    res = solve_program(problem, prog, prog.c, min(seconds, 30.0))
+    if res.choice is None or not res.optimal:
+        return least.priced_memory
+    return max(least.priced_memory, min(least.memory, Candidate.of(problem, res.choice, every, np.inf).memory))
 
 
 def _no_plan_fits(problem: Problem, least: float) -> PlanError:
