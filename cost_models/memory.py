@@ -769,6 +769,16 @@ class GraphMemory:
         own, numel = self.own_bytes(node, output_spec)
         return float(sum(own[k] for k in counted) + (numel if mask else 0))
 
+    def kept_only_by_readers(self, node: Node) -> bool:
+        """Whether :meth:`op_option` counts ``node``'s (single) output only because a reader keeps it: the op does
+        not save it itself, lies in no recomputation region and owns its storage. Then the output is kept only in a
+        layout some keeping reader reads it in (a reader of a redistributed copy keeps the copy instead): the
+        search's program counts it through the readers' choices (:meth:`.ilp._Builder.own_output`)."""
+        if not self.is_value(node) or len(output_tensors(node)) != 1 or self.region_of(node) is not None:
+            return False
+        counted, mask = self._counted(node, self.region_of)
+        return counted == (0,) and not mask and OUTPUT not in _saves(node)
+
     def _counted(self, node: Node, region_of: Callable) -> tuple[tuple[int, ...], bool]:
         """(the outputs of ``node`` whose saved bytes it carries, whether its dropout mask counts): what
         :func:`saved_bytes` keeps of its outputs when every reader reads them as produced, each storage at its

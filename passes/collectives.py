@@ -28,6 +28,7 @@ from autoshard.errors import PlanError
 from autoshard.graph_utils import is_tensor_node, itemsize, node_location, shape
 from autoshard.placements import format_spec
 from autoshard.collectives import emit
+from autoshard.passes.propagate import written_inputs
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class InsertCollectives:
             strat = node.meta.get(M.STRATEGY)
             if strat is None:
                 continue
+            written = written_inputs(node)
             leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
             k = 0
             new_leaves = []
@@ -54,6 +56,12 @@ class InsertCollectives:
                 k += 1
                 value = leaf
                 have = leaf.meta[M.SPEC]
+                if have != want and leaf in written:
+                    raise PlanError(
+                        f"{node_location(node)} writes `{leaf.name}` in place, stored as {format_spec(have)}, but "
+                        f"its strategy reads it as {format_spec(want)}: the write would land in a redistributed "
+                        "copy and the stored tensor keep its old value. This is a planner bug; annotate the "
+                        f"tensor (plan={{'{leaf.target}': ...}}) in the layout the op reads it in meanwhile.")
                 if have != want:
                     key = (leaf, want)
                     if key not in redistributed:

@@ -105,6 +105,28 @@ def mutates_first_arg(target) -> bool:
     return alias is not None and alias.is_write
 
 
+#: ops whose schema marks no argument written although they update running statistics in place when their
+#: ``training`` argument (position 5) is true: positions of running_mean and running_var
+_WRITES_RUNNING_STATS = {torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                         torch.ops.aten.cudnn_batch_norm.default, torch.ops.aten.miopen_batch_norm.default}
+
+
+def written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The inputs ``node`` writes in place: arguments its schema marks written (``add_``'s self,
+    ``_native_batch_norm_legit``'s running statistics) and BatchNorm's running statistics in training mode (its
+    schema marks none). Such an input must be read in the layout it is stored in: a redistributed copy would take
+    the write, and the stored tensor would keep its old value."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    positions = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if target in _WRITES_RUNNING_STATS and len(node.args) > 5 and node.args[5]:
+        positions += [3, 4]
+    return [node.args[i] for i in positions
+            if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
+
+
 def functional_twin(target):
     """``aten.add_.Tensor`` → ``aten.add.Tensor`` (None when there is none)."""
     name = target._schema.name.split("::")[-1]
@@ -376,14 +398,16 @@ def _choose(node: torch.fx.Node, ctx: Context, paid: set[tuple], pinned: dict[to
                 raise PlanError(f"{node_location(node)} was given strategy {planned}, but its rule does not "
                                 "allow it.")
             candidates = [planned]
-    if mutates_first_arg(node.target) and inputs and inputs[0].meta.get(M.SPEC) is not None:
+    for written in written_inputs(node):
+        if written.meta.get(M.SPEC) is None:
+            continue
         # a buffer written in place keeps its layout: a redistributed copy would take the write
-        have = inputs[0].meta[M.SPEC]
-        kept = [s for s in candidates if s.input_specs[0] == have]
+        have, pos = written.meta[M.SPEC], inputs.index(written)
+        kept = [s for s in candidates if s.input_specs[pos] == have]
         if not kept:
-            raise PlanError(f"{node_location(node)} writes `{inputs[0].name}` in place, laid out as "
+            raise PlanError(f"{node_location(node)} writes `{written.name}` in place, laid out as "
                             f"{format_spec(have)}, but no strategy of its rule takes it so; a redistributed copy "
-                            "would take the write.")
+                            "would take the write. Annotate it (plan=...) in a layout the op can write.")
         candidates = kept
     blocked = []  # (pinned input, layout a rejected strategy wanted)
     scored, forbidden = [], []  # forbidden: priced only to be named as the rejected alternative

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from autoshard.passes.propagate import functionalize, mutates_first_arg
+from autoshard.passes.propagate import functionalize, mutates_first_arg, written_inputs
 
 import autoshard
 from autoshard import Mesh
@@ -94,6 +94,22 @@ def test_cnn_with_batch_norm_matches_one_device_and_running_stats():
     bn = [n for n in plan.graph_module.graph.nodes if n.target == torch.ops.aten.batch_norm.default]
     assert len(bn) == 2 and all(n.meta[M.SPEC][0] == Shard(0) for n in bn)  # batch-sharded: SyncBN
     check_running_stats(plan)
+
+
+def test_batch_norm_writes_its_running_statistics_in_training_mode_only():
+    """aten.batch_norm's schema marks no argument written, yet in training mode it updates running_mean and
+    running_var in place: both must be read in the layout they are stored in (a redistributed copy would take the
+    write; found by the memory-limited search storing them replicated while BatchNorm ran channel-sharded)."""
+    from autoshard.trace import trace
+
+    for training, written in ((True, ["bn1_running_mean", "bn1_running_var"]), (False, [])):
+        model, args, _ = models.conv_bn()
+        model.train(training)
+        gm = trace(model, args)
+        bn = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.batch_norm.default)
+        assert [x.name for x in written_inputs(bn)] == written
+        add = [n for n in gm.graph.nodes if n.target == torch.ops.aten.add_.Tensor]
+        assert all(written_inputs(n) == [n.args[0]] for n in add)  # num_batches_tracked.add_(1)
 
 
 def test_in_place_writes_are_functionalised():

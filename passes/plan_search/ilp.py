@@ -142,14 +142,35 @@ class _Builder:
             for d, k, spec in term.out:
                 y.setdefault(spec, []).append(self.offsets[d] + k)
         consumers = sorted({d for users in term.needs.values() for d, _ in users})
+        own = self.own_output(term, y)
         if term.fixed is None and consumers and _single_position(term):
-            self.marginal(term, y, consumers)
+            self.marginal(term, y, consumers, own)
         else:
             self.shared_redistributions(term, y)
+            for o, ys in y.items():  # an upper bound: kept in every layout it is produced in
+                if o in own:
+                    self.constraint([(own[o], 1.0)] + [(v, -1.0) for v in ys], 0.0, np.inf)
         self.outputs(term, y)
         self.syncs(term)
 
-    def marginal(self, term: ValueTerm, y: dict, consumers: list[int]) -> None:
+    def own_output(self, term: ValueTerm, y: dict) -> dict:
+        """{spec: column} holding the bytes per point of the value in the layout its op produces it in, for an op
+        whose output is kept only by readers (``DecisionVar.own_output``; its options' ``points`` leave it out).
+        The caller bounds each column below by what keeps it: a keeping reader reading that layout."""
+        if term.fixed is not None or not term.out:
+            return {}
+        d = term.out[0][0]
+        if not self.problem.decisions[d].own_output:
+            return {}
+        u = term.members[0]
+        memory = self.problem.memory_model
+        cols = {}
+        for o in y:
+            cols[o] = self.new_var(0.0)
+            self.extra[cols[o]] = memory.copy_bytes(u, o) * term.alive
+        return cols
+
+    def marginal(self, term: ValueTerm, y: dict, consumers: list[int], own: dict | None = None) -> None:
         m = term.multiplicity
         ylist = list(y.items())
         needed_by: dict = {}  # consumer -> specs it may need
@@ -171,14 +192,19 @@ class _Builder:
                     if pc is None:
                         continue
                     kept = self.copy_points(term, i, [c]) if o is not i else None
+                    keeps_own = own and o is i and o in own and term.kept.get(c)
                     if len(consumers) == 1:
                         evars[(oi, ii)] = self.new_var(m * pc)
                         if o is not i:
                             self.copy_gradient(term, i, [evars[(oi, ii)]])
                         if kept is not None:
                             self.extra[evars[(oi, ii)]] = kept
+                        if keeps_own:
+                            self.constraint([(own[o], 1.0), (evars[(oi, ii)], -1.0)], 0.0, np.inf)
                         continue
                     ev = evars[(oi, ii)] = self.new_var(0.0)
+                    if keeps_own:
+                        self.constraint([(own[o], 1.0), (ev, -1.0)], 0.0, np.inf)
                     if pc > 0:
                         bv = bought.get((oi, ids[ii]))
                         if bv is None:

@@ -32,7 +32,8 @@ from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, 
                                              shard_factor)
 from autoshard.cost_models.profile import HardwareProfile
 from autoshard.passes.plan_search.layers import LayerUnits, find_layers, recompute_units
-from autoshard.passes.propagate import annotation_error, keeps_layout, node_strategies, pin_conflict, pinned_values
+from autoshard.passes.propagate import (annotation_error, keeps_layout, node_strategies, pin_conflict, pinned_values,
+                                        written_inputs)
 
 from autoshard import meta as M
 from autoshard.context import Context
@@ -66,6 +67,9 @@ class DecisionVar:
     #: attention's kept float mask, ring attention's score blocks); None where no option has any
     workspace: list | None = None
     stored: list[int] | None = None  # parameters: bytes of each option's stored tensor (the optimizer's temporaries)
+    #: ops whose output is kept only by readers that keep it (:meth:`GraphMemory.kept_only_by_readers`): ``points``
+    #: leave it out, and the program counts it where a keeping reader reads the layout it is produced in
+    own_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,9 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
             dv.workspace = workspace
             dv.points = [p + w for p, w in zip(dv.points, workspace)]
         u = layers.unit_of.get(n)
+        if u is None and memory.kept_only_by_readers(n):
+            dv.own_output = True
+            dv.points = [p - memory.op_option(n, s.output_spec) * alive for p, s in zip(dv.points, strats)]
         if u is not None:
             # Recomputed, a unit keeps only what leaves it (its output, which the next layer saves as its input)
             dv.unit = u
@@ -359,6 +366,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
         groups.setdefault(key, []).append(u)
     out_req = _output_requirements(gm, ctx)
     pinned = pinned_values(gm)
+    written = {x for n in gm.graph.nodes for x in written_inputs(n)}
     intern = _SpecPool()
     pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
     terms = []
@@ -367,7 +375,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
         term = ValueTerm(cu, len(members), members=members)
         _producer_options(u, cu, problem, term, intern)
         _consumer_options(u, consumers_of[u], problem, term, intern, out_req)
-        _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs)
+        _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written)
         terms.append(term)
     return terms
 
@@ -393,9 +401,10 @@ def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, int
 
 
 def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned: dict, intern: _SpecPool,
-                pair_costs: dict) -> None:
+                pair_costs: dict, written: bool = False) -> None:
     """Seconds of every redistribution (producer spec -> needed spec; None where a value computed only from
-    annotated parameters would be gathered) and of every gradient sync."""
+    annotated parameters would be gathered, or where a buffer some op writes in place would be read through a
+    copy, which would take the write) and of every gradient sync."""
     outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
     value = (shape(u), itemsize(u), bool(u.meta.get(M.REQUIRES_GRAD)))
     costs = pair_costs.setdefault(value, {})
@@ -411,6 +420,8 @@ def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned
                 pc = costs[(id(o), id(i))] = redistribution_time_of(o, i, *value, mesh, profile)
             if u in pinned and i in term.needs and not keeps_layout(o, i, pinned[u]):
                 pc = None  # computed only from annotated parameters: never gathered
+            if written and o != i:
+                pc = None  # written in place (running statistics): read in the layout it is stored in
             term.pair_cost[(o, i)] = pc
     for (i, axes) in term.syncs:
         term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
