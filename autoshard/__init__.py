@@ -39,7 +39,7 @@ __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate
            "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]
 
 
-_SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "codegen", "ops", "strategies",
+_SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "rank_programs", "ops", "strategies",
                "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint",
                "parameters"}
 

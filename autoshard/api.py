@@ -554,7 +554,7 @@ class ShardedModule(torch.nn.Module):
 
     def communicator(self):
         if self._comm is None:
-            from autoshard.runtime.comm import current
+            from autoshard.runtime.communicator import current
 
             try:
                 self._comm = current()
@@ -607,7 +607,7 @@ class ShardedModule(torch.nn.Module):
         self._check_inputs(args, kwargs)
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.parameters import bound
-        from autoshard.runtime.comm import use
+        from autoshard.runtime.communicator import use
         from autoshard.runtime.zero import running
 
         bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])

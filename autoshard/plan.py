@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.codegen import local_param_specs, rank_program
+from autoshard.rank_programs import local_param_specs, rank_program
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh
@@ -57,7 +57,7 @@ class Plan:
                      local_weights: torch.nn.Module | None = None, stage: int | None = None) -> torch.fx.GraphModule:
         """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
         rank program this plan made (``local_weights``: share that program's tensors, see
-        :func:`autoshard.codegen.rank_program`; ``stage``: the program of that pipeline stage, checked against the
+        :func:`autoshard.rank_programs.rank_program`; ``stage``: the program of that pipeline stage, checked against the
         stage's first one). The only way to a rank program of a plan."""
         module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads,
                               local_weights, stage)
@@ -144,7 +144,7 @@ class Plan:
                                 f"...) on the ShardedModule, or compile the model in {_mode_name(mode)} mode.")
             return owner._plan_in_mode(mode).simulate(args, kwargs, backward, timeout, train=mode)
         from autoshard.inputs import check_inputs, tensor_leaves
-        from autoshard.runtime.comm import current
+        from autoshard.runtime.communicator import current
         from autoshard.runtime.sim import SimWorld
         from autoshard.runtime.zero import running
 

@@ -10,7 +10,7 @@ Steps run in three phases so that no intermediate spec shards a dim on two axes:
 Turning a replicated or sharded tensor into a Partial one is never needed by the rules and is reported as
 impossible (``None``). Byte counts are per rank, forward and backward (each collective's backward is its
 conjugate: all_reduce ↔ identity, all_gather ↔ slice, reduce_scatter ↔ all_gather, all_to_all ↔ all_to_all,
-local_slice ↔ all_gather), as the table of collective kinds (:mod:`autoshard.collectives`) says.
+local_slice ↔ all_gather), as the table of collective kinds (:mod:`autoshard.collective_kinds`) says.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ class Step:
     after: Spec
 
 
-def plan(src: Spec, dst: Spec, mesh: Mesh) -> list[Step] | None:
+def steps_between(src: Spec, dst: Spec, mesh: Mesh) -> list[Step] | None:
     """The collectives that turn ``src`` into ``dst`` on ``mesh`` (None: impossible, e.g. to Partial)."""
-    steps = _plan(tuple(src), tuple(dst), mesh)
+    steps = _steps_between(tuple(src), tuple(dst), mesh)
     return None if steps is None else list(steps)
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _plan(src: Spec, dst: Spec, mesh: Mesh) -> tuple[Step, ...] | None:
+def _steps_between(src: Spec, dst: Spec, mesh: Mesh) -> tuple[Step, ...] | None:
     if src == dst:
         return ()
     cur = list(src)
@@ -89,7 +89,7 @@ def _local_numel(shape, spec: Spec, mesh: Mesh) -> int:
 
 def step_bytes(step: Step, shape, itemsize: int, mesh: Mesh, requires_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) bytes each rank sends for one step, by the collective table's formulas."""
-    from autoshard.collectives import wire_bytes
+    from autoshard.collective_kinds import wire_bytes
 
     n = mesh.axis_size(step.axis)
     if n == 1:
@@ -100,7 +100,7 @@ def step_bytes(step: Step, shape, itemsize: int, mesh: Mesh, requires_grad: bool
 
 
 def cost_bytes(src: Spec, dst: Spec, shape, itemsize: int, mesh: Mesh, requires_grad: bool = True) -> float | None:
-    steps = plan(src, dst, mesh)
+    steps = steps_between(src, dst, mesh)
     if steps is None:
         return None
     return sum(sum(step_bytes(s, shape, itemsize, mesh, requires_grad)) for s in steps)
@@ -108,7 +108,7 @@ def cost_bytes(src: Spec, dst: Spec, shape, itemsize: int, mesh: Mesh, requires_
 
 def grad_sync_bytes(spec: Spec, axes: tuple[str, ...], shape, itemsize: int, mesh: Mesh) -> float:
     """Backward all-reduce bytes of the 'identity forward / all-reduce backward' operator over ``axes``."""
-    from autoshard.collectives import wire_bytes
+    from autoshard.collective_kinds import wire_bytes
 
     local = _local_numel(shape, spec, mesh) * itemsize
     return sum(wire_bytes("grad_all_reduce", local, mesh.axis_size(a))[1] for a in axes)

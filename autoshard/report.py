@@ -365,8 +365,8 @@ def format_symbolic(plan) -> str:
     dims, d<size> otherwise), mesh sizes n_<axis>, and the link's alpha/beta."""
     import sympy
 
-    from autoshard.collectives import KINDS
-    from autoshard.cost_models.comm import collective_bytes_on_wire, time_expr
+    from autoshard.collective_kinds import KINDS
+    from autoshard.cost_models.alpha_beta import collective_bytes_on_wire, time_expr
 
     names: dict[int, sympy.Symbol] = {}
     first = next((n for n in plan.graph_module.graph.nodes if n.op == "placeholder"

@@ -4,7 +4,7 @@
 ``init_process_group(backend)``), and in them
 
 1. times all_reduce, all_gather and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
-   :mod:`autoshard.cost_models.comm`: the reduced tensor, the gathered output, the exchanged buffer), the fastest
+   :mod:`autoshard.cost_models.alpha_beta`: the reduced tensor, the gathered output, the exchanged buffer), the fastest
    of ``repeats`` calls, each right after a barrier, sizes interleaved (:func:`_min_times`), keeping the slowest
    rank's. The calls are the runtime's own: a :class:`~autoshard.runtime.dist.DistCommunicator` over a
    one-axis mesh of all the ranks, so what is measured is the transport a compiled model uses (the backend's
@@ -13,7 +13,7 @@
    precision; CPUs without bf16 units run it slower than fp32) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
    once, so that ranks share the machine as they will in a run, and averages the rates over ranks.
 
-The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`comm.model_coefficients`). For each
+The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`alpha_beta.model_coefficients`). For each
 collective, :func:`fit_line` fits ``time = intercept + slope·b`` and ``alpha = intercept / steps``,
 ``beta = slope / wire`` (the per-collective rows of the table). The profile's link is one ``(alpha, beta)``
 fitted to all samples of all collectives at once with the same coefficients (:func:`fit_link`). Both fits are
@@ -43,7 +43,7 @@ import torch
 
 from autoshard.errors import AutoshardError, CollectiveTimeoutError
 
-from . import comm
+from . import alpha_beta
 from .profile import HardwareProfile, LinkCost, save_profile
 
 __all__ = [
@@ -137,7 +137,7 @@ def _checked(what: str, alpha: float, beta: float, samples) -> LinkCost:
 def fit_collective(kind: str, samples, world_size: int) -> CollectiveFit:
     """Fit one collective's samples and divide out its model coefficients."""
     intercept, slope = fit_line(samples)
-    steps, wire = comm.model_coefficients(kind, world_size)
+    steps, wire = alpha_beta.model_coefficients(kind, world_size)
     link = _checked(kind, intercept / steps, slope / wire, samples)
     return CollectiveFit(kind, tuple(samples), link.alpha, link.beta)
 
@@ -146,7 +146,7 @@ def fit_link(samples_by_kind: dict[str, list[tuple[int, float]]], world_size: in
     """One ``(alpha, beta)`` for all collectives: least squares of ``steps_k·alpha + wire_k·b·beta``."""
     rows, times = [], []
     for kind, samples in samples_by_kind.items():
-        steps, wire = comm.model_coefficients(kind, world_size)
+        steps, wire = alpha_beta.model_coefficients(kind, world_size)
         for nbytes, t in samples:
             rows.append((steps, wire * nbytes))
             times.append(t)
@@ -186,7 +186,7 @@ AXIS = "ranks"
 
 
 def _collective_call(comm, kind: str, nbytes: int, world_size: int):
-    """``(b, fn)``: ``fn`` runs collective ``kind`` of ``b`` bytes (:mod:`~autoshard.cost_models.comm`'s ``b``)
+    """``(b, fn)``: ``fn`` runs collective ``kind`` of ``b`` bytes (:mod:`~autoshard.cost_models.alpha_beta`'s ``b``)
     through ``comm``, the runtime's communicator."""
     numel = max(world_size, nbytes // 4 // world_size * world_size)  # even splits
     if kind == "all_reduce":

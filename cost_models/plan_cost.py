@@ -17,7 +17,7 @@ from autoshard.cost_models.profile import HardwareProfile
 
 from autoshard import meta as M
 from autoshard import redistribute
-from autoshard.collectives import time as kind_time
+from autoshard.collective_kinds import time as kind_time
 from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.ops import entry
@@ -80,7 +80,7 @@ def redistribution_time(src: Spec, dst: Spec, x: torch.fx.Node, mesh: Mesh, prof
 
 @functools.lru_cache(maxsize=1 << 16)
 def redistribution_time_of(src, dst, shp, size, rg, mesh, profile) -> float | None:
-    steps = redistribute.plan(src, dst, mesh)
+    steps = redistribute.steps_between(src, dst, mesh)
     if steps is None:
         return None
     total = 0.0

@@ -4,7 +4,7 @@ A :class:`HardwareProfile` holds the compute roofline of one rank (``peak_flops`
 dtype in ``dtype_flops`` — bf16 tensor cores run an order of magnitude faster than fp32 —, ``mem_bandwidth`` in B/s), its memory (``memory_bytes``), whether communication overlaps compute
 (``overlap_comm``), and the alpha-beta cost of the links collectives run over: a default :class:`LinkCost` and
 optional per-axis overrides. A link costs ``alpha`` seconds per message step plus ``beta`` seconds per byte
-(``beta = 1 / bandwidth``); see :mod:`autoshard.cost_models.comm` for how the collectives use them.
+(``beta = 1 / bandwidth``); see :mod:`autoshard.cost_models.alpha_beta` for how the collectives use them.
 
 Per-axis overrides are ``(pattern, LinkCost)`` pairs tried in order; the first that matches an axis wins,
 the default link applies otherwise (:meth:`HardwareProfile.link_for`). A pattern is

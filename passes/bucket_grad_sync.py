@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from autoshard.collectives import is_kind
+from autoshard.collective_kinds import is_kind
 from autoshard.context import Context
 from autoshard.runtime.buckets import GRAD_SYNC
 

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.collectives import kind_of
+from autoshard.collective_kinds import kind_of
 from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.graph_utils import node_location

@@ -19,7 +19,7 @@ import torch.fx
 from autoshard.passes.shard_storage import stage_of
 
 from autoshard import meta as M
-from autoshard.collectives import KINDS, is_kind
+from autoshard.collective_kinds import KINDS, is_kind
 from autoshard.context import Context
 
 

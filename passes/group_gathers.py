@@ -21,7 +21,7 @@ alone. Runs last in the rank phase; does nothing without ZeRO-3 parameters.
 
 Prefetch (:func:`_prefetch_next`): each group node also gets the shards of the next group in graph order (its last
 argument). Once its own all-gather is done, the runtime starts that group's all-gather asynchronously
-(:meth:`~autoshard.runtime.comm.Communicator.all_gather_async`) and the next group's op waits on it, so the
+(:meth:`~autoshard.runtime.communicator.Communicator.all_gather_async`) and the next group's op waits on it, so the
 transfer overlaps the layer's compute; in backward, a group gathered again starts the gather of the group that
 prefetched it in forward (the layer backward needs next). A layer's parameters are then held one layer earlier, as
 FSDP2's prefetching holds them. Every rank runs the same program, so every rank starts the same collectives in the

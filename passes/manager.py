@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 from autoshard.passes.bucket_grad_sync import BucketGradSync
-from autoshard.passes.collectives import InsertCollectives
+from autoshard.passes.insert_collectives import InsertCollectives
 from autoshard.passes.context_parallel import BalanceContext, ContextAttention, CutSequence
 from autoshard.passes.fuse_collectives import FuseGatherGradSync, FuseLinearsGradSync
 from autoshard.passes.group_gathers import GroupGathers
@@ -58,7 +58,7 @@ from autoshard.passes.shard_storage import ShardStorage
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard.collectives import kind_of
+from autoshard.collective_kinds import kind_of
 from autoshard.context import Context, Options
 from autoshard.errors import AutoshardError
 from autoshard.graph_utils import is_tensor_node

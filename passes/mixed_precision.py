@@ -42,7 +42,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard.collectives import is_kind
+from autoshard.collective_kinds import is_kind
 from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.precision import fake_like

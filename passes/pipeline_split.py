@@ -1,8 +1,8 @@
 """Pipeline split: cut the annotated global graph into ``p`` stages balanced by the cost model.
 
 Two passes of the plan phase, the last ones of the pass list when a pipeline is asked for. They run after
-:class:`~autoshard.passes.collectives.InsertCollectives`, on the graph planned over the mesh *without* its pipeline
-axis (so every stage carries its own data/model sharding and collectives):
+:class:`~autoshard.passes.insert_collectives.InsertCollectives`, on the graph planned over the mesh *without* its
+pipeline axis (so every stage carries its own data/model sharding and collectives):
 
 * :class:`PipelineSplit` (``pipeline_split``) is an analysis: it leaves the graph unchanged and stores a
   :class:`StageSplit` on ``gm.meta[autoshard.meta.STAGE_SPLIT]`` (and in ``ctx.report["pipeline_split"]``);
@@ -196,7 +196,7 @@ def _shard_factor(node: torch.fx.Node, mesh: Mesh) -> float:
 def _collective_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
     """Forward + backward seconds of an inserted collective (``b``: the larger of its local in/out buffers), by
     the table of collective kinds."""
-    from autoshard.collectives import time as kind_time
+    from autoshard.collective_kinds import time as kind_time
 
     info = node.meta[M.COLLECTIVE]
     src = node.all_input_nodes[0] if node.all_input_nodes else node

@@ -8,7 +8,7 @@
 * every ``node.meta``/``gm.meta`` key is defined in :mod:`autoshard.meta`;
 * every pass class in ``passes/`` is in the one pass list (:func:`autoshard.passes.manager.pass_list`), passes are
   made and run only by ``passes/manager.py``, the list is driven only by ``build_plan`` and the rank phase's
-  ``codegen.rank_program`` (reached only through ``Plan.rank_program``, which compares collective signatures), and
+  ``rank_programs.rank_program`` (reached only through ``Plan.rank_program``, which compares collective signatures), and
   a compiled plan, a rank program and a pipeline stage's program record exactly the list's passes, in order;
 * no home-made transport: the runtime names no ``/dev/shm`` and no shared-memory mapping.
 """
@@ -74,9 +74,9 @@ def test_errors_is_a_leaf():
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("autoshard.runtime")))
 def test_runtime_never_imports_the_compiler(module):
-    compiler = ("autoshard.passes", "autoshard.codegen", "autoshard.plan", "autoshard.rules",
+    compiler = ("autoshard.passes", "autoshard.rank_programs", "autoshard.plan", "autoshard.rules",
                 "autoshard.strategies", "autoshard.cost_models", "autoshard.api", "autoshard.report", "autoshard.ops",
-                "autoshard.collectives")
+                "autoshard.collective_kinds")
     imported = _imports(MODULES[module], module, top_level_only=False)
     assert not [m for m in imported if m.startswith(compiler)], f"{module} imports the compiler: {sorted(imported)}"
 
@@ -148,7 +148,7 @@ def test_generated_code_names_operators_for_every_collective():
     mesh = autoshard.Mesh(data=2, model=2)
     code = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan.code(0)
     assert "torch.ops.autoshard.all_reduce.default(" in code
-    assert "autoshard_runtime_collectives" not in code
+    assert "autoshard_runtime_collective_ops" not in code
 
 
 # ---- cycles counting function-level imports ------------------------------------------------------------------
@@ -351,8 +351,8 @@ def test_a_plan_records_exactly_the_listed_passes():
 
 #: function -> the only modules that may import it: the drivers of the pass list and what passes do inside
 DRIVERS = {
-    ("autoshard.passes.manager", "run_passes"): {"autoshard.plan", "autoshard.codegen"},
-    ("autoshard.codegen", "rank_program"): {"autoshard.plan"},  # Plan.rank_program: signatures compared
+    ("autoshard.passes.manager", "run_passes"): {"autoshard.plan", "autoshard.rank_programs"},
+    ("autoshard.rank_programs", "rank_program"): {"autoshard.plan"},  # Plan.rank_program: signatures compared
     ("autoshard.passes.pipeline_split", "build_stage_graphs"): set(),  # the build_stages pass
     ("autoshard.passes.pipeline_split", "split_graph"): set(),  # the pipeline_split pass
 }

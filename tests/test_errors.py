@@ -436,7 +436,7 @@ def test_the_verifier_keeps_checking_rank_programs():
     """After localize a rank program still carries specs and strategies: a rank pass that leaves a consumer reading
     an input in another spec than its strategy needs is caught and named."""
     from autoshard import meta as M
-    from autoshard.collectives import kind_of
+    from autoshard.collective_kinds import kind_of
     from autoshard.passes.manager import verify
 
     program = autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),)).plan.rank_program(1)

@@ -25,7 +25,7 @@ import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
 from autoshard.plan import loss_of
-from autoshard.runtime.collectives import collective_counts
+from autoshard.runtime.collective_ops import collective_counts
 from autoshard.trace import fetch_attr
 from examples import models
 

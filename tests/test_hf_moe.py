@@ -20,7 +20,7 @@ from autoshard.moe import hf_blocks
 from autoshard.placements import assemble
 from autoshard.plan import loss_of
 from autoshard.runtime import DistCommunicator, spawn, use
-from autoshard.runtime.collectives import collective_counts
+from autoshard.runtime.collective_ops import collective_counts
 from examples import models
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -27,7 +27,7 @@ from torch import nn
 import autoshard
 from autoshard import Partial, Shard
 from autoshard import meta as M
-from autoshard.collectives import is_kind
+from autoshard.collective_kinds import is_kind
 from autoshard.errors import PlanError
 from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld

@@ -11,7 +11,7 @@ import autoshard
 from autoshard.placements import assemble
 from autoshard.plan import loss_of
 from autoshard.runtime import DistCommunicator, spawn, use
-from autoshard.runtime.collectives import collective_counts
+from autoshard.runtime.collective_ops import collective_counts
 from examples import models
 from tests.test_expert_rewrite import OPTS, reference_run
 

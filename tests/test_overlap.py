@@ -10,7 +10,7 @@ import autoshard
 from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld, spawn
 from autoshard.runtime.buckets import GradBucketer
-from autoshard.runtime.collectives import grad_all_reduce, linears_grad_all_reduce
+from autoshard.runtime.collective_ops import grad_all_reduce, linears_grad_all_reduce
 from examples import models
 
 

@@ -255,7 +255,7 @@ def test_the_verifier_checks_every_stage_graph():
     """After build_stages the driver verifies each stage graph like the whole one: a stage whose consumer reads an
     input in another spec than its strategy needs is caught."""
     from autoshard import meta as M
-    from autoshard.collectives import kind_of
+    from autoshard.collective_kinds import kind_of
     from autoshard.errors import AutoshardError
     from autoshard.passes.manager import verify
     from autoshard.placements import Partial

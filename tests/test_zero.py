@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.collectives import kind_of
+from autoshard.collective_kinds import kind_of
 from autoshard.plan import loss_of
 from autoshard.runtime import DistCommunicator, SimWorld, spawn, use
 from autoshard.runtime import zero as zero_runtime
@@ -38,7 +38,7 @@ def _plan(name, stage, **kw):
 def run_resharded(module, args, kwargs) -> tuple[dict, int, list]:
     """Forward under ZeRO-3's reshard hooks, then backward: (the gathered copies the forward registered, how many of
     them are still alive when it returns, the all-gathers backward ran)."""
-    from autoshard.runtime.comm import current
+    from autoshard.runtime.communicator import current
 
     with zero_runtime.reshard_after_forward():
         session = zero_runtime._LOCAL.session

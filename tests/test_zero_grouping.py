@@ -16,10 +16,10 @@ import torch
 from autoshard.passes.group_gathers import GroupGathers, layer_of
 
 import autoshard
-from autoshard.collectives import kind_of
+from autoshard.collective_kinds import kind_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime import zero as zero_runtime
-from autoshard.runtime.comm import current
+from autoshard.runtime.communicator import current
 from examples import models
 from tests.test_equivalence import assert_simulated_equals_one_device
 from tests.test_zero import run_resharded

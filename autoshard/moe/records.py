@@ -36,7 +36,7 @@ def new_key() -> str:
 
 def _current_rank() -> int:
     from autoshard.errors import AutoshardError
-    from autoshard.runtime.comm import current
+    from autoshard.runtime.communicator import current
 
     try:
         return current().rank

@@ -58,7 +58,7 @@ def context_comm(node: torch.fx.Node, strategy: M.Strategy, mesh, profile) -> fl
     ring 2(n-1) sends of the local K/V forward, as many again and 2(n-1) of dK/dV backward; all-gather two
     all-gathers forward, two and two reduce-scatters backward; Ulysses four all-to-alls forward (q, k, v, out)
     and eight backward."""
-    from autoshard.cost_models.comm import collective_time
+    from autoshard.cost_models.alpha_beta import collective_time
     from autoshard.graph_utils import itemsize
 
     form = context_form(strategy)

@@ -80,7 +80,7 @@ class PipelineRunner:
     # gradients cross over at the step's edges: before it, each program leaf takes its DTensor's gradient (None
     # after zero_grad(), the accumulated value otherwise); after it, the DTensor's gradient is the program's.
     def _publish(self) -> None:
-        from autoshard.codegen import local_param_specs
+        from autoshard.rank_programs import local_param_specs
         from autoshard.parameters import device_mesh, like
         from autoshard.trace import fetch_attr
 
@@ -139,7 +139,7 @@ class PipelineRunner:
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
         from autoshard.runtime import pipeline as rt
-        from autoshard.runtime.comm import use
+        from autoshard.runtime.communicator import use
 
         if self.schedule is None:
             raise AutoshardError("this pipelined module's communicator was closed (autoshard.runtime.shutdown()) "

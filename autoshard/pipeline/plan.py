@@ -96,7 +96,7 @@ class PipelinePlan:
 
     def param_specs(self):
         """{program attribute: stored spec} (stage programs name parameters by attribute)."""
-        from autoshard.codegen import local_param_specs
+        from autoshard.rank_programs import local_param_specs
 
         return local_param_specs(self.plan.graph_module)
 

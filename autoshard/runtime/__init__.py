@@ -1,8 +1,8 @@
 """autoshard's runtime: what per-rank code needs to communicate, independent of the compiler.
 
-* :mod:`.comm` — the :class:`Communicator` interface, :func:`use` / :func:`current` (the communicator of the
+* :mod:`.communicator` — the :class:`Communicator` interface, :func:`use` / :func:`current` (the communicator of the
   calling thread) and the :class:`CollectiveRecord` log;
-* :mod:`.collectives` — autograd-aware collectives that generated rank modules call;
+* :mod:`.collective_ops` — autograd-aware collectives that generated rank modules call;
 * :mod:`.sim` — :class:`SimWorld`, every rank in one process (one thread per rank);
 * :mod:`.dist` — :class:`DistCommunicator` over ``torch.distributed`` (gloo, NCCL), and :func:`shutdown`, the
   clean end of a run (waits for in-flight collectives, destroys every process group);
@@ -11,7 +11,7 @@
 Nothing here imports the compiler (``autoshard.passes``, codegen): the runtime only needs a :class:`Mesh`.
 """
 
-from autoshard.runtime.collectives import (
+from autoshard.runtime.collective_ops import (
     all_gather,
     all_reduce,
     all_to_all,
@@ -20,7 +20,7 @@ from autoshard.runtime.collectives import (
     local_slice,
     reduce_scatter,
 )
-from autoshard.runtime.comm import CollectiveRecord, Communicator, current, use
+from autoshard.runtime.communicator import CollectiveRecord, Communicator, current, use
 from autoshard.runtime.dist import DistCommunicator, shutdown
 from autoshard.runtime.launch import spawn
 from autoshard.runtime.sim import SimCommunicator, SimWorld

@@ -38,7 +38,7 @@ import torch
 from autoshard import meta as M
 from autoshard.errors import AutoshardError
 from autoshard.parameters import like, local_of
-from autoshard.runtime.comm import Communicator, Handle, current
+from autoshard.runtime.communicator import Communicator, Handle, current
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "GRAD_SYNC", "GradBucketer"]
 
@@ -72,7 +72,7 @@ class GradBucketer:
     """Bucketed, overlapped gradient all-reduce for the parameters of ``module`` listed in ``syncs``.
 
     ``syncs``: ``((parameter name, axes), ...)``, default ``module.meta[GRAD_SYNC]``. ``comm``: the communicator
-    (default: the current one, :func:`~autoshard.runtime.comm.current`). ``bucket_cap_mb``: bucket size in MiB
+    (default: the current one, :func:`~autoshard.runtime.communicator.current`). ``bucket_cap_mb``: bucket size in MiB
     (default 25); ``first_bucket_mb``: size of the first bucket of each axis set (default as DDP's: 1 MiB when
     ``bucket_cap_mb`` is left at its default, else ``bucket_cap_mb``).
     ``public``: {parameter name: the tensor that stands for it outside the program} — a ShardedModule's DTensor

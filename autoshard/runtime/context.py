@@ -38,7 +38,7 @@ import torch
 
 from autoshard.errors import PlanError
 from autoshard.runtime.primitives import define_op, keep_comm
-from autoshard.runtime.comm import current, use
+from autoshard.runtime.communicator import current, use
 
 __all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice", "sequence_slice"]
 

@@ -27,7 +27,7 @@ falls back to what every backend has and still records the *logical* collective 
 ``native_ops`` overrides the choice (tests run the fallbacks on gloo with ``native_ops=()``).
 
 Async all-reduces (gradient buckets, the loss) are the backend's ``all_reduce(async_op=True)`` on the axis
-group, in place; the :class:`~autoshard.runtime.comm.Handle` waits on the backend's work.
+group, in place; the :class:`~autoshard.runtime.communicator.Handle` waits on the backend's work.
 
 Timeouts. ``timeout`` is passed to every ``new_group``; on gloo it bounds each collective on that group (a
 peer that never arrives gives ``"Timed out waiting ... for recv"`` after ``timeout`` seconds, which this module
@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from autoshard.errors import AutoshardError, CollectiveTimeoutError, MeshError, PeerDiedError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.runtime.comm import Communicator, Handle
+from autoshard.runtime.communicator import Communicator, Handle
 
 __all__ = ["NATIVE_OPS", "DistCommunicator", "shutdown"]
 

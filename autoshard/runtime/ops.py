@@ -2,7 +2,7 @@
 
 Pure-torch kernels are plain functions (``torch.compile`` traces through them); kernels that communicate or draw
 random numbers are ``torch.library`` custom ops (``torch.ops.autoshard.*``) with fake kernels and autograd
-formulas, like the collectives of :mod:`autoshard.runtime.collectives`.
+formulas, like the collectives of :mod:`autoshard.runtime.collective_ops`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autoshard.runtime.comm import current
+from autoshard.runtime.communicator import current
 from autoshard.runtime.primitives import define_op, raw_all_gather, raw_all_reduce
 
 

@@ -4,7 +4,7 @@ No home-made scheduler: each rank wraps the GraphModule(s) of the stage(s) it ho
 them to ``PipelineStage`` with static metadata (example tensors of the received activations and of the outputs,
 ``requires_grad=True`` on every stage's outputs and on every input but stage 0's, which avoids the dynamic shape
 exchange), and runs one of the schedules of :data:`SCHEDULES`. The per-rank program inside a stage still calls the
-collectives of :mod:`autoshard.runtime.collectives` on the data/model axes, through the communicator made current
+collectives of :mod:`autoshard.runtime.collective_ops` on the data/model axes, through the communicator made current
 with :func:`autoshard.runtime.use`.
 
 Inputs of the model reach every stage as keyword arguments (the schedules chunk them into microbatches on every

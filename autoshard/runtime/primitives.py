@@ -1,8 +1,8 @@
 """The raw collectives under the graph collectives: one ``torch.library`` op each, no autograd.
 
 ``autoshard::_all_reduce``, ``_all_gather``, ``_reduce_scatter``, ``_all_to_all`` and ``_chunk`` run one
-collective of the calling thread's communicator (:func:`~autoshard.runtime.comm.current`) and record the
-``phase`` in its log; backward through one raises. The autograd formulas of :mod:`autoshard.runtime.collectives`,
+collective of the calling thread's communicator (:func:`~autoshard.runtime.communicator.current`) and record the
+``phase`` in its log; backward through one raises. The autograd formulas of :mod:`autoshard.runtime.collective_ops`,
 :mod:`autoshard.runtime.zero` and :mod:`autoshard.runtime.ops` are written with them, and with the helpers here
 that keep the forward's communicator for the backward (:func:`keep_comm`, :func:`comm_of`).
 
@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.comm import current, use
+from autoshard.runtime.communicator import current, use
 
 __all__ = ["all_to_all_shape", "chunk", "comm_of", "define_op", "fresh", "gathered_shape", "keep_comm",
            "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "raw_reduce_scatter", "scattered_shape",

@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ops as _ops  # noqa: F401  (registers torch.ops.autoshard.dropout)
-from autoshard.runtime.comm import current
+from autoshard.runtime.communicator import current
 
 __all__ = ["checkpoint"]
 

@@ -35,7 +35,7 @@ import torch
 
 from autoshard.errors import AutoshardError, CollectiveTimeoutError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.runtime.comm import Communicator, use
+from autoshard.runtime.communicator import Communicator, use
 from autoshard.runtime.torch_state import serialize_dtensor_propagation
 
 __all__ = ["SimCommunicator", "SimWorld"]

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.runtime.comm import Handle, current, use
+from autoshard.runtime.communicator import Handle, current, use
 from autoshard.runtime.primitives import chunk, comm_of, keep_comm, raw_all_gather, raw_reduce_scatter, sum_over
 
 __all__ = ["gather_group", "reduce_group", "remember_gathered", "remember_gathered_group", "reshard_after_forward",

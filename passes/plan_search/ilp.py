@@ -10,7 +10,7 @@ memory row):
   ``Σ_i e[c, o, i] = y[o]`` and ``Σ_o e[c, o, i] = z[c, i]`` (the consumer's options that need ``i``); the
   redistribution ``o → i`` is bought once, ``w[o, i] ≥ e[c, o, i]`` for every ``c``.
 * Otherwise (:meth:`_Builder.shared_redistributions`): ``r[u, i] ≥ x[c, k]`` for every consumer option that needs
-  ``u`` as ``i`` (bought once, shared by every consumer, as ``passes/collectives.py`` shares it) and
+  ``u`` as ``i`` (bought once, shared by every consumer, as ``passes/insert_collectives.py`` shares it) and
   ``q[u, o, i] ≥ y[u, o] + r[u, i] − 1`` paying ``time(o → i)``; impossible pairs get ``y[u, o] + r[u, i] ≤ 1``.
 * ``g[u, i, axes] ≥ x[c, k]`` for consumer options that need the gradient of ``u`` all-reduced over ``axes``
   (:meth:`_Builder.syncs`); graph outputs add a cost per producer spec (:meth:`_Builder.outputs`).

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx
-from autoshard.collectives import time as kind_time
+from autoshard.collective_kinds import time as kind_time
 from autoshard.cost_models.compute import compute_time
 from autoshard.cost_models.memory import GraphMemory, keeps
 from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_times, redistribution_time_of,

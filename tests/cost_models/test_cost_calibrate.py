@@ -15,7 +15,7 @@ from autoshard.cost_models.calibrate import (
     fit_link,
     measure,
 )
-from autoshard.cost_models.comm import collective_time
+from autoshard.cost_models.alpha_beta import collective_time
 from autoshard.cost_models.profile import LinkCost, load_profile
 
 from autoshard.errors import AutoshardError, CollectiveTimeoutError

@@ -1,10 +1,11 @@
 """Collective insertion: make every redistribution an explicit graph node.
 
 For each op input whose producer's spec differs from the spec the op's strategy needs, the steps of
-:func:`autoshard.redistribute.plan` become ``call_function`` nodes calling the collective operators of the table in :mod:`autoshard.collectives`
-(``torch.ops.autoshard.*``, each with an autograd formula that is its conjugate). Then every replicated input that feeds sharded or
-partial work (``Strategy.grad_sync``) and requires grad goes through ``grad_all_reduce`` — identity forward,
-all-reduce backward (Megatron's *f*), which is also how data-parallel gradient all-reduce of parameters arises.
+:func:`autoshard.redistribute.steps_between` become ``call_function`` nodes calling the collective operators of the
+table in :mod:`autoshard.collective_kinds` (``torch.ops.autoshard.*``, each with an autograd formula that is its
+conjugate). Then every replicated input that feeds sharded or partial work (``Strategy.grad_sync``) and requires grad
+goes through ``grad_all_reduce`` — identity forward, all-reduce backward (Megatron's *f*), which is also how
+data-parallel gradient all-reduce of parameters arises.
 
 Inserted nodes are shared: one redistribution per (tensor, target spec) and one ``grad_all_reduce`` per
 (tensor, axes), so q/k/v projections reading the same activation cost one backward all-reduce, not three.
@@ -27,7 +28,7 @@ from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.graph_utils import is_tensor_node, itemsize, node_location, shape
 from autoshard.placements import format_spec
-from autoshard.collectives import emit
+from autoshard.collective_kinds import emit
 from autoshard.passes.propagate import written_inputs
 
 
@@ -86,7 +87,7 @@ class InsertCollectives:
 
     def _redistribute(self, graph, x, have, want, ctx: Context, consumer) -> torch.fx.Node:
         mesh = ctx.mesh
-        steps = redistribute.plan(have, want, mesh)
+        steps = redistribute.steps_between(have, want, mesh)
         if steps is None:
             raise PlanError(f"{node_location(consumer)} needs input `{x.name}` as {format_spec(want)}, but it is "
                             f"{format_spec(have)} and no collective turns one into the other.")

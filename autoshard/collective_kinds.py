@@ -2,9 +2,9 @@
 generated code calls for it, and what it moves and costs.
 
 Every place that needs to know about a collective reads this table: collective insertion
-(:mod:`autoshard.passes.collectives`) builds nodes with :func:`emit`, the per-rank rewrites recognise them with
+(:mod:`autoshard.passes.insert_collectives`) builds nodes with :func:`emit`, the per-rank rewrites recognise them with
 :func:`kind_of`, the cost model prices them with :func:`wire_bytes` / :func:`time` (alpha-beta formulas of the
-primitives in :mod:`autoshard.cost_models.comm`), and the pipeline split and the report do the same.
+primitives in :mod:`autoshard.cost_models.alpha_beta`), and the pipeline split and the report do the same.
 
 A *kind* is what appears in the graph; a *primitive* is what goes on the wire (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``all_to_all``, ``send_recv``). Each kind runs at most one primitive forward and one backward
@@ -14,7 +14,7 @@ A *kind* is what appears in the graph; a *primitive* is what goes on the wire (`
 (the gathered output of an all-gather, the unscattered input of a reduce-scatter, the tensor of an all-reduce).
 
 To add a collective kind: add its ``torch.ops.autoshard`` op with fake kernel and autograd formula in
-:mod:`autoshard.runtime.collectives`, then one :class:`CollectiveKind` row here; insertion, pricing, the pipeline
+:mod:`autoshard.runtime.collective_ops`, then one :class:`CollectiveKind` row here; insertion, pricing, the pipeline
 split and the report pick it up from the row.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-import autoshard.runtime.collectives  # noqa: F401  (registers the torch.ops.autoshard collectives)
+import autoshard.runtime.collective_ops  # noqa: F401  (registers the torch.ops.autoshard collectives)
 import autoshard.runtime.zero  # noqa: F401  (registers all_gather_reshard_group)
 from autoshard.mesh import Mesh
 
@@ -106,7 +106,7 @@ def emit(graph: torch.fx.Graph, kind: str, x: torch.fx.Node, axis, dims: tuple[i
 def wire_bytes(kind: str, b: float, n: int, requires_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) bytes each rank sends for one node of ``kind`` on a group of ``n`` ranks, ``b`` the
     larger of its local input and output in bytes (per axis for multi-axis kinds)."""
-    from autoshard.cost_models.comm import collective_bytes_on_wire
+    from autoshard.cost_models.alpha_beta import collective_bytes_on_wire
 
     k = KINDS[kind]
     fwd = collective_bytes_on_wire(k.forward, b, n) if k.forward else 0.0
@@ -118,7 +118,7 @@ def wire_bytes(kind: str, b: float, n: int, requires_grad: bool = True) -> tuple
 
 def time(kind: str, b: float, n: int, link, requires_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one node of ``kind`` by the alpha-beta model on ``link``."""
-    from autoshard.cost_models.comm import collective_time
+    from autoshard.cost_models.alpha_beta import collective_time
 
     k = KINDS[kind]
     fwd = collective_time(k.forward, b, n, link) if k.forward else 0.0

@@ -1,7 +1,7 @@
 """The communicator interface that per-rank code talks to, and the "current communicator" of a thread.
 
 Generated rank modules never see a process group. They call the autograd collectives of
-:mod:`autoshard.runtime.collectives`, which look up the communicator of the calling thread with :func:`current`
+:mod:`autoshard.runtime.collective_ops`, which look up the communicator of the calling thread with :func:`current`
 (set by :func:`use`) and call its *raw* collectives. Two implementations exist: the in-process simulator
 (:mod:`autoshard.runtime.sim`, one thread per rank) and ``torch.distributed`` (:mod:`autoshard.runtime.dist`).
 

@@ -3,7 +3,7 @@
 Every redistribution in a rank program is a ``torch.library`` custom op with a fake (meta) kernel and an autograd
 formula, so ``torch.compile(rank_module, fullgraph=True)`` sees one graph with the collectives as opaque nodes, and
 the IR names operators, not Python functions of this runtime. The eager kernel of an op looks up the calling
-thread's communicator (:func:`~autoshard.runtime.comm.current`) and runs its raw collective: the in-process
+thread's communicator (:func:`~autoshard.runtime.communicator.current`) and runs its raw collective: the in-process
 simulator or ``torch.distributed`` (gloo, NCCL) — the ops do not depend on which.
 
 Two layers:
@@ -34,7 +34,7 @@ op                             forward                          backward
 =============================  ===============================  ============================================
 
 Ops that change a shape take the axis size as an argument (``size``), so their fake kernels need no
-communicator. The compiler's table of collective kinds (:mod:`autoshard.collectives`) names these ops; the Python
+communicator. The compiler's table of collective kinds (:mod:`autoshard.collective_kinds`) names these ops; the Python
 functions at the end of this module (``all_reduce(x, axis)``, ...) call them with the size filled in from the
 current communicator, for tests and hand-written code.
 
@@ -52,7 +52,7 @@ from collections.abc import Iterable
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.comm import PHASES, CollectiveRecord, current
+from autoshard.runtime.communicator import PHASES, CollectiveRecord, current
 from autoshard.runtime.primitives import (all_to_all_shape, chunk, comm_of, define_op, gathered_shape, keep_comm,
                                           raw_all_gather, raw_all_reduce, raw_all_to_all, raw_reduce_scatter,
                                           scattered_shape, sum_over)
