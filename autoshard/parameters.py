@@ -290,7 +290,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
 
 def _stages_holding(runner) -> dict[str, list[int]]:
     """{model name: every stage of the plan holding that parameter} (the same on every rank)."""
-    public = runner.plan.plan.public_names()
+    public = runner.plan.microbatch_plan.public_names()
     out: dict[str, list[int]] = {}
     for sg in runner.plan.stages:
         for target in sg.params:

@@ -400,11 +400,11 @@ def test_a_pipelined_plan_builds_its_stages_in_the_list():
     mesh = autoshard.Mesh(pipe=2, data=2)
     pplan = build_pipeline_plan(model, mesh, args, kwargs, make_options(None, "data", "error", mesh),
                                 Pipeline(microbatches=2))
-    gm = pplan.plan.graph_module
+    gm = pplan.microbatch_plan.graph_module
     names = gm.meta[M.PASSES_RUN]
     assert names[-2:] == ("pipeline_split", "build_stages"), names
     assert [sg.gm for sg in pplan.stages] == [sg.gm for sg in gm.meta[M.STAGE_GRAPHS]]
-    rank = tuple(p.name for p in manager.pass_list(pplan.plan.context.options,
+    rank = tuple(p.name for p in manager.pass_list(pplan.microbatch_plan.context.options,
                                                    program=manager.ProgramOptions(True))["rank"])
     for stage in range(pplan.num_stages):
         program = pplan.stage_module(stage, pplan.mesh.rank_of({"pipe": stage, "data": 1}), bucket_grads=True)

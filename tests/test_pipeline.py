@@ -118,7 +118,7 @@ def test_auto_split_is_within_10_percent_of_brute_force(stages):
     model = Unequal()
     args = (torch.randn(64, 64), torch.randn(64, 64))
     pplan = _pplan(model, args, {}, {"pipe": stages}, microbatches=4)
-    a = analyse(pplan.plan.graph_module, pplan.submesh, load_profile("cpu-gloo"))
+    a = analyse(pplan.microbatch_plan.graph_module, pplan.submesh, load_profile("cpu-gloo"))
     best = min(max(costs) / (sum(costs) / len(costs))
                for cuts in itertools.combinations(range(1, a.n), stages - 1)
                if all(c in a.candidates for c in cuts) for costs in [a.costs_of(cuts)])
@@ -262,7 +262,7 @@ def test_the_verifier_checks_every_stage_graph():
 
     model, args, kwargs = models.gpt(**SMALL)
     pplan = _pplan(model, args, kwargs, {"pipe": 2, "data": 2}, microbatches=2)
-    gm = pplan.plan.graph_module
+    gm = pplan.microbatch_plan.graph_module
     ran = list(gm.meta[M.PASSES_RUN])
     verify(gm, ran)
     stage = pplan.stages[1].gm

@@ -226,7 +226,7 @@ def test_zero_3_composes_with_pipeline_stages_on_gloo():
     mesh = autoshard.Mesh(pipe=2, data=2)
     pplan = build_pipeline_plan(copy.deepcopy(model), mesh, args, kwargs,
                                 make_options(None, "data", "error", mesh, zero=3), Pipeline(microbatches=4))
-    assert pplan.plan.param_storage() and all(s.stage == 3 for s in pplan.plan.param_storage().values())
+    assert pplan.microbatch_plan.param_storage() and all(s.stage == 3 for s in pplan.microbatch_plan.param_storage().values())
     results = spawn(_pipeline_worker, 4, 3, timeout=240, start_method="forkserver")
     ref_loss, ref_grads = reference(model, args, kwargs)
     for loss, _ in results:

@@ -58,7 +58,7 @@ class PipelineRunner:
             stages.append(rt.make_stage(module, s, pplan.num_stages, pplan.act_meta(s, self.rank, "acts"),
                                         pplan.act_meta(s, self.rank, "outputs"), self.group, self.device))
         self.is_last = pplan.num_stages - 1 in pplan.stages_of(self.rank)
-        out_spec = getattr(pplan.plan.graph_module, "_out_spec", None)
+        out_spec = getattr(pplan.microbatch_plan.graph_module, "_out_spec", None)
         loss_fn = rt.model_loss(out_spec, p.loss_fn, loss_of)
         # A user loss_fn sees this rank's rows of a batch-sharded output: its mean over them, divided by the data
         # axis size, summed over the data axis (the gradient sync and the reported loss) is the global mean.
@@ -88,15 +88,15 @@ class PipelineRunner:
         dm = device_mesh(pplan.mesh, self.device.type)
         names = pplan.submesh.names
         sub = dm[names] if dm is not None and all(n in pplan.mesh.names for n in names) else None
-        specs = local_param_specs(pplan.plan.graph_module)
-        public = pplan.plan.public_names()
+        specs = local_param_specs(pplan.microbatch_plan.graph_module)
+        public = pplan.microbatch_plan.public_names()
         self._pairs: list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]] = []
         for m in self.modules:
             for target, p in m.inner.named_parameters():
                 if sub is None:
                     dp = p
                 else:
-                    full = fetch_attr(pplan.plan.graph_module, target)
+                    full = fetch_attr(pplan.microbatch_plan.graph_module, target)
                     template = torch.empty(full.shape, device="meta")
                     dt = like(p.detach(), _Layout(sub, specs[target], template))
                     dp = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -134,7 +134,7 @@ class PipelineRunner:
         out: dict[str, list[int]] = {}
         for m, s in zip(self.modules, self.plan.stages_of(self.rank)):
             for target, _ in m.inner.named_parameters():
-                out.setdefault(self.plan.plan.public_names().get(target, target), []).append(s)
+                out.setdefault(self.plan.microbatch_plan.public_names().get(target, target), []).append(s)
         return out
 
     def step(self, *args, target=None, **kwargs) -> torch.Tensor:
@@ -191,8 +191,8 @@ class _Layout:
 
 def _output_data_shards(pplan: PipelinePlan) -> tuple[str | None, int]:
     """(data axis, its size) when the model's first output leaves the plan sharded on dim 0 over the data axis."""
-    axis = pplan.plan.context.options.data_axis
-    out = next(n for n in pplan.plan.graph_module.graph.nodes if n.op == "output")
+    axis = pplan.microbatch_plan.context.options.data_axis
+    out = next(n for n in pplan.microbatch_plan.graph_module.graph.nodes if n.op == "output")
     first = next((x for x in pytree.tree_leaves(out.args) if isinstance(x, torch.fx.Node)), None)
     if first is None or axis not in pplan.submesh.names:
         return None, 1
@@ -214,7 +214,7 @@ def _scaled(fn: Callable, n: int) -> Callable:
 def _val(pplan: PipelinePlan, fqn: str) -> torch.Tensor:
     from autoshard.trace import fetch_attr
 
-    return fetch_attr(pplan.plan.graph_module, fqn)
+    return fetch_attr(pplan.microbatch_plan.graph_module, fqn)
 
 
 class PipelinedModule(torch.nn.Module):

@@ -26,7 +26,7 @@ from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
 class PipelinePlan:
     """The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages."""
 
-    plan: object  # autoshard.plan.Plan over ``submesh``
+    microbatch_plan: object  # autoshard.plan.Plan of one global microbatch over ``submesh``
     mesh: Mesh
     submesh: Mesh
     pipeline: Pipeline
@@ -62,7 +62,7 @@ class PipelinePlan:
         to do once per step. Made by the plan's one checked path (:meth:`autoshard.plan.Plan.rank_program`): the
         stage's programs on every rank issue the same collectives."""
         self.mesh._check_rank(rank)
-        return self.plan.rank_program(self.sub_rank(rank), bucket_grads=bucket_grads, stage=stage)
+        return self.microbatch_plan.rank_program(self.sub_rank(rank), bucket_grads=bucket_grads, stage=stage)
 
     def code(self, rank: int = 0, stage: int | None = None) -> str:
         stage = self.stages_of(rank)[0] if stage is None else stage
@@ -92,17 +92,17 @@ class PipelinePlan:
     def _is_param(self, target: str) -> bool:
         from autoshard.trace import fetch_attr
 
-        return isinstance(fetch_attr(self.plan.graph_module, target), torch.nn.Parameter)
+        return isinstance(fetch_attr(self.microbatch_plan.graph_module, target), torch.nn.Parameter)
 
     def param_specs(self):
         """{program attribute: stored spec} (stage programs name parameters by attribute)."""
         from autoshard.rank_programs import local_param_specs
 
-        return local_param_specs(self.plan.graph_module)
+        return local_param_specs(self.microbatch_plan.graph_module)
 
     # ---- inputs and gradients -----------------------------------------------------------------------------
     def input_names(self) -> list[str]:
-        return [n.name for n in self.plan.graph_module.graph.nodes if n.op == "placeholder"]
+        return [n.name for n in self.microbatch_plan.graph_module.graph.nodes if n.op == "placeholder"]
 
     def shard_batch(self, rank: int, args=(), kwargs=None) -> dict[str, object]:
         """``rank``'s inputs for one step, by placeholder name: each microbatch (``batch / microbatches`` rows)
@@ -110,7 +110,7 @@ class PipelinePlan:
         the schedule's chunking along dim 0 gives this rank its share of each microbatch."""
         from torch.fx._pytree import tree_flatten_spec
 
-        gm = self.plan.graph_module
+        gm = self.microbatch_plan.graph_module
         leaves = tree_flatten_spec((tuple(args), dict(kwargs or {})), gm._in_spec)
         holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         return {h.name: self.shard_microbatches(x, h.meta[M.SPEC], rank) if isinstance(x, torch.Tensor) else x
@@ -131,7 +131,7 @@ class PipelinePlan:
         return [dataclasses.replace(e, global_shape=whole(e.global_shape),
                                     local_shape=(e.local_shape[0] * m, *e.local_shape[1:])
                                     if whole(e.global_shape) != e.global_shape else e.local_shape)
-                for e in expected_inputs(self.plan.graph_module, self.submesh)]
+                for e in expected_inputs(self.microbatch_plan.graph_module, self.submesh)]
 
     def shard_microbatches(self, x: torch.Tensor, spec, rank: int) -> torch.Tensor:
         m = self.pipeline.microbatches
@@ -184,7 +184,7 @@ class PipelinePlan:
             raise PlanError(f"stage_memory has stage={stage}, but the pipeline has stages 0..{self.num_stages - 1}.")
         flight = self.pipeline.microbatches if self.pipeline.schedule == "gpipe" else \
             min(self.pipeline.microbatches, self.num_stages - stage)
-        options = self.plan.context.options
+        options = self.microbatch_plan.context.options
         precision = options.precision
         return plan_memory(self.stages[stage].gm, self.submesh, options.optimizer,
                            precision.param_dtype if precision is not None else None, in_flight=flight)
