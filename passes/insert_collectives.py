@@ -45,7 +45,7 @@ class InsertCollectives:
             strat = node.meta.get(M.STRATEGY)
             if strat is None:
                 continue
-            written = written_inputs(node)
+            written = [x for x in written_inputs(node) if x.op == "get_attr"]  # buffers written in place
             leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
             k = 0
             new_leaves = []

@@ -399,8 +399,8 @@ def _choose(node: torch.fx.Node, ctx: Context, paid: set[tuple], pinned: dict[to
                                 "allow it.")
             candidates = [planned]
     for written in written_inputs(node):
-        if written.meta.get(M.SPEC) is None:
-            continue
+        if written.op != "get_attr" or written.meta.get(M.SPEC) is None:
+            continue  # (an input's write never reaches the caller's tensor: each rank holds its own shard)
         # a buffer written in place keeps its layout: a redistributed copy would take the write
         have, pos = written.meta[M.SPEC], inputs.index(written)
         kept = [s for s in candidates if s.input_specs[pos] == have]

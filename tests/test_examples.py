@@ -25,10 +25,9 @@ def test_train_gpt_under_torchrun_matches_one_process():
     # torchrun as a module of this interpreter: the `torchrun` on PATH may belong to another Python (a venv's tests
     # would then launch ranks that import another checkout)
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    from autoshard.runtime.launch import free_port
-
-    cmd += ["--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            str(ROOT / "examples" / "train_gpt.py"), "--steps", "20"]
+    # --standalone: torchrun's agent binds its rendezvous store to a port it picks itself (no port chosen here and
+    # bound later, which another process could take in between)
+    cmd += ["--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_gpt.py"), "--steps", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 import autoshard
 from autoshard.errors import CheckpointError
-from autoshard.runtime.launch import free_port
 from examples import models
 from tests.test_error_catalogue import assert_row
 
@@ -45,7 +45,8 @@ def _child(fn, rank, world, port, out, args):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=PG_TIMEOUT))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT), store=store)
     try:
         fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - the parent reports every failure
@@ -68,7 +69,11 @@ def launch(fn, world: int, out: str, *args, deadline: float = DEADLINE) -> tuple
     ``deadline`` seconds is killed: it has no report.
     """
     ctx = mp.get_context("forkserver")
-    port = free_port()
+    # the store lives here, bound to a port the kernel picks (as autoshard.runtime.launch.spawn does): it outlives
+    # every rank, so a rank's death never takes the rendezvous with it
+    store = TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=PG_TIMEOUT),
+                     wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_child, args=(fn, r, world, port, out, args), name=f"fault-rank{r}")
              for r in range(world)]
     for p in procs:

@@ -1,6 +1,6 @@
 """One memory model for the plan search and ``plan.cost()`` (issue 23): the search's memory of the plan it chose
 equals ``plan.cost().memory_per_rank`` (to 1%) on every model of the op-coverage sweep — each op case of
-``tests/opcases.py`` and the architectures of ``tests/test_op_coverage_search.py`` (plus HF Mamba, where the two
+``tests/opcases.py`` and the architectures of ``tests/test_memory_limit_sweep.py`` (plus HF Mamba, where the two
 used to disagree by 2.5x) — and the "least memory" an infeasible limit is refused with is never above the memory
 of a plan the search or ``zero=3`` produces.
 

@@ -8,9 +8,13 @@ For tests, examples and ``autoshard run`` on one machine::
 
     results = spawn(work, 4, torch.ones(2))  # [tensor([2., 2.]), ...] in rank order
 
+The parent hosts the rendezvous: a ``TCPStore`` it binds to port 0 (the kernel picks a free port and the store
+holds it, so no other process can take it between choosing and binding, as it could with a port chosen first and
+bound later by rank 0: concurrent test runs and gloo's own listening sockets draw from the same ephemeral range).
 Each child (``multiprocessing`` *spawn* context by default, so scripts calling this need
-``if __name__ == "__main__":``; *forkserver* on request) sets ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, runs with ``OMP_NUM_THREADS=1``, calls
-``init_process_group(backend, rank, world_size, timeout=timeout)``, runs ``fn(rank, world_size, *args)``, and
+``if __name__ == "__main__":``; *forkserver* on request) sets ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` to the
+store's port, runs with ``OMP_NUM_THREADS=1``, calls ``init_process_group(backend, rank, world_size,
+timeout=timeout, store=...)`` on a client of that store, runs ``fn(rank, world_size, *args)``, and
 sends back the result (pickled with tensors moved to CPU) or its traceback through its own pipe; it always
 ends with :func:`autoshard.runtime.shutdown` (every process group destroyed before the interpreter exits). The parent waits on every pipe at once:
 
@@ -82,7 +86,12 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gl
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":  # what every child imports, imported once in the server (ignored if absent)
         ctx.set_forkserver_preload([__name__, *_PRELOAD])
-    port = free_port()
+    from torch.distributed import TCPStore
+
+    # the parent hosts the store on a port the kernel picks at bind time: no window for another process to take it
+    store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=timedelta(seconds=timeout),
+                     wait_for_workers=False)
+    port = store.port
     procs, conns = [], {}
     try:
         with _child_env(OMP_NUM_THREADS="1"):
@@ -100,6 +109,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gl
         _kill(procs)
         for c in conns:
             c.close()
+        del store  # after every child is gone: a live child may still read it
 
 
 def _collect(procs, conns: dict, name: str, world_size: int, deadline: float, budget: float) -> list:
@@ -207,7 +217,9 @@ def _child(fn, rank, world_size, args, port, backend, timeout, parent_pid, conn)
     import torch.distributed as dist
 
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout),
+                                store=store)
         reply = ("ok", pickle.dumps(_to_cpu(fn(rank, world_size, *args))))
     except BaseException as e:  # noqa: BLE001 - the parent must hear about every failure
         reply = ("err", (type(e).__name__, traceback.format_exc(), time.time()))

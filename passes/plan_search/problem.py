@@ -366,7 +366,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
         groups.setdefault(key, []).append(u)
     out_req = _output_requirements(gm, ctx)
     pinned = pinned_values(gm)
-    written = {x for n in gm.graph.nodes for x in written_inputs(n)}
+    written = {x for n in gm.graph.nodes for x in written_inputs(n) if x.op == "get_attr"}  # buffers
     intern = _SpecPool()
     pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
     terms = []
