@@ -20,7 +20,7 @@ memory row):
   fixed[point]`` (:func:`build_program` with ``memory_row``: :meth:`_Builder.memory_rows`); :func:`with_memory_row`
   adds the one row the Lagrangian walk prices to a program built without.
 
-HiGHS solves the LP relaxation first (through ``scipy.optimize.milp``): an integral LP optimum is an optimum of the
+HiGHS solves the LP relaxation first (through ``highspy``, :mod:`.highs`): an integral LP optimum is an optimum of the
 integer program; otherwise it branches (``mip_rel_gap = 0``). Objectives are solved in nanoseconds, since HiGHS also
 stops at an absolute gap of 1e-6.
 """
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from autoshard.cost_models.memory import largest_gradient
+from autoshard.passes.plan_search.highs import highs_with, run
 from autoshard.passes.plan_search.objective import option_vectors, recomputed_share
 from autoshard.passes.plan_search.problem import Problem, ValueTerm, output_spec_for
 
@@ -395,27 +396,19 @@ def with_costs(prog: Program, cost: np.ndarray, mem: np.ndarray) -> Program:
 def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float) -> SolveResult:
     """The least-``cost`` integer point of ``prog``: the LP relaxation first (an integral LP optimum is an optimum
     of the integer program: it is feasible there, and no integer point beats the relaxation), else branch and
-    bound within what is left of ``time_limit`` seconds."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    nvar = len(cost)
+    bound within what is left of ``time_limit`` seconds (HiGHS through :mod:`.highs`)."""
     # HiGHS also stops at an absolute gap of 1e-6: in seconds that hides real differences, so solve in nanoseconds.
-    c, cons, bounds = cost * 1e9, LinearConstraint(prog.a, prog.lo, prog.hi), Bounds(np.zeros(nvar), np.ones(nvar))
-    integer = prog.integer
+    c, integer = cost * 1e9, prog.integer
     started = time.perf_counter()
-    disp = logger.isEnabledFor(logging.DEBUG)
-    res = milp(c, constraints=cons, integrality=np.zeros_like(integer), bounds=bounds,
-               options={"time_limit": time_limit, "presolve": False, "disp": disp})
-    logger.debug("LP relaxation: status %s, integral %s", res.status,
+    res = run(highs_with(prog.a, prog.lo, prog.hi, c), time_limit, mip=False)
+    logger.debug("LP relaxation: %s, integral %s", res.message,
                  None if res.x is None else integral(res.x[integer == 1]))
     if res.x is None or not integral(res.x[integer == 1]):
-        left = max(0.1, time_limit - (time.perf_counter() - started))  # one time limit for both calls
-        res = milp(c, constraints=cons, integrality=integer, bounds=bounds,
-                   options={"mip_rel_gap": 0.0, "time_limit": left, "presolve": False, "disp": disp})
-        logger.debug("MILP: status %s after %.2f s", res.status, time.perf_counter() - started)
-    gap = float(getattr(res, "mip_gap", None) or 0.0)
+        left = max(0.1, time_limit - (time.perf_counter() - started))  # one time limit for both runs
+        res = run(highs_with(prog.a, prog.lo, prog.hi, c, integer), left, mip=True)
+        logger.debug("MILP: %s after %.2f s", res.message, time.perf_counter() - started)
     choice = prog.choice(problem, res.x) if res.x is not None else None
-    return SolveResult(choice, res.status == 0, gap, str(res.message), res.status == 1)
+    return SolveResult(choice, res.optimal, res.gap, res.message, res.timed_out)
 
 
 def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None, recompute=frozenset(),

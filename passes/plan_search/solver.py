@@ -5,7 +5,7 @@ The Lagrangian walk (:mod:`.lagrangian`) and :func:`.lagrangian.lp_bound` solve 
 ``c + λ·mem``: :class:`WarmLP` passes the program to a ``highspy.Highs`` object once and changes only the column
 costs, so each new λ starts from the last optimal basis (a few simplex pivots instead of a solve from scratch), and
 :meth:`WarmLP.copy` starts a second object from that basis (two λ solve at once: HiGHS releases the GIL while it
-runs). ``scipy.optimize.milp`` (:func:`.ilp.solve_program`) serves every solve that needs no warm start.
+runs). :func:`.ilp.solve_program` serves every solve that needs no warm start (its own HiGHS object, :mod:`.highs`).
 
 HiGHS's clock counts every run of an object: :meth:`WarmLP.solve` sets each run's time limit from the time already
 spent, so a limit is seconds for this solve.
@@ -13,51 +13,14 @@ spent, so a limit is seconds for this solve.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import sys
-import threading
 
 import highspy
 import numpy as np
+from autoshard.passes.plan_search.highs import highs_with
 from autoshard.passes.plan_search.ilp import Program
 
 logger = logging.getLogger(__name__)
-
-_first = threading.Lock()
-_made = False
-
-
-def _new_highs() -> highspy.Highs:
-    """A ``highspy.Highs`` that logs only at DEBUG. Its constructor prints HiGHS's banner to the process's stdout (C
-    level, once per process, before any option can be set): the first one is made with file descriptor 1 on
-    ``/dev/null`` so that the CLI's output and the user's stay clean."""
-    global _made
-    with _first:
-        if not _made:
-            _made = True
-            highs = _quietly(highspy.Highs)
-        else:
-            highs = highspy.Highs()
-    highs.setOptionValue("output_flag", logger.isEnabledFor(logging.DEBUG))
-    return highs
-
-
-def _quietly(make):
-    try:
-        sys.stdout.flush()
-        saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    except (OSError, ValueError, AttributeError):  # no file descriptor 1 (embedded interpreters): print it
-        return make()
-    try:
-        os.dup2(null, 1)
-        return make()
-    finally:
-        ctypes.CDLL(None).fflush(None)  # what C's stdio buffered goes to /dev/null, not to the restored stdout
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(null)
 
 
 class WarmLP:
@@ -69,21 +32,8 @@ class WarmLP:
 
     @classmethod
     def create(cls, prog: Program) -> WarmLP:
-        a = prog.a.tocsc()
-        n = a.shape[1]
-        lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = n, a.shape[0]
-        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, a.shape[0]
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.col_cost_ = prog.c * 1e9  # nanoseconds, as ilp.solve_program: HiGHS's absolute tolerances are ~1e-7
-        lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
-        inf = highspy.kHighsInf
-        lp.row_lower_ = np.maximum(np.asarray(prog.lo, dtype=float), -inf)
-        lp.row_upper_ = np.minimum(np.asarray(prog.hi, dtype=float), inf)
-        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
-        highs = _new_highs()
-        highs.setOptionValue("presolve", "off")  # presolve would drop the basis between objectives
-        highs.passModel(lp)
+        highs = highs_with(prog.a, prog.lo, prog.hi, prog.c * 1e9)  # nanoseconds, as ilp.solve_program
+        n = prog.a.shape[1]
         return cls(highs, n)
 
     def copy(self, prog: Program) -> WarmLP:
