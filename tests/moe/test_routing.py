@@ -37,6 +37,10 @@ _HERE = Path(__file__).resolve().parent
 ref = _load("autoshard_tests_moe_reference", _HERE / "reference.py")
 
 RTOL, ATOL = 1e-5, 1e-6
+#: gradients of expert weights sum over the tokens routed to the expert, in dispatch-buffer order here and in token
+#: order in the reference: float32 rounds each order differently, up to ~n·eps·Σ|terms| (20 tokens of unit-size terms:
+#: ~2.4e-6). Hypothesis found 1.9e-6 on an entry of 0.042 (13 tokens, d/dw2), so gradients allow 1e-5 absolute.
+GRAD_ATOL = 1e-5
 
 # (activation, gated, with_bias)
 VARIANTS = [("gelu", False, True), ("silu", True, False), ("relu", False, True), ("gelu_tanh", True, True)]
@@ -93,7 +97,7 @@ def assert_grads_close(got, want, what):
         if w is None:
             assert g is None or torch.count_nonzero(g) == 0, f"{what}: d/d{name} should be zero"
             continue
-        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{what}: d/d{name}: {m}")
+        torch.testing.assert_close(g, w, rtol=RTOL, atol=GRAD_ATOL, msg=lambda m, name=name: f"{what}: d/d{name}: {m}")
 
 
 def check_against_reference(tokens, experts, hidden, ffn, top_k, capacity_factor, variant, seed):
