@@ -327,3 +327,37 @@ def test_a_walk_stopped_by_time_keeps_an_honest_bound():
     assert info["bound"] <= t_free * (1 + 1e-9) and (t - t_free) / t <= info["gap"] + 1e-9
     made = fallback_plan(free, 0.5)
     assert made.time == pytest.approx(evaluate(free, list(made.choice))[0]) and made.time >= t_free * (1 - 1e-9)
+
+
+def test_time_running_out_in_the_one_multiplier_solve_still_returns_a_plan(monkeypatch):
+    """When the walk made no step on the row it prices, one more solve at one multiplier gives its bound; if time
+    runs out in that solve, the search returns its best plan with the bound the plans met give (it raised
+    AttributeError on ``None.time``: bench/search_plans.py's 70B case under load)."""
+    from autoshard.passes.plan_search import evaluate, lagrangian, search, solve
+
+    from tests.test_plan_search import TwoLinear
+
+    torch.manual_seed(0)
+    model, args, mesh = TwoLinear(), (torch.randn(64, 64),), autoshard.Mesh(**MESH)
+    free = _problem(model, args, mesh, None, zero="auto")
+    problem = _problem(model, args, mesh, 0.5 * evaluate(free, solve(free))[1], zero="auto")
+    exact: dict = {}
+    t_exact = evaluate(problem, solve(problem, info=exact))[0]
+    monkeypatch.setattr(lagrangian._Walk, "descend", lambda self, lo, hi, accept_gap: None)  # no step: bound -inf
+    point = lagrangian._Walk.point
+    calls = {"n": 0}
+
+    def runs_out_after_the_bracket(self, lam, units=frozenset(), solver=0):
+        if self.best is not None:  # the bracket found a plan within the limit: the next solve runs out of time
+            calls["n"] += 1
+            self.timed_out = True
+            return None
+        return point(self, lam, units, solver)
+
+    monkeypatch.setattr(lagrangian._Walk, "point", runs_out_after_the_bracket)
+    info: dict = {}
+    choice, units = search(problem, time_limit=60.0, info=info)
+    t, m = evaluate(problem, choice, units)
+    assert calls["n"] == 1 and info["timed_out"]
+    assert m <= problem.memory_limit
+    assert info["bound"] <= t_exact * (1 + 1e-9) and (t - t_exact) / t <= info["gap"] + 1e-9

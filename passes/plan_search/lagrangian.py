@@ -91,8 +91,9 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         lam = next((p.multiplier for p in (hi, lo) if p.multiplier is not None and 0 < p.multiplier < np.inf),
                    lo.time / max(lo.priced_memory, 1.0))
         p = walk.point(lam, best_units(problem, hi.choice, lam))
-        walk.bound, walk.multiplier = p.time + lam * (p.priced_memory - problem.memory_limit), lam
-        walk.repaired(p)
+        if p is not None:  # (None: time ran out in this solve; final_bound takes the bounds the plans met give)
+            walk.bound, walk.multiplier = p.time + lam * (p.priced_memory - problem.memory_limit), lam
+            walk.repaired(p)
     best, bound = walk.best, walk.final_bound()
     gap = _gap(best.time, bound)
     stopped = f" (time_limit={walk.total:g} s reached)" if walk.timed_out else ""
