@@ -299,11 +299,10 @@ def test_a_limit_no_plan_meets_is_refused_before_any_solve(monkeypatch, mamba_fr
     assert "the least memory any plan needs is" in text and "zero='auto'" in text and "recompute='auto'" in text
 
 
-def test_a_walk_stopped_by_time_keeps_an_honest_bound():
-    """Under a time limit the walk stops where it is; the plan it returns fits, and its gap is no smaller than its
-    true distance to the exact optimum (HiGHS's ILP with the memory row, proven optimal on this small program).
-    Without a limit, too: whether HiGHS or the solver-free descent made the plan, its gap holds."""
-    from autoshard.passes.plan_search import evaluate, fallback_plan, search, solve
+def _two_linear_at_half_memory():
+    """(problem without a limit, problem limited to half its plan's memory, the exact optimum's seconds under that
+    limit: HiGHS's ILP with the memory row, proven optimal on this small program) of a two-linear model."""
+    from autoshard.passes.plan_search import evaluate, solve
 
     from tests.test_plan_search import TwoLinear
 
@@ -314,6 +313,16 @@ def test_a_walk_stopped_by_time_keeps_an_honest_bound():
     exact: dict = {}
     t_exact = evaluate(problem, solve(problem, info=exact))[0]
     assert exact["optimal"]
+    return free, problem, t_exact
+
+
+def test_a_walk_stopped_by_time_keeps_an_honest_bound():
+    """Under a time limit the walk stops where it is; the plan it returns fits, and its gap is no smaller than its
+    true distance to the exact optimum (HiGHS's ILP with the memory row, proven optimal on this small program).
+    Without a limit, too: whether HiGHS or the solver-free descent made the plan, its gap holds."""
+    from autoshard.passes.plan_search import evaluate, fallback_plan, search, solve
+
+    free, problem, t_exact = _two_linear_at_half_memory()
     for time_limit in (1e-3, 0.0):
         info: dict = {}
         choice, units = search(problem, time_limit=time_limit, info=info)
@@ -333,16 +342,9 @@ def test_time_running_out_in_the_one_multiplier_solve_still_returns_a_plan(monke
     """When the walk made no step on the row it prices, one more solve at one multiplier gives its bound; if time
     runs out in that solve, the search returns its best plan with the bound the plans met give (it raised
     AttributeError on ``None.time``: bench/search_plans.py's 70B case under load)."""
-    from autoshard.passes.plan_search import evaluate, lagrangian, search, solve
+    from autoshard.passes.plan_search import evaluate, lagrangian, search
 
-    from tests.test_plan_search import TwoLinear
-
-    torch.manual_seed(0)
-    model, args, mesh = TwoLinear(), (torch.randn(64, 64),), autoshard.Mesh(**MESH)
-    free = _problem(model, args, mesh, None, zero="auto")
-    problem = _problem(model, args, mesh, 0.5 * evaluate(free, solve(free))[1], zero="auto")
-    exact: dict = {}
-    t_exact = evaluate(problem, solve(problem, info=exact))[0]
+    _, problem, t_exact = _two_linear_at_half_memory()
     monkeypatch.setattr(lagrangian._Walk, "descend", lambda self, lo, hi, accept_gap: None)  # no step: bound -inf
     point = lagrangian._Walk.point
     calls = {"n": 0}
