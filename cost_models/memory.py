@@ -667,6 +667,16 @@ def _storage_base(node: Node) -> Node:
     return node
 
 
+def _aliases_region_input(node: Node, region: str | None, region_of: Callable) -> bool:
+    """``node`` (in recomputation ``region``) is a view or same-dtype cast of a value made outside that region: the
+    region keeps the value's storage as its input, as :func:`saved_bytes` counts it at the value (the next layer's
+    ``hidden_states.to(float32)`` of the previous layer's residual sum, which owns the storage here)."""
+    if region is None:
+        return False
+    base = storage_key(node)
+    return isinstance(base, Node) and base is not node and region_of(base) != region
+
+
 def _no_region(node: Node) -> None:
     return None
 
@@ -800,7 +810,8 @@ class GraphMemory:
                         and any(keeps(r, g, g, region_of) for r in g.users if r.op == "call_function")):
                     counted.append(g.args[1])
         elif self.owners.get(storage_key(node)) is node and (
-                own or any(keeps(r, node, node, region_of) for r in node.users if r.op == "call_function")):
+                own or any(keeps(r, node, node, region_of) for r in node.users if r.op == "call_function")
+                or _aliases_region_input(node, mine, region_of)):
             counted = [0]
         answer = (tuple(counted), MASK in _saves(node) and mine is None)
         self._counted_cache[key] = answer

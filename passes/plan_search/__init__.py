@@ -12,9 +12,10 @@ The pass (:class:`PlanSearch`) builds a problem, searches it and writes the choi
   once per (value, needed spec) and shared by every consumer; gradient syncs; objective ``Σ compute + Σ
   redistribution + Σ sync`` seconds; memory row ``Σ bytes ≤ limit``. Without a limit (or when the least-time plan
   fits) that program is solved exactly by HiGHS (its LP relaxation is usually integral).
-* **The Lagrangian relaxation** (:mod:`.lagrangian`, :func:`search`): under a binding limit the memory row moves into
-  the objective, ``L(λ) = min T + λ·(M − limit)``, each λ solved from the previous HiGHS basis (:mod:`.solver`,
-  :class:`WarmLP`), λ walked along the breakpoints of the dual; every ``L(λ)`` is a lower bound.
+* **The Lagrangian relaxation** (:mod:`.lagrangian`, :func:`search`): under a binding limit the memory rows (one
+  per liveness point) move into the objective, ``L(λ) = min T + Σ_p λ_p·(M_p − limit)``, each λ solved from the
+  previous HiGHS basis (:mod:`.solver`, :class:`WarmLP`), λ chosen by cutting planes on the dual; every ``L(λ)``
+  is a lower bound.
 * **The repair** (:mod:`.repair`, :func:`repair`): each plan the walk meets is made to fit by moves that keep every
   layout (a parameter's ZeRO stage, one more or one fewer recomputed copy); the best plan that fits is kept, and
   its gap to the best bound is reported. The exact ILP with the memory row runs only when a gap above
@@ -108,7 +109,8 @@ class PlanSearch:
             "optimal": status["optimal"], "gap": status["gap"],  # gap: to the best lower bound the search knows
             "timed_out": bool(status.get("timed_out")),  # time_limit stopped the search before it finished
             "method": status.get("method"), "lower_bound": status.get("bound"),
-            "multiplier": status.get("multiplier"),  # λ (seconds per byte) of the lower bound
+            # λ (seconds per byte, one per liveness point) of the lower bound
+            "multiplier": None if status.get("multiplier") is None else [float(v) for v in status["multiplier"]],
             "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
             "recomputed": regions,
         }

@@ -73,6 +73,7 @@ class SolveResult:
     gap: float
     message: str
     timed_out: bool
+    x: np.ndarray | None = None  # the solution (every column), None with ``choice``
 
 
 class _Builder:
@@ -408,7 +409,7 @@ def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit:
         res = run(highs_with(prog.a, prog.lo, prog.hi, c, integer), left, mip=True)
         logger.debug("MILP: %s after %.2f s", res.message, time.perf_counter() - started)
     choice = prog.choice(problem, res.x) if res.x is not None else None
-    return SolveResult(choice, res.optimal, res.gap, res.message, res.timed_out)
+    return SolveResult(choice, res.optimal, res.gap, res.message, res.timed_out, res.x)
 
 
 def solve(problem: Problem, time_limit: float = 120.0, info: dict | None = None, recompute=frozenset(),

@@ -1,46 +1,48 @@
-"""The search under a memory limit: Lagrangian relaxation of the memory row, walked along its breakpoints.
+"""The search under a memory limit: Lagrangian relaxation of the memory rows, one multiplier per liveness point.
 
-With ``T(x)`` the estimated step time and ``M(x)`` the priced bytes of a plan (:mod:`.objective`), the memory row
-``M(x) ≤ limit`` is moved into the objective: ``L(λ) = min_x T(x) + λ·(M(x) − limit)``. For every ``λ ≥ 0``,
-``L(λ)`` is a lower bound of the least ``T`` within the limit, and the program without the memory row keeps its
-tight structure, so it solves like the unconstrained one, from the previous HiGHS basis (:class:`.solver.WarmLP`;
-:meth:`_Walk.relaxed`). The walk (:func:`search`):
+With ``T(x)`` the estimated step time and ``M_p(x)`` the bytes a plan has at liveness point ``p`` (the end of
+forward, each backward layer boundary, the optimizer step: :func:`.objective.memory_points`), the rows
+``M_p(x) ≤ limit`` move into the objective: ``L(λ) = min_x T(x) + Σ_p λ_p·(M_p(x) − limit)``. For every ``λ ≥ 0``,
+``L(λ)`` is a lower bound of the least ``T`` within the limit, and the program without memory rows keeps its tight
+structure, so it solves like the unconstrained one, from the previous HiGHS basis (:class:`.solver.WarmLP`;
+:meth:`_Walk.relaxed`). The search (:func:`search`):
 
 0. The memory is a sum over decisions (plus transient bytes), so the least any plan needs is known before any
    solve (:func:`.repair.least_memory_plan`): a limit below it is :class:`~autoshard.errors.PlanError` at once,
    naming the least memory and the options that would lower it (:func:`_no_plan_fits`) — the only error.
 1. ``λ = 0`` (:meth:`_Walk.point`): the least-time plan; if it fits, it is optimal.
-2. Bracket the limit (:meth:`_Walk.bracket`): λ in units of that plan's seconds per byte, raised ×10 until some plan
-   fits, with a second probe at λ/2 on a second HiGHS copy (HiGHS releases the GIL: two λ solve at once); failing
-   that, the least-memory plan.
-3. Walk (:meth:`_Walk.descend`): λ is the slope between the plans nearest the limit on either side (``lo`` over it,
-   ``hi`` within it), plus the midpoint of the multipliers they were found at; stop when no plan lies below the
-   segment (λ is the best multiplier) or within ``accept_gap`` of the best bound. Every plan met is repaired to fit
-   (:func:`.repair.repair`) and the best kept.
-4. Recomputation units are chosen per λ by coordinate descent (:func:`best_units`: a unit is recomputed when λ
-   times the bytes it frees exceeds its extra forward time); the bound holds for the units the walk chose at each
-   λ; :func:`lp_bound` is one over every recomputation choice (each unit's share an LP variable).
-5. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with the memory row (for the best
+2. Cutting planes (:meth:`_Walk.cutting_planes`): every plan met is a cut ``θ ≤ T_i + λ·(M_i − room)`` of the dual;
+   a small LP maximises their lower envelope within a box around the best multipliers so far (Kelley's method in
+   a trust region), the program is solved at that λ, and so on until the envelope promises no more than 1e-4 of the
+   step time. Only the points some plan exceeds get a multiplier (one on a Llama: the end of forward). Every plan
+   met is repaired to fit (:func:`.repair.repair`) and the best kept; the walk stops early once that plan is within
+   ``accept_gap`` of the bound.
+3. Recomputation units are chosen per λ by coordinate descent (:func:`best_units`: a unit is recomputed when what λ
+   prices the bytes it frees at exceeds its extra forward time); the bound holds for the units the walk chose at
+   each λ; :func:`lp_bound` is one over every recomputation choice (each unit's share an LP variable).
+4. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with every point's row (for the best
    plan's units, :func:`_exact`), for ``exact_limit`` seconds. A gap still left is reported (``info``).
 
 Time never ends the search without a plan: every solve gets what is left of ``time_limit``, and a solve that runs
 out stops the walk where it is (``info["timed_out"]``). The best plan met that fits is returned; before the walk
-met one, :func:`.repair.fallback_plan` makes one without a solver (:func:`_out_of_time`). The gap is then measured to
-the best bound known (:meth:`_Walk.final_bound`: the walk's, ``L(λ)`` of every plan the bracket met, and at worst
-the least seconds of every decision).
+met one, :func:`.repair.fallback_plan` makes one without a solver (:func:`_out_of_time`). The gap is measured to the
+best bound known (:meth:`_Walk.final_bound`).
+
+A walk with one multiplier on the point where the least-time plan peaks (before) never ended on Llama-3-70B: the
+plans it met peaked at another point, so its next multiplier was always the same (2437 solves to its 120 s limit).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve_program,
-                                              with_costs, with_memory_row)
-from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_vectors,
-                                                    ties, transient_bytes)
+                                              with_costs)
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
+                                                    option_vectors, ties)
 from autoshard.passes.plan_search.problem import Problem
 from autoshard.passes.plan_search.repair import fallback_plan, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
@@ -58,8 +60,8 @@ DEFAULT_TIME_LIMIT = 120.0
 def search(problem: Problem, time_limit: float | None = None, info: dict | None = None, exact_limit: float = np.inf,
            accept_gap: float = 0.0) -> tuple[list[int], frozenset | dict]:
     """(option per decision, recomputed units): the least estimated step time with ``evaluate``'s memory within
-    ``problem.memory_limit`` (see the module docstring). ``info`` receives optimal, gap, bound, multiplier and
-    method."""
+    ``problem.memory_limit`` (see the module docstring). ``info`` receives optimal, gap, bound, multiplier (one
+    per liveness point, seconds per byte) and method."""
     info = info if info is not None else {}
     total = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     if problem.memory_limit is None:
@@ -68,32 +70,18 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if least.priced_memory > problem.memory_limit:  # (its priced bytes: a lower bound of every plan's peak)
         raise _no_plan_fits(problem, _least_peak(problem, least, total))
     walk = _Walk(problem, total)
-    lo = walk.point(0.0)
-    if lo is None:  # time_limit ran out in the first solve
+    start = walk.point(walk.zero)
+    if start is None:  # time_limit ran out in the first solve
         return _out_of_time(problem, walk, info)
     one_solve = walk.elapsed()  # what one relaxed solve of this program costs
-    if lo.memory <= problem.memory_limit:
-        info.update(optimal=True, gap=0.0, bound=lo.time, method="unconstrained optimum within the limit")
-        return list(lo.choice), lo.recompute
-    # the row the walk prices: the liveness point where the least-time plan peaks (any one point's row gives a
-    # valid bound: a plan within the limit is within it at every point)
-    point = int(np.argmax(memory_points(problem, list(lo.choice), lo.recompute)))
-    if point != problem.point:
-        problem.price_at(point)
-        walk.reprice()
-        lo = Candidate.of(problem, lo.choice, lo.recompute, lo.multiplier)
-    walk.second_copy()
-    lo, hi = walk.bracket(lo)
-    if hi is None:  # time_limit ran out before the walk met a plan within the limit
-        return _out_of_time(problem, walk, info)
-    walk.descend(lo, hi, accept_gap)
-    if not np.isfinite(walk.bound):  # the walk made no step on the row it prices now: one multiplier's bound
-        lam = next((p.multiplier for p in (hi, lo) if p.multiplier is not None and 0 < p.multiplier < np.inf),
-                   lo.time / max(lo.priced_memory, 1.0))
-        p = walk.point(lam, best_units(problem, hi.choice, lam))
-        if p is not None:  # (None: time ran out in this solve; final_bound takes the bounds the plans met give)
-            walk.bound, walk.multiplier = p.time + lam * (p.priced_memory - problem.memory_limit), lam
-            walk.repaired(p)
+    if start.plan.memory <= problem.memory_limit:
+        info.update(optimal=True, gap=0.0, bound=start.plan.time, method="unconstrained optimum within the limit")
+        return list(start.plan.choice), start.plan.recompute
+    walk.cutting_planes(start, accept_gap)
+    if walk.best is None:
+        if walk.timed_out:  # time_limit ran out before the walk met a plan within the limit
+            return _out_of_time(problem, walk, info)
+        walk.best = walk.least_fitting(start.plan)  # (raises when no plan fits)
     best, bound = walk.best, walk.final_bound()
     gap = _gap(best.time, bound)
     stopped = f" (time_limit={walk.total:g} s reached)" if walk.timed_out else ""
@@ -146,25 +134,55 @@ def _out_of_time(problem: Problem, walk: _Walk, info: dict) -> tuple[list[int], 
     return list(best.choice), best.recompute
 
 
+def _least_temporaries(problem: Problem) -> np.ndarray:
+    """Bytes per liveness point that every plan's peak adds to what the program prices (fixed plus chosen columns):
+    backward's first temporaries at the end of forward are at least the largest of the gradients every option of
+    some op makes, the optimizer's at the step at least its largest stored tensor every option keeps
+    (:func:`.objective.memory_points`). Within the limit, a plan's priced bytes are within ``limit`` less these."""
+    least = np.zeros(len(problem.fixed_points))
+    least[0] = max((min(d.gradient) for d in problem.decisions if d.stored is None and d.gradient), default=0.0)
+    least[-1] = max([float(problem.fixed_stored),
+                     *(min(d.stored) for d in problem.decisions if d.stored is not None and d.stored)])
+    return least
+
+
 def _gap(t: float, bound: float) -> float:
     return max(0.0, (t - bound) / t) if t > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A plan of the relaxed program met at ``multiplier`` (seconds per byte, one per liveness point): its seconds
+    (ties included) and bytes per point as the program prices them (``points``: the fixed bytes plus the chosen
+    columns'), what the memory model adds at each point (``transient``: ZeRO-3's gathered layers, backward's and
+    the optimizer's temporaries), and the plan (:class:`.objective.Candidate`, by ``evaluate``)."""
+
+    seconds: float
+    points: np.ndarray
+    transient: np.ndarray
+    plan: Candidate
+    multiplier: np.ndarray
+
+
 class _Walk:
-    """The state of the walk: the programs per recomputation set, the HiGHS copies, the time budget, the plans met
-    and the best plan within the limit and lower bound so far."""
+    """The state of the search under a limit: the programs and per-point bytes per recomputation set, the HiGHS
+    copy, the time budget, the best plan within the limit and the best lower bound so far."""
 
     def __init__(self, problem: Problem, total: float):
         self.problem, self.total, self.start = problem, total, time.perf_counter()
         self.limit = problem.memory_limit
         base = build_program(problem, frozenset(), memory_row=False)
-        self.base, self.warm = base, [WarmLP.create(base)]  # a second copy once the walk starts (second_copy)
+        self.base, self.warm = base, WarmLP.create(base)
+        self.columns = option_columns(problem)
         self.base_options = np.array(option_vectors(problem, frozenset())[0])
         self.programs: dict = {frozenset(): base}
-        self.seen: list[Candidate] = []
+        self.matrices: dict = {}
+        self.zero = np.zeros(len(problem.fixed_points))
+        self.room = problem.memory_limit - problem.fixed_points - _least_temporaries(problem)
         self.best: Candidate | None = None
+        self.least: Candidate | None = None  # the plan of least memory met (for the refusal's message)
         self.bound, self.multiplier, self.solves = -np.inf, None, 0
-        self.everything = frozenset(range(len(problem.units)))
+        self.ties = sum(max(ties(problem, d), default=0.0) for d in problem.decisions)  # the most ties add
         self.timed_out = False  # a solve found no plan in the time left: the walk stops where it is
 
     def elapsed(self) -> float:
@@ -173,22 +191,13 @@ class _Walk:
     def left(self) -> float:
         return self.total - self.elapsed()
 
-    def reprice(self) -> None:
-        """The programs' bytes again, after :meth:`Problem.price_at` moved the priced point."""
-        mem = np.zeros(len(self.base.c))
-        options = option_vectors(self.problem, frozenset())[1]
-        mem[:len(options)] = options
-        for col, v in self.base.extra.items():
-            mem[col] = v[self.problem.point]
-        self.base = with_costs(self.base, self.base.c, mem)
-        self.programs = {frozenset(): self.base}
-
-    def second_copy(self) -> None:
-        self.warm.append(self.warm[0].copy(self.base))  # from the first's optimal basis
+    @staticmethod
+    def key(units):
+        return tuple(sorted(units.items())) if isinstance(units, dict) else units
 
     def program_for(self, units) -> Program:
         """One program for every recomputation choice: only the option columns' seconds and bytes depend on it."""
-        key = tuple(sorted(units.items())) if isinstance(units, dict) else units
+        key = self.key(units)
         if key not in self.programs:
             c, mem = option_vectors(self.problem, units)
             cost = self.base.c.copy()  # (option columns also carry costs of graph outputs: add the difference)
@@ -198,166 +207,146 @@ class _Walk:
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
 
-    def relaxed(self, lam: float, units, solver: int = 0) -> list[int] | None:
-        """The least ``T + λ·M`` plan: from the warm LP when its optimum is integral, else from the ILP; None when
-        the time left did not suffice."""
-        prog = self.program_for(units)
-        return self.integer_optimum(prog, prog.c + lam * prog.mem, solver)
+    def memory_matrix(self, units) -> np.ndarray:
+        """Bytes of every column of the program at every liveness point (columns × points): the options' at the
+        recomputed shares of ``units``, the auxiliary columns' (copies kept for backward) per point."""
+        key = self.key(units)
+        if key not in self.matrices:
+            matrix = np.zeros((len(self.base.c), len(self.zero)))
+            options = self.columns.point_bytes(units)
+            matrix[:len(options)] = options
+            for col, v in self.base.extra.items():
+                matrix[col] = v
+            self.matrices[key] = matrix
+        return self.matrices[key]
 
-    def least_memory(self, units, bytes_scale: float, seconds_scale: float) -> list[int] | None:
-        """The least ``M`` plan, ``T`` breaking ties (each in units of a plan's bytes and seconds)."""
-        prog = self.program_for(units)
-        return self.integer_optimum(prog, prog.mem / bytes_scale + prog.c * 1e-6 / seconds_scale)
-
-    def integer_optimum(self, prog: Program, cost: np.ndarray, solver: int = 0) -> list[int] | None:
-        if self.left() <= 0:
-            self.timed_out = True
-            return None
-        left = max(1.0, self.left())  # a solve begun gets at least a second
-        x = self.warm[solver].solve(cost, left)
-        if x is not None and integral(x[prog.integer == 1]):  # an integral LP optimum is an ILP optimum
-            return prog.choice(self.problem, x)
-        res = solve_program(self.problem, prog, cost, max(1.0, self.left()))
-        if res.choice is None:  # the program without the memory row always has a plan: time ran out
-            self.timed_out = True
-        return res.choice
-
-    def point(self, lam: float, units=frozenset(), solver: int = 0) -> Candidate | None:
-        """The relaxed optimum at ``lam``, its recomputed units chosen by coordinate descent (None: out of time)."""
+    def point(self, lam: np.ndarray, units=frozenset()) -> Cut | None:
+        """The relaxed optimum at multipliers ``lam`` (per point), its recomputed units chosen by coordinate
+        descent (:func:`best_units`); its lower bound ``L(λ)`` taken, its plan repaired. None: out of time."""
         for _ in range(4):
-            choice = self.relaxed(lam, units, solver)
-            if choice is None:
+            found = self.relaxed(lam, units)
+            if found is None:
                 return None
-            better = best_units(self.problem, choice, lam)
+            better = best_units(self.problem, found[0], lam)
             if better == units:
                 break
             units = better
+        choice, x, lp_value = found
         self.solves += 1
-        return Candidate.of(self.problem, choice, units, lam)
+        prog, matrix = self.program_for(units), self.memory_matrix(units)
+        points = self.problem.fixed_points + matrix.T @ x
+        plan = Candidate.of(self.problem, choice, units)
+        transient = memory_points(self.problem, choice, units) - points
+        # L(λ) = min c·x + λ·(M·x − room) over the program (the LP value bounds it from below), less the ties
+        bound = lp_value - float(lam @ self.room) - self.ties
+        if bound > self.bound:
+            self.bound, self.multiplier = bound, lam
+        if self.least is None or plan.memory < self.least.memory:
+            self.least = plan
+        self.repaired(plan)
+        return Cut(float(prog.c @ x), points, transient, plan, lam)
 
-    def points(self, first: tuple, second: tuple | None) -> list[Candidate]:
-        """``point(*first)`` and, on the second HiGHS copy at the same time, ``point(*second)`` (those found in
-        the time left)."""
-        if second is None or len(self.warm) < 2:
-            found = [self.point(*first)]
-        else:
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                other = pool.submit(self.point, *second, 1)
-                found = [self.point(*first), other.result()]
-        return [p for p in found if p is not None]
+    def relaxed(self, lam: np.ndarray, units) -> tuple[list[int], np.ndarray, float] | None:
+        """(choice, its solution, the LP relaxation's value) of the least ``T + λ·M`` plan: from the warm LP when its
+        optimum is integral, else from the ILP; None when the time left did not suffice."""
+        prog = self.program_for(units)
+        cost = prog.c + self.memory_matrix(units) @ lam
+        if self.left() <= 0:
+            self.timed_out = True
+            return None
+        x = self.warm.solve(cost, max(1.0, self.left()))  # a solve begun gets at least a second
+        if x is not None and integral(x[prog.integer == 1]):  # an integral LP optimum is an ILP optimum
+            return prog.choice(self.problem, x), x, float(cost @ x)
+        res = solve_program(self.problem, prog, cost, max(1.0, self.left()))
+        if res.choice is None:  # the program without the memory row always has a plan: time ran out
+            self.timed_out = True
+            return None
+        value = float(cost @ x) if x is not None else (float(cost @ res.x) if res.optimal else -np.inf)
+        return res.choice, res.x, value
 
-    def closest(self, candidates) -> tuple[Candidate | None, Candidate | None]:
-        """(lo, hi): the plan over the limit with the least memory and the plan within it with the most (the
-        neighbours of the limit on the lower hull of the plans seen)."""
-        over = [p for p in candidates if p.memory > self.limit]
-        within = [p for p in candidates if p.memory <= self.limit]
-        return (min(over, key=lambda p: p.memory) if over else None,
-                max(within, key=lambda p: p.memory) if within else None)
+    def cutting_planes(self, start: Cut, accept_gap: float) -> None:
+        """Maximise the dual ``L(λ)`` over one multiplier per liveness point: Kelley's cutting planes (the lower
+        envelope of the plans met, ``θ ≤ T_i + λ·(M_i − room)``, maximised by a small LP) in a box around the best
+        multipliers so far, doubled when a step that reached its edge improved ``L``. ``room`` is the limit less
+        the least transient bytes met per point (what the program does not price: ZeRO-3's gathered layers, the
+        temporaries), so that the walk aims at plans whose peak fits; the bound reported is ``L(λ)`` against the
+        limit itself (:meth:`point`). Stops when the envelope promises no more than ``1e-4`` of the step time, the
+        best plan is within ``accept_gap`` of the bound, or time runs out."""
+        from scipy.optimize import linprog
 
-    def bracket(self, lo: Candidate) -> tuple[Candidate, Candidate | None]:
-        """λ raised until a plan fits, a probe at λ/2 bracketing the limit from below; raises when none fits.
-        ``hi`` is None when time ran out first."""
-        self.seen = [lo]
-        hi = None
-        for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
-            lam = scale * lo.time / lo.priced_memory
-            self.seen += self.points((lam, self.everything), (lam / 2, self.everything))
-            self.follow_peak()
-            lo, hi = self.closest(self.seen)
-            if hi is not None or self.timed_out:
-                break
-        else:  # the least memory any plan needs (time only breaks ties), for the message
-            least = min(self.seen, key=lambda p: p.memory)
-            fixed = repair(self.problem, least.choice, least.recompute)
-            hi = fixed if fixed is not None else self.least_peak(lo.time)
-            plan = least_memory_plan(self.problem)  # (solver-free)
-            if hi.memory > self.limit >= plan.memory:
-                hi = Candidate(plan.choice, plan.recompute, plan.time, plan.memory, plan.memory, np.inf)
-        if hi is None:
-            return lo, None
-        if hi.memory > self.limit:
-            raise _no_plan_fits(self.problem, hi.memory)
-        self.best, self.multiplier = hi, hi.multiplier
-        for p in self.seen:
-            self.repaired(p)
-        return lo, hi
+        seconds, bytes_ = max(start.seconds, 1e-30), self.limit
+        unit = seconds / bytes_  # multipliers in units of the first plan's seconds per byte of the limit
+        cuts, centre, box = [start], start, 1.0
+        while self.left() > 0:
+            room = self.limit - np.min([c.transient for c in cuts], axis=0)
+            over = np.array([c.points - room for c in cuts])
+            active = np.flatnonzero((over > 0).any(axis=0))
+            if not len(active):
+                return  # every plan met is within the room at every point: the repair did the rest
+            mid = centre.multiplier[active] / unit
+            lower, upper = np.maximum(0.0, mid - box), mid + box
+            if len(cuts) == 1:  # one cut pushes every point to the box's edge: price the peak point alone first
+                active = active[[int(np.argmax(over[0, active]))]]
+                lower, upper = np.zeros(1), np.full(1, box / 2)
+            res = linprog(np.r_[-1.0, np.zeros(len(active))],
+                          A_ub=np.hstack([np.ones((len(cuts), 1)), -over[:, active] / bytes_]),
+                          b_ub=np.array([c.seconds for c in cuts]) / seconds,
+                          bounds=[(None, None), *zip(lower, upper)], method="highs")
+            if res.status != 0:
+                return
+            envelope, mu = -res.fun, res.x[1:]
+            here = (centre.seconds + centre.multiplier @ (centre.points - room)) / seconds
+            if envelope - here <= 1e-4:
+                return  # the best multipliers (in this box): no plan the walk could meet beats them much
+            lam = self.zero.copy()
+            lam[active] = mu * unit
+            cut = self.point(lam, best_units(self.problem, list(centre.plan.choice), lam))
+            if cut is None:
+                return
+            cuts.append(cut)
+            value = (cut.seconds + lam @ (cut.points - room)) / seconds
+            if value >= here + 0.1 * (envelope - here):  # a serious step: the box moves there
+                if np.any(mu >= upper - 1e-9) or np.any((mu <= lower + 1e-9) & (lower > 0)):
+                    box *= 2.0
+                centre = cut
+            logger.debug("cut %d: %d points, envelope %.6f, here %.6f, value %.6f, bound %.6f, best %s",
+                         len(cuts), len(active), envelope, here, value,
+                         self.bound / seconds, None if self.best is None else self.best.time / seconds)
+            if self.best is not None and _gap(self.best.time, self.bound) <= accept_gap:
+                return  # close enough to the lower bound (accept_gap): no more multipliers
 
-    def follow_peak(self) -> None:
-        """Price the row of the point where the least-memory plan met peaks: raising λ on one point's bytes moves
-        the peak to another point (activations freed, parameters' state left), which that row then has to see."""
+    def least_fitting(self, start: Candidate) -> Candidate:
+        """When no plan the walk met could be repaired to fit: the least-memory plan met, the solver-free one or the
+        plan of least peak (the ILP of every liveness point's row), repaired; raises when none fits."""
         problem = self.problem
-        least = min(self.seen, key=lambda p: p.memory)
-        point = int(np.argmax(memory_points(problem, list(least.choice), least.recompute)))
-        if point != problem.point:
-            problem.price_at(point)
-            self.reprice()
-            self.seen = [Candidate.of(problem, p.choice, p.recompute, p.multiplier) for p in self.seen]
-
-    def least_peak(self, seconds_scale: float) -> Candidate:
-        """The plan of least peak (the ILP of every liveness point's row bounding one peak variable,
-        :func:`.ilp.least_peak_program`), or a plan met that needs less by :func:`.objective.evaluate`."""
-        problem = self.problem
-        best = min(self.seen, key=lambda p: p.memory)
-        prog = least_peak_program(problem, self.everything, 2 * max(p.memory for p in self.seen), seconds_scale)
+        found = [least_memory_plan(problem), *([self.least] if self.least is not None else [])]
+        every = frozenset(range(len(problem.units)))
+        prog = least_peak_program(problem, every, 2 * max(start.memory, found[0].memory), start.time)
         res = solve_program(problem, prog, prog.c, max(1.0, self.left()))
         if res.choice is not None:
-            least = Candidate.of(problem, res.choice, self.everything, np.inf)
-            if least.memory < best.memory:
-                best = least
-        return best
+            found.append(Candidate.of(problem, res.choice, every, np.inf))
+        least = min(found, key=lambda p: p.memory)
+        if least.memory > self.limit:
+            raise _no_plan_fits(problem, least.memory)
+        fixed = repair(problem, least.choice, least.recompute)
+        return fixed if fixed is not None and fixed.time < least.time else least
 
     def final_bound(self) -> float:
-        """The best lower bound: the walk's; when time stopped it, also ``L(λ)`` of every plan the bracket met,
-        and without any, the least seconds of every decision (communication costs at least nothing)."""
-        if not self.timed_out:
-            return self.bound
-        bounds = [self.bound]
-        bounds += [p.time + p.multiplier * (p.priced_memory - self.limit) for p in self.seen
-                   if p.multiplier is not None and np.isfinite(p.multiplier)]
-        bounds.append(sum(min(d.cost) for d in self.problem.decisions if d.cost))
-        return max(bounds)
+        """The best lower bound: the walk's, and at worst the least seconds of every decision (communication costs
+        at least nothing)."""
+        return max(self.bound, sum(min(d.cost) for d in self.problem.decisions if d.cost))
 
     def repaired(self, p: Candidate) -> None:
         """Every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the walk early."""
         fixed = repair(self.problem, p.choice, p.recompute)
-        if fixed is not None and fixed.time < self.best.time:
+        if fixed is not None and (self.best is None or fixed.time < self.best.time):
             self.best = fixed
-
-    def descend(self, lo: Candidate, hi: Candidate, accept_gap: float) -> None:
-        """Walk λ along the breakpoints of the dual until no plan lies below the segment lo–hi."""
-        while self.elapsed() < self.total:
-            lam = (hi.time - lo.time) / max(lo.priced_memory - hi.priced_memory, 1e-30)
-            if not 0 < lam < np.inf or lam * lo.priced_memory > 1e6 * max(lo.time, 1e-30):
-                break  # (a plan over the limit that is slower than one within it: the walk has nothing left to cut)
-            # beside the cutting-plane multiplier, the midpoint of the multipliers lo and hi were found at
-            mid = (lo.multiplier + hi.multiplier) / 2 if np.isfinite(hi.multiplier) else None
-            second = (mid, best_units(self.problem, hi.choice, mid)) if mid and abs(mid - lam) > 0.1 * lam else None
-            xs = self.points((lam, best_units(self.problem, hi.choice, lam)), second)  # hi's units at this λ
-            for p in xs:
-                b = min(p.time + p.multiplier * p.priced_memory, lo.time + p.multiplier * lo.priced_memory)
-                b -= p.multiplier * self.limit
-                if b > self.bound:
-                    self.bound, self.multiplier = b, p.multiplier
-                self.repaired(p)
-                logger.debug("λ=%.3e t=%.6f m=%.4e bound=%.6f best=%.6f", p.multiplier, p.time, p.memory,
-                             self.bound, self.best.time)
-            if self.timed_out:
-                self.best = min([self.best, *(p for p in xs if p.memory <= self.limit)], key=lambda p: p.time)
-                break  # (a point found beside one that was not is no step of the walk)
-            line = lo.time + lam * lo.priced_memory
-            if xs[0].time + lam * xs[0].priced_memory >= line - GAP_TOLERANCE * abs(line):
-                break  # nothing below the segment: λ is the best multiplier
-            lo, hi = (q if q is not None else old for q, old in zip(self.closest([lo, hi, *xs]), (lo, hi)))
-            self.best = min([self.best, *(p for p in xs if p.memory <= self.limit)], key=lambda p: p.time)
-            if _gap(self.best.time, self.bound) <= accept_gap and self.best.time > 0:
-                break  # close enough to the lower bound (accept_gap): no more multipliers
 
 
 def _exact(problem: Problem, walk: _Walk, best: Candidate, left: float, info: dict) -> Candidate:
-    """HiGHS's ILP with the memory row (less the best plan's transient bytes), for the best plan's units."""
-    prog = walk.program_for(best.recompute)
-    room = problem.memory_limit - problem.fixed_memory - transient_bytes(problem, list(best.choice), best.recompute)
-    res = solve_program(problem, with_memory_row(prog, room), prog.c, left)
+    """HiGHS's ILP with every liveness point's memory row (:func:`.ilp.build_program`), for the best plan's units."""
+    prog = build_program(problem, best.recompute)
+    res = solve_program(problem, prog, prog.c, left)
     if res.choice is None:
         info.update(method=info["method"] + f" + exact ILP (no better plan in {left:.1f} s)")
         return best
@@ -397,51 +386,63 @@ def _no_plan_fits(problem: Problem, least: float) -> PlanError:
     return error
 
 
-def best_units(problem: Problem, choice: list[int], lam: float) -> frozenset:
-    """The units worth recomputing at ``lam`` for ``choice``: λ times the bytes freed exceeds the forward again."""
-    saving: dict = {}
-    extra: dict = {}
-    for i, d in enumerate(problem.decisions):
-        if d.unit is None:
-            continue
-        k = choice[i]
-        saving[d.unit] = saving.get(d.unit, 0.0) + d.memory[k] - d.memory_recomputed[k]
-        extra[d.unit] = extra.get(d.unit, 0.0) + d.forward[k]
-    return frozenset(u for u in saving if lam * saving[u] > extra[u])
+def best_units(problem: Problem, choice: list[int], lam) -> frozenset:
+    """The units worth recomputing at ``lam`` (seconds per byte: one per liveness point, or one for the point the
+    problem prices) for ``choice``: what λ prices the bytes freed at exceeds the forward run again."""
+    cols = option_columns(problem)
+    at = cols.at(choice)
+    at = at[cols.unit[at] >= 0]
+    if not len(at):
+        return frozenset()
+    freed = -cols.recomputed[at] @ lam if np.ndim(lam) else -cols.recomputed[at, problem.point] * lam
+    units = cols.unit[at]
+    saving = np.bincount(units, weights=freed)
+    extra = np.bincount(units, weights=cols.forward[at])
+    return frozenset(int(u) for u in np.unique(units) if saving[u] > extra[u])
 
 
-def lp_bound(problem: Problem, lam: float) -> float:
+def lp_bound(problem: Problem, lam) -> float:
     """A lower bound of the least estimated step time of every plan within ``problem.memory_limit``, every
-    recomputation choice included: ``L(λ) = min T + λ·(M − room)`` over the LP relaxation of the program with each
+    recomputation choice included: ``L(λ) = min T + Σ_p λ_p·(M_p − limit)`` (``lam``: seconds per byte, one per
+    liveness point, or one for the point the problem prices) over the LP relaxation of the program with each
     unit's recomputed share a variable (``r[u] ∈ [0, 1]``; per op ``d`` of the unit and option ``k`` a share
-    ``z[d, k] ≤ x[d, k]`` with ``Σ_k z[d, k] = r[u]``, costing the option's forward again and freeing
-    ``memory[k] − memory_recomputed[k]`` bytes: where ``x`` is integral that is the product ``r[u]·x[d, k]``,
+    ``z[d, k] ≤ x[d, k]`` with ``Σ_k z[d, k] = r[u]``, costing the option's forward again and changing its bytes
+    by ``points_recomputed[k] − points[k]``: where ``x`` is integral that is the product ``r[u]·x[d, k]``,
     linear), less the most the tie-breaking costs add. :func:`search`'s own bound fixes the recomputed units at each
     λ (coordinate descent) and so may overstate this one; solving this program takes ~3× longer per λ, so the
     search does not (``bench/search_plans.py`` prints both)."""
-    prog = _shares_program(problem)
-    objective = prog.c + lam * prog.mem
-    x = WarmLP.create(prog).solve(objective, DEFAULT_TIME_LIMIT)
+    if not np.ndim(lam):
+        lam, scalar = np.zeros(len(problem.fixed_points)), lam
+        lam[problem.point] = scalar
+    prog = _shares_program(problem, np.asarray(lam, dtype=float))
+    x = WarmLP.create(prog).solve(prog.c, DEFAULT_TIME_LIMIT)
     if x is None:
         raise PlanError(f"lp_bound: HiGHS did not solve the program in {DEFAULT_TIME_LIMIT:g} s")
     most = sum(max(ties(problem, d), default=0.0) for d in problem.decisions)  # the most ties add to a plan
-    return float(objective @ x) - lam * (problem.memory_limit - problem.fixed_memory) - most
+    return float(prog.c @ x) - float(lam @ (problem.memory_limit - problem.fixed_points)) - most
 
 
-def _shares_program(problem: Problem) -> Program:
-    """The relaxed program plus each unit's recomputed share and the per-option shares ``z[d, k]``."""
+def _shares_program(problem: Problem, lam: np.ndarray) -> Program:
+    """The relaxed program, its columns priced ``T + λ·M``, plus each unit's recomputed share and the per-option
+    shares ``z[d, k]``."""
     from scipy.sparse import coo_matrix, hstack, vstack
 
     base = build_program(problem, memory_row=False)
     n0 = base.a.shape[1]
-    extra = _Rows(list(base.c), list(base.mem))
+    priced = base.c.copy()
+    options = option_columns(problem).point_bytes(frozenset())
+    priced[:len(options)] += options @ lam
+    for col, v in base.extra.items():
+        priced[col] += v @ lam
+    extra = _Rows(list(priced), [0.0] * n0)
     share = {u: extra.new_var(0.0, 0.0) for u in range(len(problem.units))}
     for i, d in enumerate(problem.decisions):
         if d.unit is None:
             continue
         zs = []
         for k in range(len(d.options)):
-            zs.append(extra.new_var(d.forward[k], d.memory_recomputed[k] - d.memory[k]))
+            freed = np.asarray(d.points_recomputed[k]) - np.asarray(d.points[k])
+            zs.append(extra.new_var(d.forward[k] + float(freed @ lam), 0.0))
             extra.constraint([(zs[-1], 1.0), (base.offsets[i] + k, -1.0)], -np.inf, 0.0)
         extra.constraint([(z, 1.0) for z in zs] + [(share[d.unit], -1.0)], 0.0, 0.0)
     n = len(extra.cost)

@@ -125,7 +125,7 @@ def transient_bytes(problem: Problem, choice: list[int], recompute=frozenset()) 
     """What a plan's peak (:func:`memory_points`) adds to the bytes the program prices linearly at its point
     (``fixed_memory + Σ option_memory``): the other points' excess, ZeRO-3's gathered layers, backward's and the
     optimizer's temporaries, and what the redistributed copies and the readers' layouts change."""
-    cols = _columns(problem)
+    cols = option_columns(problem)
     at, shares = cols.at(choice), cols.shares(choice, recompute)
     p = problem.point
     linear = problem.fixed_memory + float((cols.points[at, p] + shares * cols.recomputed[at, p]).sum())
@@ -133,7 +133,7 @@ def transient_bytes(problem: Problem, choice: list[int], recompute=frozenset()) 
 
 
 @dataclass
-class _Columns:
+class OptionColumns:
     """Every option's bytes as arrays over the program's columns (built once per problem): ``points``
     (columns × liveness points), ``recomputed`` (what a recomputed share adds), ``parameter`` (1 for parameter
     and buffer options), the gradient and stored bytes, and the unit and ZeRO-3 layer of each column."""
@@ -148,28 +148,38 @@ class _Columns:
     live: np.ndarray  # an op's end-of-forward bytes per copy (a recomputed copy's, alive again in its backward)
     layer: np.ndarray  # ZeRO-3 layer number, -1: not gathered at stage 3
     gathered: np.ndarray
+    forward: np.ndarray  # an op option's forward seconds over every copy (what recomputing it costs again)
 
     def at(self, choice) -> np.ndarray:
         return self.offsets + np.asarray(choice)
 
     def shares(self, choice, recompute) -> np.ndarray:
         """The recomputed share of each chosen column's decision."""
-        units = self.unit[self.at(choice)]
+        return self.unit_shares(recompute)[self.unit[self.at(choice)]]
+
+    def unit_shares(self, recompute) -> np.ndarray:
+        """The recomputed share of every unit, indexed by unit (index -1, no unit: 0)."""
         if isinstance(recompute, dict):
-            table = np.array([recompute.get(u, 0.0) for u in range(max(self.unit.max() + 1, 0))] + [0.0])
+            table = [recompute.get(u, 0.0) for u in range(max(self.unit.max() + 1, 0))]
         else:
-            table = np.array([float(u in recompute) for u in range(max(self.unit.max() + 1, 0))] + [0.0])
-        return table[units]  # (unit -1 reads the trailing 0)
+            table = [float(u in recompute) for u in range(max(self.unit.max() + 1, 0))]
+        return np.array(table + [0.0])  # (unit -1 reads the trailing 0)
+
+    def point_bytes(self, recompute) -> np.ndarray:
+        """Bytes of every option column at every liveness point (columns × points), ``recompute``'s shares
+        recomputed: the per-point form of :func:`option_memory`."""
+        return self.points + self.unit_shares(recompute)[self.unit][:, None] * self.recomputed
 
 
-def _columns(problem: Problem) -> _Columns:
+def option_columns(problem: Problem) -> OptionColumns:
+    """Every option's bytes, seconds and unit as arrays over the program's option columns (built once)."""
     if problem.columns is not None:
         return problem.columns
     n = sum(len(d.options) for d in problem.decisions)
     width = len(problem.fixed_points)
-    cols = _Columns(np.zeros(len(problem.decisions), dtype=int), np.zeros((n, width)), np.zeros((n, width)),
+    cols = OptionColumns(np.zeros(len(problem.decisions), dtype=int), np.zeros((n, width)), np.zeros((n, width)),
                     np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.full(n, -1), np.zeros(n), np.full(n, -1),
-                    np.zeros(n))
+                    np.zeros(n), np.zeros(n))
     layers: dict = {}
     c = 0
     for i, d in enumerate(problem.decisions):
@@ -182,6 +192,8 @@ def _columns(problem: Problem) -> _Columns:
             else:
                 cols.gradient[c + k] = d.gradient[k]
                 cols.live[c + k] = d.points[k][0] / (d.copies or 1)
+            if d.forward is not None:
+                cols.forward[c + k] = d.forward[k]
             if d.unit is not None:
                 cols.unit[c + k] = d.unit
                 cols.recomputed[c + k] = d.points_recomputed[k] - d.points[k]
@@ -201,7 +213,7 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     ``points_recomputed`` less ``points``), ZeRO-3's two gathered layers, backward's first temporaries (the largest
     activation gradient and the largest recomputed copy's activations) and the optimizer's (its largest stored
     tensor)."""
-    cols = _columns(problem)
+    cols = option_columns(problem)
     at = cols.at(choice)
     shares = cols.shares(choice, recompute)
     params = at[cols.parameter[at]]

@@ -46,10 +46,12 @@ class WarmLP:
         """The LP optimum for the column costs ``cost`` (seconds), or None when HiGHS did not reach it within
         ``time_limit`` seconds of this solve."""
         self.highs.changeColsCost(self.n, self.columns, cost * 1e9)
+        started = self.highs.getRunTime()
         self.highs.setOptionValue("time_limit", float(self.highs.getRunTime() + time_limit))
         self.highs.run()
         status = self.highs.getModelStatus()
-        logger.debug("warm LP: %s after %d simplex iterations", status, self.highs.getInfo().simplex_iteration_count)
+        logger.debug("warm LP: %s after %d simplex iterations, %.2f s", status,
+                     self.highs.getInfo().simplex_iteration_count, self.highs.getRunTime() - started)
         if status != highspy.HighsModelStatus.kOptimal:
             return None
         return np.array(self.highs.getSolution().col_value)
