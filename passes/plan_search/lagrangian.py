@@ -182,7 +182,7 @@ class _Walk:
         self.best: Candidate | None = None
         self.least: Candidate | None = None  # the plan of least memory met (for the refusal's message)
         self.bound, self.multiplier, self.solves = -np.inf, None, 0
-        self.ties = sum(max(ties(problem, d), default=0.0) for d in problem.decisions)  # the most ties add
+        self.ties = _most_ties(problem)
         self.timed_out = False  # a solve found no plan in the time left: the walk stops where it is
 
     def elapsed(self) -> float:
@@ -320,12 +320,8 @@ class _Walk:
         plan of least peak (the ILP of every liveness point's row), repaired; raises when none fits."""
         problem = self.problem
         found = [least_memory_plan(problem), *([self.least] if self.least is not None else [])]
-        every = frozenset(range(len(problem.units)))
-        prog = least_peak_program(problem, every, 2 * max(start.memory, found[0].memory), start.time)
-        res = solve_program(problem, prog, prog.c, max(1.0, self.left()))
-        if res.choice is not None:
-            found.append(Candidate.of(problem, res.choice, every, np.inf))
-        least = min(found, key=lambda p: p.memory)
+        peak = _least_peak_plan(problem, 2 * max(start.memory, found[0].memory), start.time, max(1.0, self.left()))
+        least = min(found + [peak] if peak is not None else found, key=lambda p: p.memory)
         if least.memory > self.limit:
             raise _no_plan_fits(problem, least.memory)
         fixed = repair(problem, least.choice, least.recompute)
@@ -365,12 +361,28 @@ def _least_peak(problem: Problem, least: Candidate, seconds: float) -> float:
     """The least memory to name when a limit is refused before the walk: the least-peak ILP's plan when HiGHS proves
     it optimal (a limit that high is met; transients included), else the priced bytes of the least-memory plan (a
     lower bound of every plan's peak, but one that transients such as a loss's logits may leave far below it)."""
-    every = frozenset(range(len(problem.units)))
-    prog = least_peak_program(problem, every, 2 * least.memory, max(least.time, 1e-30))
-    res = solve_program(problem, prog, prog.c, min(seconds, 30.0))
-    if res.choice is None or not res.optimal:
+    peak = _least_peak_plan(problem, 2 * least.memory, least.time, min(seconds, 30.0), proven=True)
+    if peak is None:
         return least.priced_memory
-    return max(least.priced_memory, min(least.memory, Candidate.of(problem, res.choice, every, np.inf).memory))
+    return max(least.priced_memory, min(least.memory, peak.memory))
+
+
+def _least_peak_plan(problem: Problem, scale: float, seconds_scale: float, seconds: float,
+                     proven: bool = False) -> Candidate | None:
+    """The plan of least peak, every unit recomputed (the ILP of every liveness point's row bounding one peak
+    variable, :func:`.ilp.least_peak_program`), solved for at most ``seconds``; None when HiGHS found none (with
+    ``proven``: none it proved optimal)."""
+    every = frozenset(range(len(problem.units)))
+    prog = least_peak_program(problem, every, scale, max(seconds_scale, 1e-30))
+    res = solve_program(problem, prog, prog.c, seconds)
+    if res.choice is None or (proven and not res.optimal):
+        return None
+    return Candidate.of(problem, res.choice, every, np.inf)
+
+
+def _most_ties(problem: Problem) -> float:
+    """The most the tie-breaking seconds (:func:`.objective.ties`) add to a plan: bounds subtract it."""
+    return sum(max(ties(problem, d), default=0.0) for d in problem.decisions)
 
 
 def _no_plan_fits(problem: Problem, least: float) -> PlanError:
@@ -418,8 +430,7 @@ def lp_bound(problem: Problem, lam) -> float:
     x = WarmLP.create(prog).solve(prog.c, DEFAULT_TIME_LIMIT)
     if x is None:
         raise PlanError(f"lp_bound: HiGHS did not solve the program in {DEFAULT_TIME_LIMIT:g} s")
-    most = sum(max(ties(problem, d), default=0.0) for d in problem.decisions)  # the most ties add to a plan
-    return float(prog.c @ x) - float(lam @ (problem.memory_limit - problem.fixed_points)) - most
+    return float(prog.c @ x) - float(lam @ (problem.memory_limit - problem.fixed_points)) - _most_ties(problem)
 
 
 def _shares_program(problem: Problem, lam: np.ndarray) -> Program:

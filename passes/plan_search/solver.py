@@ -3,9 +3,8 @@ the previous basis.
 
 The Lagrangian walk (:mod:`.lagrangian`) and :func:`.lagrangian.lp_bound` solve the same rows for many objectives
 ``c + λ·mem``: :class:`WarmLP` passes the program to a ``highspy.Highs`` object once and changes only the column
-costs, so each new λ starts from the last optimal basis (a few simplex pivots instead of a solve from scratch), and
-:meth:`WarmLP.copy` starts a second object from that basis (two λ solve at once: HiGHS releases the GIL while it
-runs). :func:`.ilp.solve_program` serves every solve that needs no warm start (its own HiGHS object, :mod:`.highs`).
+costs, so each new λ starts from the last optimal basis (a few simplex pivots instead of a solve from scratch).
+:func:`.ilp.solve_program` serves every solve that needs no warm start (its own HiGHS object, :mod:`.highs`).
 
 HiGHS's clock counts every run of an object: :meth:`WarmLP.solve` sets each run's time limit from the time already
 spent, so a limit is seconds for this solve.
@@ -35,12 +34,6 @@ class WarmLP:
         highs = highs_with(prog.a, prog.lo, prog.hi, prog.c * 1e9)  # nanoseconds, as ilp.solve_program
         n = prog.a.shape[1]
         return cls(highs, n)
-
-    def copy(self, prog: Program) -> WarmLP:
-        """Another HiGHS object for the same program, starting from this one's current basis."""
-        other = type(self).create(prog)
-        other.highs.setBasis(self.highs.getBasis())
-        return other
 
     def solve(self, cost: np.ndarray, time_limit: float) -> np.ndarray | None:
         """The LP optimum for the column costs ``cost`` (seconds), or None when HiGHS did not reach it within
