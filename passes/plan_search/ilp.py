@@ -94,29 +94,37 @@ class _Builder:
         self.hi: list[float] = []
         self.extra: dict[int, np.ndarray] = {}  # auxiliary column -> bytes per liveness point (kept copies)
         self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
+        self._copies: dict = {}  # (id(term), id(spec)) -> (gradient bytes, bytes per point) of that copy
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
         """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
         it. (A parameter's copy's gradient goes to its ``.grad``, counted with the parameter.)"""
-        u = term.members[0]
-        memory = self.problem.memory_model
-        if not memory.is_value(u):
-            return
-        numel = memory.copy_bytes(u, spec) // max(1, u.meta["val"].element_size())
-        g = largest_gradient(numel, u.meta["val"].dtype)
-        self.gradients += [(col, g) for col in cols]
+        g = self._copy(term, spec)[0]
+        if g is not None:
+            self.gradients += [(col, g) for col in cols]
 
     def copy_points(self, term: ValueTerm, spec, keepers) -> np.ndarray | None:
         """Bytes per point of the copy of ``term``'s value that a redistribution to ``spec`` makes, when one of
         ``keepers`` (consumer decisions) keeps it for backward and the memory model counts the value (an
         activation, or a parameter's kept copy); None otherwise."""
-        u = term.members[0]
-        memory = self.problem.memory_model
         if not any(term.kept.get(d) for d in keepers):
             return None
-        if not (memory.is_value(u) or (u.op == "get_attr" and u.meta.get(M.REQUIRES_GRAD))):
-            return None
-        return memory.copy_bytes(u, spec) * term.alive
+        return self._copy(term, spec)[1]
+
+    def _copy(self, term: ValueTerm, spec) -> tuple:
+        """(its gradient's bytes, None for a value the memory model does not count; bytes per point when kept, None
+        for neither an activation nor a parameter's copy) of the copy of ``term``'s value in ``spec``: the same for
+        every column that makes it (the program's largest loop asks once per producer spec and consumer)."""
+        key = (id(term), id(spec))
+        if key not in self._copies:
+            u = term.members[0]
+            memory = self.problem.memory_model
+            value = memory.is_value(u)
+            size = memory.copy_bytes(u, spec) if value or u.op == "get_attr" else 0
+            g = largest_gradient(size // max(1, u.meta["val"].element_size()), u.meta["val"].dtype) if value else None
+            kept = size * term.alive if value or (u.op == "get_attr" and u.meta.get(M.REQUIRES_GRAD)) else None
+            self._copies[key] = (g, kept)
+        return self._copies[key]
 
     def new_var(self, c: float) -> int:
         self.cost.append(c)

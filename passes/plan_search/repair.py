@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from autoshard.passes.plan_search.objective import (Candidate, evaluate, option_cost, option_memory, term_cost,
-                                                    terms_touching, transient_bytes)
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, memory_points, option_cost, option_memory,
+                                                    term_cost, terms_touching, transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
 
 
@@ -92,18 +92,14 @@ class _Plan:
 
     def evaluate(self) -> tuple[float, float]:
         """:func:`.objective.evaluate` with the communication fixed: the chosen option's seconds and bytes only
-        (this runs hundreds of times per repair; building every option's list each time was its cost)."""
-        t, m = self.comm, self.problem.fixed_memory
+        (this runs hundreds of times per repair; building every option's list each time was its cost). The bytes
+        are the peak of :func:`.objective.memory_points` (its liveness points, the layouts' activations cached)."""
+        t = self.comm
         for i, d in enumerate(self.problem.decisions):
             k = self.choice[i]
             f = self.share[d.unit] if d.unit is not None else 0.0
-            if f:
-                t += d.cost[k] + f * d.forward[k]
-                m += (1 - f) * d.memory[k] + f * d.memory_recomputed[k]
-            else:
-                t += d.cost[k]
-                m += d.memory[k]
-        return t, m + transient_bytes(self.problem, self.choice, self.share)
+            t += d.cost[k] + f * d.forward[k] if f else d.cost[k]
+        return t, float(memory_points(self.problem, self.choice, self.share).max())
 
 
 def repair(problem: Problem, choice, units) -> Candidate | None:
