@@ -482,8 +482,10 @@ def _parameter_copy(node: Node) -> tuple[Node | None, bool]:
     """(the parameter, counted elsewhere) when ``node`` is a parameter made ready for compute — through
     collectives and dtype casts only — else (None, False). Counted elsewhere (True): the compute-dtype cast of a
     parameter where it lies (with the parameter: :func:`zero_state_bytes`), a ZeRO-stored parameter's gathers and
-    the casts before them (``gathered``), a gradient sync (the runtime's bucketer syncs the ``.grad``, no copy).
-    Anything else on the way — a cast back after a gradient sync, another layout's gather — is a kept copy."""
+    the casts before them (``gathered``), a gradient sync of the parameter itself (the runtime's bucketer syncs the
+    ``.grad``, no copy). Anything else on the way — a cast back after a gradient sync, another layout's gather, and
+    the gradient sync that follows such a gather (a parameter stored sharded by its layout, ``zero=0``: its gathered
+    copy is what the consumer keeps for backward) — is a kept copy."""
     chain = []
     cur = node
     while isinstance(cur, Node) and cur.op == "call_function" and cur.args and (
@@ -492,8 +494,6 @@ def _parameter_copy(node: Node) -> tuple[Node | None, bool]:
         cur = cur.args[0]
     if not chain or not isinstance(cur, Node) or cur.op != "get_attr":
         return None, False
-    if M.COLLECTIVE in node.meta and node.meta[M.COLLECTIVE].kind == "grad_all_reduce":
-        return cur, True
     syncs_and_casts = all(str(c.target) in _CASTS or c.meta[M.COLLECTIVE].kind == "grad_all_reduce" for c in chain)
     if M.STORAGE not in cur.meta and syncs_and_casts:
         return cur, True  # the compute copy of a parameter stored whole (before or after its gradient sync)
@@ -759,9 +759,15 @@ class GraphMemory:
 
     # ---- activations ---------------------------------------------------------------------------------------
     def alive(self, nodes: list[Node]) -> np.ndarray:
-        """The liveness of activations made by ``nodes`` (tied copies: their points add up)."""
-        return sum((self.timeline.activation_alive(self.timeline.segment(n)) for n in nodes),
-                   np.zeros(self.timeline.points))
+        """The liveness of activations made by ``nodes`` (tied copies: their points add up). A parameter's copies
+        are made where it is read: they live until the backward of its earliest reader's segment, as the
+        collectives making them do in a plan's graph."""
+        return sum((self.timeline.activation_alive(self._made_in(n)) for n in nodes), np.zeros(self.timeline.points))
+
+    def _made_in(self, node: Node) -> int:
+        if node.op != "get_attr":
+            return self.timeline.segment(node)
+        return min((self.timeline.segment(u) for u in node.users if u.op == "call_function"), default=0)
 
     def own_bytes(self, node: Node, output_spec) -> tuple[list[int], int]:
         """(local bytes of each output, local elements of the first) of ``node`` under ``output_spec``."""

@@ -387,3 +387,47 @@ def test_llama3_70b_shape_walk_ends_with_a_plan_that_fits_in_a_few_solves():
     assert priced <= 10 * 2**30
     assert report["memory_per_rank"] == pytest.approx(priced, rel=0.01)
     assert report["lower_bound"] <= report["step_time"] and report["gap"] < 0.05
+
+
+def test_parameters_gathered_for_compute_through_a_gradient_sync_count_alike_in_search_and_plan_cost(monkeypatch):
+    """A parameter stored sharded by its layout (zero=0) and gathered for each use, the gather followed by its
+    gradient sync (``all_gather`` -> ``grad_all_reduce``), keeps the gathered copy for backward: the plan's memory
+    counts it as the search does (plan.cost() dropped it: Llama-3-70B's plan of 1365.65 ms said 8.25 GiB, 26.9 GiB
+    with the copies). The choices are forced on top of the search's: the decoder layers' weights stored
+    (Shard(0), Shard(1)), their linears reading them replicated on ``data``."""
+    from autoshard.placements import Replicate, Shard
+    from autoshard.passes import plan_search
+    from autoshard.passes.plan_search import objective
+
+    original, searched = plan_search.search, {}
+
+    def gathering(problem, *args, **kwargs):
+        choice, units = original(problem, *args, **kwargs)
+        choice = list(choice)
+        for i, d in enumerate(problem.decisions):
+            n = d.node
+            in_layer = "layers" in str(n.target) or "layers" in str(n.meta.get("nn_module_stack"))
+            if n.op == "get_attr" and n.meta.get(M.REQUIRES_GRAD) and n.meta["val"].dim() == 2 and in_layer:
+                ks = [k for k, o in enumerate(d.options)
+                      if tuple(o) == (Shard(0), Shard(1)) and not (d.stages and d.stages[k])]
+            elif n.op == "call_function" and n.target is torch.ops.aten.linear.default and in_layer:
+                ks = [k for k, s in enumerate(d.options) if tuple(s.input_specs[0])[:1] == (Shard(0),)
+                      and tuple(s.input_specs[1]) == (Replicate(), Shard(1))]
+            else:
+                continue
+            assert ks, n.name
+            choice[i] = ks[0]
+        searched["memory"] = objective.evaluate(problem, choice, units)[1]
+        return choice, units
+
+    monkeypatch.setattr(plan_search, "search", gathering)
+    model, args, kwargs, plan = _compile("hf_llama")
+    gm = plan.graph_module
+    chains = [n for n in gm.graph.nodes if M.COLLECTIVE in n.meta and n.meta[M.COLLECTIVE].kind == "grad_all_reduce"
+              and M.COLLECTIVE in n.args[0].meta and n.args[0].meta[M.COLLECTIVE].kind == "all_gather"
+              and n.args[0].args[0].op == "get_attr"]
+    assert len(chains) == 14  # 7 weights in each of 2 layers
+    cost = plan.cost()
+    assert cost.memory.gathered > 0
+    assert cost.memory_per_rank == pytest.approx(searched["memory"], rel=1e-6)
+    assert_simulated_equals_one_device(model, args, kwargs, plan)
