@@ -389,12 +389,16 @@ def test_llama3_70b_shape_walk_ends_with_a_plan_that_fits_in_a_few_solves():
     assert report["lower_bound"] <= report["step_time"] and report["gap"] < 0.05
 
 
-def test_parameters_gathered_for_compute_through_a_gradient_sync_count_alike_in_search_and_plan_cost(monkeypatch):
+@pytest.mark.parametrize("recompute", [None, "auto"])
+def test_parameters_gathered_for_compute_through_a_gradient_sync_count_alike_in_search_and_plan_cost(monkeypatch,
+                                                                                                     recompute):
     """A parameter stored sharded by its layout (zero=0) and gathered for each use, the gather followed by its
     gradient sync (``all_gather`` -> ``grad_all_reduce``), keeps the gathered copy for backward: the plan's memory
     counts it as the search does (plan.cost() dropped it: Llama-3-70B's plan of 1365.65 ms said 8.25 GiB, 26.9 GiB
     with the copies). The choices are forced on top of the search's: the decoder layers' weights stored
-    (Shard(0), Shard(1)), their linears reading them replicated on ``data``."""
+    (Shard(0), Shard(1)), their linears reading them replicated on ``data``; with ``recompute="auto"`` every layer
+    is recomputed too, and the copies a layer makes of its activations for its own linears (made again in backward)
+    are not counted, by either."""
     from autoshard.placements import Replicate, Shard
     from autoshard.passes import plan_search
     from autoshard.passes.plan_search import objective
@@ -417,11 +421,14 @@ def test_parameters_gathered_for_compute_through_a_gradient_sync_count_alike_in_
                 continue
             assert ks, n.name
             choice[i] = ks[0]
+        if recompute:
+            assert problem.units
+            units = {u: 1.0 for u in range(len(problem.units))}
         searched["memory"] = objective.evaluate(problem, choice, units)[1]
         return choice, units
 
     monkeypatch.setattr(plan_search, "search", gathering)
-    model, args, kwargs, plan = _compile("hf_llama")
+    model, args, kwargs, plan = _compile("hf_llama", recompute=recompute)
     gm = plan.graph_module
     chains = [n for n in gm.graph.nodes if M.COLLECTIVE in n.meta and n.meta[M.COLLECTIVE].kind == "grad_all_reduce"
               and M.COLLECTIVE in n.args[0].meta and n.args[0].meta[M.COLLECTIVE].kind == "all_gather"
@@ -429,5 +436,7 @@ def test_parameters_gathered_for_compute_through_a_gradient_sync_count_alike_in_
     assert len(chains) == 14  # 7 weights in each of 2 layers
     cost = plan.cost()
     assert cost.memory.gathered > 0
+    if recompute:
+        assert len(plan.context.report["plan_search"]["recomputed"]) == 2
     assert cost.memory_per_rank == pytest.approx(searched["memory"], rel=1e-6)
     assert_simulated_equals_one_device(model, args, kwargs, plan)

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve_program,
                                               with_costs)
-from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
-                                                    option_vectors, ties)
+from autoshard.passes.plan_search.objective import (Candidate, activations, evaluate, format_bytes, memory_points,
+                                                    option_columns, option_vectors, ties)
 from autoshard.passes.plan_search.problem import Problem
 from autoshard.passes.plan_search.repair import fallback_plan, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
@@ -406,11 +406,15 @@ def best_units(problem: Problem, choice: list[int], lam) -> frozenset:
     at = at[cols.unit[at] >= 0]
     if not len(at):
         return frozenset()
-    freed = -cols.recomputed[at] @ lam if np.ndim(lam) else -cols.recomputed[at, problem.point] * lam
     units = cols.unit[at]
-    saving = np.bincount(units, weights=freed)
     extra = np.bincount(units, weights=cols.forward[at])
-    return frozenset(int(u) for u in np.unique(units) if saving[u] > extra[u])
+    # the bytes a unit's copies free recomputed (what leaves them stays) less the inputs they then keep
+    _, _, _, inputs, change = activations(problem, choice)
+    saving = {}
+    for u in np.unique(units).tolist():
+        freed = -change.get(u, 0.0) - inputs.get(u, 0.0)
+        saving[u] = float(np.asarray(freed) @ lam) if np.ndim(lam) else float(np.asarray(freed)[problem.point] * lam)
+    return frozenset(u for u in saving if saving[u] > extra[u])
 
 
 def lp_bound(problem: Problem, lam) -> float:

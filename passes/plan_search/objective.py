@@ -209,24 +209,29 @@ def option_columns(problem: Problem) -> OptionColumns:
 def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) -> np.ndarray:
     """Bytes per liveness point of one plan by the memory model (:class:`autoshard.cost_models.memory.GraphMemory`):
     annotated parameters and buffers, each parameter option's stored state, gradient and kept gathered copy, the
-    saved activations of the chosen layouts (:func:`_activations`), a recomputed share's change (its options'
-    ``points_recomputed`` less ``points``), ZeRO-3's two gathered layers, backward's first temporaries (the largest
+    saved activations of the chosen layouts (:func:`activations`), a recomputed share's change (what its unit's
+    values keep recomputed less what they keep otherwise, and the inputs it keeps), ZeRO-3's two gathered layers,
+    backward's first temporaries (the largest
     activation gradient and the largest recomputed copy's activations) and the optimizer's (its largest stored
     tensor)."""
     cols = option_columns(problem)
     at = cols.at(choice)
     shares = cols.shares(choice, recompute)
     params = at[cols.parameter[at]]
-    varying = problem.fixed_points + cols.points[params].sum(0) + (shares[:, None] * cols.recomputed[at]).sum(0)
+    varying = problem.fixed_points + cols.points[params].sum(0)
     stored = max(float(problem.fixed_stored), float(cols.stored[at].max(initial=0.0)))
     zero3 = cols.layer[at] >= 0
     gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
-    acts, copies_gradient, per_unit, region_inputs = _activations(problem, choice)
+    acts, copies_gradient, per_unit, region_inputs, change = activations(problem, choice)
     recomputed = {int(u) for u in cols.unit[at][shares > 0]}
     live = max((per_unit.get(u, 0.0) for u in recomputed), default=0.0)
     # a recomputed unit keeps its inputs whether or not its ops save them (its share of copies)
     unit_share = dict(zip(cols.unit[at].tolist(), shares.tolist()))
     for u, vec in region_inputs.items():
+        if unit_share.get(u, 0.0):
+            acts = acts + unit_share[u] * vec
+    # and keep of their own values only what leaves them (activations: every unit's copies alike)
+    for u, vec in change.items():
         if unit_share.get(u, 0.0):
             acts = acts + unit_share[u] * vec
     # what the chosen ops allocate besides their outputs (GraphMemory.workspace), as plan_memory counts it
@@ -237,21 +242,32 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
                         max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
 
 
-def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float]:
-    """(saved activation bytes per point, the largest gradient of a redistributed copy) of the chosen layouts:
+def activations(problem: Problem, choice: list[int]) -> tuple:
+    """What the chosen layouts keep for backward, and what recomputing a unit changes of it: (saved activation bytes
+    per point with nothing recomputed, the largest gradient of a redistributed copy, {unit: what one recomputed copy
+    holds while its backward runs}, {unit: bytes per point of the inputs its copies keep as regions, that no op of
+    theirs saves}, {unit: bytes per point its copies' values keep recomputed less what they keep otherwise}); the
+    last two are for every copy of the unit recomputed (a share scales them). The first is
     :func:`autoshard.cost_models.memory.saved_bytes` of every value group — its own output where a reader that
     keeps it reads the layout it is produced in, a copy per other layout a keeping reader needs, the outputs of
-    multi-output ops that save them — as ``plan_memory`` counts the compiled graph. Layouts do not change while a
-    plan is repaired: the last answer is kept for the same layouts."""
+    multi-output ops that save them — as ``plan_memory`` counts the compiled graph; recomputed, a value keeps only
+    the layouts read outside its own layer copy (by a reader that keeps them, or by another copy of its unit: a
+    region's input). Layouts do not change while a plan is repaired: the last answer is kept for the same
+    layouts."""
     key = tuple(choice[i] if d.stored is None else id(d.options[choice[i]]) for i, d in enumerate(problem.decisions))
     cached = problem.activations_cache  # (read once: two HiGHS copies evaluate plans in two threads)
     if cached is not None and cached[0] == key:
         return cached[1]
     memory = problem.memory_model
     values, copies_gradient, live, region_inputs = [], 0.0, {}, {}
+    recomputed: dict = {}  # unit -> {index in values: the value as its unit's recomputed copy keeps it}
+    unit_of: dict = {}  # value node -> the unit it lies in
     for d, k in zip(problem.decisions, choice):
         if d.stored is None and len(output_tensors(d.node)) > 1 and memory.is_value(d.node):
             own, numel = memory.own_bytes(d.node, d.options[k].output_spec)
+            if d.unit is not None:
+                unit_of[d.node] = d.unit
+                recomputed.setdefault(d.unit, {})[len(values)] = SavedValue(d.node, own, [], d.alive, numel)
             values.append(SavedValue(d.node, own, [], d.alive, numel))
     for term in problem.terms:
         u = term.members[0]
@@ -271,13 +287,21 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
             return memory.copy_bytes(u, spec)
         reads, seen, inside = [], set(), []  # inside: what the value's unit keeps of it while recomputed
         regions: dict = {}  # unit -> {spec id: bytes} read by a unit that keeps it only as its region's input
+        #: what the value's own copy keeps of it when recomputed: the layouts read outside that copy by a reader
+        #: that keeps them or lies in another copy of its unit (recomputed too: it keeps its inputs)
+        leaving = []
         for d in ix.consumers:
+            du = problem.decisions[d].unit
+            within = term.within.get(d, False)
             if not term.kept.get(d):
-                du = problem.decisions[d].unit
                 if du is not None and du != unit and not parameter:
                     for i in ix.need.get((d, choice[d]), ()):
                         regions.setdefault(du, {})[id(i)] = own_bytes(i)
+                if unit is not None and du == unit and not within:
+                    leaving.extend(ix.need.get((d, choice[d]), ()))
                 continue
+            if not within:
+                leaving.extend(ix.need.get((d, choice[d]), ()))
             for i in ix.need.get((d, choice[d]), ()):
                 if i == o:
                     reads.append((None, u, None))
@@ -285,7 +309,7 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
                 elif id(i) not in seen:
                     seen.add(id(i))
                     reads.append((None, u, (("copy", id(term), id(i)), memory.copy_bytes(u, i))))
-                    if problem.decisions[d].unit == unit:
+                    if within:
                         inside.append(reads[-1])
         wanted = {id(i): i for d in ix.consumers for i in ix.need.get((d, choice[d]), ())}
         for keep in term.outputs:
@@ -298,6 +322,15 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         own, numel = ([0], 0) if parameter else memory.own_bytes(u, o)
         if not parameter:  # (ops' own outputs are the decisions' gradient; a getitem's is here)
             copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))
+        if unit is not None and not parameter:
+            unit_of[u] = unit
+            kept_again, done = [], set()
+            for i in leaving:
+                if id(i) not in done:
+                    done.add(id(i))
+                    kept_again.append((None, u, None) if i == o
+                                      else (None, u, (("copy", id(term), id(i)), memory.copy_bytes(u, i))))
+            recomputed.setdefault(unit, {})[len(values)] = SavedValue(u, own, kept_again, term.alive, numel)
         values.append(SavedValue(u, own, reads, term.alive, numel))
         kept_layouts = {id(o)} if any(c is None for _, _, c in reads) else set()
         kept_layouts |= {c[0][2] for _, _, c in reads if c is not None}
@@ -308,7 +341,13 @@ def _activations(problem: Problem, choice: list[int]) -> tuple[np.ndarray, float
         if unit is not None:
             one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
             live[unit] = live.get(unit, 0.0) + one
-    result = (saved_bytes(values, memory.region_of)[0] if values else 0.0, copies_gradient, live, region_inputs)
+    acts = saved_bytes(values, memory.region_of)[0] if values else 0.0
+    # each unit's recomputed copies keep only what leaves them: the change, all of a unit's copies recomputed
+    change = {}
+    for unit, replaced in recomputed.items():
+        again = [replaced.get(j, v) for j, v in enumerate(values)]
+        change[unit] = saved_bytes(again, lambda n, unit=unit: unit if unit_of.get(n) == unit else None)[0] - acts
+    result = (acts, copies_gradient, live, region_inputs, change)
     problem.activations_cache = (key, result)
     return result
 

@@ -102,6 +102,9 @@ class ValueTerm:
     members: list = field(default_factory=list, repr=False)  # the group's values (one per tied copy)
     #: consumer decision -> whether it keeps the value for its backward (:func:`autoshard.cost_models.memory.keeps`)
     kept: dict = field(default_factory=dict, repr=False)
+    #: consumer decision -> whether it reads the value inside the value's own layer copy (its recomputation
+    #: region when that copy is recomputed: a copy made for it is then made again in backward, not kept)
+    within: dict = field(default_factory=dict, repr=False)
     by_option: OptionIndex | None = field(default=None, repr=False, compare=False)
 
     def index(self) -> OptionIndex:
@@ -137,7 +140,7 @@ class Problem:
     fixed_points: np.ndarray | None = None  # bytes per liveness point of annotated parameters and buffers
     point: int = 0  # the liveness point the program's memory row prices (``memory`` of every decision)
     fixed_stored: int = 0  # the largest stored tensor of the annotated parameters (the optimizer's temporaries)
-    #: (layouts, answer) of the last :func:`.objective._activations`: a repair changes no layout
+    #: (layouts, answer) of the last :func:`.objective.activations`: a repair changes no layout
     activations_cache: tuple | None = field(default=None, repr=False, compare=False)
     columns: object = field(default=None, repr=False, compare=False)  # .objective._Columns, built once
 
@@ -368,20 +371,23 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
     pinned = pinned_values(gm)
     written = {x for n in gm.graph.nodes for x in written_inputs(n) if x.op == "get_attr"}  # buffers
     intern = _SpecPool()
+    copy_of = {x: path for unit in problem.units for path, nodes in unit.copies.items() for x in nodes}
     pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
     terms = []
     for (cu, _), members in groups.items():
         u = members[0]
         term = ValueTerm(cu, len(members), members=members)
         _producer_options(u, cu, problem, term, intern)
-        _consumer_options(u, consumers_of[u], problem, term, intern, out_req)
+        _consumer_options(u, consumers_of[u], problem, term, intern, out_req, copy_of)
         _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written)
         terms.append(term)
     return terms
 
 
-def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, intern: _SpecPool, out_req: dict):
-    """Fill ``term.needs`` (spec -> consumer options needing it), ``term.syncs`` and ``term.outputs``."""
+def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, intern: _SpecPool, out_req: dict,
+                      copy_of: dict):
+    """Fill ``term.needs`` (spec -> consumer options needing it), ``term.syncs``, ``term.outputs``, and
+    ``term.kept`` and ``term.within`` per consumer (``copy_of``: {node: the path of its recomputation unit's copy})."""
     seen: set = set()  # (spec, decision, option) and (spec, axes, decision, option) already listed
     for c, pos in consumers:
         if c.op == "output":
@@ -389,6 +395,7 @@ def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, int
             continue
         d = problem.index[canonical(problem.canon, c)]
         term.kept[d] = term.kept.get(d, False) or keeps(c, u, u)
+        term.within[d] = term.within.get(d, True) and copy_of.get(u) is not None and copy_of.get(u) == copy_of.get(c)
         for k, s in enumerate(problem.decisions[d].options):
             i = intern(s.input_specs[pos])
             if (i, d, k) not in seen:  # copies of a tied layer read a shared value through the same variables
