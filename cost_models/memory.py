@@ -340,22 +340,24 @@ def region_part(v: SavedValue) -> SavedValue:
     return SavedValue(v.node, v.own, reads, v.alive, v.numel)
 
 
-def storage_key(node: Node):
+def storage_key(node: Node, copied: Callable[[Node, Node], bool] | None = None):
     """What ``node``'s output shares storage with: through views and same-dtype casts to a value; a getitem of a
-    multi-output op is ``(op, index)``."""
-    base = _storage_base(node)
+    multi-output op is ``(op, index)``. ``copied(view, source)``: whether the view reads its source through a
+    redistribution (a new storage: the plan search's layouts, before collectives are in the graph)."""
+    base = _storage_base(node, copied)
     if base.target is operator.getitem and isinstance(base.args[0], Node):
         return (base.args[0], base.args[1])
     return base
 
 
-def saved_bytes(values: list[SavedValue], region_of: Callable[[Node], str | None] = recompute_region
-                ) -> tuple[np.ndarray, int]:
+def saved_bytes(values: list[SavedValue], region_of: Callable[[Node], str | None] = recompute_region,
+                storage_of: Callable[[Node], object] = storage_key) -> tuple[np.ndarray, int]:
     """(bytes per liveness point, bytes at the end of forward) of the saved activations of ``values``.
 
     A value's own output counts when it saves it (relu, softmax, attention: every output) or a reader keeps the
     value itself (:func:`keeps`); a redistributed copy counts once per layout a reader keeps; dropout adds its
-    boolean mask. Outputs sharing storage (views, same-dtype casts, a getitem and its op) count once: the largest."""
+    boolean mask. Outputs sharing storage (views, same-dtype casts, a getitem and its op) count once: the largest
+    (``storage_of``: :func:`storage_key`, or the plan search's, which knows its layouts)."""
     shared: dict = {}  # storage key -> (bytes, alive)
     points = None
     for v in values:
@@ -372,7 +374,7 @@ def saved_bytes(values: list[SavedValue], region_of: Callable[[Node], str | None
             else:
                 copies[copy[0]] = copy[1]
         if own:
-            keys = [(v.node, k) for k in range(len(v.own))] if multi else [storage_key(v.node)]
+            keys = [(v.node, k) for k in range(len(v.own))] if multi else [storage_of(v.node)]
             for key, b in zip(keys, v.own):
                 if b > shared.get(key, (0, None))[0]:
                     shared[key] = (b, v.alive)
@@ -650,11 +652,13 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
 _ALIAS_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")  # (_to_copy always copies)
 
 
-def _storage_base(node: Node) -> Node:
+def _storage_base(node: Node, copied: Callable[[Node, Node], bool] | None = None) -> Node:
     """The node whose output ``node``'s output shares storage with: through views, and through casts to the dtype
     the tensor already has (``x.to(torch.float32)`` of a float32 ``x`` returns ``x``, as Llama's RMSNorm does)."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], Node):
         src = node.args[0]
+        if copied is not None and copied(node, src):
+            break
         if entry(node.target).bytes == "view":
             node = src
             continue

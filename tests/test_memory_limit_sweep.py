@@ -69,6 +69,8 @@ def test_memory_limit_alone_fits_matches_one_device_and_shards(name):
     assert options.zero == "auto" and options.recompute == "auto"  # the defaults under a limit
     assert row["memory"] <= row["limit"] * (1 + 1e-9), (row["memory"], row["limit"])
     assert row["search_memory"] <= row["limit"] * (1 + 1e-9), (row["search_memory"], row["limit"])
+    # one memory model: the search's count of its plan is plan.cost()'s
+    assert row["search_memory"] == pytest.approx(row["memory"], rel=0.01), (row["search_memory"], row["memory"])
     assert row["sharded"], plan.param_specs()  # on `model`, or stored on `data`
     if name in ON_MODEL:
         axis = plan.mesh.names.index("model")

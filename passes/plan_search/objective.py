@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 from autoshard.cost_models.compute import output_tensors
-from autoshard.cost_models.memory import SavedValue, largest_gradient, point_totals, saved_bytes
+from autoshard.cost_models.memory import SavedValue, largest_gradient, point_totals, saved_bytes, storage_key
 
 
 def _no_region(node) -> None:
     return None
-from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, output_spec_for
+from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, canonical, output_spec_for
 
 from autoshard import meta as M
+from autoshard.graph_utils import is_getitem
 from autoshard.placements import Shard
 
 INFEASIBLE = float("inf")
@@ -256,9 +257,20 @@ def activations(problem: Problem, choice: list[int]) -> tuple:
     layouts."""
     key = tuple(choice[i] if d.stored is None else id(d.options[choice[i]]) for i, d in enumerate(problem.decisions))
     cached = problem.activations_cache  # (read once: two HiGHS copies evaluate plans in two threads)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is None or cached[0] != key:
+        cached = problem.activations_cache = (key, _layout_activations(problem, choice))
+    acts, copies_gradient, live, region_inputs, change, parameter_copies = cached[1]
+    for producers, vec in parameter_copies:  # a parameter stored sharded (ZeRO): its gathers count as ``gathered``
+        if not any(problem.decisions[d].stages and problem.decisions[d].stages[choice[d]] for d in producers):
+            acts = acts + vec
+    return acts, copies_gradient, live, region_inputs, change
+
+
+def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
+    """:func:`activations` for the layouts of ``choice`` (a repair changes ZeRO stages, not layouts: cached), the
+    copies of each parameter apart, with the decisions whose stage decides whether they count."""
     memory = problem.memory_model
+    parameter_copies = []
     values, copies_gradient, live, region_inputs = [], 0.0, {}, {}
     recomputed: dict = {}  # unit -> {index in values: the value as its unit's recomputed copy keeps it}
     unit_of: dict = {}  # value node -> the unit it lies in
@@ -275,9 +287,6 @@ def activations(problem: Problem, choice: list[int]) -> tuple:
         if not parameter and (not memory.is_value(u) or len(output_tensors(u)) != 1):
             continue
         ix = term.index()
-        if parameter and any(problem.decisions[d].stages and problem.decisions[d].stages[choice[d]]
-                             for d in ix.producers):
-            continue  # stored sharded (ZeRO): its gathers and what follows them count as ``gathered``, as plan_memory
         o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
                                                            if (d, choice[d]) in ix.out)
         dtype = u.meta["val"].dtype
@@ -319,9 +328,11 @@ def activations(problem: Problem, choice: list[int]) -> tuple:
             if i != o and not parameter:
                 t = memory.copy_bytes(u, i) // max(1, u.meta["val"].element_size())
                 copies_gradient = max(copies_gradient, largest_gradient(t, dtype))
-        own, numel = ([0], 0) if parameter else memory.own_bytes(u, o)
-        if not parameter:  # (ops' own outputs are the decisions' gradient; a getitem's is here)
-            copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))
+        if parameter:  # its copies alone (its own bytes are its decision's), unless stored sharded
+            parameter_copies.append((ix.producers, saved_bytes([SavedValue(u, [0], reads, term.alive, 0)])[0]))
+            continue
+        own, numel = memory.own_bytes(u, o)
+        copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))  # (a getitem's: ops' are decisions')
         if unit is not None and not parameter:
             unit_of[u] = unit
             kept_again, done = [], set()
@@ -341,15 +352,31 @@ def activations(problem: Problem, choice: list[int]) -> tuple:
         if unit is not None:
             one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
             live[unit] = live.get(unit, 0.0) + one
-    acts = saved_bytes(values, memory.region_of)[0] if values else 0.0
+    def copied(view, source) -> bool:  # the view reads its source in another layout than the one it is made in
+        if is_getitem(source) and not is_getitem(view):  # a multi-output op's output: that op's layout
+            source = source.args[0]
+        dv, ds = (problem.index.get(canonical(problem.canon, x)) for x in (view, source))
+        if dv is None or ds is None or problem.decisions[dv].stored is not None \
+                or problem.decisions[ds].stored is not None:
+            return False
+        return (problem.decisions[dv].options[choice[dv]].input_specs[0]
+                != problem.decisions[ds].options[choice[ds]].output_spec)
+
+    keys: dict = {}
+
+    def storage_of(node):
+        if node not in keys:
+            keys[node] = storage_key(node, copied)
+        return keys[node]
+
+    acts = saved_bytes(values, memory.region_of, storage_of)[0] if values else 0.0
     # each unit's recomputed copies keep only what leaves them: the change, all of a unit's copies recomputed
     change = {}
     for unit, replaced in recomputed.items():
         again = [replaced.get(j, v) for j, v in enumerate(values)]
-        change[unit] = saved_bytes(again, lambda n, unit=unit: unit if unit_of.get(n) == unit else None)[0] - acts
-    result = (acts, copies_gradient, live, region_inputs, change)
-    problem.activations_cache = (key, result)
-    return result
+        region = lambda n, unit=unit: unit if unit_of.get(n) == unit else None  # noqa: E731
+        change[unit] = saved_bytes(again, region, storage_of)[0] - acts
+    return acts, copies_gradient, live, region_inputs, change, parameter_copies
 
 
 def ties(problem: Problem, d: DecisionVar) -> list[float]:
