@@ -352,15 +352,19 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
         if unit is not None:
             one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
             live[unit] = live.get(unit, 0.0) + one
+
     def copied(view, source) -> bool:  # the view reads its source in another layout than the one it is made in
-        if is_getitem(source) and not is_getitem(view):  # a multi-output op's output: that op's layout
-            source = source.args[0]
+        index = None
+        if is_getitem(source) and not is_getitem(view):  # a multi-output op's output: that op's layout of it
+            source, index = source.args[0], source.args[1]
         dv, ds = (problem.index.get(canonical(problem.canon, x)) for x in (view, source))
         if dv is None or ds is None or problem.decisions[dv].stored is not None \
                 or problem.decisions[ds].stored is not None:
             return False
-        return (problem.decisions[dv].options[choice[dv]].input_specs[0]
-                != problem.decisions[ds].options[choice[ds]].output_spec)
+        made = problem.decisions[ds].options[choice[ds]].output_spec
+        if index is not None and isinstance(made, tuple) and made and isinstance(made[0], tuple):
+            made = made[index] if isinstance(index, int) and index < len(made) else made[0]
+        return problem.decisions[dv].options[choice[dv]].input_specs[0] != made
 
     keys: dict = {}
 
