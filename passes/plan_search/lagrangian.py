@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve_program,
                                               with_costs)
-from autoshard.passes.plan_search.objective import (Candidate, activations, evaluate, format_bytes, memory_points,
-                                                    option_columns, option_vectors, ties)
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
+                                                    option_vectors, recomputation_change, ties)
 from autoshard.passes.plan_search.problem import Problem
 from autoshard.passes.plan_search.repair import fallback_plan, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
@@ -408,12 +408,11 @@ def best_units(problem: Problem, choice: list[int], lam) -> frozenset:
         return frozenset()
     units = cols.unit[at]
     extra = np.bincount(units, weights=cols.forward[at])
-    # the bytes a unit's copies free recomputed (what leaves them stays) less the inputs they then keep
-    _, _, _, inputs, change = activations(problem, choice)
+    change = recomputation_change(problem, choice)
     saving = {}
     for u in np.unique(units).tolist():
-        freed = -change.get(u, 0.0) - inputs.get(u, 0.0)
-        saving[u] = float(np.asarray(freed) @ lam) if np.ndim(lam) else float(np.asarray(freed)[problem.point] * lam)
+        freed = -np.asarray(change.get(u, np.zeros(len(problem.fixed_points))))
+        saving[u] = float(freed @ lam) if np.ndim(lam) else float(freed[problem.point] * lam)
     return frozenset(u for u in saving if saving[u] > extra[u])
 
 

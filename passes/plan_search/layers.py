@@ -116,6 +116,11 @@ class LayerUnits:
     copy_of: dict = field(default_factory=dict)
 
 
+def copy_paths(units: list[Unit]) -> dict:
+    """{call_function node: the module path of its unit's copy} (its recomputation region when recomputed)."""
+    return {x: path for unit in units for path, nodes in unit.copies.items() for x in nodes}
+
+
 def recompute_units(gm: torch.fx.GraphModule, canon: dict) -> LayerUnits:
     """Recomputation units of the repeated layers: the interior copies tied by ``canon`` form one unit, every other
     copy one each."""

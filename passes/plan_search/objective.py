@@ -210,9 +210,8 @@ def option_columns(problem: Problem) -> OptionColumns:
 def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) -> np.ndarray:
     """Bytes per liveness point of one plan by the memory model (:class:`autoshard.cost_models.memory.GraphMemory`):
     annotated parameters and buffers, each parameter option's stored state, gradient and kept gathered copy, the
-    saved activations of the chosen layouts (:func:`activations`), a recomputed share's change (what its unit's
-    values keep recomputed less what they keep otherwise, and the inputs it keeps), ZeRO-3's two gathered layers,
-    backward's first temporaries (the largest
+    saved activations of the chosen layouts (:func:`activations`), a recomputed share's change
+    (:func:`recomputation_change`), ZeRO-3's two gathered layers, backward's first temporaries (the largest
     activation gradient and the largest recomputed copy's activations) and the optimizer's (its largest stored
     tensor)."""
     cols = option_columns(problem)
@@ -223,16 +222,11 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     stored = max(float(problem.fixed_stored), float(cols.stored[at].max(initial=0.0)))
     zero3 = cols.layer[at] >= 0
     gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
-    acts, copies_gradient, per_unit, region_inputs, change = activations(problem, choice)
+    acts, copies_gradient, per_unit, _, _ = activations(problem, choice)
     recomputed = {int(u) for u in cols.unit[at][shares > 0]}
     live = max((per_unit.get(u, 0.0) for u in recomputed), default=0.0)
-    # a recomputed unit keeps its inputs whether or not its ops save them (its share of copies)
     unit_share = dict(zip(cols.unit[at].tolist(), shares.tolist()))
-    for u, vec in region_inputs.items():
-        if unit_share.get(u, 0.0):
-            acts = acts + unit_share[u] * vec
-    # and keep of their own values only what leaves them (activations: every unit's copies alike)
-    for u, vec in change.items():
+    for u, vec in recomputation_change(problem, choice).items():
         if unit_share.get(u, 0.0):
             acts = acts + unit_share[u] * vec
     # what the chosen ops allocate besides their outputs (GraphMemory.workspace), as plan_memory counts it
@@ -241,6 +235,14 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
             acts = acts + d.workspace[k]
     return point_totals(0.0, varying + acts, 2 * gathered,
                         max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
+
+
+def recomputation_change(problem: Problem, choice: list[int]) -> dict:
+    """{unit: bytes per point its saved activations change by with every copy of it recomputed}: its values keep
+    only what leaves their copy, and its copies keep their inputs whether or not their ops save them (a share of
+    the copies recomputed scales it)."""
+    _, _, _, inputs, change = activations(problem, choice)
+    return {u: change.get(u, 0.0) + inputs.get(u, 0.0) for u in set(change) | set(inputs)}
 
 
 def activations(problem: Problem, choice: list[int]) -> tuple:
@@ -333,7 +335,7 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
             continue
         own, numel = memory.own_bytes(u, o)
         copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))  # (a getitem's: ops' are decisions')
-        if unit is not None and not parameter:
+        if unit is not None:
             unit_of[u] = unit
             kept_again, done = [], set()
             for i in leaving:

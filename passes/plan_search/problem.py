@@ -31,7 +31,7 @@ from autoshard.cost_models.memory import GraphMemory, keeps
 from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_times, redistribution_time_of,
                                              shard_factor)
 from autoshard.cost_models.profile import HardwareProfile
-from autoshard.passes.plan_search.layers import LayerUnits, find_layers, recompute_units
+from autoshard.passes.plan_search.layers import LayerUnits, copy_paths, find_layers, recompute_units
 from autoshard.passes.propagate import (annotation_error, keeps_layout, node_strategies, pin_conflict, pinned_values,
                                         written_inputs)
 
@@ -255,7 +255,7 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
     points), and, in a recomputation unit, what recomputing costs and what it keeps then (every unit's copy its
     own region, as when the layers around it are recomputed too)."""
     mesh, canon, memory = problem.mesh, problem.canon, problem.memory_model
-    regions = {x: path for unit in layers.units for path, nodes in unit.copies.items() for x in nodes}
+    regions = copy_paths(layers.units)
     pinned = pinned_values(gm)
     strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
     for n in gm.graph.nodes:
@@ -371,7 +371,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
     pinned = pinned_values(gm)
     written = {x for n in gm.graph.nodes for x in written_inputs(n) if x.op == "get_attr"}  # buffers
     intern = _SpecPool()
-    copy_of = {x: path for unit in problem.units for path, nodes in unit.copies.items() for x in nodes}
+    copy_of = copy_paths(problem.units)
     pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
     terms = []
     for (cu, _), members in groups.items():

@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-from autoshard.passes.plan_search.objective import (Candidate, activations, evaluate, memory_points, option_cost,
-                                                    option_memory, term_cost, terms_touching, transient_bytes)
+from autoshard.passes.plan_search.objective import (Candidate, evaluate, memory_points, option_cost, option_memory,
+                                                    recomputation_change, term_cost, terms_touching,
+                                                    transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
 
 
@@ -70,14 +70,13 @@ class _Plan:
             for k2, spec in enumerate(d.options):
                 if k2 != k and spec == d.options[k]:
                     out.append(PricedMove(Move("stage", i, k2), d.cost[k2] - d.cost[k], d.memory[k2] - d.memory[k]))
-        _, _, _, inputs, change = activations(self.problem, self.choice)  # (layouts fixed: cached)
+        change = recomputation_change(self.problem, self.choice)  # (layouts fixed: cached)
         p = self.problem.point
         for u, ds in self.members.items():
             step = 1.0 / len(self.problem.units[u].copies)
             decisions = [(self.problem.decisions[i], self.choice[i]) for i in ds]
             dt = step * sum(d.forward[k] for d, k in decisions)
-            freed = change.get(u, 0.0) + inputs.get(u, 0.0)  # bytes per point, all its copies recomputed
-            dm = step * float(freed[p] if np.ndim(freed) else freed)
+            dm = step * float(change[u][p]) if u in change else 0.0  # bytes, at the priced point
             if self.share[u] < 1.0 - 1e-9:
                 out.append(PricedMove(Move("unit", u, min(1.0, self.share[u] + step)), dt, dm))
             if self.share[u] > 1e-9:
