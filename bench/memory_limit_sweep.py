@@ -6,9 +6,10 @@ Per model, on data=2 x model=2 (profile cpu-gloo, fp32, Adam):
 1. ``planner="search"`` without a limit; ``free`` = that plan's ``plan.cost().memory_per_rank``;
 2. ``planner="search", memory_limit=0.6 * free`` and nothing else (``zero`` and ``recompute`` default to "auto"
    under a limit; Hugging Face MoE experts may shard on their expert dim);
-3. the limited plan's ``plan.cost().memory_per_rank`` against the limit, the search's own seconds (building and
-   solving its program, from ``plan.context.report["plan_search"]``), what it stored sharded, and whether loss and
-   every gradient in the simulator equal one device (rtol = atol = 1e-4).
+3. the limited plan's ``plan.cost()`` (memory per rank against the limit, step time) next to the search's own
+   count of both, the search's own seconds (building and solving its program, from
+   ``plan.context.report["plan_search"]``), what it stored sharded, and whether loss and every gradient in the
+   simulator equal one device (rtol = atol = 1e-4).
 
     python bench/memory_limit_sweep.py                 # every model
     python bench/memory_limit_sweep.py hf_mixtral      # some of them
@@ -93,8 +94,10 @@ def run_case(name: str, factory=None) -> dict:
                                  memory_limit=limit).plan
         wall = time.perf_counter() - t0
     report = plan.context.report["plan_search"]
+    cost = plan.cost()
     return {"name": name, "model": model, "args": args, "kwargs": kwargs, "plan": plan, "free": unconstrained,
-            "limit": limit, "memory": plan.cost().memory_per_rank, "search_memory": report["memory_per_rank"],
+            "limit": limit, "memory": cost.memory_per_rank, "search_memory": report["memory_per_rank"],
+            "step": cost.step_time, "search_step": report["step_time"], "timed_out": report["timed_out"],
             "search_s": report["build_seconds"] + report["solve_seconds"], "compile_s": wall,
             "optimal": report["optimal"], "zero_stages": report["zero_stages"], "recomputed": report["recomputed"],
             "sharded": stored_sharded(plan)}
@@ -118,8 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ns = parser.parse_args(argv)
     table = factories()
     names = ns.models or list(table)
-    header = (f"{'model':<14}{'free KiB':>10}{'limit KiB':>11}{'plan KiB':>10}{'search KiB':>12}{'search s':>10}"
-              f"{'fits':>6}  {'ZeRO stages':<14}{'sharded':>8}  match")
+    header = (f"{'model':<14}{'free KiB':>10}{'limit KiB':>11}{'plan KiB':>10}{'search KiB':>12}{'step ms':>9}"
+              f"{'search ms':>11}{'search s':>10}{'fits':>6}  {'ZeRO stages':<14}{'sharded':>8}  match")
     print(header)
     print("-" * len(header))
     rows = []
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         fits = row["memory"] <= row["limit"] * (1 + 1e-9)
         stages = ",".join(f"{k}:{v}" for k, v in sorted(row["zero_stages"].items()))
         print(f"{name:<14}{row['free'] / KiB:>10.1f}{row['limit'] / KiB:>11.1f}{row['memory'] / KiB:>10.1f}"
-              f"{row['search_memory'] / KiB:>12.1f}{row['search_s']:>10.2f}{'yes' if fits else 'NO':>6}  "
+              f"{row['search_memory'] / KiB:>12.1f}{row['step'] * 1e3:>9.3f}{row['search_step'] * 1e3:>11.3f}"
+              f"{row['search_s']:>10.2f}{'yes' if fits else 'NO':>6}  "
               f"{stages:<14}{len(row['sharded']):>8}  {row['match']}", flush=True)
         rows.append(row)
     return rows

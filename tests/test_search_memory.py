@@ -17,6 +17,7 @@ import torch
 import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
+from autoshard.placements import Replicate
 from examples import models
 from tests.test_equivalence import assert_simulated_equals_one_device
 
@@ -66,7 +67,12 @@ def test_a_limit_between_sharded_and_whole_shards_some_parameters_and_equals_one
     assert report["memory_per_rank"] <= limit
     assert plan.cost().memory_per_rank <= limit
     stages = _stages(plan)
-    assert any(s > 0 for s in stages.values()) and set(stages.values()) <= {0, 2, 3}
+    assert set(stages.values()) <= {0, 2, 3}
+    # something is sharded to fit: a layout on either axis or a ZeRO stage (a stage's all-gather is no longer
+    # priced as free where the readers' layouts sync nothing over `data`, so layouts alone may be cheaper)
+    specs = plan.param_specs()
+    assert any(s > 0 for s in stages.values()) or any(
+        spec is not None and any(not isinstance(p, Replicate) for p in spec) for spec in specs.values()), specs
     # what the search decided is what shard_storage stored
     stored = {str(n.target): n.meta[M.STORAGE].stage for n in plan.graph_module.graph.nodes
               if n.op == "get_attr" and M.STORAGE in n.meta}
@@ -236,7 +242,9 @@ def test_lp_bound_is_below_every_plan_whatever_it_recomputes():
     assert len(within) >= 2
     for lam in (0.0, info["multiplier"], 2 * info["multiplier"]):
         assert all(lp_bound(problem, lam) <= t * (1 + 1e-9) for t in within)
-    assert lp_bound(problem, info["multiplier"]) >= 0.8 * plans[0][0]
+    # not trivial: at the search's multiplier within a factor 2 of its plan (0.62 here; the LP relaxation's
+    # fractional layouts and recomputed shares keep it below the plans, whose ZeRO gathers are priced in full)
+    assert lp_bound(problem, info["multiplier"]) >= 0.5 * plans[0][0]
 
 
 # ---- a time limit never leaves the search without a plan (issue 23) -----------------------------------------------

@@ -290,10 +290,26 @@ class _Builder:
                 self.cost[v] += term.multiplicity * sum(costs)
 
     def syncs(self, term: ValueTerm) -> None:
+        """A column per gradient sync (≥ each reader option needing it); where the parameter stored at stage 2/3
+        makes it a reduce-scatter, a column of the saving (negative seconds) ≤ the sync and ≤ those options. When
+        one decision reads the parameter, its syncs exclude each other: the savings together are ≤ the staged
+        options too (else the relaxation stores it half at stage 2 and takes half of every sync's saving)."""
+        savings, staged_all = [], set()
         for key, users in sorted(term.syncs.items(), key=lambda kv: (format_spec(kv[0][0]), kv[0][1])):
             gv = self.new_var(term.multiplicity * term.sync_cost[key])
             for d, ks in _by_decision(users).items():
                 self.constraint([(gv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
+            if key in term.zero_syncs:
+                saving, staged = term.zero_syncs[key]
+                sv = self.new_var(-term.multiplicity * saving)
+                self.constraint([(sv, 1.0), (gv, -1.0)], -np.inf, 0.0)
+                self.constraint([(sv, 1.0)] + [(self.offsets[d] + k, -1.0) for d, k in sorted(staged)], -np.inf, 0.0)
+                savings.append(sv)
+                staged_all |= staged
+        readers = {d for users in term.syncs.values() for d, _ in users}
+        if len(savings) > 1 and len(readers) == 1:
+            self.constraint([(sv, 1.0) for sv in savings]
+                            + [(self.offsets[d] + k, -1.0) for d, k in sorted(staged_all)], -np.inf, 0.0)
 
     def memory_rows(self, recompute, room: float | None, scale: float | None = None) -> int | None:
         """One row per liveness point (:func:`.objective.memory_points` as a linear program): the options' bytes at

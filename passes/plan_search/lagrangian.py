@@ -20,7 +20,10 @@ structure, so it solves like the unconstrained one, from the previous HiGHS basi
 3. Recomputation units are chosen per λ by coordinate descent (:func:`best_units`: a unit is recomputed when what λ
    prices the bytes it frees at exceeds its extra forward time); the bound holds for the units the walk chose at
    each λ; :func:`lp_bound` is one over every recomputation choice (each unit's share an LP variable).
-4. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with every point's row (for the best
+4. When no plan met could be repaired to fit (a duality gap: the plans at the best multipliers all exceed the limit
+   and the repair's moves keep every layout), the multipliers are raised until one fits, then bisected
+   (:meth:`_Walk.raise_multipliers`); only if that fails is the least-peak ILP solved (:meth:`_Walk.least_fitting`).
+5. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with every point's row (for the best
    plan's units, :func:`_exact`), for ``exact_limit`` seconds. A gap still left is reported (``info``).
 
 Time never ends the search without a plan: every solve gets what is left of ``time_limit``, and a solve that runs
@@ -44,7 +47,7 @@ from autoshard.passes.plan_search.ilp import (Program, build_program, integral, 
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
                                                     option_vectors, recomputation_change, ties)
 from autoshard.passes.plan_search.problem import Problem
-from autoshard.passes.plan_search.repair import fallback_plan, least_memory_plan, repair
+from autoshard.passes.plan_search.repair import fallback_plan, improve_layouts, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
 
 from autoshard.errors import PlanError
@@ -55,6 +58,8 @@ logger = logging.getLogger(__name__)
 GAP_TOLERANCE = 1e-6
 #: seconds for the whole search when the pass gives none
 DEFAULT_TIME_LIMIT = 120.0
+#: when the walk's multipliers price no plan within the limit: doublings of them at most, then bisections
+MAX_DOUBLINGS, BISECTIONS = 30, 4
 
 
 def search(problem: Problem, time_limit: float | None = None, info: dict | None = None, exact_limit: float = np.inf,
@@ -78,15 +83,21 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
         info.update(optimal=True, gap=0.0, bound=start.plan.time, method="unconstrained optimum within the limit")
         return list(start.plan.choice), start.plan.recompute
     walk.cutting_planes(start, accept_gap)
+    how = ""
+    if walk.best is None and not walk.timed_out:
+        solves = walk.solves
+        walk.raise_multipliers(start)
+        how = f" + multipliers raised ({walk.solves - solves} solves)"
     if walk.best is None:
         if walk.timed_out:  # time_limit ran out before the walk met a plan within the limit
             return _out_of_time(problem, walk, info)
         walk.best = walk.least_fitting(start.plan)  # (raises when no plan fits)
+        how += " + least-peak plan"
     best, bound = walk.best, walk.final_bound()
     gap = _gap(best.time, bound)
     stopped = f" (time_limit={walk.total:g} s reached)" if walk.timed_out else ""
     info.update(optimal=gap <= GAP_TOLERANCE, gap=gap, bound=bound, lagrangian_seconds=walk.elapsed(),
-                method=f"lagrangian ({walk.solves} solves) + repair{stopped}", multiplier=walk.multiplier,
+                method=f"lagrangian ({walk.solves} solves) + repair{how}{stopped}", multiplier=walk.multiplier,
                 timed_out=walk.timed_out)
     left = min(walk.left(), exact_limit)
     # The exact ILP branches on top of the LP: a budget under ~10 relaxed solves of this program closes no gap
@@ -314,6 +325,46 @@ class _Walk:
                          self.bound / seconds, None if self.best is None else self.best.time / seconds)
             if self.best is not None and _gap(self.best.time, self.bound) <= accept_gap:
                 return  # close enough to the lower bound (accept_gap): no more multipliers
+
+    def raise_multipliers(self, start: Cut) -> None:
+        """When no plan the walk met could be repaired to fit. The multipliers that maximise ``L(λ)`` need not price
+        a plan within the limit (a duality gap: the plans at the dual optimum all exceed it, and the repair's moves
+        keep every layout, so without layers to recompute they free little: HF Mamba). Higher multipliers price bytes
+        dearer: the best multipliers are doubled until a plan met fits after repair, then the factor is bisected
+        (geometrically) between the last that did not and the first that did, and the best plan's layouts improved
+        by coordinate descent (:func:`.repair.improve_layouts`). One relaxed solve per step; at most
+        ``MAX_DOUBLINGS`` doublings."""
+        lam = self.multiplier if self.multiplier is not None and np.any(self.multiplier > 0) else None
+        if lam is None:  # the bound never rose above λ = 0's: price the start's peak point at seconds per limit
+            lam = self.zero.copy()
+            lam[int(np.argmax(start.points + start.transient))] = start.seconds / self.limit
+        below, above = 1.0, None
+        for _ in range(MAX_DOUBLINGS):
+            if self._fits_at(lam * 2 * below, start) is None:
+                return
+            if self.best is not None:
+                above = 2 * below
+                break
+            below *= 2
+        if above is None:
+            return
+        for _ in range(BISECTIONS):
+            mid = float(np.sqrt(below * above))
+            fits = self._fits_at(lam * mid, start)
+            if fits is None:
+                break
+            below, above = (below, mid) if fits else (mid, above)
+        deadline = time.perf_counter() + max(0.0, min(self.left(), 0.1 * self.total))
+        better = improve_layouts(self.problem, self.best, deadline)
+        if better.time < self.best.time:
+            self.best = better
+
+    def _fits_at(self, lam: np.ndarray, start: Cut) -> bool | None:
+        """Whether the plan of multipliers ``lam`` fits after repair (None: out of time)."""
+        cut = self.point(lam, best_units(self.problem, list(start.plan.choice), lam))
+        if cut is None:
+            return None
+        return repair(self.problem, cut.plan.choice, cut.plan.recompute) is not None
 
     def least_fitting(self, start: Candidate) -> Candidate:
         """When no plan the walk met could be repaired to fit: the least-memory plan met, the solver-free one or the

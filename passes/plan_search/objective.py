@@ -89,6 +89,9 @@ def term_cost(term: ValueTerm, choice: list[int]) -> float:
         total += c
     for key in keys.values():
         total += term.sync_cost[key]
+        staged = term.zero_syncs.get(key)
+        if staged is not None and any((d, choice[d]) in staged[1] for d in ix.producers):
+            total -= staged[0]  # stored at stage 2/3: reduce-scattered, not all-reduced
     return term.multiplicity * total
 
 

@@ -97,6 +97,9 @@ class ValueTerm:
     outputs: list = field(default_factory=list)  # keep-flags of every graph output this value is (output_spec_for)
     pair_cost: dict = field(default_factory=dict)  # (o, i) -> seconds or None (impossible)
     sync_cost: dict = field(default_factory=dict)  # (spec, axes) -> seconds
+    #: (spec, axes) -> (seconds saved, the producer options (decision, option) storing the parameter at stage 2 or
+    #: 3 in that spec): the sync is then a reduce-scatter over the data axis (:func:`_zero_syncs`)
+    zero_syncs: dict = field(default_factory=dict)
     #: the liveness of the group's values as activations (their segments' points added up: tied copies)
     alive: np.ndarray | None = None
     members: list = field(default_factory=list, repr=False)  # the group's values (one per tied copy)
@@ -203,17 +206,22 @@ class ParameterPricing:
         return opts, stages
 
     def stage_time(self, x: torch.fx.Node, spec: Spec, stage: int) -> float:
-        """Seconds a stage adds to the data axis's gradient all-reduce (priced by the value terms): stage 2 an
-        all-gather forward and a reduce-scatter backward in its place, stage 3 one more all-gather in backward."""
+        """Seconds a stage adds: the all-gather of the stored shard forward, at stage 3 again in backward. What it
+        changes in the gradient's sync (at stage 2 and 3 a reduce-scatter in place of the data axis's all-reduce,
+        where the readers' layouts sync it over that axis at all) is the value term's (:func:`_zero_syncs`)."""
         if stage == 0:
             return 0.0
+        gather = kind_time("all_gather", local_numel(shape(x), spec, self.mesh) * itemsize(x), self.data_size,
+                           self.data_link)[0]
+        return 2 * gather if stage == 3 else gather
+
+    def sync_saving(self, x: torch.fx.Node, spec: Spec) -> float:
+        """Seconds a parameter stored at stage 2 or 3 saves on its gradient's sync over the data axis (gathered to
+        ``spec``): a reduce-scatter instead of the all-reduce (:func:`autoshard.cost_models.plan_cost.plan_cost`
+        prices the same)."""
         b = local_numel(shape(x), spec, self.mesh) * itemsize(x)
         nd, ln = self.data_size, self.data_link
-        kind = {1: "all_gather", 2: "all_gather_sync", 3: "all_gather_reshard"}[stage]
-        extra = sum(kind_time(kind, b, nd, ln))
-        if stage > 1:
-            extra -= kind_time("grad_all_reduce", b, nd, ln)[1]
-        return max(0.0, extra)
+        return max(0.0, kind_time("grad_all_reduce", b, nd, ln)[1] - kind_time("all_gather_sync", b, nd, ln)[1])
 
 
 def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfile, memory_limit, optimizer: str,
@@ -242,6 +250,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero)
     _parameter_decisions(gm, problem, members, pricing)
     problem.terms = _value_terms(gm, ctx, profile, problem)
+    _zero_syncs(problem, pricing)
     for term in problem.terms:
         term.alive = memory.alive(term.members)
     problem.price_at(0)
@@ -382,6 +391,28 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
         _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written)
         terms.append(term)
     return terms
+
+
+def _zero_syncs(problem: Problem, pricing: ParameterPricing) -> None:
+    """Fill ``term.zero_syncs`` of every parameter's term: a gradient synced over the data axis in the layout the
+    parameter is gathered to is reduce-scattered instead of all-reduced when the parameter is stored at stage 2 or
+    3 (``shard_storage``'s ``all_gather_sync``); the saving holds only for that pair of choices (the parameter's
+    option, the readers' layouts), so the term prices it, not the parameter's options."""
+    if problem.data_axis is None:
+        return
+    for term in problem.terms:
+        if term.fixed is not None or not term.out or term.value.op != "get_attr":
+            continue
+        d = problem.decisions[term.out[0][0]]
+        if not d.stages or max(d.stages) < 2:
+            continue
+        for key in term.syncs:
+            spec, axes = key
+            if problem.data_axis not in axes:
+                continue
+            staged = frozenset((dd, k) for dd, k, o in term.out if o == spec and d.stages[k] >= 2)
+            if staged:
+                term.zero_syncs[key] = (pricing.sync_saving(term.value, spec), staged)
 
 
 def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, intern: _SpecPool, out_req: dict,

@@ -3,7 +3,9 @@
 The walk's plans are optimal for their multiplier λ, but their memory jumps in steps between λs; the repair fills
 the slack between the steps (:func:`repair`). A :class:`Move` changes one parameter's ZeRO stage (another option
 of the same spec) or recomputes one more (or one fewer) copy of a unit; layouts never change, so the
-communication seconds stay those of the starting plan and each move's seconds and bytes are exact deltas.
+communication seconds stay those of the starting plan (but for a stage move's gradient sync: a reduce-scatter at
+stage 2/3 where the readers sync over the data axis, :attr:`.problem.ValueTerm.zero_syncs`) and each move's seconds
+and bytes are exact deltas.
 
 1. While the plan is over the limit: apply the move of least seconds added per byte freed (:func:`_fit`).
 2. Then, while the plan improves: the move saving the most seconds that still fits, else a pair of moves (one
@@ -62,6 +64,9 @@ class _Plan:
                 self.members.setdefault(d.unit, []).append(i)
         self.staged = [i for i, d in enumerate(problem.decisions) if d.stages]
         self.comm = sum(term_cost(term, self.choice) for term in problem.terms)  # moves keep every layout
+        # ... but a stage move changes a gradient sync over the data axis (all-reduce or reduce-scatter)
+        touching = terms_touching(problem)
+        self.syncs = {i: [t for t in touching.get(i, ()) if t.zero_syncs] for i in self.staged}
 
     def moves(self) -> list[PricedMove]:
         out = []
@@ -69,7 +74,8 @@ class _Plan:
             d, k = self.problem.decisions[i], self.choice[i]
             for k2, spec in enumerate(d.options):
                 if k2 != k and spec == d.options[k]:
-                    out.append(PricedMove(Move("stage", i, k2), d.cost[k2] - d.cost[k], d.memory[k2] - d.memory[k]))
+                    dt = d.cost[k2] - d.cost[k] + self.sync_change(i, k2)
+                    out.append(PricedMove(Move("stage", i, k2), dt, d.memory[k2] - d.memory[k]))
         change = recomputation_change(self.problem, self.choice)  # (layouts fixed: cached)
         p = self.problem.point
         for u, ds in self.members.items():
@@ -83,10 +89,22 @@ class _Plan:
                 out.append(PricedMove(Move("unit", u, max(0.0, self.share[u] - step)), -dt, -dm))
         return out
 
+    def sync_change(self, i: int, k: int) -> float:
+        """Seconds the gradient syncs of parameter decision ``i`` change by at its option ``k``."""
+        terms = self.syncs[i]
+        if not terms:
+            return 0.0
+        before = sum(term_cost(t, self.choice) for t in terms)
+        k0, self.choice[i] = self.choice[i], k
+        after = sum(term_cost(t, self.choice) for t in terms)
+        self.choice[i] = k0
+        return after - before
+
     def apply(self, move: Move) -> Move:
         """Apply ``move``; returns the move that undoes it."""
         if move.kind == "stage":
             undo = Move("stage", move.index, self.choice[move.index])
+            self.comm += self.sync_change(move.index, move.value)
             self.choice[move.index] = move.value
         else:
             undo = Move("unit", move.index, self.share[move.index])
