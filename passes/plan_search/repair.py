@@ -67,6 +67,7 @@ class _Plan:
         # ... but a stage move changes a gradient sync over the data axis (all-reduce or reduce-scatter)
         touching = terms_touching(problem)
         self.syncs = {i: [t for t in touching.get(i, ()) if t.zero_syncs] for i in self.staged}
+        self.synced: dict = {}  # (decision, option) -> seconds of those terms (sync_seconds)
 
     def moves(self) -> list[PricedMove]:
         out = []
@@ -91,14 +92,17 @@ class _Plan:
 
     def sync_change(self, i: int, k: int) -> float:
         """Seconds the gradient syncs of parameter decision ``i`` change by at its option ``k``."""
-        terms = self.syncs[i]
-        if not terms:
-            return 0.0
-        before = sum(term_cost(t, self.choice) for t in terms)
-        k0, self.choice[i] = self.choice[i], k
-        after = sum(term_cost(t, self.choice) for t in terms)
-        self.choice[i] = k0
-        return after - before
+        return self.sync_seconds(i, k) - self.sync_seconds(i, self.choice[i]) if self.syncs[i] else 0.0
+
+    def sync_seconds(self, i: int, k: int) -> float:
+        """Seconds of the terms of parameter decision ``i`` that price a ZeRO sync, at its option ``k``: they depend
+        on ``i`` and on its readers' options, which no move changes, so they are computed once per option."""
+        key = (i, k)
+        if key not in self.synced:
+            k0, self.choice[i] = self.choice[i], k
+            self.synced[key] = sum(term_cost(t, self.choice) for t in self.syncs[i])
+            self.choice[i] = k0
+        return self.synced[key]
 
     def apply(self, move: Move) -> Move:
         """Apply ``move``; returns the move that undoes it."""
