@@ -393,9 +393,14 @@ class _Walk:
 def _exact(problem: Problem, walk: _Walk, best: Candidate, left: float, info: dict) -> Candidate:
     """HiGHS's ILP with every liveness point's memory row (:func:`.ilp.build_program`), for the best plan's units."""
     prog = build_program(problem, best.recompute)
+    started = time.perf_counter()
     res = solve_program(problem, prog, prog.c, left)
     if res.choice is None:
-        info.update(method=info["method"] + f" + exact ILP (no better plan in {left:.1f} s)")
+        # out of time, or none within the program's rows: they price a recomputed layer per op output, which may
+        # count more than the plans' exact evaluation (Llama-3-70B's repaired plan fits, its ILP is infeasible)
+        why = "time limit" if res.timed_out else f"HiGHS: {res.message}"
+        info.update(method=info["method"] + f" + exact ILP (no plan: {why} after "
+                                            f"{time.perf_counter() - started:.1f} s of {left:.1f} s)")
         return best
     t, m = evaluate(problem, res.choice, best.recompute)
     bound = info["bound"]
