@@ -57,6 +57,8 @@ class Program:
     offsets: list[int]  # first column of each decision's options
     #: auxiliary column -> its bytes per liveness point (copies kept for backward): ``mem`` holds the priced point's
     extra: dict = field(default_factory=dict, compare=False)
+    #: auxiliary column -> the unit whose recomputed share it is not kept for (kept only within its layer copy)
+    within: dict = field(default_factory=dict, compare=False)
 
     def choice(self, problem: Problem, x: np.ndarray) -> list[int]:
         """The option of each decision in the solution ``x``."""
@@ -80,7 +82,7 @@ class _Builder:
     """Columns and rows of the program, appended in order (a sparse matrix in coordinate form)."""
 
     def __init__(self, problem: Problem, recompute):
-        self.problem = problem
+        self.problem, self.recompute = problem, recompute
         self.offsets, n = [], 0
         for d in problem.decisions:
             self.offsets.append(n)
@@ -95,6 +97,7 @@ class _Builder:
         self.extra: dict[int, np.ndarray] = {}  # auxiliary column -> bytes per liveness point (kept copies)
         self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
         self._copies: dict = {}  # (id(term), id(spec)) -> (gradient bytes, bytes per point) of that copy
+        self._within_arrays: dict = {}  # id(bytes per point) -> (unit, the array): see _within
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
         """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
@@ -109,7 +112,24 @@ class _Builder:
         activation, or a parameter's kept copy); None otherwise."""
         if not any(term.kept.get(d) for d in keepers):
             return None
-        return self._copy(term, spec)[1]
+        return self._within(term, keepers, self._copy(term, spec)[1])
+
+    def _within(self, term: ValueTerm, keepers, kept: np.ndarray | None) -> np.ndarray | None:
+        """``kept`` (a kept copy's bytes per point), marked as kept only within its value's layer copy when every
+        keeper among ``keepers`` reads it there: a recomputed copy makes it again in backward instead
+        (:func:`.objective.activations` counts it so), so the memory rows scale it by the unit's kept share."""
+        if kept is None or term.fixed is not None or not term.out:
+            return kept
+        unit = self.problem.decisions[term.out[0][0]].unit
+        if unit is None or not all(term.within.get(d, False) for d in keepers if term.kept.get(d)):
+            return kept
+        kept = np.array(kept, dtype=float)  # its own array: the mark is by identity
+        self._within_arrays[id(kept)] = (unit, kept)
+        return kept
+
+    def within_columns(self) -> dict[int, int]:
+        """{auxiliary column: its unit} of the kept copies marked by :meth:`_within`."""
+        return {col: self._within_arrays[id(v)][0] for col, v in self.extra.items() if id(v) in self._within_arrays}
 
     def _copy(self, term: ValueTerm, spec) -> tuple:
         """(its gradient's bytes, None for a value the memory model does not count; bytes per point when kept, None
@@ -177,7 +197,8 @@ class _Builder:
         cols = {}
         for o in y:
             cols[o] = self.new_var(0.0)
-            self.extra[cols[o]] = memory.copy_bytes(u, o) * term.alive
+            keepers = [d for d in term.kept if term.kept.get(d)]
+            self.extra[cols[o]] = self._within(term, keepers, memory.copy_bytes(u, o) * term.alive)
         return cols
 
     def marginal(self, term: ValueTerm, y: dict, consumers: list[int], own: dict | None = None) -> None:
@@ -349,6 +370,7 @@ class _Builder:
                 units.setdefault(d.unit, []).append((i, [v[0] / (d.copies or 1) for v in d.points]))
         for parts in units.values():
             at_least(live, parts)
+        kept = kept_copies(self.extra, self.within_columns(), recompute)
         for p in range(last + 1):
             entries = []
             for i, d in enumerate(problem.decisions):
@@ -357,7 +379,7 @@ class _Builder:
                     b = (1 - f) * v[p] + f * d.points_recomputed[k][p] if f else v[p]
                     if b:
                         entries.append((self.offsets[i] + k, b))
-            entries += [(col, v[p]) for col, v in self.extra.items() if v[p]]
+            entries += [(col, b) for col, v in kept.items() if (b := v[p])]
             entries += [(zero3, 2.0 * scale)] if p < last else [(stored, scale)]
             entries += [(gradient, scale), (live, scale)] if p == 0 else []
             if peak is None:
@@ -373,10 +395,22 @@ class _Builder:
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
         mem = np.zeros(n)
         mem[:len(self.memory)] = self.memory
-        for col, v in self.extra.items():
+        within = self.within_columns()
+        for col, v in kept_copies(self.extra, within, self.recompute).items():
             mem[col] = v[self.problem.point]
         return Program(np.array(self.cost), mem, a, self.lo, self.hi, np.array(self.integer), self.offsets,
-                       self.extra)
+                       self.extra, within)
+
+
+def kept_copies(extra: dict, within: dict, recompute) -> dict:
+    """{auxiliary column: bytes per point} of the kept copies with ``recompute``'s units recomputed: a copy kept
+    only within its layer copy (``within``: column -> unit) keeps the share of its unit not recomputed."""
+    out = {}
+    for col, v in extra.items():
+        u = within.get(col)
+        f = 0.0 if u is None else (recompute.get(u, 0.0) if isinstance(recompute, dict) else float(u in recompute))
+        out[col] = v * (1.0 - f) if f else v
+    return out
 
 
 def build_program(problem: Problem, recompute=frozenset(), reserve: float = 0.0, memory_row: bool = True) -> Program:
@@ -410,12 +444,12 @@ def with_memory_row(prog: Program, room: float) -> Program:
     from scipy.sparse import csr_matrix, vstack
 
     return Program(prog.c, prog.mem, vstack([prog.a, csr_matrix(prog.mem)]).tocsr(), [*prog.lo, -np.inf],
-                   [*prog.hi, room], prog.integer, prog.offsets, prog.extra)
+                   [*prog.hi, room], prog.integer, prog.offsets, prog.extra, prog.within)
 
 
 def with_costs(prog: Program, cost: np.ndarray, mem: np.ndarray) -> Program:
     """``prog``'s rows with other seconds and bytes per column (another recomputation set)."""
-    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets, prog.extra)
+    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets, prog.extra, prog.within)
 
 
 def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float) -> SolveResult:

@@ -42,8 +42,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from autoshard.passes.plan_search.ilp import (Program, build_program, integral, least_peak_program, solve_program,
-                                              with_costs)
+from autoshard.passes.plan_search.ilp import (Program, build_program, integral, kept_copies, least_peak_program,
+                                              solve_program, with_costs)
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
                                                     option_vectors, recomputation_change, ties)
 from autoshard.passes.plan_search.problem import Problem
@@ -215,6 +215,8 @@ class _Walk:
             cost[:len(c)] += np.array(c) - self.base_options
             memory = self.base.mem.copy()  # (auxiliary columns: the copies kept for backward)
             memory[:len(mem)] = mem
+            for col, v in kept_copies(self.base.extra, self.base.within, units).items():
+                memory[col] = v[self.problem.point]
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
 
@@ -226,7 +228,7 @@ class _Walk:
             matrix = np.zeros((len(self.base.c), len(self.zero)))
             options = self.columns.point_bytes(units)
             matrix[:len(options)] = options
-            for col, v in self.base.extra.items():
+            for col, v in kept_copies(self.base.extra, self.base.within, units).items():
                 matrix[col] = v
             self.matrices[key] = matrix
         return self.matrices[key]
@@ -503,7 +505,8 @@ def _shares_program(problem: Problem, lam: np.ndarray) -> Program:
     options = option_columns(problem).point_bytes(frozenset())
     priced[:len(options)] += options @ lam
     for col, v in base.extra.items():
-        priced[col] += v @ lam
+        if col not in base.within:  # (a copy kept only within a layer copy: at most its bytes, at least none)
+            priced[col] += v @ lam
     extra = _Rows(list(priced), [0.0] * n0)
     share = {u: extra.new_var(0.0, 0.0) for u in range(len(problem.units))}
     for i, d in enumerate(problem.decisions):
