@@ -97,7 +97,7 @@ class _Builder:
         self.extra: dict[int, np.ndarray] = {}  # auxiliary column -> bytes per liveness point (kept copies)
         self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
         self._copies: dict = {}  # (id(term), id(spec)) -> (gradient bytes, bytes per point) of that copy
-        self._within_arrays: dict = {}  # id(bytes per point) -> (unit, the array): see _within
+        self.within: dict[int, int] = {}  # auxiliary column -> the unit it is kept only within (keep)
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
         """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
@@ -112,24 +112,17 @@ class _Builder:
         activation, or a parameter's kept copy); None otherwise."""
         if not any(term.kept.get(d) for d in keepers):
             return None
-        return self._within(term, keepers, self._copy(term, spec)[1])
+        return self._copy(term, spec)[1]
 
-    def _within(self, term: ValueTerm, keepers, kept: np.ndarray | None) -> np.ndarray | None:
-        """``kept`` (a kept copy's bytes per point), marked as kept only within its value's layer copy when every
-        keeper among ``keepers`` reads it there: a recomputed copy makes it again in backward instead
-        (:func:`.objective.activations` counts it so), so the memory rows scale it by the unit's kept share."""
-        if kept is None or term.fixed is not None or not term.out:
-            return kept
-        unit = self.problem.decisions[term.out[0][0]].unit
-        if unit is None or not all(term.within.get(d, False) for d in keepers if term.kept.get(d)):
-            return kept
-        kept = np.array(kept, dtype=float)  # its own array: the mark is by identity
-        self._within_arrays[id(kept)] = (unit, kept)
-        return kept
-
-    def within_columns(self) -> dict[int, int]:
-        """{auxiliary column: its unit} of the kept copies marked by :meth:`_within`."""
-        return {col: self._within_arrays[id(v)][0] for col, v in self.extra.items() if id(v) in self._within_arrays}
+    def keep(self, col: int, kept: np.ndarray, term: ValueTerm, keepers) -> None:
+        """Column ``col`` holds ``kept`` (a copy's bytes per point) of ``term``'s value for ``keepers``. When every
+        keeper that keeps it reads it inside the value's own layer copy, a recomputed copy makes it again in
+        backward instead (:func:`.objective.activations` counts it so): ``within`` names the unit, and the memory
+        rows keep it for the unit's share not recomputed (:func:`kept_copies`)."""
+        self.extra[col] = kept
+        unit = self.problem.decisions[term.out[0][0]].unit if term.fixed is None and term.out else None
+        if unit is not None and all(term.within.get(d, False) for d in keepers if term.kept.get(d)):
+            self.within[col] = unit
 
     def _copy(self, term: ValueTerm, spec) -> tuple:
         """(its gradient's bytes, None for a value the memory model does not count; bytes per point when kept, None
@@ -197,8 +190,7 @@ class _Builder:
         cols = {}
         for o in y:
             cols[o] = self.new_var(0.0)
-            keepers = [d for d in term.kept if term.kept.get(d)]
-            self.extra[cols[o]] = self._within(term, keepers, memory.copy_bytes(u, o) * term.alive)
+            self.keep(cols[o], memory.copy_bytes(u, o) * term.alive, term, term.kept)
         return cols
 
     def marginal(self, term: ValueTerm, y: dict, consumers: list[int], own: dict | None = None) -> None:
@@ -229,7 +221,7 @@ class _Builder:
                         if o is not i:
                             self.copy_gradient(term, i, [evars[(oi, ii)]])
                         if kept is not None:
-                            self.extra[evars[(oi, ii)]] = kept
+                            self.keep(evars[(oi, ii)], kept, term, [c])
                         if keeps_own:
                             self.constraint([(own[o], 1.0), (evars[(oi, ii)], -1.0)], 0.0, np.inf)
                         continue
@@ -247,7 +239,7 @@ class _Builder:
                         kv = bought.get(("kept", oi, ids[ii]))
                         if kv is None:
                             kv = bought[("kept", oi, ids[ii])] = self.new_var(0.0)
-                            self.extra[kv] = kept
+                            self.keep(kv, kept, term, [c])
                         self.constraint([(kv, 1.0), (ev, -1.0)], 0.0, np.inf)
             for oi, (o, ys) in enumerate(ylist):
                 self.constraint([(evars[(oi, ii)], 1.0) for ii in range(len(needs)) if (oi, ii) in evars]
@@ -267,7 +259,8 @@ class _Builder:
             for d, ks in _by_decision(users).items():  # a consumer's options exclude each other: sum them
                 self.constraint([(rv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
             # the copy, where a consumer keeps it (priced as if every consumer needing it did: an upper bound)
-            kept = self.copy_points(term, i, {d for d, _ in users})
+            keepers = {d for d, _ in users}
+            kept = self.copy_points(term, i, keepers)
             for o, ys in y.items():
                 c = costs[o]
                 if c == 0:
@@ -278,7 +271,7 @@ class _Builder:
                     else:
                         self.cost[rv] += m * c
                         if kept is not None and o is not i:
-                            self.extra[rv] = kept
+                            self.keep(rv, kept, term, keepers)
                         if o is not i:
                             self.copy_gradient(term, i, [rv])
                     continue
@@ -288,7 +281,7 @@ class _Builder:
                 qv = self.new_var(m * c)
                 self.constraint([(qv, 1.0), (rv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
                 if kept is not None and o is not i:
-                    self.extra[qv] = kept
+                    self.keep(qv, kept, term, keepers)
                 if o is not i:
                     self.copy_gradient(term, i, [qv])
 
@@ -370,7 +363,7 @@ class _Builder:
                 units.setdefault(d.unit, []).append((i, [v[0] / (d.copies or 1) for v in d.points]))
         for parts in units.values():
             at_least(live, parts)
-        kept = kept_copies(self.extra, self.within_columns(), recompute)
+        kept = kept_copies(self.extra, self.within, recompute)
         for p in range(last + 1):
             entries = []
             for i, d in enumerate(problem.decisions):
@@ -395,11 +388,10 @@ class _Builder:
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
         mem = np.zeros(n)
         mem[:len(self.memory)] = self.memory
-        within = self.within_columns()
-        for col, v in kept_copies(self.extra, within, self.recompute).items():
+        for col, v in kept_copies(self.extra, self.within, self.recompute).items():
             mem[col] = v[self.problem.point]
         return Program(np.array(self.cost), mem, a, self.lo, self.hi, np.array(self.integer), self.offsets,
-                       self.extra, within)
+                       self.extra, self.within)
 
 
 def kept_copies(extra: dict, within: dict, recompute) -> dict:

@@ -173,6 +173,7 @@ class Cut:
     transient: np.ndarray
     plan: Candidate
     multiplier: np.ndarray
+    fits: bool = False  # the plan fits after repair (:meth:`_Walk.repaired`)
 
 
 class _Walk:
@@ -256,8 +257,8 @@ class _Walk:
             self.bound, self.multiplier = bound, lam
         if self.least is None or plan.memory < self.least.memory:
             self.least = plan
-        self.repaired(plan)
-        return Cut(float(prog.c @ x), points, transient, plan, lam)
+        fits = self.repaired(plan)
+        return Cut(float(prog.c @ x), points, transient, plan, lam, fits)
 
     def relaxed(self, lam: np.ndarray, units) -> tuple[list[int], np.ndarray, float] | None:
         """(choice, its solution, the LP relaxation's value) of the least ``T + λ·M`` plan: from the warm LP when its
@@ -364,9 +365,7 @@ class _Walk:
     def _fits_at(self, lam: np.ndarray, start: Cut) -> bool | None:
         """Whether the plan of multipliers ``lam`` fits after repair (None: out of time)."""
         cut = self.point(lam, best_units(self.problem, list(start.plan.choice), lam))
-        if cut is None:
-            return None
-        return repair(self.problem, cut.plan.choice, cut.plan.recompute) is not None
+        return None if cut is None else cut.fits
 
     def least_fitting(self, start: Candidate) -> Candidate:
         """When no plan the walk met could be repaired to fit: the least-memory plan met, the solver-free one or the
@@ -385,11 +384,13 @@ class _Walk:
         at least nothing)."""
         return max(self.bound, sum(min(d.cost) for d in self.problem.decisions if d.cost))
 
-    def repaired(self, p: Candidate) -> None:
-        """Every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the walk early."""
+    def repaired(self, p: Candidate) -> bool:
+        """Every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the walk early;
+        whether it could be made to fit."""
         fixed = repair(self.problem, p.choice, p.recompute)
         if fixed is not None and (self.best is None or fixed.time < self.best.time):
             self.best = fixed
+        return fixed is not None
 
 
 def _exact(problem: Problem, walk: _Walk, best: Candidate, left: float, info: dict) -> Candidate:
