@@ -857,8 +857,11 @@ class GraphMemory:
         return largest_gradient(numel, output_tensors(node)[0].dtype)
 
     def copy_bytes(self, node: Node, spec) -> int:
-        """Local bytes of a copy of ``node``'s (single) output redistributed to ``spec``."""
+        """Local bytes of a copy of ``node``'s (single) output redistributed to ``spec``: a floating parameter's in
+        the compute dtype (mixed precision casts it before any redistribution)."""
         t = output_tensors(node)[0]
+        if node.op == "get_attr" and self.compute_dtype is not None and t.is_floating_point():
+            return param_bytes(self.local_numel(t.shape, spec), self.compute_dtype)
         return self.local_numel(t.shape, spec) * t.element_size()
 
     def points(self, fixed: np.ndarray, values: list[SavedValue], zero3_layers: dict[str, int],

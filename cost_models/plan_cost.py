@@ -94,8 +94,11 @@ def redistribution_time_of(src, dst, shp, size, rg, mesh, profile) -> float | No
     return total
 
 
-def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile) -> float:
-    nbytes = local_numel(shape(x), spec, mesh) * itemsize(x)
+def grad_sync_time(spec: Spec, axes, x: torch.fx.Node, mesh: Mesh, profile: HardwareProfile,
+                   size: int | None = None) -> float:
+    """Seconds of the gradient sync of ``x`` in ``spec`` over ``axes`` (``size``: bytes per element, default
+    ``x``'s)."""
+    nbytes = local_numel(shape(x), spec, mesh) * (itemsize(x) if size is None else size)
     return sum(kind_time("grad_all_reduce", nbytes, mesh.axis_size(a), link(profile, mesh, a))[1] for a in axes)
 
 

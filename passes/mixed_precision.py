@@ -47,7 +47,8 @@ from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.precision import fake_like
 
-__all__ = ["AutocastParamCasts", "InlineAutocast", "MixedPrecisionCasts", "ReducePrecision", "autocast_input_dtypes"]
+__all__ = ["AutocastParamCasts", "InlineAutocast", "MixedPrecisionCasts", "ReducePrecision", "autocast_input_dtypes",
+           "casts"]
 
 aten = torch.ops.aten
 _CAST = aten._to_copy.default
@@ -87,18 +88,10 @@ class MixedPrecisionCasts:
         mode = _fake_mode(gm)
         count = {"parameters": 0, "inputs": 0, "outputs": 0}
         for node in list(graph.nodes):
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == self.param_dtype:
+            if not casts(gm, node, self.param_dtype):
                 continue
-            if node.op == "get_attr" and isinstance(_attr(gm, node.target), torch.nn.Parameter):
-                kind = "parameters"
-            elif node.op == "placeholder":
-                kind = "inputs"
-            else:
-                continue
+            kind = "inputs" if node.op == "placeholder" else "parameters"
             users = list(node.users)
-            if not users:
-                continue
             anchor = node if node.op == "get_attr" else _last_placeholder(graph)
             with graph.inserting_after(anchor):
                 cast = _cast_node(graph, node, self.param_dtype, users[0], mode, mark=True)
@@ -125,6 +118,17 @@ class MixedPrecisionCasts:
         gm.recompile()
         ctx.report[self.name] = count
         return gm
+
+
+def casts(gm: torch.fx.GraphModule, node: torch.fx.Node, param_dtype: torch.dtype) -> bool:
+    """Whether :class:`MixedPrecisionCasts` casts ``node`` to ``param_dtype``: a floating parameter (``get_attr`` of
+    an ``nn.Parameter``) or input in another dtype that something reads. (The plan search prices these values as
+    their ``param_dtype`` copies and the casts themselves: :mod:`autoshard.passes.plan_search.problem`.)"""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == param_dtype or not node.users:
+        return False
+    return node.op == "placeholder" or (node.op == "get_attr" and isinstance(_attr(gm, node.target),
+                                                                             torch.nn.Parameter))
 
 
 def _same_layout(cast: torch.fx.Node, src: torch.fx.Node, note: str = "mixed precision: a cast in place") -> None:

@@ -121,7 +121,7 @@ def _unconstrained(problem: Problem, total: float, info: dict) -> tuple[list[int
                     bound=evaluate(problem, res.choice)[0], timed_out=res.timed_out)
         return res.choice, frozenset()
     made = fallback_plan(problem, max(1.0, 0.1 * total))
-    bound = sum(min(d.cost) for d in problem.decisions if d.cost)
+    bound = problem.fixed_seconds + sum(min(d.cost) for d in problem.decisions if d.cost)
     info.update(optimal=False, gap=_gap(made.time, bound), bound=bound, timed_out=True, message=res.message,
                 method=f"time_limit={total:g} s reached before HiGHS found a plan: coordinate descent")
     return list(made.choice), frozenset()
@@ -252,7 +252,7 @@ class _Walk:
         plan = Candidate.of(self.problem, choice, units)
         transient = memory_points(self.problem, choice, units) - points
         # L(λ) = min c·x + λ·(M·x − room) over the program (the LP value bounds it from below), less the ties
-        bound = lp_value - float(lam @ self.room) - self.ties
+        bound = self.problem.fixed_seconds + lp_value - float(lam @ self.room) - self.ties
         if bound > self.bound:
             self.bound, self.multiplier = bound, lam
         if self.least is None or plan.memory < self.least.memory:
@@ -382,7 +382,7 @@ class _Walk:
     def final_bound(self) -> float:
         """The best lower bound: the walk's, and at worst the least seconds of every decision (communication costs
         at least nothing)."""
-        return max(self.bound, sum(min(d.cost) for d in self.problem.decisions if d.cost))
+        return max(self.bound, self.problem.fixed_seconds + sum(min(d.cost) for d in self.problem.decisions if d.cost))
 
     def repaired(self, p: Candidate) -> bool:
         """Every plan met is repaired at once (cheap next to a solve), so that accept_gap can stop the walk early;
@@ -492,7 +492,8 @@ def lp_bound(problem: Problem, lam) -> float:
     x = WarmLP.create(prog).solve(prog.c, DEFAULT_TIME_LIMIT)
     if x is None:
         raise PlanError(f"lp_bound: HiGHS did not solve the program in {DEFAULT_TIME_LIMIT:g} s")
-    return float(prog.c @ x) - float(lam @ (problem.memory_limit - problem.fixed_points)) - _most_ties(problem)
+    return (problem.fixed_seconds + float(prog.c @ x) - float(lam @ (problem.memory_limit - problem.fixed_points))
+            - _most_ties(problem))
 
 
 def _shares_program(problem: Problem, lam: np.ndarray) -> Program:

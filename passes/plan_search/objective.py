@@ -98,7 +98,7 @@ def term_cost(term: ValueTerm, choice: list[int]) -> float:
 def evaluate(problem: Problem, choice: list[int], recompute=frozenset()) -> tuple[float, float]:
     """(estimated step time in seconds, per-rank memory in bytes) of one option per decision, the units in
     ``recompute`` recomputed (memory: the sum plus :func:`transient_bytes`)."""
-    t = sum(option_cost(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
+    t = problem.fixed_seconds + sum(option_cost(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
     t += sum(term_cost(term, choice) for term in problem.terms)
     return t, float(memory_points(problem, choice, recompute).max())
 

@@ -20,6 +20,7 @@ assignment are :func:`.objective.evaluate`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,8 +29,8 @@ import torch.fx
 from autoshard.collective_kinds import time as kind_time
 from autoshard.cost_models.compute import compute_time
 from autoshard.cost_models.memory import GraphMemory, keeps
-from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_times, redistribution_time_of,
-                                             shard_factor)
+from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_time, op_times,
+                                             redistribution_time_of, shard_factor)
 from autoshard.cost_models.profile import HardwareProfile
 from autoshard.passes.plan_search.layers import LayerUnits, copy_paths, find_layers, recompute_units
 from autoshard.passes.propagate import (annotation_error, keeps_layout, node_strategies, pin_conflict, pinned_values,
@@ -143,6 +144,8 @@ class Problem:
     fixed_points: np.ndarray | None = None  # bytes per liveness point of annotated parameters and buffers
     point: int = 0  # the liveness point the program's memory row prices (``memory`` of every decision)
     fixed_stored: int = 0  # the largest stored tensor of the annotated parameters (the optimizer's temporaries)
+    #: seconds every plan pays whatever it chooses: mixed precision's casts of the inputs and annotated parameters
+    fixed_seconds: float = 0.0
     #: (layouts, answer) of the last :func:`.objective.activations`: a repair changes no layout
     activations_cache: tuple | None = field(default=None, repr=False, compare=False)
     columns: object = field(default=None, repr=False, compare=False)  # .objective._Columns, built once
@@ -205,6 +208,15 @@ class ParameterPricing:
                 stages.append(st)
         return opts, stages
 
+    def cast_spec(self, x: torch.fx.Node, spec: Spec | None, stage: int) -> Spec | None:
+        """The layout mixed precision's cast of ``x`` runs in: the stored shard at stages 1-3 (``shard_storage``
+        moves it there), else ``spec``."""
+        from autoshard.passes.shard_storage import stored_spec
+
+        if stage == 0 or spec is None:
+            return spec
+        return stored_spec(spec, shape(x), self.mesh, self.data_axis)
+
     def stage_time(self, x: torch.fx.Node, spec: Spec, stage: int) -> float:
         """Seconds a stage adds: the all-gather of the stored shard forward, at stage 3 again in backward. What it
         changes in the gradient's sync (at stage 2 and 3 a reduce-scatter in place of the data axis's all-reduce,
@@ -222,6 +234,107 @@ class ParameterPricing:
         b = local_numel(shape(x), spec, self.mesh) * itemsize(x)
         nd, ln = self.data_size, self.data_link
         return max(0.0, kind_time("grad_all_reduce", b, nd, ln)[1] - kind_time("all_gather_sync", b, nd, ln)[1])
+
+
+@dataclass
+class ComputeCopies:
+    """Mixed precision as the search prices it (``precision=MixedPrecision(...)``; nothing without one). The
+    ``mixed_precision`` pass (after the search) casts every floating parameter and input to ``param_dtype`` in the
+    layout it lies in (:func:`autoshard.passes.mixed_precision.casts`), so the ops read, and the redistributions,
+    ZeRO gathers and gradient syncs move, the ``param_dtype`` copy. Within :meth:`read` those values read
+    (``meta["val"]``) as their copies, so the op, redistribution and gather prices are the compiled program's; the
+    memory model is never asked within (it counts the masters and their copies itself). A cast's own seconds
+    (forward, and its gradient's cast back) are :meth:`cast_seconds`: ``op_time`` of such a cast node, as
+    ``plan.cost()`` prices the compiled one. Not priced: the two casts ``reduce_precision`` puts around a sync that
+    runs in a ``reduce_dtype`` other than ``param_dtype`` and not on the master itself."""
+
+    values: dict  # cast value -> its param_dtype value
+    precision: object  # autoshard.precision.MixedPrecision, or None
+    profile: HardwareProfile
+    mesh: Mesh
+    _seconds: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, gm, precision, profile: HardwareProfile, mesh: Mesh) -> ComputeCopies:
+        if precision is None:
+            return cls({}, None, profile, mesh)
+        from torch._guards import detect_fake_mode
+
+        from autoshard.passes.mixed_precision import casts
+        from autoshard.precision import fake_like
+
+        nodes = [n for n in gm.graph.nodes if casts(gm, n, precision.param_dtype)]
+        mode = detect_fake_mode([n.meta["val"] for n in nodes])
+        return cls({n: fake_like(n.meta["val"], precision.param_dtype, mode) for n in nodes}, precision, profile,
+                   mesh)
+
+    @contextmanager
+    def read(self):
+        saved = {n: n.meta["val"] for n in self.values}
+        try:
+            for n, v in self.values.items():
+                n.meta["val"] = v
+            yield
+        finally:
+            for n, v in saved.items():
+                n.meta["val"] = v
+
+    def sync_size(self, u: torch.fx.Node) -> int | None:
+        """Bytes per element of a cast parameter's gradient sync: ``reduce_dtype``'s (``reduce_precision``); None
+        for any other value (its own)."""
+        if u not in self.values:
+            return None
+        return torch.empty((), dtype=self.precision.grad_reduce_dtype, device="meta").element_size()
+
+    def cast_seconds(self, u: torch.fx.Node, spec: Spec | None) -> float:
+        """Seconds of mixed precision's cast of ``u`` run in ``spec`` (0 for a value it does not cast)."""
+        if u not in self.values or spec is None:
+            return 0.0
+        return self.cast_time(u.meta["val"], self.values[u], bool(u.meta.get(M.REQUIRES_GRAD)), spec)
+
+    def cast_time(self, val, out, requires_grad: bool, spec: Spec) -> float:
+        """``op_time`` of ``aten._to_copy`` from ``val`` to ``out``'s dtype in ``spec`` (same spec in and out, as
+        the casting passes place it), cached by shape, dtypes and spec."""
+        key = (tuple(val.shape), val.dtype, out.dtype, requires_grad, spec)
+        if key not in self._seconds:
+            g = torch.fx.Graph()
+            x = g.placeholder("x")
+            x.meta["val"] = val
+            cast = g.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": out.dtype})
+            cast.meta["val"], cast.meta[M.REQUIRES_GRAD] = out, requires_grad
+            self._seconds[key] = op_time(cast, M.Strategy((spec,), spec, ((),)), self.mesh, self.profile)
+        return self._seconds[key]
+
+
+def _cast_seconds(gm, problem: Problem, copies: ComputeCopies) -> None:
+    """Mixed precision's casts not priced with a parameter's options: each cast input's (every plan pays it), and
+    with ``output_dtype`` each floating output's, run in the layout its producer's option gives it."""
+    if copies.precision is None:
+        return
+    for n in copies.values:
+        if n.op == "placeholder":
+            problem.fixed_seconds += copies.cast_seconds(n, n.meta[M.SPEC])
+    dtype = copies.precision.output_dtype
+    if dtype is None:
+        return
+    from autoshard.precision import fake_like
+
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    with copies.read():
+        for x in dict.fromkeys(tensor_inputs(out)):
+            val = x.meta["val"]
+            if not val.is_floating_point() or val.dtype == dtype:
+                continue
+            rg, low = bool(x.meta.get(M.REQUIRES_GRAD)), fake_like(val, dtype)
+            producer = x.args[0] if is_getitem(x) else x
+            d = problem.index.get(canonical(problem.canon, producer))
+            if d is None:  # an input or an annotated parameter: its spec is fixed
+                problem.fixed_seconds += copies.cast_time(val, low, rg, x.meta[M.SPEC])
+                continue
+            dv = problem.decisions[d]
+            for k, s in enumerate(dv.options):
+                spec = s.output_spec[x.args[1]] if is_getitem(x) else (s if x.op == "get_attr" else s.output_spec)
+                dv.cost[k] += copies.cast_time(val, low, rg, spec) if spec is not None else 0.0
 
 
 def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfile, memory_limit, optimizer: str,
@@ -246,11 +359,15 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     memory = GraphMemory(gm, mesh, optimizer, precision.param_dtype if precision is not None else None)
     problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {}, memory,
                       np.zeros(memory.timeline.points))
-    _op_decisions(gm, ctx, profile, problem, members, layers)
+    copies = ComputeCopies.of(gm, precision, profile, mesh)
+    with copies.read():
+        _op_decisions(gm, ctx, profile, problem, members, layers)
     pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero)
-    _parameter_decisions(gm, problem, members, pricing)
-    problem.terms = _value_terms(gm, ctx, profile, problem)
-    _zero_syncs(problem, pricing)
+    _parameter_decisions(gm, problem, members, pricing, copies)
+    problem.terms = _value_terms(gm, ctx, profile, problem, copies)
+    with copies.read():
+        _zero_syncs(problem, pricing)
+    _cast_seconds(gm, problem, copies)
     for term in problem.terms:
         term.alive = memory.alive(term.members)
     problem.price_at(0)
@@ -317,28 +434,37 @@ def _wanted_specs(gm, problem: Problem) -> dict[torch.fx.Node, list]:
     return wanted
 
 
-def _parameter_decisions(gm, problem: Problem, members: dict, pricing: ParameterPricing) -> None:
+def _parameter_decisions(gm, problem: Problem, members: dict, pricing: ParameterPricing,
+                         copies: ComputeCopies) -> None:
     """A decision per canonical free parameter (any spec a consumer asks for, replicated first, at every ZeRO stage
-    it may be stored at), and per annotated one with a stage to choose; the rest is fixed memory."""
+    it may be stored at), and per annotated one with a stage to choose; the rest is fixed memory. Each option's
+    seconds: its stage's all-gathers, and under mixed precision the cast of what it stores (:class:`ComputeCopies`)."""
     wanted = _wanted_specs(gm, problem)
     memory = problem.memory_model
+
+    def seconds(n, spec, stage: int) -> float:
+        with copies.read():  # the all-gather moves the param_dtype copy
+            gather = pricing.stage_time(n, spec, stage)
+        return gather + copies.cast_seconds(n, pricing.cast_spec(n, spec, stage))
+
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not is_tensor_node(n) or canonical(problem.canon, n) is not n:
             continue
+        k = len(members[n])
         if n.meta.get(M.SPEC) is not None:  # annotated: its layout is fixed, its stage may not be
             options, stages = pricing.stage_options(n, [n.meta[M.SPEC]])
             if len(options) == 1:
                 problem.fixed_points += pricing.state_points(memory, members[n], options[0], stages[0])
                 problem.fixed_stored = max(problem.fixed_stored, pricing.stored(memory, n, options[0], stages[0]))
+                problem.fixed_seconds += k * seconds(n, options[0], stages[0])
                 continue
         else:
             specs = sorted(wanted.get(n, []), key=lambda s: (sum(not isinstance(p, type(s[0])) for p in s),
                                                               format_spec(s)))
             options, stages = pricing.stage_options(n, specs or [None])  # consumed by no op: one option
         problem.index[n] = len(problem.decisions)
-        k = len(members[n])
         problem.decisions.append(DecisionVar(
-            n, options, [k * pricing.stage_time(n, s, st) for s, st in zip(options, stages)], [], k, stages=stages,
+            n, options, [k * seconds(n, s, st) for s, st in zip(options, stages)], [], k, stages=stages,
             points=[pricing.state_points(memory, members[n], s, st) for s, st in zip(options, stages)],
             stored=[pricing.stored(memory, n, s, st) for s, st in zip(options, stages)]))
         if 3 in stages:
@@ -368,7 +494,8 @@ class _SpecPool:
         return self.pool.setdefault(spec, spec)
 
 
-def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -> list[ValueTerm]:
+def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, copies: ComputeCopies
+                 ) -> list[ValueTerm]:
     """One term per group of values with the same canonical value and canonical consumers."""
     canon = problem.canon
     consumers_of = _consumers(gm)
@@ -388,7 +515,9 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem) -
         term = ValueTerm(cu, len(members), members=members)
         _producer_options(u, cu, problem, term, intern)
         _consumer_options(u, consumers_of[u], problem, term, intern, out_req, copy_of)
-        _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written)
+        with copies.read():  # redistributions and syncs move the param_dtype copies
+            _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written,
+                        copies.sync_size(u))
         terms.append(term)
     return terms
 
@@ -439,10 +568,11 @@ def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, int
 
 
 def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned: dict, intern: _SpecPool,
-                pair_costs: dict, written: bool = False) -> None:
+                pair_costs: dict, written: bool = False, sync_size: int | None = None) -> None:
     """Seconds of every redistribution (producer spec -> needed spec; None where a value computed only from
     annotated parameters would be gathered, or where a buffer some op writes in place would be read through a
-    copy, which would take the write) and of every gradient sync."""
+    copy, which would take the write) and of every gradient sync (``sync_size`` bytes per element; default the
+    value's)."""
     outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
     value = (shape(u), itemsize(u), bool(u.meta.get(M.REQUIRES_GRAD)))
     costs = pair_costs.setdefault(value, {})
@@ -462,7 +592,7 @@ def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned
                 pc = None  # written in place (running statistics): read in the layout it is stored in
             term.pair_cost[(o, i)] = pc
     for (i, axes) in term.syncs:
-        term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile)
+        term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile, sync_size)
 
 
 def _output_requirements(gm, ctx: Context) -> dict:

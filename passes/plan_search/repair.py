@@ -63,7 +63,8 @@ class _Plan:
             if d.unit is not None:
                 self.members.setdefault(d.unit, []).append(i)
         self.staged = [i for i, d in enumerate(problem.decisions) if d.stages]
-        self.comm = sum(term_cost(term, self.choice) for term in problem.terms)  # moves keep every layout
+        # moves keep every layout; the seconds every plan pays count here too
+        self.comm = problem.fixed_seconds + sum(term_cost(term, self.choice) for term in problem.terms)
         # ... but a stage move changes a gradient sync over the data axis (all-reduce or reduce-scatter)
         touching = terms_touching(problem)
         self.syncs = {i: [t for t in touching.get(i, ()) if t.zero_syncs] for i in self.staged}
