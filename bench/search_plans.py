@@ -20,6 +20,9 @@ in a loud banner, never dropped.
     python bench/search_plans.py            # 8B (data=8 x model=8, 4 GiB) and 70B (data=16 x model=8, 10 GiB),
                                             # the searched plan planned 5 times (--repeat): the median wall time
     python bench/search_plans.py --quick    # the 8B shape only
+
+Then (not with ``--quick``) the 8B case under bf16 mixed precision: the search's own estimate of its plan against
+``Plan.cost``'s, with FSDP2's default reduction (bf16) and torchtitan's (fp32).
 """
 
 from __future__ import annotations
@@ -155,6 +158,29 @@ def format_case(name, mesh_axes, limit, rows) -> str:
     return "\n".join(lines)
 
 
+def mixed_precision_rows(name, mesh_axes, limit, batch, seq) -> str:
+    """The searched plan under bf16 mixed precision (``MixedPrecision(param_dtype=bf16)``, FSDP2's default
+    reduction, and torchtitan's fp32 reduction): the search's estimate of its plan against ``Plan.cost``'s."""
+    import torch
+
+    from autoshard.precision import MixedPrecision
+
+    lines = [f"{name}  mixed precision (bf16 compute, fp32 masters), same mesh and limit: search's estimate / "
+             "Plan.cost", "  reduce_dtype   step ms (search / cost)   GiB/rank (search / cost)   fits"]
+    for reduce in (None, torch.float32):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan, _ = plan_of(name, mesh_axes, batch, seq, planner="search", zero="auto", recompute="auto",
+                              memory_limit=limit, precision=MixedPrecision(torch.bfloat16, reduce_dtype=reduce))
+        report, cost = plan.context.report["plan_search"], plan.cost()
+        fits = cost.memory_per_rank <= plan.context.options.memory_limit
+        lines.append(f"  {str(reduce or 'bf16'):<13}  {report['step_time'] * 1e3:8.2f} / {cost.step_time * 1e3:8.2f}"
+                     f" ({report['step_time'] / cost.step_time:.4f})   {report['memory_per_rank'] / GiB:5.2f} / "
+                     f"{cost.memory_per_rank / GiB:5.2f} ({report['memory_per_rank'] / cost.memory_per_rank:.4f})"
+                     f"   {'yes' if fits else 'NO'}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the 8B shape only, planned once")
@@ -165,6 +191,8 @@ def main(argv=None) -> int:
         rows = run_case(*case, repeat=1 if args.quick else args.repeat)
         print(format_case(case[0], case[1], case[2], rows), flush=True)
         print()
+    if not args.quick:
+        print(mixed_precision_rows(*CASES[0]), flush=True)
     return 0
 
 
