@@ -444,7 +444,8 @@ def with_costs(prog: Program, cost: np.ndarray, mem: np.ndarray) -> Program:
     return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets, prog.extra, prog.within)
 
 
-def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float) -> SolveResult:
+def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float,
+                  start: list[int] | None = None) -> SolveResult:
     """The least-``cost`` integer point of ``prog``: the LP relaxation first (an integral LP optimum is an optimum
     of the integer program: it is feasible there, and no integer point beats the relaxation), else branch and
     bound within what is left of ``time_limit`` seconds (HiGHS through :mod:`.highs`)."""
@@ -456,7 +457,11 @@ def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit:
                  None if res.x is None else integral(res.x[integer == 1]))
     if res.x is None or not integral(res.x[integer == 1]):
         left = max(0.1, time_limit - (time.perf_counter() - started))  # one time limit for both runs
-        res = run(highs_with(prog.a, prog.lo, prog.hi, c, integer), left, mip=True)
+        highs = highs_with(prog.a, prog.lo, prog.hi, c, integer)
+        if start is not None:  # a known plan (an option per decision) as HiGHS's first incumbent
+            cols = np.array([prog.offsets[d] + k for d, k in enumerate(start)], dtype=np.int32)
+            highs.setSolution(len(cols), cols, np.ones(len(cols)))
+        res = run(highs, left, mip=True)
         logger.debug("MILP: %s after %.2f s", res.message, time.perf_counter() - started)
     choice = prog.choice(problem, res.x) if res.x is not None else None
     return SolveResult(choice, res.optimal, res.gap, res.message, res.timed_out, res.x)

@@ -23,8 +23,11 @@ structure, so it solves like the unconstrained one, from the previous HiGHS basi
 4. When no plan met could be repaired to fit (a duality gap: the plans at the best multipliers all exceed the limit
    and the repair's moves keep every layout), the multipliers are raised until one fits, then bisected
    (:meth:`_Walk.raise_multipliers`); only if that fails is the least-peak ILP solved (:meth:`_Walk.least_fitting`).
-5. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with every point's row (for the best
-   plan's units, :func:`_exact`), for ``exact_limit`` seconds. A gap still left is reported (``info``).
+5. The best plan is then improved by coordinate descent over layouts within the limit (:meth:`_Walk.polish`: the
+   repair changes stages and recomputation only; HF Bloom at 60% of its memory 1.513 -> 1.106 ms).
+6. Only when a gap above ``accept_gap`` is left does HiGHS solve the exact ILP with every point's row (for the best
+   plan's units, :func:`_exact`, the best plan its first incumbent), for ``exact_limit`` seconds. A gap still left
+   is reported (``info``).
 
 Time never ends the search without a plan: every solve gets what is left of ``time_limit``, and a solve that runs
 out stops the walk where it is (``info["timed_out"]``). The best plan met that fits is returned; before the walk
@@ -93,6 +96,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
             return _out_of_time(problem, walk, info)
         walk.best = walk.least_fitting(start.plan)  # (raises when no plan fits)
         how += " + least-peak plan"
+    walk.polish()
     best, bound = walk.best, walk.final_bound()
     gap = _gap(best.time, bound)
     stopped = f" (time_limit={walk.total:g} s reached)" if walk.timed_out else ""
@@ -357,6 +361,10 @@ class _Walk:
             if fits is None:
                 break
             below, above = (below, mid) if fits else (mid, above)
+
+    def polish(self) -> None:
+        """Coordinate descent over layouts from the best plan (:func:`.repair.improve_layouts`: per decision the
+        option of fewest seconds that keeps the plan within the limit), for at most a tenth of the time limit."""
         deadline = time.perf_counter() + max(0.0, min(self.left(), 0.1 * self.total))
         better = improve_layouts(self.problem, self.best, deadline)
         if better.time < self.best.time:
@@ -397,7 +405,7 @@ def _exact(problem: Problem, walk: _Walk, best: Candidate, left: float, info: di
     """HiGHS's ILP with every liveness point's memory row (:func:`.ilp.build_program`), for the best plan's units."""
     prog = build_program(problem, best.recompute)
     started = time.perf_counter()
-    res = solve_program(problem, prog, prog.c, left)
+    res = solve_program(problem, prog, prog.c, left, start=list(best.choice))
     if res.choice is None:
         # out of time, or none within the program's rows: they price a recomputed layer per op output, which may
         # count more than the plans' exact evaluation (Llama-3-70B's repaired plan fits, its ILP is infeasible)
