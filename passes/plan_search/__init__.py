@@ -7,7 +7,8 @@ The pass (:class:`PlanSearch`) builds a problem, searches it and writes the choi
   term per group of equivalent values (which option produces which spec, which consumer needs which spec or a
   gradient sync, and what each redistribution costs). Repeated layers share their variables (:mod:`.layers`,
   :func:`find_layers`), so the program's size does not grow with depth; ``recompute="auto"`` makes every copy of a
-  repeated layer a recomputation candidate (:class:`Unit`).
+  repeated layer a recomputation candidate (:class:`Unit`). Under mixed precision it prices the program the
+  casting passes make of a plan (:mod:`.precision`, :class:`ComputeCopies`), as ``plan.cost()`` does.
 * **The ILP** (:mod:`.ilp`, :func:`solve`): ``x[d, k] ∈ {0, 1}``, one option per decision; redistributions bought
   once per (value, needed spec) and shared by every consumer; gradient syncs; objective ``Σ compute + Σ
   redistribution + Σ sync`` seconds; memory row ``Σ bytes ≤ limit``. Without a limit (or when the least-time plan
