@@ -123,7 +123,7 @@ class MixedPrecisionCasts:
 def casts(gm: torch.fx.GraphModule, node: torch.fx.Node, param_dtype: torch.dtype) -> bool:
     """Whether :class:`MixedPrecisionCasts` casts ``node`` to ``param_dtype``: a floating parameter (``get_attr`` of
     an ``nn.Parameter``) or input in another dtype that something reads. (The plan search prices these values as
-    their ``param_dtype`` copies and the casts themselves: :mod:`autoshard.passes.plan_search.problem`.)"""
+    their ``param_dtype`` copies and the casts themselves: :mod:`autoshard.passes.plan_search.precision`.)"""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == param_dtype or not node.users:
         return False

@@ -131,7 +131,7 @@ def test_search_prices_the_gradient_syncs_reduce_precision_makes(reduce_dtype, z
     ``reduce_dtype`` bytes; a stage-2 parameter's sync stays an all-reduce when ``reduce_precision`` casts around it
     (no reduce-scatter saving); with a ``reduce_dtype`` that is neither, its two casts are priced. Exact but for
     ``reduce_dtype`` = the masters' dtype, where the casts around a sync not on the master itself are left out
-    (measured 0.04-0.2% of the step)."""
+    (measured 0.03-0.2% of the step)."""
     from autoshard.precision import MixedPrecision
 
     model, args, kwargs = models.hf_llama(batch=64, seq=64, layers=2)

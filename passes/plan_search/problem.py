@@ -290,8 +290,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {}, memory,
                       np.zeros(memory.timeline.points))
     copies = ComputeCopies.of(gm, precision, profile, mesh)
-    with copies.read():
-        _op_decisions(gm, ctx, profile, problem, members, layers)
+    _op_decisions(gm, ctx, profile, problem, members, layers, copies)
     pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero)
     _parameter_decisions(gm, problem, members, pricing, copies)
     problem.terms = _value_terms(gm, ctx, profile, problem, copies)
@@ -305,7 +304,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
 
 
 def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, members: dict,
-                  layers: LayerUnits) -> None:
+                  layers: LayerUnits, copies: ComputeCopies) -> None:
     """A decision per canonical op: its strategies (those that keep every annotated parameter's layout), their
     seconds and saved activation bytes over every copy (:meth:`GraphMemory.op_option` at each copy's liveness
     points), and, in a recomputation unit, what recomputing costs and what it keeps then (every unit's copy its
@@ -326,7 +325,10 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
         strats = [s for s, c in zip(strats, conflicts) if c is None]
         k = len(members[n])
         alive = memory.alive(members[n])
-        dv = DecisionVar(n, strats, [k * t for t in op_times(n, strats, mesh, profile)], [], k,
+        with copies.read(n.all_input_nodes):  # the op reads mixed precision's copies
+            seconds = op_times(n, strats, mesh, profile)
+            fwd = compute_time(n, profile, 1) if layers.unit_of.get(n) is not None else None
+        dv = DecisionVar(n, strats, [k * t for t in seconds], [], k,
                          points=[memory.op_option(n, s.output_spec) * alive for s in strats],
                          gradient=[memory.gradient(n, s.output_spec) for s in strats], alive=alive)
         workspace = [memory.workspace(members[n], s) for s in strats]
@@ -342,7 +344,6 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
             dv.unit = u
             dv.points_recomputed = [memory.op_option(n, s.output_spec, regions.get) * alive + w
                                     for s, w in zip(strats, workspace)]
-            fwd = compute_time(n, profile, 1)
             vals = [x.meta["val"] for x in tensor_inputs(n)] + out_vals(n)
             dv.forward = [k * fwd / shard_factor(n, s, mesh, vals) for s in strats]
         problem.index[n] = len(problem.decisions)
@@ -373,7 +374,7 @@ def _parameter_decisions(gm, problem: Problem, members: dict, pricing: Parameter
     memory = problem.memory_model
 
     def seconds(n, spec, stage: int) -> float:
-        with copies.read():  # the all-gather moves the param_dtype copy
+        with copies.read([n]):  # the all-gather moves the param_dtype copy
             gather = pricing.stage_time(n, spec, stage)
         return gather + copies.cast_seconds(n, pricing.cast_spec(n, spec, stage))
 
@@ -445,7 +446,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, c
         term = ValueTerm(cu, len(members), members=members)
         _producer_options(u, cu, problem, term, intern)
         _consumer_options(u, consumers_of[u], problem, term, intern, out_req, copy_of)
-        with copies.read():  # redistributions and syncs move the param_dtype copies
+        with copies.read([u]):  # redistributions and syncs move the param_dtype copies
             _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written,
                         copies.sync_size(u))
         for key in term.sync_cost:
