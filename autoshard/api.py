@@ -607,13 +607,13 @@ class ShardedModule(torch.nn.Module):
         self._check_inputs(args, kwargs)
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.parameters import bound
-        from autoshard.runtime.communicator import use
+        from autoshard.runtime.communicator import backward_uses, use
         from autoshard.runtime.zero import running
 
         bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])
                     for owner, attr, is_param, holder, held, held_param in self._bindings(program)]
         with use(comm), running(program), bound(program, bindings):
-            return program(*args, **kwargs)
+            return backward_uses(program(*args, **kwargs), comm)
 
     def _program_of_other_mode(self) -> torch.fx.GraphModule:
         """The program of the mode the plan was not traced in: the skeleton traced in that mode, every

@@ -18,7 +18,7 @@ import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
 from autoshard.plan import loss_of
-from autoshard.runtime import SimWorld
+from autoshard.runtime import SimWorld, current, use
 from examples import models
 
 MESH = autoshard.Mesh(data=2, model=2)
@@ -227,7 +227,8 @@ def test_torch_compiled_rank_program_with_dropout_in_a_region_equals_eager():
         fn = torch.compile(module, fullgraph=True, backend="aot_eager") if compiled else module
         a, k = plan.shard_inputs(rank, args)
         loss = loss_of(fn(*a, **k))
-        loss.backward()
+        with use(current()):  # a bare rank program's backward needs its communicator, as on a real rank
+            loss.backward()
         return loss.item(), {n: p.grad for n, p in module.named_parameters()}
 
     eager = SimWorld(mesh, timeout=120).run(lambda r: body(r, False))
@@ -377,9 +378,9 @@ def _gloo_worker(rank, world_size):
     args, plan = _gloo_plan()
     module = plan.rank_module(rank)
     a, k = plan.shard_inputs(rank, args)
-    with use(comm):
+    with use(comm):  # as a ShardedModule's call: the communicator is active for the forward only
         loss = loss_of(module(*a, **k))
-        loss.backward()
+    loss.backward()  # the recomputed regions' collectives run here, as in a user's script
     return (loss.item(), {n: p.grad for n, p in module.named_parameters()},
             [(r.kind, r.axis, r.numel, r.phase) for r in comm.log])
 

@@ -34,7 +34,8 @@ import torch
 from autoshard.errors import AutoshardError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
 
-__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "Handle", "current", "p2p_axis", "use"]
+__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "Handle", "backward_uses", "current", "in_backward", "p2p_axis",
+           "rank_thread", "use"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 PHASES = ("forward", "backward")
@@ -331,7 +332,16 @@ class Handle:
 _local = threading.local()
 
 
-def _stack() -> list[Communicator]:
+@dataclass(frozen=True)
+class _Scope:
+    comm: Communicator
+    #: True for the scope a simulator thread runs its rank's function in (:func:`rank_thread`): the stand-in for a
+    #: process that *is* this rank. A real rank has no communicator active outside a ``use`` block (a ShardedModule's
+    #: call), so neither does the simulator's rank thread inside a backward pass (module doc of sim).
+    rank_thread: bool = False
+
+
+def _stack() -> list[_Scope]:
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -344,16 +354,32 @@ def use(comm: Communicator) -> Iterator[Communicator]:
     if not isinstance(comm, Communicator):
         raise AutoshardError(f"use() got a {type(comm).__name__}, but needs an autoshard.runtime Communicator "
                              "(SimWorld(mesh).communicator(rank) or DistCommunicator(mesh)).")
-    stack = _stack()
-    stack.append(comm)
-    if comm.one_rank_per_process:
-        _process_wide.append(comm)
-    try:
+    with _scope(_Scope(comm)):
         yield comm
+
+
+@contextmanager
+def rank_thread(comm: Communicator) -> Iterator[Communicator]:
+    """The scope a simulator thread runs one rank's function in: ``comm`` is current for the function's own code
+    (its forward calls, raw collectives), but not inside a backward pass the function starts, where a process
+    running that rank would have no communicator unless the backward's own code makes one current (an op's kept
+    communicator, a recomputation's)."""
+    with _scope(_Scope(comm, rank_thread=True)):
+        yield comm
+
+
+@contextmanager
+def _scope(scope: _Scope):
+    stack = _stack()
+    stack.append(scope)
+    if scope.comm.one_rank_per_process:
+        _process_wide.append(scope.comm)
+    try:
+        yield scope.comm
     finally:
         stack.pop()
-        if comm.one_rank_per_process:
-            _process_wide.remove(comm)
+        if scope.comm.one_rank_per_process:
+            _process_wide.remove(scope.comm)
 
 
 #: Communicators of processes that run one rank (``one_rank_per_process``) inside a ``use`` block of any thread:
@@ -361,13 +387,78 @@ def use(comm: Communicator) -> Iterator[Communicator]:
 _process_wide: list[Communicator] = []
 
 
+def in_backward() -> bool:
+    """Whether the calling thread is running an autograd backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
+#: {autograd graph task id: the communicator of the forward whose outputs that backward pass differentiates},
+#: set by :func:`backward_uses` as the backward reaches those outputs, dropped when the pass ends.
+_backward_comms: dict[int, Communicator] = {}
+_backward_lock = threading.Lock()
+
+
+class _BackwardUses(torch.autograd.Function):
+    """Identity on a forward's outputs; its backward, the first step of any backward pass through them, makes the
+    forward's communicator the one of that pass (a recomputed region, a compiled backward, a hook may look it up
+    after the call that ran the forward has returned)."""
+
+    @staticmethod
+    def forward(ctx, comm, *xs):
+        ctx.comm = comm
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        task = torch._C._current_graph_task_id()
+        with _backward_lock:
+            known = _backward_comms.setdefault(task, ctx.comm)
+        if known is not ctx.comm:
+            raise AutoshardError(f"one backward pass differentiates the outputs of two calls run by different "
+                                 f"communicators ({known!r} and {ctx.comm!r}), so its collectives have no one group "
+                                 "to run in: call backward() on each sharded module's loss separately.")
+        # once per call's outputs; the pass's end drops the entry (a second pop finds none)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _forget_backward(task))
+        return (None, *grads)
+
+
+def _forget_backward(task: int) -> None:
+    with _backward_lock:
+        _backward_comms.pop(task, None)
+
+
+def backward_uses(outputs, comm: Communicator):
+    """``outputs`` (any pytree) with every tensor that requires grad passed through an identity whose backward makes
+    ``comm`` current for the rest of that backward pass (:func:`current`): what ShardedModule's call returns."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(outputs)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not where or not torch.is_grad_enabled():
+        return outputs
+    marked = _BackwardUses.apply(comm, *(leaves[i] for i in where))
+    for i, x in zip(where, marked):
+        leaves[i] = x
+    return pytree.tree_unflatten(leaves, spec)
+
+
 def current() -> Communicator:
-    """The communicator set by the innermost :func:`use` of the calling thread; in a thread with none, the
-    innermost one of a process that runs one rank (:class:`~autoshard.runtime.dist.DistCommunicator`)."""
+    """The communicator of the calling thread's innermost :func:`use` block. Inside a backward pass with none: the
+    communicator of the forward whose outputs the pass differentiates (:func:`backward_uses`), else that of a process
+    running one rank (:class:`~autoshard.runtime.dist.DistCommunicator`) while it is in a ``use`` block of any
+    thread. A simulator rank's thread (:func:`rank_thread`) counts as in no block inside a backward pass, as a real
+    rank's process is after its module's call has returned."""
     stack = _stack()
-    if not stack and _process_wide:
+    backward = in_backward()
+    if stack and not (stack[-1].rank_thread and backward):
+        return stack[-1].comm
+    if backward:
+        comm = _backward_comms.get(torch._C._current_graph_task_id())
+        if comm is not None:
+            return comm
+    if _process_wide:
         return _process_wide[-1]
-    if not stack:
-        raise AutoshardError("no communicator is active: run the rank module under autoshard.runtime.use(comm) "
-                             "or through a ShardedModule / simulator (SimWorld.run).")
-    return stack[-1]
+    where = (" in this backward pass (it differentiates no ShardedModule call's outputs, and no use() block is "
+             "active)") if backward else ""
+    raise AutoshardError(f"no communicator is active{where}: run the rank module under "
+                         "autoshard.runtime.use(comm) or through a ShardedModule / simulator (SimWorld.run).")

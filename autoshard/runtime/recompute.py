@@ -4,6 +4,9 @@ Rank programs call :func:`checkpoint` on a child module made by the ``recompute`
 (``passes/recompute.py``): ``torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False)`` keeps the
 region's inputs and runs it again when backward first needs one of its saved tensors. Two settings matter here:
 
+- the recomputation runs inside backward, after the module's call has returned: :func:`_same_random_calls` makes
+  the forward's communicator current for it (a real rank has none active there; the simulator's rank threads are
+  as strict, :func:`autoshard.runtime.communicator.rank_thread`).
 - ``early_stop=False``: the recomputation runs the whole region, so every collective in it runs again on every rank,
   in program order; with early stop a rank would stop after the last tensor *its* backward needs.
 - autoshard's dropout (``torch.ops.autoshard.dropout``) seeds its mask from the communicator's count of random calls,
@@ -27,7 +30,7 @@ import torch.utils.checkpoint
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime import ops as _ops  # noqa: F401  (registers torch.ops.autoshard.dropout)
-from autoshard.runtime.communicator import current
+from autoshard.runtime.communicator import current, use
 
 __all__ = ["checkpoint"]
 
@@ -44,26 +47,28 @@ def checkpoint(region, *inputs):
 
 
 def _same_random_calls():
-    """(forward context, recomputation context) of one checkpoint call: the recomputation draws dropout masks with
-    the random-call count the forward started from."""
-    start: list[int] = []
+    """(forward context, recomputation context) of one checkpoint call: the recomputation runs under the
+    communicator its forward ran under (it runs inside backward, after the module's call has returned, where a real
+    rank has no communicator active), and draws dropout masks with the random-call count the forward started from."""
+    start: list = []
 
     @contextmanager
     def forward():
         comm = _communicator()
-        start.append(comm.random_calls if comm is not None else 0)
+        start.append((comm, comm.random_calls if comm is not None else 0))
         yield
 
     @contextmanager
     def recompute():
-        comm = _communicator()
+        comm, calls = start[0]
         if comm is None:
             yield
             return
         after = comm.random_calls
-        comm.random_calls = start[0]
+        comm.random_calls = calls
         try:
-            yield
+            with use(comm):
+                yield
         finally:
             comm.random_calls = after
 

@@ -35,7 +35,7 @@ import torch
 
 from autoshard.errors import AutoshardError, CollectiveTimeoutError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.runtime.communicator import Communicator, use
+from autoshard.runtime.communicator import Communicator, rank_thread
 from autoshard.runtime.torch_state import serialize_dtensor_propagation
 
 __all__ = ["SimCommunicator", "SimWorld"]
@@ -137,7 +137,7 @@ class SimWorld:
 
     # ---- running every rank -----------------------------------------------------------------------------
     def run(self, fn, *args) -> list:
-        """Run ``fn(rank, *args)`` on one thread per rank, each under ``use(its communicator)``; return the
+        """Run ``fn(rank, *args)`` on one thread per rank, each under ``rank_thread(its communicator)``; return the
         results in rank order. The first error of any rank aborts the others and is re-raised (same type where
         possible) with the rank in its message; the original is its ``__cause__``."""
         self._restart()
@@ -151,7 +151,7 @@ class SimWorld:
             try:
                 self._take_turn(rank, "its function")
                 try:
-                    with use(self._comms[rank]), self._process_group(rank, store):
+                    with rank_thread(self._comms[rank]), self._process_group(rank, store):
                         results[rank] = fn(rank, *args)
                 finally:
                     self._give_turn(rank)
