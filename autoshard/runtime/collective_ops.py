@@ -53,9 +53,9 @@ import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.communicator import PHASES, CollectiveRecord, current
-from autoshard.runtime.primitives import (all_to_all_shape, chunk, comm_of, define_op, gathered_shape, keep_comm,
-                                          raw_all_gather, raw_all_reduce, raw_all_to_all, raw_reduce_scatter,
-                                          scattered_shape, sum_over)
+from autoshard.runtime.primitives import (AUTOCAST_LOWER, all_to_all_shape, chunk, comm_of, define_op,
+                                          gathered_shape, keep_comm, raw_all_gather, raw_all_reduce, raw_all_to_all,
+                                          raw_reduce_scatter, scattered_shape, sum_over)
 from autoshard.runtime.zero import remember_gathered
 
 __all__ = [
@@ -215,9 +215,12 @@ def _linears(x, weights, biases, has_bias):
     return [torch.nn.functional.linear(x, w, next(it) if h else None) for w, h in zip(weights, has_bias)]
 
 
+# under torch.autocast it is cast as aten.linear is (AUTOCAST_LOWER): x, weights and biases to the autocast dtype,
+# the casts recorded by autograd, so forward, saved tensors and backward all run in that dtype and the gradients of
+# fp32 inputs come back fp32 through the casts, as eager autocast's linear gives them
 @define_op("linears_grad_all_reduce",
            "(Tensor x, str[] axes, Tensor[] weights, Tensor[] biases, bool[] has_bias) "
-                                "-> Tensor[]")
+                                "-> Tensor[]", autocast=AUTOCAST_LOWER)
 def _linears_grad_all_reduce_op(x, axes, weights, biases, has_bias):
     return _linears(x, weights, biases, has_bias)
 

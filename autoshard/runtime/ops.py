@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.runtime.communicator import current
-from autoshard.runtime.primitives import define_op, raw_all_gather, raw_all_reduce
+from autoshard.runtime.primitives import AUTOCAST_FP32, define_op, raw_all_gather, raw_all_reduce
 
 
 def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -23,10 +23,12 @@ def cross_entropy_partial_mean(logits: torch.Tensor, target: torch.Tensor, weigh
     knows statically (ignore_index). Each rank returns ``local_sum / global_count``; summing the partial values
     over the ranks (the Partial→Replicate all-reduce that follows) gives exactly the single-device loss.
     """
-    count = _target_count(target, weight, ignore_index, logits.dtype).reshape(1)
+    total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
+    # the count in the dtype of the sum: under torch.autocast the loss is float32 (cross_entropy is on autocast's
+    # fp32 list) while the logits are bf16, whose 8 bits would round a count above 256 as eager's never is
+    count = _target_count(target, weight, ignore_index, total.dtype).reshape(1)
     for axis in axes:
         count = raw_all_reduce(count, axis, "forward")
-    total = _loss_sum(logits, target, weight, ignore_index, label_smoothing, log_probs)
     return total / count.reshape(())
 
 
@@ -60,7 +62,7 @@ def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, offset: int, p
 # ---- vocabulary-parallel cross-entropy (Megatron) ---------------------------------------------------------
 @define_op("vocab_parallel_cross_entropy",
      "(Tensor logits, Tensor target, int ignore_index, int reduction, str vocab_axis, int vocab_size, "
-     "str[] batch_axes) -> (Tensor, Tensor, Tensor)")
+     "str[] batch_axes) -> (Tensor, Tensor, Tensor)", autocast=AUTOCAST_FP32)
 def _vocab_parallel_ce(logits, target, ignore_index, reduction, vocab_axis, vocab_size, batch_axes):
     """(loss, softmax of the local classes, count). Forward: the row max, the sum of exponentials and the target
     logit are combined over the vocab axis, so each rank knows the exact per-token loss without gathering the

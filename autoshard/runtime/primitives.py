@@ -18,14 +18,62 @@ import torch
 from autoshard.errors import AutoshardError
 from autoshard.runtime.communicator import current, use
 
-__all__ = ["all_to_all_shape", "chunk", "comm_of", "define_op", "fresh", "gathered_shape", "keep_comm",
-           "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "raw_reduce_scatter", "scattered_shape",
-           "sum_over"]
+__all__ = ["AUTOCAST_FP32", "AUTOCAST_LOWER", "all_to_all_shape", "chunk", "comm_of", "define_op", "fresh",
+           "gathered_shape", "keep_comm", "raw_all_gather", "raw_all_reduce", "raw_all_to_all", "raw_reduce_scatter",
+           "scattered_shape", "sum_over"]
+
+# ---- autocast policies of custom ops ----------------------------------------------------------------------
+# A torch.library custom op has no Autocast kernel: under ``torch.autocast`` it falls through, gets its inputs in
+# whatever dtype they come, and the aten ops of its eager kernel are then autocast one by one -- but its autograd
+# formula runs outside the region, on the saved (uncast) inputs, so forward and backward disagree on dtypes. An op
+# that stands for an aten op autocast casts (linear, scaled_dot_product_attention, cross_entropy) gets that op's
+# policy here, as an Autocast kernel above autograd: its floating inputs are cast (recorded by autograd, so the
+# gradients of fp32 inputs come back fp32, as eager's), then the op runs with autocast off, as aten's autocast
+# kernels run theirs. Collectives need none: they keep their input's dtype, like the view or sum they stand for.
+AUTOCAST_LOWER = "lower"  # autocast's lower_precision_fp list (linear, mm, sdpa): inputs to the autocast dtype
+AUTOCAST_FP32 = "fp32"    # autocast's fp32 list (nll_loss, log_softmax on CPU): inputs to float32
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_autocast_lib = torch.library.Library("autoshard", "FRAGMENT")  # noqa: TOR901 (kernels of ops defined here)
 
 
-def define_op(name: str, schema: str):
-    """A ``torch.library`` custom op ``autoshard::name`` (no mutated arguments) from the decorated function."""
-    return torch.library.custom_op(f"autoshard::{name}", mutates_args=(), schema=schema)
+def _autocast_cast(value, device_type: str, dtype: torch.dtype):
+    # as autocast's cached_cast: floating tensors of this device type, float64 left alone
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.device.type == device_type and value.dtype != torch.float64
+        return value.to(dtype) if eligible else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_autocast_cast(v, device_type, dtype) for v in value)
+    return value
+
+
+def _register_autocast(qualname: str, policy: str) -> None:
+    overload = torch._library.utils.lookup_op(qualname)
+    for device_type in _AUTOCAST_DEVICES:
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, device_type=device_type, excluded=excluded):
+            dtype = torch.get_autocast_dtype(device_type) if policy == AUTOCAST_LOWER else torch.float32
+            with torch._C._ExcludeDispatchKeyGuard(excluded):
+                return overload(*_autocast_cast(args, device_type, dtype))
+
+        _autocast_lib.impl(qualname.split("::")[1], kernel, key, with_keyset=True)
+
+
+def define_op(name: str, schema: str, autocast: str | None = None):
+    """A ``torch.library`` custom op ``autoshard::name`` (no mutated arguments) from the decorated function;
+    ``autocast``: its policy under ``torch.autocast`` (:data:`AUTOCAST_LOWER`, :data:`AUTOCAST_FP32`; None: the
+    inputs' dtypes kept, as collectives want)."""
+    if autocast not in (None, AUTOCAST_LOWER, AUTOCAST_FP32):
+        raise ValueError(f"define_op autocast={autocast!r}, but it is None, {AUTOCAST_LOWER!r} or {AUTOCAST_FP32!r}.")
+
+    def wrap(fn):
+        op = torch.library.custom_op(f"autoshard::{name}", mutates_args=(), schema=schema)(fn)
+        if autocast is not None:
+            _register_autocast(f"autoshard::{name}", autocast)
+        return op
+
+    return wrap
 
 
 def fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""``torch.autocast`` around a sharded model's forward (the user's own autocast, not ``precision=``).
+
+The rank programs' custom ops are not aten ops autocast knows: each that stands for one autocast casts carries that
+op's policy (``define_op(..., autocast=...)``), so a sharded forward under ``torch.autocast("cpu", torch.bfloat16)``
+computes in the dtypes eager autocast computes in, and backward (outside the region, as users call it) gives every
+gradient in eager's dtype.
+
+Tolerances, from bf16 arithmetic: ``U = 2**-8`` is bf16's unit roundoff (8 significant bits), the relative error of
+one rounding to bf16. A sharded bf16 program rounds in other places than the one-device program (each rank rounds its
+partial product, the partial sums are added after rounding), so it does not equal eager autocast bit for bit; it is
+another bf16 evaluation of the same fp32 function. So the bound of a model's gradient is measured on the model
+itself: eager autocast's own error against the fp32 model, ``E = max|eager_autocast - fp32|`` per tensor, is what
+bf16 rounding does to that tensor; the sharded run must be as accurate (``max|sharded - fp32| <= 2 E``, a factor 2
+for roundings that fall elsewhere) and so within ``3 E`` of eager autocast (the triangle inequality). A sharded run
+that ignored autocast (fp32 throughout) is caught separately: its error against fp32 is ~1e-7, not ~E.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.plan import loss_of
+from autoshard.runtime import SimWorld, spawn
+from autoshard.runtime.collective_ops import linears_grad_all_reduce
+from autoshard.runtime.ops import cross_entropy_partial_mean, vocab_parallel_cross_entropy
+from examples import models
+
+U = 2.0 ** -8  # bf16 unit roundoff
+BF16 = torch.bfloat16
+
+
+def _autocast():
+    return torch.autocast("cpu", BF16)
+
+
+# ---- the custom ops, one at a time ----------------------------------------------------------------------------
+def test_column_parallel_linears_are_cast_as_linear_and_backward_runs_outside_the_region():
+    """``linears_grad_all_reduce`` on model=2 under autocast against ``F.linear`` under autocast, per rank."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g)
+    ws = [[torch.randn(6, 8, generator=g) for _ in range(2)] for _ in range(2)]  # rank -> two weights [6, 8]
+    bs = [torch.randn(6, generator=g) for _ in range(2)]  # rank -> the first linear's bias
+    dys = [[torch.randn(2, 5, 6, generator=g) for _ in range(2)] for _ in range(2)]
+
+    def leaves(rank):
+        return ([w.clone().requires_grad_() for w in ws[rank]], bs[rank].clone().requires_grad_())
+
+    def body(rank):
+        xr = x.clone().requires_grad_()
+        (w0, w1), b0 = leaves(rank)
+        with _autocast():
+            ys = linears_grad_all_reduce(xr, ["model"], w0, b0, w1, None)
+        torch.autograd.backward(ys, [d.to(BF16) for d in dys[rank]])
+        return [y.detach() for y in ys], xr.grad, w0.grad, w1.grad, b0.grad
+
+    got = SimWorld(autoshard.Mesh(model=2)).run(body)
+    xe = x.clone().requires_grad_()
+    for rank in range(2):
+        (w0, w1), b0 = leaves(rank)
+        with _autocast():
+            ys = [F.linear(xe, w0, b0), F.linear(xe, w1)]
+        torch.autograd.backward(ys, [d.to(BF16) for d in dys[rank]])
+        ys_got, _, gw0, gw1, gb0 = got[rank]
+        for y, ye in zip(ys_got, ys):  # the same bf16 linear on the same bf16 operands: bit for bit
+            assert y.dtype == ye.dtype == BF16
+            assert torch.equal(y, ye.detach())
+        for a, e in ((gw0, w0.grad), (gw1, w1.grad), (gb0, b0.grad)):  # bf16 products, fp32 gradients
+            assert a.dtype == e.dtype == torch.float32
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    # eager: each linear's bf16 input gradient (one rounding of its product dy @ w) cast to fp32, summed in fp32;
+    # here a rank's products are accumulated in bf16 (addmm_: one rounding of the running sum instead of the
+    # last product's) and the ranks' sums all-reduced in bf16 (one more): at most 3 roundings, each within U of
+    # a magnitude at most the sum of the products' magnitudes
+    gx = got[0][1]
+    assert gx.dtype == xe.grad.dtype == torch.float32 and torch.equal(gx, got[1][1])
+    products = [(dys[r][i].to(BF16) @ ws[r][i].to(BF16)).float().abs() for r in range(2) for i in range(2)]
+    bound = 3 * U * sum(products)
+    assert ((gx - xe.grad).abs() <= bound).all(), ((gx - xe.grad).abs() / bound).max()
+    assert not torch.equal(gx, xe.grad.to(BF16).float())  # the op's own order, not the reference's by chance
+
+
+def test_vocab_parallel_cross_entropy_is_float32_under_autocast():
+    """Eager ``cross_entropy`` under autocast casts bf16 logits to fp32 (autocast's fp32 list): so does the
+    vocab-parallel op, with a fp32 loss and a bf16 gradient of the bf16 logits."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, 16, generator=g).to(BF16)
+    target = torch.randint(0, 16, (12,), generator=g)
+
+    def body(rank):
+        local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
+        with _autocast():
+            loss = vocab_parallel_cross_entropy(local, target, -100, 1, "model", 2, [])
+        total = torch.ops.autoshard.all_reduce(loss, "model")
+        total.backward()
+        return total.detach(), local.grad
+
+    got = SimWorld(autoshard.Mesh(model=2)).run(body)
+    le = logits.clone().requires_grad_()
+    with _autocast():
+        ref = F.cross_entropy(le, target)
+    ref.backward()
+    assert got[0][0].dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got[0][0], ref.detach(), rtol=1e-6, atol=0)  # fp32 arithmetic, other order
+    grad = torch.cat([got[0][1], got[1][1]], dim=-1)
+    assert grad.dtype == le.grad.dtype == BF16
+    torch.testing.assert_close(grad.float(), le.grad.float(), rtol=U, atol=1e-6)  # one bf16 rounding of each
+
+
+def test_data_parallel_cross_entropy_counts_targets_in_float32_under_autocast():
+    """The global count of targets that divides the mean: 301 per rank, not a bf16 number (bf16 has 8 bits)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(602, 8, generator=g).to(BF16)
+    target = torch.randint(0, 8, (602,), generator=g)
+
+    def body(rank):
+        with _autocast():
+            part = cross_entropy_partial_mean(logits[rank * 301:(rank + 1) * 301], target[rank * 301:(rank + 1) * 301],
+                                              None, -100, 0.0, ("data",))
+        return torch.ops.autoshard.all_reduce(part, "data")
+
+    got = SimWorld(autoshard.Mesh(data=2)).run(body)[0]
+    with _autocast():
+        ref = F.cross_entropy(logits, target)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)  # fp32 sums in another order; a bf16 count: 2e-3 off
+
+
+# ---- a Megatron GPT, called as users call it ----------------------------------------------------------------
+def _gpt():
+    return models.gpt(layers=1)
+
+
+def _step(rank, comm=None, case=None):
+    """This rank: compile, forward under autocast, backward outside it; (loss, {name: full fp32 gradient}).
+    ``case``: the model and inputs (simulated ranks are threads of one process: they must not each seed and draw
+    from its one global generator at once)."""
+    model, args, kwargs = _gpt() if case is None else copy.deepcopy(case)
+    mesh = autoshard.Mesh(data=2, model=2)
+    sharded = autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm)
+    a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
+    with _autocast():
+        loss = loss_of(sharded(*a))
+    loss.backward()  # outside the region and outside any use(comm) block, as a training script calls it
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in sharded.named_parameters()}
+    return loss.detach(), grads
+
+
+def _references():
+    model, args, kwargs = _gpt()
+    out = []
+    for autocast in (True, False):
+        m = copy.deepcopy(model)
+        if autocast:
+            with _autocast():
+                loss = loss_of(m(*args, **kwargs))
+        else:
+            loss = loss_of(m(*args, **kwargs))
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    return out
+
+
+def _check(results):
+    (ref_loss, ref), (fp32_loss, fp32) = _references()
+    for loss, _ in results:
+        assert loss.dtype == ref_loss.dtype == torch.float32
+        torch.testing.assert_close(loss, results[0][0], rtol=0, atol=0)
+        # the loss is fp32 arithmetic on bf16 logits, each rounded at relative U: within U of eager's
+        torch.testing.assert_close(loss, ref_loss, rtol=U, atol=0)
+    grads = results[0][1]
+    assert set(grads) == set(ref)
+    accuracy = []
+    for name, e in ref.items():
+        s = grads[name]
+        assert s.dtype == e.dtype == torch.float32, name
+        for other in results[1:]:
+            torch.testing.assert_close(other[1][name], s, rtol=0, atol=0)  # every rank the same full gradient
+        bound = (e - fp32[name]).abs().max().item()  # E: bf16 rounding's error on this tensor (module docstring)
+        err_fp32 = (s - fp32[name]).abs().max().item()
+        assert err_fp32 <= 2 * bound, f"{name}: {err_fp32:.3g} from fp32, eager autocast {bound:.3g}"
+        assert (s - e).abs().max().item() <= 3 * bound, name
+        accuracy.append(err_fp32 / bound)
+    assert max(accuracy) > 0.25  # the sharded run computed in bf16 (fp32 throughout: ~1e-3)
+
+
+def test_megatron_gpt_under_autocast_equals_eager_autocast_in_the_simulator():
+    world = SimWorld(autoshard.Mesh(data=2, model=2), timeout=60)
+    case = _gpt()
+    _check(world.run(lambda rank: _step(rank, world.communicator(rank), case)))
+
+
+def _gloo_worker(rank, world_size):
+    return _step(rank)
+
+
+@pytest.mark.gloo
+def test_megatron_gpt_under_autocast_equals_eager_autocast_on_gloo_processes():
+    _check(spawn(_gloo_worker, 4, timeout=120, start_method="forkserver"))
