@@ -43,6 +43,7 @@ process keep separate records), mirrored as plain data in ``ctx.report["expert_r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -98,6 +99,38 @@ def projection_weights(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Nod
 
 def _projection_input(node: torch.fx.Node) -> torch.fx.Node:
     return node.args[0] if node.target == aten.linear.default else node.args[1]
+@contextlib.contextmanager
+def _compute_dtype_values(gm: torch.fx.GraphModule, ctx: Context):
+    """Under ``precision=MixedPrecision(param_dtype)`` the graph is the trace of the ``param_dtype`` compute copy
+    (:func:`autoshard.precision.trace_with_precision`), but its parameter ``get_attr`` nodes (and floating inputs)
+    hold the masters' dtype until the ``mixed_precision`` pass, after propagation, casts each where it is read. The
+    nodes built here compute their values from their inputs' (fake) values: while building, those read as the
+    ``param_dtype`` values they are in the compute copy (the experts' bmm of bf16 tokens and bf16 weights, as one
+    device computes under the policy), and afterwards the masters' values again, so the pass casts them as any
+    other parameter. The router is the model's own code, traced as the compute copy runs it (HF: a bf16 gate linear,
+    its softmax in float32)."""
+    from torch._guards import detect_fake_mode
+
+    from autoshard.passes.mixed_precision import casts
+    from autoshard.precision import fake_like
+
+    policy = getattr(ctx.options, "precision", None)
+    if policy is None:
+        yield
+        return
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)])
+    masters = {}
+    for node in gm.graph.nodes:
+        if casts(gm, node, policy.param_dtype):
+            masters[node] = node.meta["val"]
+            node.meta["val"] = fake_like(masters[node], policy.param_dtype, mode)
+    try:
+        yield
+    finally:
+        for node, val in masters.items():
+            node.meta["val"] = val
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertRewrite:
     name: str = "expert_rewrite"
@@ -109,7 +142,8 @@ class ExpertRewrite:
         if opts.existing:  # the model's own sparse-MoE blocks (Hugging Face): autoshard/moe/hf_blocks.py
             from autoshard.moe.hf_blocks import rewrite_existing
 
-            return rewrite_existing(gm, ctx, opts, self.name)
+            with _compute_dtype_values(gm, ctx):
+                return rewrite_existing(gm, ctx, opts, self.name)
         mesh = ctx.mesh
         n = mesh.axis_size(opts.expert_axis) if opts.expert_axis in mesh.names else 1
         if opts.num_experts % n:
