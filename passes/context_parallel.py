@@ -64,6 +64,10 @@ class CutSequence:
         from autoshard.passes.propagate import node_strategies
 
         cp = ctx.options.context
+        a = ctx.mesh.index(cp.axis)
+        if ctx.mesh.shape[a] == 1:  # nothing to cut: a size-1 context axis plans as the mesh without it does
+            ctx.report[self.name] = {"inputs": [], "axis": cp.axis, "skipped": "the axis has size 1"}
+            return gm
         attn = [n for n in _attention_nodes(gm) if n.args[0].meta["val"].shape[-2] == n.args[1].meta["val"].shape[-2]]
         if not attn:
             raise PlanError(f"option context_axis={cp.axis!r} shards the sequence of self-attention, but the traced "
@@ -71,7 +75,6 @@ class CutSequence:
                             "attn_implementation='sdpa'). Drop context_axis, or use an SDPA attention.")
         length = attn[0].args[0].meta["val"].shape[-2]
         # the inputs' layouts on the other axes were seeded by the seed_specs pass (passes/prepare.py)
-        a = ctx.mesh.index(cp.axis)
         feeds = _ancestors([n.args[0] for n in attn])  # inputs the queries are computed from (not the labels)
         cut = []
         for ph in [n for n in gm.graph.nodes if n.op == "placeholder"]:
@@ -94,7 +97,13 @@ class CutSequence:
             out = list(spec)
             out[a] = Shard(1)
             want = ((spec,), tuple(out))
-            node.meta[M.PLANNED] = next(s for s in node_strategies(node, ctx) if (s.input_specs, s.output_spec) == want)
+            planned = [s for s in node_strategies(node, ctx) if (s.input_specs, s.output_spec) == want]
+            if not planned:
+                raise PlanError(f"option context_axis={cp.axis!r} cuts input `{ph.name}` (shape {list(val.shape)}) "
+                                f"along its sequence dim 1 into {ctx.mesh.shape[a]} shards, but no strategy of the "
+                                f"cut gives that layout (the length {length} must divide by the axis size "
+                                f"{ctx.mesh.shape[a]}). Use a sequence length divisible by it, or drop context_axis.")
+            node.meta[M.PLANNED] = planned[0]
             cut.append(ph.name)
         if not cut:
             raise PlanError(f"option context_axis={cp.axis!r} cuts inputs along the sequence (dim 1 of length "

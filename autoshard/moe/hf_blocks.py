@@ -85,6 +85,11 @@ class Block:
     transposed: bool  # weights stored [E, in, out] rather than [E, out, in]
     concatenated: bool  # gate_up = [gate; up] (else interleaved gate0, up0, gate1, ...)
     has_bias: bool
+    #: DBRX: every expert's weights in flat 2-D parameters of ``experts.mlp`` (``w1`` gate, ``v1`` up, ``w2`` down,
+    #: each ``[E·f, h]``), the router's weight in ``router.layer``, and ``[batch, seq, h]`` hidden states; the
+    #: static forward views them as the stacked layout the other fields describe (``gate_up [E, 2f, h]``,
+    #: ``down [E, h, f]``)
+    flat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +120,62 @@ def _param3(module, name):
     return p if isinstance(p, torch.nn.Parameter) and p.dim() == 3 else None
 
 
+def _routed_signature(experts: torch.nn.Module) -> bool:
+    """Whether the experts' forward takes ``(hidden_states, top_k_index, top_k_weights)`` (the experts interface)."""
+    import inspect
+
+    try:
+        params = inspect.signature(experts.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _param2(module, name):
+    p = getattr(module, name, None)
+    return p if isinstance(p, torch.nn.Parameter) and p.dim() == 2 else None
+
+
+def _recognise_flat(path: str, module: torch.nn.Module) -> Block | str:
+    """DBRX's layout: ``experts.mlp.{w1, v1, w2}`` each ``[E·f, h]`` (gate, up, and down stored ``[f, h]`` per
+    expert), E = ``experts.num_experts``, a router ``router.layer`` (a Linear ``[E, h]``) and ``top_k`` on the
+    block."""
+    experts = module.experts
+    mlp = getattr(experts, "mlp", None)
+    w1, v1, w2 = (_param2(mlp, n) for n in ("w1", "v1", "w2"))
+    n = getattr(experts, "num_experts", None)
+    if not isinstance(n, int) or n < 1 or not all(w is not None and w.shape == w1.shape for w in (w1, v1, w2)) \
+            or w1.shape[0] % n:
+        return (f"its `experts` child has neither stacked 3-D `gate_up_proj`/`up_proj` and `down_proj` parameters "
+                "(transformers' experts interface) nor flat 2-D `mlp.w1`/`mlp.v1`/`mlp.w2` of [experts * ffn, "
+                "hidden] with `num_experts` (DBRX)")
+    layer = getattr(getattr(module, "router", None), "layer", None)
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != n or \
+            getattr(layer, "bias", None) is not None:
+        return f"flat experts (DBRX) without a router `router.layer` with a weight [{n}, hidden] and no bias"
+    top_k = getattr(module, "top_k", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= n:
+        return f"flat experts (DBRX) without a top_k in [1, {n}] on the block"
+    activation = _activation(getattr(mlp, "activation_fn", None))
+    if activation is None:
+        return (f"an activation {type(getattr(mlp, 'activation_fn', None)).__name__} not among "
+                f"{sorted(ACTIVATIONS)}")
+    return Block(path, "router.layer", n, top_k, activation, True, False, True, False, flat=True)
+
+
 def _recognise(path: str, module: torch.nn.Module) -> Block | str:
     """The :class:`Block` ``module`` is, or why it is not one (it has an ``experts`` child)."""
     experts = module.experts
+    if not _routed_signature(experts):
+        # Llama-4: the router's scores multiply the input before the experts, whose forward takes that routed
+        # input alone and runs every expert on it (a static batched matmul): torch.export traces it as it is
+        return ("its experts' forward takes no (hidden_states, top_k_index, top_k_weights): it runs every expert "
+                "on inputs routed before it (as Llama-4's does) and is traced as it is")
+    if _param3(experts, "gate_up_proj") is None and _param3(experts, "up_proj") is None \
+            and getattr(experts, "mlp", None) is not None:
+        return _recognise_flat(path, module)
     has_gate = bool(getattr(experts, "has_gate", True))
     up = _param3(experts, "gate_up_proj" if has_gate else "up_proj")
     down = _param3(experts, "down_proj")
@@ -269,6 +327,9 @@ def _hf_experts_rule(info: OpInfo) -> DimMap:
 
 
 def _static_forward(module: torch.nn.Module, block: Block):
+    if block.flat:
+        return _static_flat_forward(module, block)
+
     def forward(hidden_states, top_k_index, top_k_weights):
         up = module.gate_up_proj if block.has_gate else module.up_proj
         up_bias = (module.gate_up_proj_bias if block.has_gate else module.up_proj_bias) if block.has_bias else None
@@ -276,6 +337,24 @@ def _static_forward(module: torch.nn.Module, block: Block):
         return torch.ops.autoshard.hf_experts(hidden_states, top_k_index, top_k_weights, up, module.down_proj,
                                               up_bias, down_bias, block.activation, block.has_gate,
                                               block.transposed, block.concatenated)
+
+    return forward
+
+
+def _static_flat_forward(module: torch.nn.Module, block: Block):
+    """DBRX's experts: the flat ``[E·f, h]`` weights viewed as the stacked layout (``gate_up = [w1; v1]`` per
+    expert, ``down = w2ᵀ`` per expert), the ``[batch, seq, h]`` hidden states as tokens ``[T, h]`` and back."""
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        mlp = module.mlp
+        h = hidden_states.shape[-1]
+        e = block.experts
+        w1, v1, w2 = (w.view(e, -1, h) for w in (mlp.w1, mlp.v1, mlp.w2))  # [E, f, h]
+        up = torch.cat([w1, v1], dim=1)  # [E, 2f, h]: gate rows, then up rows
+        down = w2.transpose(1, 2)  # [E, h, f]
+        out = torch.ops.autoshard.hf_experts(hidden_states.reshape(-1, h), top_k_index, top_k_weights, up, down,
+                                             None, None, block.activation, True, False, True)
+        return out.view(hidden_states.shape)
 
     return forward
 
@@ -292,6 +371,13 @@ def swapped(model: torch.nn.Module):
             had = experts.__dict__.get("forward", _MISSING)
             experts.forward = _static_forward(experts, block)
             patched.append((experts, had))
+        for path, why in found.rejected:
+            experts = model.get_submodule(path).experts if path else model.experts
+            if isinstance(experts, torch.nn.Module) and not isinstance(
+                    experts, (torch.nn.ModuleList, torch.nn.ModuleDict)) and _routed_signature(experts):
+                had = experts.__dict__.get("forward", _MISSING)
+                experts.forward = _explained_forward(experts.forward, path, why)
+                patched.append((experts, had))
         yield found
     finally:
         for experts, had in reversed(patched):
@@ -302,6 +388,27 @@ def swapped(model: torch.nn.Module):
 
 
 _MISSING = object()
+
+
+def _explained_forward(forward, path: str, why: str):
+    """An experts forward autoshard did not replace (a block it does not recognise) run as it is; if it does not
+    trace (the usual per-expert loop over the tokens routed to each: data-dependent shapes), a TraceError naming
+    the block, why it was not recognised and what to do, with torch.export's error as its cause."""
+    from autoshard.errors import TraceError
+
+    def run(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except Exception as e:
+            where = f"`{path}`" if path else "at the top level"
+            raise TraceError(
+                f"sparse-MoE block {where} could not be traced: autoshard did not recognise it ({why}), so its "
+                "experts ran their own forward, whose loop over the tokens routed to each expert has data-dependent "
+                "shapes. Store the experts as transformers' experts interface does (stacked 3-D gate_up_proj/"
+                "up_proj and down_proj, a router `gate`/`router` with weight [E, hidden] and top_k), or write the "
+                "experts' forward with static shapes.") from e
+
+    return run
 
 
 # ---- the expert rewrite of existing blocks (plan time) ---------------------------------------------------------
@@ -335,9 +442,31 @@ def _is_experts(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target == torch.ops.autoshard.hf_experts.default
 
 
+_LAYOUT_OPS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+               torch.ops.aten.cat.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+               torch.ops.aten.t.default, torch.ops.aten.alias.default}
+
+
+def _weights(t) -> list[torch.fx.Node]:
+    """The parameters (``get_attr``) an experts weight argument is, or is viewed, concatenated or transposed from
+    (DBRX's flat weights reach the op as ``cat([w1.view(...), v1.view(...)])`` and ``w2.view(...).transpose``)."""
+    out, stack, seen = [], [t], set()
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, torch.fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if x.op == "get_attr":
+            out.append(x)
+        elif x.op == "call_function" and x.target in _LAYOUT_OPS:
+            stack.extend(reversed(x.all_input_nodes))
+    return out
+
+
 def _block_of(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Found | None) -> Block:
     up = node.args[3]
-    path = str(up.target).rsplit(".experts.", 1)[0] if up.op == "get_attr" else M.module_path(node)
+    sources = _weights(up)
+    path = str(sources[0].target).rsplit(".experts.", 1)[0] if sources else M.module_path(node)
     for block in (found.blocks if found else ()):
         if block.path == path:
             return block
@@ -438,8 +567,7 @@ def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
             result = b.call(aten._to_copy.default, result, dtype=xval.dtype)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
-        params = tuple(str(t.target) for t in (up, up_bias, down, down_bias)
-                       if isinstance(t, torch.fx.Node) and t.op == "get_attr")
+        params = tuple(str(w.target) for t in (up, up_bias, down, down_bias) for w in _weights(t))
         if n > 1:
             spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
             annotations += [(p, spec) for p in params]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.ops.dimmap import DimMap, OpInfo, pointwise
+from autoshard.ops.dimmap import DimMap, OpInfo, broadcast_labels, pointwise
 from autoshard.ops.registry import OUTPUT, elementwise, op, zero
 
 aten = torch.ops.aten
@@ -46,12 +46,29 @@ op(aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.clone.default, aten.
    aten.lift_fresh_copy.default, rule=pointwise("sum", linear_inputs=(0,)))
 
 
-@op(aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default)
+@op(aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
 def _cast(info: OpInfo) -> DimMap:
     # A cast to a floating dtype is linear (a Partial sum stays one); to an integer or bool dtype it is not:
     # int(x0) + int(x1) != int(x0 + x1).
     floating = bool(info.out_dtypes) and (info.out_dtypes[0].is_floating_point or info.out_dtypes[0].is_complex)
     return pointwise("sum" if floating else "none", linear_inputs=(0,))(info)
+
+
+@op(aten.type_as.default)
+def _type_as(info: OpInfo) -> DimMap:
+    # self.to(other.dtype): a cast of self; `other` gives its dtype only and need not broadcast to the output
+    # (DeBERTa-v2: torch.tensor(mid - 1).type_as(relative_pos), a 0-d self and a 2-d other). Where other's dims
+    # line up with the output's (right-aligned, equal or broadcast size 1) they share its labels, so the usual
+    # x.type_as(y) of one layout moves nothing; otherwise other stays whole.
+    self_shape, other = info.in_shapes[0], info.in_shapes[1]
+    cast = _cast(OpInfo([self_shape], info.out_shapes, info.args, info.kwargs, info.out_dtypes))
+    out = info.out_shapes[0]
+    off = len(out) - len(other)
+    if off >= 0 and all(s in (1, out[off + i]) for i, s in enumerate(other)):
+        other_labels = broadcast_labels(other, out, cast.outputs[0])
+    else:
+        other_labels = (None,) * len(other)
+    return DimMap((cast.inputs[0], other_labels), cast.outputs, cast.linear, cast.linear_inputs)
 
 
 op(aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
