@@ -277,6 +277,7 @@ class ShardedModule(torch.nn.Module):
         self.training = model.training
         self._model = (model,)  # until the plan has its weights (a tuple keeps it out of this module's children)
         self._examples = None
+        self._calls = 0  # calls of this module so far: every rank must make the same calls (agreement.check_call)
         if example_inputs is not None or example_kwargs is not None:
             args = () if example_inputs is None else (
                 example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
@@ -320,13 +321,79 @@ class ShardedModule(torch.nn.Module):
     # ---- the plan ---------------------------------------------------------------------------------------
     def _build_plan(self, args: tuple, kwargs: dict) -> None:
         model = self._model[0]
+        self._traced_training = model.training
+        plan = self._planned_once(lambda once: build_plan(model, self.mesh, args, kwargs, self.options, once=once))
         with GRAPH_LOCK:  # the model may be shared with simulated ranks (threads) that trace it now
-            self._traced_training = model.training
-            self.plan = build_plan(model, self.mesh, args, kwargs, self.options)
+            self.plan = plan
             self.plan._mode_owner = weakref.ref(self)  # Plan.simulate follows this module's mode
             self._examples = (args, kwargs)
             self._unread = self._unread_state(model)
+            self._digest = self.plan.digest()  # what every rank's plan must equal (agreement.check_call)
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
+
+    def _planned_once(self, build):
+        """``build(once)``, the plan, made so that every rank of a job runs the same one: when every rank plans at
+        this point together (a process of a torch.distributed job, or a simulator rank's own thread), rank 0 plans,
+        recording each decision that may differ between processes (``once``, :attr:`Context.once`: the
+        time-limited search), and hands them to every rank, which plans again replaying them (a failure on rank 0 is
+        raised on every rank). Otherwise each process plans alone, and the first call compares plans
+        (:func:`autoshard.runtime.agreement.check_call`)."""
+        comm = self._job_communicator()
+        if comm is None:
+            return build(None)
+        from autoshard.runtime.agreement import decide_once
+
+        if comm.rank == 0:
+            decisions: list = []
+
+            def record(decide):
+                decisions.append(decide())
+                return decisions[-1]
+
+            try:
+                plan = build(record)
+            except AutoshardError as e:
+                decide_once(comm, lambda: ("error", type(e).__name__, str(e)))
+                raise
+            decide_once(comm, lambda: ("plan", decisions))
+            return plan
+        kind, *rest = decide_once(comm, None)  # rank 0 plans meanwhile; no lock held while waiting
+        if kind == "error":
+            from autoshard import errors
+
+            raise getattr(errors, rest[0], AutoshardError)(f"rank 0 failed to plan: {rest[1]}")
+        replay = iter(rest[0])
+
+        def replayed(decide):
+            try:
+                return next(replay)
+            except StopIteration:
+                raise PlanError(f"rank {comm.rank} asked for more planning decisions than rank 0 made: its "
+                                "model, options or example shapes differ from rank 0's. Compile the same model "
+                                "with the same options on every rank.") from None
+
+        return build(replayed)
+
+    def _job_communicator(self):
+        """This rank's communicator when every rank of the job plans at this point together, else None."""
+        if self.mesh.size == 1:
+            return None
+        from autoshard.runtime.communicator import current
+
+        comm = self._comm
+        if comm is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            comm = self.communicator()
+        if not comm.one_rank_per_process:
+            try:
+                if current() is not comm:
+                    return None
+            except AutoshardError:
+                return None
+        return comm
 
     def _unread_state(self, model) -> dict[str, torch.Tensor]:
         """State entries the program never reads (unused parameters and buffers): kept whole, as the model has
@@ -605,6 +672,11 @@ class ShardedModule(torch.nn.Module):
             raise AutoshardError("this rank's shards are uninitialised memory (the model was built on the meta "
                                  "device): call sharded.init_weights() or autoshard.load(sharded, path) first.")
         self._check_inputs(args, kwargs)
+        from autoshard.runtime.agreement import check_call
+
+        # before any collective: the other mode's program is planned by every rank together
+        check_call(comm, self._digest, self.training, self._calls, self.plan.layout)
+        self._calls += 1
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.parameters import bound
         from autoshard.runtime.communicator import backward_uses, use
@@ -656,7 +728,8 @@ class ShardedModule(torch.nn.Module):
         was = skeleton.training
         skeleton.train(training)
         try:
-            other = build_plan(skeleton, self.mesh, *self._examples, pinned)
+            other = self._planned_once(lambda once: build_plan(skeleton, self.mesh, *self._examples, pinned,
+                                                               once=once))
         finally:
             skeleton.train(was)
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}

@@ -54,6 +54,14 @@ class Context:
     options: Options = field(default_factory=Options)
     report: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: ``once(decide)``: the value of ``decide()`` as the whole job sees it — computed on rank 0 and received by every
+    #: rank when this plan is made by every rank of a job at once (:func:`autoshard.runtime.agreement.decide_once`),
+    #: else ``decide()`` here. Passes whose result may depend on time or load (the time-limited search) decide
+    #: through it, so every rank runs one plan.
+    once: Any = None
+
+    def decide_once(self, decide):
+        return decide() if self.once is None else self.once(decide)
 
     def warn(self, message: str) -> None:
         import warnings

@@ -206,6 +206,29 @@ class Plan:
         return {n.meta.get(M.PARAM, n.target): n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
                 if n.op == "get_attr" and M.STORAGE in n.meta}
 
+    def layout(self) -> dict[str, str]:
+        """{node: its placements, stored placements and recomputed region}, for every node of the plan's graph in
+        graph order: what every rank's program is made from, as text (``digest`` hashes it; ranks compare it)."""
+        out = {}
+        for n in self.graph_module.graph.nodes:
+            target = n.target if isinstance(n.target, str) else torch.fx.node._get_qualified_name(n.target)
+            parts = [n.op, target, str(n.meta.get(M.SPEC))]
+            if M.STORAGE in n.meta:
+                parts.append(str(n.meta[M.STORAGE]))
+            if M.RECOMPUTE in n.meta:
+                parts.append(f"recompute {n.meta[M.RECOMPUTE]}")
+            if M.COLLECTIVE in n.meta:
+                parts.append(str(n.meta[M.COLLECTIVE]))
+            out[n.meta.get(M.PARAM, n.name) if n.op == "get_attr" else n.name] = " ".join(parts)
+        return out
+
+    def digest(self) -> str:
+        """A hash of :meth:`layout` and the mesh: equal on two ranks exactly when they run programs of one plan."""
+        import hashlib
+
+        text = repr((str(self.mesh), self.training, sorted(self.layout().items())))
+        return hashlib.sha256(text.encode()).hexdigest()
+
     def cost(self, profile=None, optimizer: str | None = None):
         """Estimated step time (compute + communication), memory per rank (``.memory``: by kind — parameters,
         gradients, optimizer state, buffers, activations, gathered copies — and the step's peak) and bytes per axis
@@ -274,17 +297,18 @@ def _gc_paused():
 
 
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
-               pipeline: PipelineOptions | None = None) -> Plan:
+               pipeline: PipelineOptions | None = None, once=None) -> Plan:
     """The plan of ``model`` on ``mesh``: trace, then the plan phase of the one pass list. The one way to a plan:
     ``compile``, the other mode's plan of a ShardedModule and the pipelined plan (``pipeline``: the split and
     stage-building passes enabled, the stage graphs left on ``gm.meta``; :mod:`autoshard.pipeline.plan`) all
-    come here."""
+    come here. ``once``: how a decision that may differ between processes is made once for the job
+    (:attr:`autoshard.context.Context.once`)."""
     with GRAPH_LOCK, _gc_paused():  # one trace and its passes at a time per process
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
             gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
                 model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/precision.py)
-            ctx = Context(mesh, options)
+            ctx = Context(mesh, options, once=once)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
             gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline)["plan"])
             peak = _searched_peak(gm, mesh, options, pipeline)

@@ -107,6 +107,11 @@ class Communicator(abc.ABC):
         """The global ranks of this rank's group along ``axis``, in coordinate order."""
         return self.mesh.group_of(self.rank, self._axis(axis))
 
+    @property
+    def device(self) -> torch.device:
+        """Where tensors this communicator's collectives take must live (NCCL: this process's GPU)."""
+        return torch.device("cpu")
+
     # ---- raw collectives (no autograd) ------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
         """Sum of ``t`` over the group along ``axis`` (every rank gets the same new tensor)."""

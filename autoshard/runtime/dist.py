@@ -310,6 +310,10 @@ class DistCommunicator(Communicator):
         with self._guard("barrier", None):
             dist.barrier()
 
+    @property
+    def device(self) -> torch.device:
+        return self._device()
+
     def _device(self) -> torch.device:
         if "nccl" in self.backend and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())

@@ -92,8 +92,13 @@ class PlanSearch:
                                 zero=zero if zero in (0, 1, 2, 3, "auto") else 0, recompute=recompute)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
-            status: dict = {}
-            choice, units = search(problem, self.time_limit, status, self.exact_seconds, self.accept_gap)
+            def decide():
+                status: dict = {}
+                found = search(problem, self.time_limit, status, self.exact_seconds, self.accept_gap)
+                return found, status
+
+            # the search may stop at its time limit: rank 0's plan is every rank's (Context.once)
+            (choice, units), status = ctx.decide_once(decide)
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice, units)
         if not status["optimal"]:

@@ -1,0 +1,152 @@
+"""One plan for every rank, and every rank in the same call: what ranks agree on before their program's collectives.
+
+Each process of a job plans for itself (a ShardedModule compiles on its first call). Two things can make ranks run
+different programs, and ranks running different programs hang or, where the shapes happen to agree, compute wrong
+numbers:
+
+* **a decision that depends on time or load** — the plan search stops at a time limit, so two ranks can stop at
+  different plans. :func:`decide_once` makes such a decision on rank 0 and hands it to every rank (the other ranks
+  skip the work and wait for it).
+* **a call on some ranks only** — the DDP habit ``if rank == 0: evaluate()`` runs the eval program on rank 0 while
+  the others run the training program: their collectives pair up with the wrong peers (gloo aborts the process with
+  "Received data size doesn't match expected size"; NCCL hangs). :func:`check_call` runs first in every call of a
+  ShardedModule: every rank sends (its plan's digest, its mode, how many calls it has made) and every rank compares
+  all of them, so a mismatch is an :class:`~autoshard.errors.AutoshardError` on every rank naming what differs,
+  before any collective of the program runs.
+
+Both are built on the communicator's per-axis collectives only (a world-wide exchange is one exchange along each
+mesh axis in turn), so they run the same on ``torch.distributed`` and in the simulator, and they are left out of the
+communicator's log (they are not the plan's collectives).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from contextlib import contextmanager
+
+import torch
+
+from autoshard.errors import AutoshardError, PlanError
+from autoshard.runtime.communicator import Communicator
+
+__all__ = ["check_call", "decide_once", "gather_objects"]
+
+
+@contextmanager
+def _unrecorded(comm: Communicator):
+    was, comm.recording = comm.recording, False
+    try:
+        yield
+    finally:
+        comm.recording = was
+
+
+def _world_all_gather(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-d ``t``, concatenated in rank order: an all-gather along each axis, the last axis first
+    (ranks number the mesh's coordinates row-major, :meth:`autoshard.mesh.Mesh.rank_of`)."""
+    for axis in reversed(comm.mesh.names):
+        t = comm.all_gather(t, axis, 0)
+    return t
+
+
+def _world_broadcast(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` on every rank (same shape everywhere): a broadcast from coordinate 0 along each axis in turn;
+    after axis k every rank holds the tensor of the rank with coordinate 0 on axes 0..k and its own elsewhere."""
+    for axis in comm.mesh.names:
+        t = comm.broadcast(t, axis, 0)
+    return t
+
+
+def decide_once(comm: Communicator, decide):
+    """``decide()`` computed on rank 0 and received by every rank (the others do not call it): a decision that may
+    differ from process to process is made once for the job. The value must pickle."""
+    with _unrecorded(comm):
+        if comm.mesh.size == 1:
+            return decide()
+        value = decide() if comm.rank == 0 else None
+        data = pickle.dumps(value) if comm.rank == 0 else b""
+        n = int(_world_broadcast(comm, torch.tensor([len(data)], dtype=torch.int64, device=comm.device))[0])
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if comm.rank == 0
+               else torch.zeros(n, dtype=torch.uint8))
+        buf = _world_broadcast(comm, buf.to(comm.device)).cpu()
+        return value if comm.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+
+def gather_objects(comm: Communicator, obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    with _unrecorded(comm):
+        data = pickle.dumps(obj)
+        sizes = _world_all_gather(comm, torch.tensor([len(data)], dtype=torch.int64, device=comm.device)).tolist()
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = _world_all_gather(comm, buf.to(comm.device)).cpu().view(len(sizes), -1)
+        return [pickle.loads(rows[r, :sizes[r]].numpy().tobytes()) for r in range(len(sizes))]
+
+
+def digest_number(digest: str) -> int:
+    """A plan digest (hex text) as a non-negative int64, what :func:`check_call` exchanges."""
+    return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
+
+
+def check_call(comm: Communicator, digest: str, training: bool, call: int, describe=None) -> None:
+    """Before call number ``call`` (0 first) of a sharded module's program: every rank must be in the same call, in
+    the same mode, with the same plan (``digest`` of the plan the program was made from). Otherwise raise on every
+    rank, naming what differs; ``describe()`` (picklable, e.g. {parameter: layout}) is exchanged only then, to name
+    the first thing the plans disagree on."""
+    if comm.mesh.size == 1:
+        return
+    mine = torch.tensor([digest_number(digest), int(training), call], dtype=torch.int64, device=comm.device)
+    with _unrecorded(comm):
+        rows = _world_all_gather(comm, mine).cpu().view(comm.mesh.size, 3).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    calls = sorted({row[2] for row in rows})
+    if len(calls) > 1:
+        at = {c: [r for r, row in enumerate(rows) if row[2] == c] for c in calls}
+        raise AutoshardError(
+            f"the sharded module's call number {call + 1} on rank {comm.rank} met ranks in other calls "
+            f"({', '.join(f'ranks {_ranks(rs)} in call {c + 1}' for c, rs in at.items())}): every rank must call "
+            "the sharded module, the same number of times (a forward on some ranks only, such as evaluation on rank 0 "
+            "alone, pairs their collectives with the wrong peers). Call it on every rank, e.g. evaluate on every rank "
+            "and print on rank 0.")
+    modes = {row[1] for row in rows}
+    if len(modes) > 1:
+        train = [r for r, row in enumerate(rows) if row[1]]
+        evals = [r for r, row in enumerate(rows) if not row[1]]
+        raise AutoshardError(
+            f"the sharded module was called in train mode on ranks {_ranks(train)} and in eval mode on ranks "
+            f"{_ranks(evals)} (call {call + 1}): the two modes run different programs, so every rank must switch "
+            "with model.train()/model.eval() together, and call the module on every rank.")
+    described = gather_objects(comm, describe() if describe is not None else None)
+    differs = _first_difference(described)
+    digests = {}
+    for r, row in enumerate(rows):
+        digests.setdefault(row[0], []).append(r)
+    groups = "; ".join(f"ranks {_ranks(rs)}" for rs in digests.values())
+    raise PlanError(
+        f"ranks planned differently ({groups} each run one plan){differs}: ranks running different programs hang or "
+        "compute wrong numbers. Every rank must compile the same model with the same options and example shapes; "
+        "a searched plan is decided on rank 0 when the module compiles on its first call (or with example inputs "
+        "once torch.distributed is initialised), so compile on every rank at the same point of the script.")
+
+
+def _first_difference(described: list) -> str:
+    if not described or any(d is None for d in described) or not all(isinstance(d, dict) for d in described):
+        return ""
+    keys = sorted(set().union(*described))
+    for key in keys:
+        values = [d.get(key) for d in described]
+        if any(v != values[0] for v in values):
+            seen = {}
+            for r, v in enumerate(values):
+                seen.setdefault(repr(v), []).append(r)
+            return f"; first difference: `{key}` is " + ", ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in
+                                                                    seen.items())
+    return ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))

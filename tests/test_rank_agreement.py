@@ -1,0 +1,176 @@
+"""Every rank runs one plan and makes the same calls (autoshard/runtime/agreement.py), on real processes and in the
+simulator alike: a forward on some ranks only and ranks that planned differently are errors on every rank that name
+the cause (never a gloo abort or a hang), and a searched plan is decided on rank 0 for every rank."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import AutoshardError
+from autoshard.plan import loss_of
+from autoshard.runtime import SimWorld, spawn
+from examples import models
+
+MESH = autoshard.Mesh(data=2, model=2)
+
+
+_GPT, _ARGS, _ = models.gpt(layers=1)  # built once: simulated ranks are threads sharing torch's global generator
+
+
+def _gpt():
+    return copy.deepcopy(_GPT), _ARGS
+
+
+def _local(args, rank):
+    return tuple(autoshard.data_shard(x, MESH, rank) for x in args)
+
+
+def _errors(fn) -> str:
+    try:
+        fn()
+    except AutoshardError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _eval_on_rank0_only(rank, comm=None):
+    """The DDP habit: a training step on every rank, then `if rank == 0: evaluate()`, then the next step."""
+    model, args = _gpt()
+    sharded = autoshard.compile(model, MESH, plan=models.megatron(MESH, "gpt"), comm=comm)
+    loss_of(sharded(*_local(args, rank))).backward()
+
+    def next_calls():
+        if rank == 0:
+            sharded.eval()
+            with torch.no_grad():
+                sharded(*_local(args, rank))
+        sharded.train()
+        loss_of(sharded(*_local(args, rank))).backward()
+
+    return _errors(next_calls)
+
+
+def _planned_differently(rank, comm=None):
+    """Rank 3 compiles with another annotation: its program differs from the others'."""
+    model, args = _gpt()
+    annotations = models.megatron(MESH, "gpt") if rank != 3 else None
+    sharded = autoshard.compile(model, MESH, plan=annotations, comm=comm)
+    return _errors(lambda: loss_of(sharded(*_local(args, rank))).backward())
+
+
+def _limit():
+    """60% of the unconstrained searched plan's memory: the search recomputes and stores ZeRO shards to fit."""
+    model, args = _gpt()
+    return 0.6 * autoshard.compile(model, MESH, args, planner="search").plan.cost().memory.peak
+
+
+@contextmanager
+def _searches_counted():
+    """[rank of each plan search run] while the block runs (a process's rank, or a simulator thread's)."""
+    from autoshard.passes import plan_search
+    from autoshard.runtime import current
+
+    searched, original = [], plan_search.search
+
+    def counting(*a, **k):
+        real = torch.distributed.is_initialized()
+        searched.append(torch.distributed.get_rank() if real else current().rank)
+        return original(*a, **k)
+
+    plan_search.search = counting
+    try:
+        yield searched
+    finally:
+        plan_search.search = original
+
+
+def _searched_on_rank0(rank, limit, comm=None):
+    """planner="search" under a memory limit: every rank gets rank 0's plan and trains equal to one device."""
+    model, args = _gpt()
+    sharded = autoshard.compile(model, MESH, planner="search", memory_limit=limit, comm=comm)
+    loss = loss_of(sharded(*_local(args, rank)))
+    loss.backward()
+    return sharded.plan.digest(), loss.item()
+
+
+def _cases(rank, world_size, limit):
+    with _searches_counted() as searched:
+        search = _searched_on_rank0(rank, limit)
+    return {"eval": _eval_on_rank0_only(rank), "plans": _planned_differently(rank), "search": (searched, *search)}
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    return spawn(_cases, 4, _limit(), timeout=240)
+
+
+def _sim(case, *args):
+    world = SimWorld(MESH, timeout=120)
+    return world.run(lambda rank: case(rank, *args, comm=world.communicator(rank)))
+
+
+def _check_eval_errors(results):
+    for rank, text in enumerate(results):
+        assert text.startswith("AutoshardError"), (rank, text)
+        # the eval call on rank 0 meets the others' next training call
+        assert "in train mode on ranks 1-3 and in eval mode on ranks 0 (call 2)" in text, text
+        assert "call the module on every rank" in text, text
+
+
+def _check_plan_errors(results):
+    for rank, text in enumerate(results):
+        assert text.startswith("PlanError: ranks planned differently"), (rank, text)
+        assert "ranks 0-2" in text and "first difference" in text, text
+
+
+def _check_search(results, searched):
+    assert searched == [0]  # the search ran on rank 0 only
+    assert len({r[0] for r in results}) == 1
+    model, args = _gpt()
+    ref = loss_of(model(*args)).item()
+    for r in results:
+        assert r[1] == pytest.approx(ref, abs=1e-5)
+
+
+@pytest.mark.gloo
+def test_eval_on_rank0_only_is_an_error_on_every_real_rank(gloo_results):
+    _check_eval_errors([r["eval"] for r in gloo_results])
+
+
+@pytest.mark.gloo
+def test_ranks_that_planned_differently_are_an_error_naming_the_difference_on_real_ranks(gloo_results):
+    _check_plan_errors([r["plans"] for r in gloo_results])
+
+
+@pytest.mark.gloo
+def test_searched_plan_is_decided_on_rank0_for_every_real_rank(gloo_results):
+    results = [r["search"] for r in gloo_results]
+    _check_search([r[1:] for r in results], sum((r[0] for r in results), []))
+
+
+def test_eval_on_rank0_only_is_an_error_on_every_simulated_rank():
+    _check_eval_errors(_sim(_eval_on_rank0_only))
+
+
+def test_ranks_that_planned_differently_are_an_error_in_the_simulator():
+    _check_plan_errors(_sim(_planned_differently))
+
+
+def test_searched_plan_is_decided_on_rank0_in_the_simulator():
+    limit = _limit()
+    with _searches_counted() as searched:
+        results = _sim(_searched_on_rank0, limit)
+    _check_search(results, searched)
+
+
+def test_plan_digest_names_a_layout_change():
+    model, args = _gpt()
+    a = autoshard.compile(model, MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    b = autoshard.compile(_gpt()[0], MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    c = autoshard.compile(_gpt()[0], MESH, args).plan
+    assert a.digest() == b.digest() != c.digest()
