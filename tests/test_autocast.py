@@ -202,3 +202,53 @@ def _gloo_worker(rank, world_size):
 @pytest.mark.gloo
 def test_megatron_gpt_under_autocast_equals_eager_autocast_on_gloo_processes():
     _check(spawn(_gloo_worker, 4, timeout=120, start_method="forkserver"))
+
+
+# ---- the simulator carries the caller's autocast state into its rank threads -----------------------------------
+def _references_inside_autocast(case):
+    """Eager (forward and backward both in the region, as ``plan.simulate`` runs them) under autocast, and fp32."""
+    model, args, kwargs = case
+    out = []
+    for autocast in (True, False):
+        m = copy.deepcopy(model)
+        with torch.autocast("cpu", BF16, enabled=autocast):
+            loss = loss_of(m(*args, **kwargs))
+            loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    return out
+
+
+def _check_bf16(sim, case, names=None):
+    """``sim`` (a Simulation) computed under autocast: its loss and gradients are eager autocast's within the bound of
+    the module docstring, and at least one gradient is as far from fp32 as bf16 rounding puts eager's."""
+    (ref_loss, ref), (fp32_loss, fp32) = _references_inside_autocast(case)
+    for out in sim.outputs:
+        loss = loss_of(out).detach()
+        assert loss.dtype == torch.float32
+        assert not torch.equal(loss, fp32_loss)  # bf16 matmuls: not the fp32 loss
+        torch.testing.assert_close(loss, ref_loss, rtol=U, atol=0)
+    accuracy = []
+    for name in names or ref:
+        e, s = ref[name], sim.grads[name]
+        assert s.dtype == e.dtype == torch.float32, name
+        bound = (e - fp32[name]).abs().max().item()
+        err_fp32 = (s - fp32[name]).abs().max().item()
+        assert err_fp32 <= 2 * bound, f"{name}: {err_fp32:.3g} from fp32, eager autocast {bound:.3g}"
+        assert (s - e).abs().max().item() <= 3 * bound, name
+        accuracy.append(err_fp32 / bound)
+    assert max(accuracy) > 0.25  # computed in bf16 (fp32 throughout: ~1e-3)
+
+
+def test_simulate_under_autocast_runs_the_ranks_under_autocast():
+    """``with torch.autocast(...): plan.simulate(...)``: each rank thread computes under the caller's autocast, as a
+    process would under its script's (autocast and grad mode are thread-local: a new thread starts without them)."""
+    case = _gpt()
+    model, args, kwargs = copy.deepcopy(case)
+    mesh = autoshard.Mesh(data=2, model=2)
+    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan
+    with _autocast():
+        sim = plan.simulate(args, kwargs)
+    _check_bf16(sim, case)
+    with torch.no_grad():  # grad mode too: no graph is recorded on any rank
+        outs = plan.simulate(args, kwargs, backward=False).outputs
+    assert all(not loss_of(o).requires_grad for o in outs)

@@ -106,6 +106,34 @@ class _Channel:
         self.queue: deque[torch.Tensor] = deque()
 
 
+# Device types whose autocast state a rank thread takes over from the caller of SimWorld.run.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
+
+
+def _caller_state() -> tuple[bool, tuple[tuple[str, torch.dtype], ...]]:
+    """The calling thread's grad mode and, per device type where it is on, its autocast dtype: thread-local state
+    that a process running one rank would have from its own script, but that a new thread does not inherit."""
+    autocast = []
+    for device_type in _AUTOCAST_DEVICE_TYPES:
+        try:
+            if torch.is_autocast_enabled(device_type):
+                autocast.append((device_type, torch.get_autocast_dtype(device_type)))
+        except RuntimeError:  # a device type this build of torch does not know
+            continue
+    return torch.is_grad_enabled(), tuple(autocast)
+
+
+@contextlib.contextmanager
+def _in_state(state):
+    """Run the body (a rank thread's function) in ``state`` of :func:`_caller_state`."""
+    grad, autocast = state
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device_type, dtype in autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
+
+
 class SimWorld:
     """Every rank of ``mesh`` in this process. ``timeout``: seconds a collective may wait for its peers."""
 
@@ -145,13 +173,15 @@ class SimWorld:
         store = _threaded_store(self.serial)
         results: list = [None] * n
         errors: list[tuple[int, BaseException]] = []
+        caller_state = _caller_state()  # thread-local: a new thread would start without the caller's
 
         def main(rank: int) -> None:
             self._set_status(rank, "is running")
             try:
                 self._take_turn(rank, "its function")
                 try:
-                    with rank_thread(self._comms[rank]), self._process_group(rank, store):
+                    with (rank_thread(self._comms[rank]), self._process_group(rank, store),
+                          _in_state(caller_state)):
                         results[rank] = fn(rank, *args)
                 finally:
                     self._give_turn(rank)
