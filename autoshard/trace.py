@@ -63,7 +63,7 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    kwargs = dict(kwargs or {})
+    args, kwargs = unaliased(args, dict(kwargs or {}))
     if on_meta(model):
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
@@ -74,6 +74,33 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
             except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
                 _log_no_reuse(model, e)
         return _finish(_export(model, args, kwargs), model)
+
+
+def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor that shares memory with an earlier one (the same object twice, a view of
+    another input) replaced by a copy. Example inputs stand for any later call's inputs: torch.export traces two
+    aliased inputs as one, and the program would read one where the model reads two (``(z, z)`` for ``(idx,
+    targets)`` gave an embedding of the targets)."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    seen: set = set()
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if _memory(x) & seen:
+                x = x.detach().clone().requires_grad_(x.requires_grad)
+            seen |= _memory(x)
+        out.append(x)
+    return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+def _memory(x: torch.Tensor) -> set:
+    """What identifies the memory ``x`` reads: the tensor, its base, and (off the meta device) its storage."""
+    keys = {("object", id(x))}
+    if x._base is not None:
+        keys.add(("object", id(x._base)))
+    if not x.is_meta and x.untyped_storage().nbytes():
+        keys.add(("storage", str(x.device), x.untyped_storage().data_ptr()))
+    return keys
 
 
 def _log_no_reuse(model: torch.nn.Module, e: Exception) -> None:

@@ -98,10 +98,21 @@ def _searched_on_rank0(rank, limit, comm=None):
     return sharded.plan.digest(), loss.item()
 
 
+def _aliased_examples(rank, comm=None):
+    """Example inputs that are one tensor object for (idx, targets), then a training call with distinct ones."""
+    model, (ids, labels) = _gpt()
+    z = torch.zeros_like(ids)
+    sharded = autoshard.compile(model, MESH, (z, z), comm=comm)
+    loss = loss_of(sharded(*_local((ids, labels), rank)))
+    loss.backward()
+    return loss.item()
+
+
 def _cases(rank, world_size, limit):
     with _searches_counted() as searched:
         search = _searched_on_rank0(rank, limit)
-    return {"eval": _eval_on_rank0_only(rank), "plans": _planned_differently(rank), "search": (searched, *search)}
+    return {"eval": _eval_on_rank0_only(rank), "plans": _planned_differently(rank), "search": (searched, *search),
+            "aliased": _aliased_examples(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +185,30 @@ def test_plan_digest_names_a_layout_change():
     b = autoshard.compile(_gpt()[0], MESH, args, plan=models.megatron(MESH, "gpt")).plan
     c = autoshard.compile(_gpt()[0], MESH, args).plan
     assert a.digest() == b.digest() != c.digest()
+
+
+def _check_aliased(losses):
+    ref = loss_of(_GPT(*_ARGS)).item()
+    assert losses == [pytest.approx(ref, abs=1e-5)] * 4  # (z, z) traced as one input read only targets: 3.75
+
+
+@pytest.mark.gloo
+def test_aliased_example_inputs_train_as_distinct_inputs_on_real_ranks(gloo_results):
+    _check_aliased([r["aliased"] for r in gloo_results])
+
+
+def test_aliased_example_inputs_train_as_distinct_inputs_in_the_simulator():
+    _check_aliased(_sim(_aliased_examples))
+
+
+def test_example_inputs_that_share_memory_are_traced_as_distinct_inputs():
+    """The same object twice, and a view of another input: each placeholder is read where the model reads it."""
+    from autoshard.trace import unaliased
+
+    x = torch.ones(4, 3)
+    args, kwargs = unaliased((x, x, x[1:]), {"y": x.view(12)})
+    assert args[0] is x and all(t is not x and t.data_ptr() != x.data_ptr() for t in (args[1], args[2], kwargs["y"]))
+    assert torch.equal(args[2], x[1:]) and torch.equal(kwargs["y"], x.view(12))
+    meta = torch.empty(2, 2, device="meta")
+    margs, _ = unaliased((meta, meta, torch.empty(2, 2, device="meta")), {})
+    assert margs[0] is meta and margs[1] is not meta and margs[2] is not meta

@@ -13,7 +13,7 @@ import torch
 
 import autoshard
 from autoshard.plan import loss_of
-from autoshard.runtime import SimWorld, current
+from autoshard.runtime import SimWorld, current, use
 from autoshard.runtime.buckets import GradBucketer
 from examples import models
 
@@ -30,7 +30,8 @@ def _run(plan, args, kwargs, compiled, bucket: bool = False, fullgraph: bool = T
         losses = []
         for _ in range(2):  # the second call runs the cached compiled code
             loss = loss_of(fn(*a, **k))
-            loss.backward()
+            with use(current()):  # a bare rank program's backward needs its communicator, as on a real rank
+                loss.backward()
             losses.append(loss.detach())
         log = [(r.kind, r.axis, r.numel, r.phase) for r in current().log]
         return losses, {n: p.grad.clone() for n, p in module.named_parameters()}, log
