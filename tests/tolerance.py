@@ -32,4 +32,5 @@ def assert_within_sum_bound(actual: torch.Tensor, reference: torch.Tensor, magni
     worst = int(ratio.argmax()) if ratio.numel() else 0
     assert bool((err <= bound).all()), (
         f"{what}: {int((err > bound).sum())} of {err.numel()} elements beyond n*eps*sum|terms| (n={n}, {dtype}); "
-        f"worst at flat index {worst}: |err| {err.flatten()[worst].item():.3e} > bound {bound.flatten()[worst].item():.3e}")
+        f"worst at flat index {worst}: |err| {err.flatten()[worst].item():.3e} > "
+        f"bound {bound.flatten()[worst].item():.3e}")
