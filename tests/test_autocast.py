@@ -22,12 +22,18 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
+from autoshard import Replicate, Shard
+from autoshard.moe.hf_blocks import experts_reference
+from autoshard.placements import assemble
 from autoshard.plan import loss_of
 from autoshard.runtime import SimWorld, spawn
 from autoshard.runtime.collective_ops import linears_grad_all_reduce
+from autoshard.runtime.context import context_attention
 from autoshard.runtime.ops import cross_entropy_partial_mean, vocab_parallel_cross_entropy
+from autoshard.runtime.zero import running
 from examples import models
 
 U = 2.0 ** -8  # bf16 unit roundoff
@@ -252,3 +258,160 @@ def test_simulate_under_autocast_runs_the_ranks_under_autocast():
     with torch.no_grad():  # grad mode too: no graph is recorded on any rank
         outs = plan.simulate(args, kwargs, backward=False).outputs
     assert all(not loss_of(o).requires_grad for o in outs)
+
+
+# ---- context-parallel attention: cast as scaled_dot_product_attention ------------------------------------------
+@pytest.mark.parametrize("form", ["ring", "all_gather"])
+def test_context_parallel_attention_under_autocast_equals_eager_autocast(form):
+    """``autoshard::context_attention`` stands for ``scaled_dot_product_attention``, which autocast computes in
+    bf16 (its inputs cast, softmax accumulated in fp32 inside the kernel, backward in the forward's dtypes): a HF
+    Llama with its attention's sequence sharded on ``context`` under autocast equals eager autocast."""
+    case = models.hf_llama(batch=2, seq=16, layers=1, hidden=64, heads=4, kv_heads=2)
+    model, args, kwargs = copy.deepcopy(case)
+    plan = autoshard.compile(model, autoshard.Mesh(context=2), args, kwargs,
+                             context_axis=autoshard.ContextParallel("context", form)).plan
+    assert "context_attention" in plan.code(0)
+    with _autocast():
+        sim = plan.simulate(args, kwargs)
+    _check_bf16(sim, case)
+    # the op's inputs are cast as sdpa's: K/V (fp32 out of the rotary embedding; HF repeats the KV heads before
+    # sdpa) cross the axis in bf16, as eager's sdpa would read them
+    kv = 2 * 4 * (16 // 2) * (64 // 4)  # batch, heads, the local sequence, head dim
+    moved = [r.dtype for r in sim.logs[0] if r.axis == "context" and r.phase == "forward" and r.numel == kv]
+    assert moved and set(moved) == {BF16}, moved
+
+
+@pytest.mark.parametrize("form", ["ring", "all_gather", "ulysses"])
+def test_context_attention_op_is_cast_as_sdpa(form):
+    """The op alone on fp32 ``q, k, v`` (causal, GQA), sequence sharded on context=2, forward under autocast and
+    backward outside it, against ``F.scaled_dot_product_attention`` under autocast: a bf16 output, fp32 gradients,
+    each as accurate as eager autocast's (the module docstring's bound, E measured per tensor)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, 8, generator=g)
+    k, v = torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
+    dout = torch.randn(2, 4, 16, 8, generator=g).to(BF16)
+
+    def body(rank, backward_inside=False):
+        leaves = [t.chunk(2, dim=-2)[rank].clone().requires_grad_() for t in (q, k, v)]
+        with _autocast():
+            out = context_attention(*leaves, None, "context", 2, form, causal=True)
+            if backward_inside:
+                out.backward(dout.chunk(2, dim=-2)[rank])
+        if not backward_inside:
+            out.backward(dout.chunk(2, dim=-2)[rank])
+        return out.detach(), [t.grad for t in leaves]
+
+    got = SimWorld(autoshard.Mesh(context=2)).run(body)
+    # a backward called inside the region runs in the forward's dtypes, as sdpa's does: the same gradients
+    inside = SimWorld(autoshard.Mesh(context=2)).run(body, True)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(inside[r][1], got[r][1]))
+    out = torch.cat([r[0] for r in got], dim=-2)
+    grads = [torch.cat([r[1][i] for r in got], dim=-2) for i in range(3)]
+    refs = []
+    for autocast in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", BF16, enabled=autocast):
+            o = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        o.backward(dout.to(o.dtype))
+        refs.append([o.detach(), *(t.grad for t in leaves)])
+    assert out.dtype == refs[0][0].dtype == BF16
+    for name, s, e, f in zip(("out", "dq", "dk", "dv"), [out, *grads], refs[0], refs[1]):
+        assert s.dtype == e.dtype, name
+        bound = (e.float() - f).abs().max().item()
+        assert (s.float() - f).abs().max().item() <= 2 * bound, name
+        assert (s.float() - e.float()).abs().max().item() <= 3 * bound, name
+    assert (grads[0] - refs[1][1]).abs().max() > 0.25 * (refs[0][1] - refs[1][1]).abs().max()  # bf16 backward
+
+
+# ---- a Hugging Face MoE's own experts (autoshard::hf_experts) ----------------------------------------------------
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.baddbmm.default}
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the matmuls run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _MATMULS:
+            self.dtypes.add(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_under_autocast(plan, args, kwargs):
+    """Every rank of ``plan`` in the simulator as a training script runs it: forward under autocast, backward
+    outside. The losses, the assembled gradients and each rank's set of backward matmul dtypes."""
+    world = SimWorld(plan.mesh)
+
+    def body(rank):
+        module = plan.rank_module(rank).train(plan.training)
+        a, k = plan.shard_inputs(rank, args, kwargs)
+        with running(module), _autocast():
+            out = module(*a, **k)
+        with _MatmulDtypes() as mode:
+            loss_of(out).backward()
+        return loss_of(out).detach(), {n: p.grad for n, p in module.named_parameters()}, mode.dtypes
+
+    results = world.run(body)
+    specs = plan.param_specs()
+    grads = {n: assemble([r[1][n] for r in results], specs[n], plan.mesh) for n in results[0][1]}
+    return [r[0] for r in results], grads, [r[2] for r in results]
+
+
+def test_hf_experts_backward_recomputes_under_the_forwards_autocast():
+    """The op's backward recomputes the experts: under the forward's autocast state, also when called outside the
+    region, so its gradient is the gradient of the bf16 forward -- exactly autograd through the same aten ops."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(12, 8, generator=g)
+    index = torch.randint(0, 4, (12, 2), generator=g)
+    weights = torch.rand(12, 2, generator=g)
+    up, down = torch.randn(4, 32, 8, generator=g), torch.randn(4, 8, 16, generator=g)
+    dout = torch.randn(12, 8, generator=g)
+    static = ("silu", True, False, True)
+    grads = []
+    for fn in (torch.ops.autoshard.hf_experts, experts_reference):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weights, up, down)]
+        with _autocast():
+            out = fn(leaves[0], index, leaves[1], leaves[2], leaves[3], None, None, *static)
+        out.backward(dout)
+        grads.append([out.detach(), *(t.grad for t in leaves)])
+    for name, got, ref in zip(("out", "hidden", "weights", "up", "down"), *grads):
+        assert got.dtype == ref.dtype == torch.float32, name
+        assert torch.equal(got, ref), name
+
+
+def test_hf_mixtral_experts_under_autocast_equal_eager_autocast():
+    """A tiny HF Mixtral, its experts the ``hf_experts`` op (no ``moe=``), on data=2 x model=2 with its experts
+    sharded on ``model``: forward under autocast, backward outside, as eager autocast -- the loss and gradients
+    within ``3 E`` of eager autocast, and backward's matmuls in bf16 as eager's (none recomputed in fp32). Not the
+    ``2 E`` from fp32 of the module docstring: the op evaluates the experts in another bf16 order than HF's
+    per-expert loop (every expert on every token, batched), and that alone, on one device, puts the
+    ``gate_up_proj`` gradient 2.2 E from fp32 (the sharded run is 0.9 E from that one-device op)."""
+    case = models.hf_mixtral()
+    model, args, kwargs = copy.deepcopy(case)
+    experts = {"model.layers.*.mlp.experts.gate_up_proj": (Replicate(), Shard(0)),
+               "model.layers.*.mlp.experts.down_proj": (Replicate(), Shard(0))}
+    plan = autoshard.compile(model, autoshard.Mesh(data=2, model=2), args, kwargs, plan=experts).plan
+    assert "hf_experts" in plan.code(0)
+    losses, grads, dtypes = _forward_under_autocast(plan, args, kwargs)
+    refs = []
+    for autocast in (True, False):
+        m = copy.deepcopy(case[0])
+        with torch.autocast("cpu", BF16, enabled=autocast):
+            loss = loss_of(m(*args, **kwargs))
+        with _MatmulDtypes() as mode:
+            loss.backward()
+        refs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}, mode.dtypes))
+    (ref_loss, ref, ref_dtypes), (_, fp32, _) = refs
+    assert ref_dtypes == {BF16}
+    assert all(d == ref_dtypes for d in dtypes), dtypes
+    for loss in losses:
+        torch.testing.assert_close(loss, ref_loss, rtol=U, atol=0)
+    for name, e in ref.items():
+        s, bound = grads[name], (e - fp32[name]).abs().max().item()
+        assert s.dtype == torch.float32, name
+        assert (s - e).abs().max().item() <= 3 * bound, name

@@ -273,13 +273,20 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*(t for t in inputs[:7] if t is not None))
     ctx.present = tuple(t is not None for t in inputs[:7])
     ctx.static = inputs[7:]
+    # The op has no autocast kernel: under torch.autocast its forward's aten ops are autocast one by one (bf16
+    # batched matmuls, as eager's per-expert linears). The backward recomputes them, so it recomputes them under
+    # the forward's autocast state, not the backward's (outside the region, as users call it): the gradient is
+    # then the gradient of what the forward computed, in eager autocast's dtypes.
+    device_type = inputs[0].device.type
+    ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
 
 def _backward(ctx, grad):
     saved = iter(ctx.saved_tensors)
     tensors = [next(saved) if p else None for p in ctx.present]
     diff = [i for i, t in enumerate(tensors) if t is not None and t.is_floating_point()]
-    with torch.enable_grad():
+    device_type, autocast, dtype = ctx.autocast
+    with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=autocast):
         leaves = [t.detach().requires_grad_(i in diff) if t is not None else None for i, t in enumerate(tensors)]
         out = experts_reference(*leaves, *ctx.static)
         grads = torch.autograd.grad(out, [leaves[i] for i in diff], grad, allow_unused=True)

@@ -32,12 +32,13 @@ gradients back.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from autoshard.errors import PlanError
-from autoshard.runtime.primitives import define_op, keep_comm
+from autoshard.runtime.primitives import AUTOCAST_LOWER, define_op, keep_comm
 from autoshard.runtime.communicator import current, use
 
 __all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice", "sequence_slice"]
@@ -305,7 +306,13 @@ def _backward(dout, q, k, v, mask, out, lse, axis, size, form, causal, balanced,
 _SIG = "str axis, int size, str form, bool causal, bool balanced, float scale"
 
 
-@define_op("context_attention", f"(Tensor q, Tensor k, Tensor v, Tensor? mask, {_SIG}) -> (Tensor, Tensor)")
+# Under torch.autocast the op is cast as the scaled_dot_product_attention it stands for (autocast's lower-precision
+# list): q, k, v and a floating mask to the autocast dtype, then the op runs with autocast off -- the softmax and
+# products accumulated in float32 inside, as the fused kernels do, the output in the inputs' dtype, the log-sum-exp
+# float32. Its backward runs in the saved tensors' dtypes, autocast off as well (the engine keeps autocast on in a
+# backward called inside the region, which would round the float32 accumulation to bf16).
+@define_op("context_attention", f"(Tensor q, Tensor k, Tensor v, Tensor? mask, {_SIG}) -> (Tensor, Tensor)",
+           autocast=AUTOCAST_LOWER)
 def _context_attention(q, k, v, mask, axis, size, form, causal, balanced, scale):
     """(output, log-sum-exp) of attention over ``q, k, v`` sharded along the sequence on ``axis``."""
     return _forward(q, k, v, mask, axis, size, form, causal, balanced, scale)
@@ -337,10 +344,11 @@ def _setup(ctx, inputs, output):
 def _grad(ctx, dout, _dlse):
     q, k, v, mask, out, lse = ctx.saved_tensors
     comm = getattr(ctx, "comm", None)
-    if comm is not None and not torch.compiler.is_compiling():
-        with use(comm):
-            dq, dk, dv = _context_attention_backward(dout.contiguous(), q, k, v, mask, out, lse, *ctx.rest)
-    else:
+    with contextlib.ExitStack() as stack:
+        if comm is not None and not torch.compiler.is_compiling():
+            stack.enter_context(use(comm))
+        if torch.is_autocast_enabled(q.device.type):
+            stack.enter_context(torch.autocast(q.device.type, enabled=False))
         dq, dk, dv = _context_attention_backward(dout.contiguous(), q, k, v, mask, out, lse, *ctx.rest)
     return dq, dk, dv, None, None, None, None, None, None, None
 
