@@ -721,7 +721,8 @@ class ShardedModule(torch.nn.Module):
         storage = plan.param_storage()
         compute = {name: storage[name].compute if name in storage else spec for name, spec in specs.items()}
         stages = tuple((name, st.stage) for name, st in storage.items())
-        pinned = dataclasses.replace(self.options, annotations=(*self.options.annotations, *compute.items()),
+        # layouts, not annotations: a searched plan may gather a parameter for compute (an annotated one never is)
+        pinned = dataclasses.replace(self.options, layouts=tuple(compute.items()),
                                      zero=stages if stages else (0 if self.options.zero == "auto" else
                                                                  self.options.zero))
         skeleton = self._skeleton

@@ -18,6 +18,10 @@ class Options:
     """
 
     annotations: tuple[tuple[str, Spec], ...] = ()
+    #: (exact parameter name, spec): parameters laid out as given, as an annotation lays them out, but gathered or
+    #: sliced for compute where the plan's ops need another layout (an annotated parameter never is). The program
+    #: of a ShardedModule's other training mode shares the plan's tensors through these.
+    layouts: tuple[tuple[str, Spec], ...] = ()
     data_axis: str = "data"
     on_unsupported: str = "replicate"  # replicate (default: unsupported ops run replicated, one warning) | error
     on_indivisible: str = "error"  # error | replicate

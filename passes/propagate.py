@@ -306,6 +306,13 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
                                 "Shard(d) or Replicate().")
             n.meta[M.ANNOTATED] = pattern
             fixed.add(n)
+    by_name = {a: n for n in params for a in n.meta.get(M.ALIASES, (str(n.target),))}
+    for name, spec in opts.layouts:  # fixed like an annotation, but not pinned for compute (no M.ANNOTATED)
+        n = by_name.get(name)
+        if n is None:
+            raise PlanError(f"layout given for `{name}`, but the model has no parameter of that name.")
+        n.meta[M.SPEC] = check_spec(spec, shape(n), mesh, f"layout of `{name}`")
+        fixed.add(n)
     for n in inputs:
         if n in fixed or not isinstance(n.meta.get("val"), torch.Tensor):
             continue

@@ -269,3 +269,25 @@ def test_autoshard_checkpoint_loads_into_a_meta_built_model_and_computes_its_uns
 
     for loss in world.run(load):
         assert loss == pytest.approx(ref, rel=1e-6)
+
+
+def test_eval_of_a_searched_plan_that_gathers_parameters_for_compute_equals_eager():
+    """planner="search" under half the unconstrained memory, recompute=False: the training plan stores attention's
+    output weights sharded on both axes and gathers them for compute. The eval program shares those tensors: its
+    parameters keep the plan's layouts but may be gathered too (pinned as annotations, they could not be: the first
+    eval() was a PlanError)."""
+    from autoshard.plan import loss_of
+
+    mesh = autoshard.Mesh(data=2, model=2)
+    model, args, _ = models.gpt(layers=2)
+    peak = autoshard.compile(copy.deepcopy(model), mesh, args, planner="search").plan.cost().memory.peak
+    sharded = autoshard.compile(copy.deepcopy(model), mesh, args, planner="search", memory_limit=0.5 * peak,
+                                recompute=False)
+    specs, storage = sharded.plan.param_specs(), sharded.plan.param_storage()
+    assert any(all(p.is_shard() for p in specs[n]) and n not in storage for n in specs)  # sharded twice, not ZeRO
+    sharded.eval()
+    sim = sharded.plan.simulate(args, backward=False)
+    with torch.no_grad():
+        ref = loss_of(model.eval()(*args))
+    for out in sim.outputs:
+        torch.testing.assert_close(loss_of(out), ref, rtol=1e-5, atol=1e-6)
