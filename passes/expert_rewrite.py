@@ -116,16 +116,20 @@ def _compute_dtype_values(gm: torch.fx.GraphModule, ctx: Context):
 
     policy = getattr(ctx.options, "precision", None)
     if policy is None:
-        yield
+        yield lambda node: None
         return
     mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)])
     masters = {}
-    for node in gm.graph.nodes:
-        if casts(gm, node, policy.param_dtype):
+
+    def compute(node: torch.fx.Node, read: bool | None = None) -> None:
+        if casts(gm, node, policy.param_dtype, read):
             masters[node] = node.meta["val"]
             node.meta["val"] = fake_like(masters[node], policy.param_dtype, mode)
+
+    for node in gm.graph.nodes:
+        compute(node)
     try:
-        yield
+        yield lambda node: compute(node, read=True)  # a parameter the rewrite adds, before its readers are built
     finally:
         for node, val in masters.items():
             node.meta["val"] = val
@@ -158,13 +162,14 @@ class ExpertRewrite:
         layers = []
         annotations = []
         gen = torch.Generator().manual_seed(opts.seed)
-        for path in opts.select(paths):
-            ffn = match_ffn(gm, path)
-            layer = emit_moe(gm, ffn, opts, groups, gen, key)
-            layers.append(layer)
-            if n > 1:
-                spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
-                annotations += [(name, spec) for name in layer.expert_params]
+        with _compute_dtype_values(gm, ctx) as compute:
+            for path in opts.select(paths):
+                ffn = match_ffn(gm, path)
+                layer = emit_moe(gm, ffn, opts, groups, gen, key, compute)
+                layers.append(layer)
+                if n > 1:
+                    spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
+                    annotations += [(name, spec) for name in layer.expert_params]
         gm.graph.lint()
         gm.recompile()
         result = MoERewrite(tuple(layers), groups, opts.expert_axis, key)
@@ -282,8 +287,18 @@ def _expert_weight(dense: torch.Tensor, experts: int, opts, gen: torch.Generator
         return ((torch.rand((experts, *dense.shape), generator=gen) * 2 - 1) * bound).to(dense.dtype)
 
 
-def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.Generator, key: str) -> MoELayer:
-    """Replace ``ffn`` by the MoE layer of the module docstring; ``key`` is the record key its ``attach`` carries."""
+def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.Generator, key: str,
+             compute=None) -> MoELayer:
+    """Replace ``ffn`` by the MoE layer of the module docstring; ``key`` is the record key its ``attach`` carries.
+
+    The new parameters are masters in the dense weights' dtype (fp32 under ``precision=``, like every parameter;
+    the router always float32). ``compute`` (from :func:`_compute_dtype_values`) makes an expert parameter's node
+    read as its ``param_dtype`` copy while the layer is built, so the experts compute in ``param_dtype`` as every
+    other op of the compute copy does (the ``mixed_precision`` pass casts them after propagation); the router's node
+    is marked ``KEEP_DTYPE``, never cast: the router computes in float32 under every policy."""
+    from autoshard.passes.mixed_precision import KEEP_DTYPE
+
+    compute = compute or (lambda node: None)
     x = ffn.x
     xval = x.meta["val"]
     shape = tuple(int(s) for s in xval.shape)
@@ -327,6 +342,10 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
         b2 = b.param(f"{path}.experts.b2", _expert_weight(dense_b2, E, opts, gen, ffn_dim))
         expert_params.append(f"{path}.experts.b2")
     router = b.param(f"{path}.router.weight", torch.randn(E, hidden, generator=gen) * opts.router_std)
+    router.meta[KEEP_DTYPE] = True
+    for w in (*w_in, *b_in, w2, b2):
+        if w is not None:
+            compute(w)
 
     # routing
     xg = b.call(aten.reshape.default, x, [groups, per_group, hidden])
