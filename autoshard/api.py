@@ -277,7 +277,6 @@ class ShardedModule(torch.nn.Module):
         self.training = model.training
         self._model = (model,)  # until the plan has its weights (a tuple keeps it out of this module's children)
         self._examples = None
-        self._calls = 0  # calls of this module so far: every rank must make the same calls (agreement.check_call)
         if example_inputs is not None or example_kwargs is not None:
             args = () if example_inputs is None else (
                 example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
@@ -675,8 +674,7 @@ class ShardedModule(torch.nn.Module):
         from autoshard.runtime.agreement import check_call
 
         # before any collective: the other mode's program is planned by every rank together
-        check_call(comm, self._digest, self.training, self._calls, self.plan.layout)
-        self._calls += 1
+        check_call(comm, self._digest, self.training, self.plan.layout)
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.parameters import bound
         from autoshard.runtime.communicator import backward_uses, use

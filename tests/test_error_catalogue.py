@@ -11,6 +11,7 @@ drift from the code.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import os
@@ -127,6 +128,37 @@ def _runtime_shape():
 def _runtime_dtype():
     # a float64 input to a float32 plan
     _run_mlp_on_data2(lambda sharded, x, t: sharded(x[:4].double(), t[:4]))
+
+
+def _run_mlp_per_rank(call, options=None):
+    """Compile the MLP on data=2 (in each rank's thread, with ``options[rank]``), then on each rank
+    ``call(rank, sharded, x, t)``."""
+    m, (x, t), _ = _mlp()
+    mesh = autoshard.Mesh(data=2)
+    world = autoshard.runtime.SimWorld(mesh, timeout=30)
+
+    def body(rank):
+        opts = (options or {}).get(rank, {})
+        sharded = autoshard.compile(copy.deepcopy(m), mesh, (x, t), comm=world.communicator(rank), **opts)
+        call(rank, sharded, x[4 * rank:4 * rank + 4], t[4 * rank:4 * rank + 4])
+
+    world.run(body)
+
+
+def _eval_on_rank0():
+    _run_mlp_per_rank(lambda rank, sharded, x, t: sharded.train(rank != 0)(x, t))
+
+
+def _no_grad_on_rank0():
+    def call(rank, sharded, x, t):
+        with torch.set_grad_enabled(rank != 0):
+            sharded(x, t)
+
+    _run_mlp_per_rank(call)
+
+
+def _planned_differently():
+    _run_mlp_per_rank(lambda rank, sharded, x, t: sharded(x, t), {1: {"plan": {"fc1.weight": (Shard(0),)}}})
 
 
 def _sim_timeout():
@@ -263,6 +295,9 @@ TRIGGERS = {
     "no-loss": lambda: autoshard.compile(NoLoss(), autoshard.Mesh(x=2), (torch.ones(4, 8),)).plan.simulate(
         (torch.ones(4, 8),)),
     "collective-timeout": _sim_timeout,
+    "ranks-in-other-modes": _eval_on_rank0,
+    "ranks-in-other-grad-modes": _no_grad_on_rank0,
+    "ranks-planned-differently": _planned_differently,
     "peer-died": "tests/test_faults.py::test_a_rank_dying_mid_step_makes_every_other_rank_fail_within_the_timeout",
     "peer-hangs": "tests/test_faults.py::test_a_rank_hanging_mid_step_makes_every_other_rank_time_out",
     # checkpoints

@@ -129,7 +129,7 @@ def _check_eval_errors(results):
     for rank, text in enumerate(results):
         assert text.startswith("AutoshardError"), (rank, text)
         # the eval call on rank 0 meets the others' next training call
-        assert "in train mode on ranks 1-3 and in eval mode on ranks 0 (call 2)" in text, text
+        assert "in train mode on ranks 1-3 and in eval mode on ranks 0 at once" in text, text
         assert "call the module on every rank" in text, text
 
 

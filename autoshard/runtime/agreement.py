@@ -10,7 +10,7 @@ numbers:
 * **a call on some ranks only** — the DDP habit ``if rank == 0: evaluate()`` runs the eval program on rank 0 while
   the others run the training program: their collectives pair up with the wrong peers (gloo aborts the process with
   "Received data size doesn't match expected size"; NCCL hangs). :func:`check_call` runs first in every call of a
-  ShardedModule: every rank sends (its plan's digest, its mode, how many calls it has made) and every rank compares
+  ShardedModule: every rank sends (its plan's digest, its mode, its grad mode) and every rank compares
   all of them, so a mismatch is an :class:`~autoshard.errors.AutoshardError` on every rank naming what differs,
   before any collective of the program runs.
 
@@ -89,38 +89,40 @@ def digest_number(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
-def check_call(comm: Communicator, digest: str, training: bool, call: int, describe=None) -> None:
-    """Before call number ``call`` (0 first) of a sharded module's program: every rank must be in the same call, in
-    the same mode, with the same plan (``digest`` of the plan the program was made from). Otherwise raise on every
-    rank, naming what differs; ``describe()`` (picklable, e.g. {parameter: layout}) is exchanged only then, to name
-    the first thing the plans disagree on."""
+def check_call(comm: Communicator, digest: str, training: bool, describe=None) -> None:
+    """Before a call of a sharded module's program: every rank must be in the same mode, with gradients on or off
+    alike (a forward under ``no_grad`` runs no backward), with the same plan (``digest`` of the plan the program was
+    made from). Otherwise raise on every rank, naming what differs; ``describe()`` (picklable, e.g. {node: layout})
+    is exchanged only then, to name the first thing the plans disagree on. A call on some ranks only meets the other
+    ranks' next call here, which differs in one of the three (an evaluation on rank 0 alone is an eval-mode or
+    ``no_grad`` call meeting training calls)."""
     if comm.mesh.size == 1:
         return
-    mine = torch.tensor([digest_number(digest), int(training), call], dtype=torch.int64, device=comm.device)
+    mine = torch.tensor([digest_number(digest), int(training), int(torch.is_grad_enabled())], dtype=torch.int64,
+                        device=comm.device)
     with _unrecorded(comm):
         rows = _world_all_gather(comm, mine).cpu().view(comm.mesh.size, 3).tolist()
     if all(row == rows[0] for row in rows):
         return
-    calls = sorted({row[2] for row in rows})
-    if len(calls) > 1:
-        at = {c: [r for r, row in enumerate(rows) if row[2] == c] for c in calls}
-        raise AutoshardError(
-            f"the sharded module's call number {call + 1} on rank {comm.rank} met ranks in other calls "
-            f"({', '.join(f'ranks {_ranks(rs)} in call {c + 1}' for c, rs in at.items())}): every rank must call "
-            "the sharded module, the same number of times (a forward on some ranks only, such as evaluation on rank 0 "
-            "alone, pairs their collectives with the wrong peers). Call it on every rank, e.g. evaluate on every rank "
-            "and print on rank 0.")
-    modes = {row[1] for row in rows}
-    if len(modes) > 1:
+    if len({row[1] for row in rows}) > 1:
         train = [r for r, row in enumerate(rows) if row[1]]
         evals = [r for r, row in enumerate(rows) if not row[1]]
         raise AutoshardError(
             f"the sharded module was called in train mode on ranks {_ranks(train)} and in eval mode on ranks "
-            f"{_ranks(evals)} (call {call + 1}): the two modes run different programs, so every rank must switch "
-            "with model.train()/model.eval() together, and call the module on every rank.")
+            f"{_ranks(evals)} at once: the two modes run different programs, so every rank must switch with "
+            "model.train()/model.eval() together and call the module on every rank (evaluate on every rank, print "
+            "on rank 0).")
+    if len({row[2] for row in rows}) > 1:
+        on = [r for r, row in enumerate(rows) if row[2]]
+        off = [r for r, row in enumerate(rows) if not row[2]]
+        raise AutoshardError(
+            f"the sharded module was called with gradients on ranks {_ranks(on)} and under torch.no_grad() on ranks "
+            f"{_ranks(off)} at once: a forward without gradients runs no backward, so the ranks' collectives would "
+            "pair with the wrong peers. Call the module on every rank with the same grad mode (evaluate on every "
+            "rank, print on rank 0).")
     described = gather_objects(comm, describe() if describe is not None else None)
     differs = _first_difference(described)
-    digests = {}
+    digests: dict = {}
     for r, row in enumerate(rows):
         digests.setdefault(row[0], []).append(r)
     groups = "; ".join(f"ranks {_ranks(rs)}" for rs in digests.values())
