@@ -62,6 +62,9 @@ PRECISION_CAST = "autoshard.precision_cast"
 #: the op's parameter inputs, ``((flat argument index, dtype), ...)``, inserted after propagation (the parameter,
 #: not a cast of it, is what the planners see the op consume).
 AUTOCAST_CASTS = "autoshard.autocast_casts"
+#: On a parameter node that mixed precision never casts (passes/mixed_precision.py ``casts``): True on the router
+#: weight of an MoE layer autoshard builds (passes/expert_rewrite.py), which computes in float32 under every policy.
+KEEP_DTYPE = "autoshard.keep_dtype"
 
 # ---- graph-module keys (``gm.meta``) and annotation keys of the trace and the runtime --------------------------
 #: ``gm.meta`` of a traced graph: container path -> [traced layer index, copied layer indices...]

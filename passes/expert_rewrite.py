@@ -296,7 +296,6 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     read as its ``param_dtype`` copy while the layer is built, so the experts compute in ``param_dtype`` as every
     other op of the compute copy does (the ``mixed_precision`` pass casts them after propagation); the router's node
     is marked ``KEEP_DTYPE``, never cast: the router computes in float32 under every policy."""
-    from autoshard.passes.mixed_precision import KEEP_DTYPE
 
     compute = compute or (lambda node: None)
     x = ffn.x
@@ -342,7 +341,7 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
         b2 = b.param(f"{path}.experts.b2", _expert_weight(dense_b2, E, opts, gen, ffn_dim))
         expert_params.append(f"{path}.experts.b2")
     router = b.param(f"{path}.router.weight", torch.randn(E, hidden, generator=gen) * opts.router_std)
-    router.meta[KEEP_DTYPE] = True
+    router.meta[M.KEEP_DTYPE] = True
     for w in (*w_in, *b_in, w2, b2):
         if w is not None:
             compute(w)

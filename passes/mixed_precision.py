@@ -47,7 +47,7 @@ from autoshard.context import Context
 from autoshard.errors import PlanError
 from autoshard.precision import fake_like
 
-__all__ = ["KEEP_DTYPE", "AutocastParamCasts", "InlineAutocast", "MixedPrecisionCasts", "ReducePrecision",
+__all__ = ["AutocastParamCasts", "InlineAutocast", "MixedPrecisionCasts", "ReducePrecision",
            "autocast_input_dtypes", "casts"]
 
 aten = torch.ops.aten
@@ -120,14 +120,9 @@ class MixedPrecisionCasts:
         return gm
 
 
-#: On a parameter's ``get_attr`` node: the parameter computes in its own dtype under every policy, never cast to
-#: ``param_dtype`` (the float32 router of the MoE layers the expert rewrite builds, as GShard and Switch keep it).
-KEEP_DTYPE = "autoshard.keep_dtype"
-
-
 def casts(gm: torch.fx.GraphModule, node: torch.fx.Node, param_dtype: torch.dtype, read: bool | None = None) -> bool:
     """Whether :class:`MixedPrecisionCasts` casts ``node`` to ``param_dtype``: a floating parameter (``get_attr`` of
-    an ``nn.Parameter``) or input in another dtype that something reads, unless marked :data:`KEEP_DTYPE`. ``read``:
+    an ``nn.Parameter``) or input in another dtype that something reads, unless marked ``M.KEEP_DTYPE``. ``read``:
     whether something reads it (default: it has users; the expert rewrite asks about the parameters it adds before
     it builds their readers). (The plan search prices these values as their ``param_dtype`` copies and the casts
     themselves: :mod:`autoshard.passes.plan_search.precision`.)"""
@@ -135,7 +130,7 @@ def casts(gm: torch.fx.GraphModule, node: torch.fx.Node, param_dtype: torch.dtyp
     read = bool(node.users) if read is None else read
     if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == param_dtype or not read:
         return False
-    if node.meta.get(KEEP_DTYPE):
+    if node.meta.get(M.KEEP_DTYPE):
         return False
     return node.op == "placeholder" or (node.op == "get_attr" and isinstance(_attr(gm, node.target),
                                                                              torch.nn.Parameter))
