@@ -41,7 +41,7 @@ import torch.fx
 
 from autoshard import layer_reuse
 from autoshard import meta as M
-from autoshard.errors import TraceError
+from autoshard.errors import AutoshardError, TraceError
 from autoshard.graph_utils import fetch_attr  # re-exported: autoshard.trace.fetch_attr
 from autoshard.layer_reuse import find_groups
 from autoshard.progress import slow_step
@@ -183,6 +183,9 @@ def _export(model, args, kwargs) -> torch.fx.GraphModule:
     except Exception as e:  # export raises many types; all mean the same thing to the user
         if regions.reentrant:
             raise _reentrant_error(model, regions.reentrant) from e
+        own = _cause(e, AutoshardError)
+        if own is not None:  # autoshard's own error from inside the trace (an experts block it cannot run) says more
+            raise own from None
         raise export_error(model, e) from e
     if regions.reentrant:
         raise _reentrant_error(model, regions.reentrant)
