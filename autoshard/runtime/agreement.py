@@ -104,17 +104,15 @@ def check_call(comm: Communicator, digest: str, training: bool, describe=None) -
         rows = _world_all_gather(comm, mine).cpu().view(comm.mesh.size, 3).tolist()
     if all(row == rows[0] for row in rows):
         return
-    if len({row[1] for row in rows}) > 1:
-        train = [r for r, row in enumerate(rows) if row[1]]
-        evals = [r for r, row in enumerate(rows) if not row[1]]
+    train, evals = _split(rows, 1)
+    if train and evals:
         raise AutoshardError(
             f"the sharded module was called in train mode on ranks {_ranks(train)} and in eval mode on ranks "
             f"{_ranks(evals)} at once: the two modes run different programs, so every rank must switch with "
             "model.train()/model.eval() together and call the module on every rank (evaluate on every rank, print "
             "on rank 0).")
-    if len({row[2] for row in rows}) > 1:
-        on = [r for r, row in enumerate(rows) if row[2]]
-        off = [r for r, row in enumerate(rows) if not row[2]]
+    on, off = _split(rows, 2)
+    if on and off:
         raise AutoshardError(
             f"the sharded module was called with gradients on ranks {_ranks(on)} and under torch.no_grad() on ranks "
             f"{_ranks(off)} at once: a forward without gradients runs no backward, so the ranks' collectives would "
@@ -131,6 +129,11 @@ def check_call(comm: Communicator, digest: str, training: bool, describe=None) -
         "compute wrong numbers. Every rank must compile the same model with the same options and example shapes; "
         "a searched plan is decided on rank 0 when the module compiles on its first call (or with example inputs "
         "once torch.distributed is initialised), so compile on every rank at the same point of the script.")
+
+
+def _split(rows: list, column: int) -> tuple[list[int], list[int]]:
+    """(ranks whose flag in ``column`` is set, ranks whose flag is not)."""
+    return [r for r, row in enumerate(rows) if row[column]], [r for r, row in enumerate(rows) if not row[column]]
 
 
 def _first_difference(described: list) -> str:
