@@ -321,7 +321,9 @@ class ShardedModule(torch.nn.Module):
     def _build_plan(self, args: tuple, kwargs: dict) -> None:
         model = self._model[0]
         self._traced_training = model.training
-        plan = self._planned_once(lambda once: build_plan(model, self.mesh, args, kwargs, self.options, once=once))
+        comm = self._job_communicator()
+        plan = (build_plan(model, self.mesh, args, kwargs, self.options) if comm is None
+                else self._planned_once(comm, model, args, kwargs, self.options))
         with GRAPH_LOCK:  # the model may be shared with simulated ranks (threads) that trace it now
             self.plan = plan
             self.plan._mode_owner = weakref.ref(self)  # Plan.simulate follows this module's mode
@@ -330,16 +332,13 @@ class ShardedModule(torch.nn.Module):
             self._digest = self.plan.digest()  # what every rank's plan must equal (agreement.check_call)
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
 
-    def _planned_once(self, build):
-        """``build(once)``, the plan, made so that every rank of a job runs the same one: when every rank plans at
-        this point together (a process of a torch.distributed job, or a simulator rank's own thread), rank 0 plans,
-        recording each decision that may differ between processes (``once``, :attr:`Context.once`: the
-        time-limited search), and hands them to every rank, which plans again replaying them (a failure on rank 0 is
-        raised on every rank). Otherwise each process plans alone, and the first call compares plans
-        (:func:`autoshard.runtime.agreement.check_call`)."""
-        comm = self._job_communicator()
-        if comm is None:
-            return build(None)
+    def _planned_once(self, comm, model, args: tuple, kwargs: dict, options: Options) -> Plan:
+        """:func:`build_plan` of ``model`` on this module's mesh, made so that every rank of a job runs the same one,
+        when every rank plans at this point together (``comm``: :meth:`_job_communicator`): rank 0 plans, recording
+        each decision that may differ between processes (``once``, :attr:`Context.once`: the time-limited search),
+        and hands them to every rank, which plans again replaying them (a failure on rank 0 is raised on every
+        rank). Without such a communicator each process plans alone,
+        and every call compares plans (:func:`autoshard.runtime.agreement.check_call`)."""
         from autoshard.runtime.agreement import decide_once
 
         if comm.rank == 0:
@@ -350,7 +349,7 @@ class ShardedModule(torch.nn.Module):
                 return decisions[-1]
 
             try:
-                plan = build(record)
+                plan = build_plan(model, self.mesh, args, kwargs, options, once=record)
             except AutoshardError as e:
                 decide_once(comm, lambda: ("error", type(e).__name__, str(e)))
                 raise
@@ -371,10 +370,11 @@ class ShardedModule(torch.nn.Module):
                                 "model, options or example shapes differ from rank 0's. Compile the same model "
                                 "with the same options on every rank.") from None
 
-        return build(replayed)
+        return build_plan(model, self.mesh, args, kwargs, options, once=replayed)
 
     def _job_communicator(self):
-        """This rank's communicator when every rank of the job plans at this point together, else None."""
+        """This rank's communicator when every rank of the job plans at this point together (a process of a
+        torch.distributed job, or a simulator rank's own thread), else None."""
         if self.mesh.size == 1:
             return None
         from autoshard.runtime.communicator import current
@@ -727,8 +727,9 @@ class ShardedModule(torch.nn.Module):
         was = skeleton.training
         skeleton.train(training)
         try:
-            other = self._planned_once(lambda once: build_plan(skeleton, self.mesh, *self._examples, pinned,
-                                                               once=once))
+            comm = self._job_communicator()
+            other = (build_plan(skeleton, self.mesh, *self._examples, pinned) if comm is None
+                     else self._planned_once(comm, skeleton, *self._examples, pinned))
         finally:
             skeleton.train(was)
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}
