@@ -5,31 +5,23 @@ processes, each equal to eager on one device: both losses, the clipped total nor
 (tests/matrix_cases.py holds the cases, the eager reference and the tolerances).
 
 The gloo processes are started once for the module (a module-scoped fixture) and run every case in sequence, each
-case in its own ``try``: one failing case reports its traceback and hides none of the others. A case that fails is
-marked ``xfail(strict=True)`` below with its cause, until it is fixed.
+case in its own ``try``: one failing case reports its traceback and hides none of the others. The simulator refuses
+the pipeline cases with an error that says so (:data:`SIM_REFUSES`); every other case runs in both.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from autoshard.errors import AutoshardError
 from tests import matrix_cases as mc
 
-#: case -> cause, for cases that fail in the simulator / on real processes (strict: a fix makes the test fail
-#: until the mark is removed)
-_NO_SIM_PIPELINE = ("autoshard/pipeline/module.py PipelineRunner.__init__ calls comm.process_group(axis), which "
-                    "SimCommunicator (autoshard/runtime/sim.py) lacks: a pipelined compile cannot run in the "
-                    "simulator (AttributeError), so no pipeline runs there at all")
-XFAIL_SIM: dict[str, str] = {"pipeline_1f1b": _NO_SIM_PIPELINE, "pipeline_interleaved": _NO_SIM_PIPELINE}
-XFAIL_REAL: dict[str, str] = {}
+#: cases the simulator refuses with an error that says so: it has no point-to-point process group for
+#: torch.distributed.pipelining's schedules (torch's threaded process group has collectives only)
+SIM_REFUSES = ("pipeline_1f1b", "pipeline_interleaved")
 
 _refs: dict[str, dict] = {}
 _sim: dict[str, list] = {}
-
-
-def _params(xfails: dict[str, str]):
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=xfails[name])) if name in xfails
-            else name for name in mc.CASES]
 
 
 def _reference(name: str) -> dict:
@@ -69,21 +61,25 @@ def _first_cause(errors: list[str]) -> str:
     return (causes or errors)[0]
 
 
-@pytest.mark.parametrize("name", _params(XFAIL_SIM))
+@pytest.mark.parametrize("name", list(mc.CASES))
 def test_simulator_equals_eager(name):
+    if name in SIM_REFUSES:
+        with pytest.raises(AutoshardError, match="Run pipelines on real processes"):
+            _simulated(name)
+        return
     mc.check(name, _simulated(name), _reference(name))
     _check_case_premise(name, _simulated(name))
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("name", _params(XFAIL_REAL))
+@pytest.mark.parametrize("name", list(mc.CASES))
 def test_real_processes_equal_eager(name, real_processes):
     got = real_processes[name]
     if isinstance(got, str):
         pytest.fail(f"{name} on 4 gloo processes raised:\n{got}", pytrace=False)
     mc.check(name, got, _reference(name))
     _check_case_premise(name, got)
-    if name not in XFAIL_SIM:
+    if name not in SIM_REFUSES:
         mc.check_same(name, _simulated(name), got)
 
 

@@ -362,6 +362,15 @@ class SimCommunicator(Communicator):
     def _broadcast(self, t, axis, src):
         return self._exchange("broadcast", axis, t, src=src)[src].clone()
 
+    def process_group(self, axis: str):
+        """Refused: the simulator's ranks share torch's threaded process group, which has collectives but no
+        point-to-point transfers, and torch.distributed.pipelining's schedules exchange activations by them."""
+        raise AutoshardError(f"a pipelined plan asked for the process group of axis `{axis}` on simulated rank "
+                             f"{self.rank}, but the simulator has none with point-to-point transfers (torch's "
+                             "threaded process group has collectives only), so torch.distributed.pipelining's "
+                             "schedules cannot run on it. Run pipelines on real processes: torchrun, or "
+                             "autoshard.runtime.spawn on one machine.")
+
     def barrier(self) -> None:
         world = self.world
         world._set_status(self.rank, "is waiting in barrier")
