@@ -403,28 +403,17 @@ _backward_comms: dict[int, Communicator] = {}
 _backward_lock = threading.Lock()
 
 
-class _BackwardUses(torch.autograd.Function):
-    """Identity on a forward's outputs; its backward, the first step of any backward pass through them, makes the
-    forward's communicator the one of that pass (a recomputed region, a compiled backward, a hook may look it up
-    after the call that ran the forward has returned)."""
-
-    @staticmethod
-    def forward(ctx, comm, *xs):
-        ctx.comm = comm
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        task = torch._C._current_graph_task_id()
-        with _backward_lock:
-            known = _backward_comms.setdefault(task, ctx.comm)
-        if known is not ctx.comm:
-            raise AutoshardError(f"one backward pass differentiates the outputs of two calls run by different "
-                                 f"communicators ({known!r} and {ctx.comm!r}), so its collectives have no one group "
-                                 "to run in: call backward() on each sharded module's loss separately.")
-        # once per call's outputs; the pass's end drops the entry (a second pop finds none)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _forget_backward(task))
-        return (None, *grads)
+def _entered_backward(comm: Communicator) -> None:
+    """Record ``comm`` as the communicator of the calling thread's backward pass (the first time it reaches a
+    forward's outputs); the pass's end forgets it."""
+    task = torch._C._current_graph_task_id()
+    with _backward_lock:
+        known = _backward_comms.setdefault(task, comm)
+    if known is not comm:
+        raise AutoshardError(f"one backward pass differentiates the outputs of two calls run by different "
+                             f"communicators ({known!r} and {comm!r}), so its collectives have no one group to run "
+                             "in: call backward() on each sharded module's loss separately.")
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _forget_backward(task))
 
 
 def _forget_backward(task: int) -> None:
@@ -433,18 +422,18 @@ def _forget_backward(task: int) -> None:
 
 
 def backward_uses(outputs, comm: Communicator):
-    """``outputs`` (any pytree) with every tensor that requires grad passed through an identity whose backward makes
-    ``comm`` current for the rest of that backward pass (:func:`current`): what ShardedModule's call returns."""
+    """Make ``comm`` current for every backward pass through ``outputs`` (any pytree), from its first step through
+    them (:func:`current`): a hook before each output's autograd node, so the outputs stay the program's own
+    tensors. What a ShardedModule's call returns; returns ``outputs``."""
     from torch.utils import _pytree as pytree
 
-    leaves, spec = pytree.tree_flatten(outputs)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not where or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
         return outputs
-    marked = _BackwardUses.apply(comm, *(leaves[i] for i in where))
-    for i, x in zip(where, marked):
-        leaves[i] = x
-    return pytree.tree_unflatten(leaves, spec)
+    nodes = {id(x.grad_fn): x.grad_fn for x in pytree.tree_leaves(outputs)
+             if isinstance(x, torch.Tensor) and x.grad_fn is not None}
+    for node in nodes.values():
+        node.register_prehook(lambda grads: _entered_backward(comm))
+    return outputs
 
 
 def current() -> Communicator:
