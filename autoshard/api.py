@@ -350,7 +350,7 @@ class ShardedModule(torch.nn.Module):
 
             try:
                 plan = build_plan(model, self.mesh, args, kwargs, options, once=record)
-            except AutoshardError as e:
+            except Exception as e:  # every rank waits for rank 0's plan: each must hear that there is none
                 decide_once(comm, lambda: ("error", type(e).__name__, str(e)))
                 raise
             decide_once(comm, lambda: ("plan", decisions))
@@ -359,7 +359,9 @@ class ShardedModule(torch.nn.Module):
         if kind == "error":
             from autoshard import errors
 
-            raise getattr(errors, rest[0], AutoshardError)(f"rank 0 failed to plan: {rest[1]}")
+            cls = getattr(errors, rest[0], None)
+            cls = cls if isinstance(cls, type) and issubclass(cls, AutoshardError) else AutoshardError
+            raise cls(f"rank 0 failed to plan ({rest[0]}): {rest[1]}")
         replay = iter(rest[0])
 
         def replayed(decide):

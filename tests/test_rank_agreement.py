@@ -212,3 +212,18 @@ def test_example_inputs_that_share_memory_are_traced_as_distinct_inputs():
     meta = torch.empty(2, 2, device="meta")
     margs, _ = unaliased((meta, meta, torch.empty(2, 2, device="meta")), {})
     assert margs[0] is meta and margs[1] is not meta and margs[2] is not meta
+
+
+def _rank0_cannot_plan(rank, comm=None):
+    """Rank 0's search cannot meet its memory limit (1 KiB); the other ranks wait for rank 0's plan."""
+    model, args = _gpt()
+    sharded = autoshard.compile(model, MESH, planner="search", memory_limit=1024 if rank == 0 else None, comm=comm)
+    return _errors(lambda: sharded(*_local(args, rank)))
+
+
+def test_a_plan_rank0_cannot_make_is_an_error_on_every_rank():
+    texts = _sim(_rank0_cannot_plan)
+    assert texts[0].startswith("PlanError") and "least memory" in texts[0], texts[0]
+    for text in texts[1:]:
+        assert text.startswith("PlanError: rank 0 failed to plan (PlanError): "), text
+        assert "least memory" in text, text

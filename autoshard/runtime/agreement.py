@@ -14,8 +14,9 @@ numbers:
   all of them, so a mismatch is an :class:`~autoshard.errors.AutoshardError` on every rank naming what differs,
   before any collective of the program runs.
 
-Both are built on the communicator's per-axis collectives only (a world-wide exchange is one exchange along each
-mesh axis in turn), so they run the same on ``torch.distributed`` and in the simulator, and they are left out of the
+Both are built on the communicator's own exchanges (a world-wide one is one exchange along each mesh axis in turn;
+the check before each call runs on the host, :meth:`Communicator.all_gather_host`, so under NCCL it never waits for
+the GPU), so they run the same on ``torch.distributed`` and in the simulator, and they are left out of the
 communicator's log (they are not the plan's collectives).
 """
 
@@ -40,14 +41,6 @@ def _unrecorded(comm: Communicator):
         yield
     finally:
         comm.recording = was
-
-
-def _world_all_gather(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-d ``t``, concatenated in rank order: an all-gather along each axis, the last axis first
-    (ranks number the mesh's coordinates row-major, :meth:`autoshard.mesh.Mesh.rank_of`)."""
-    for axis in reversed(comm.mesh.names):
-        t = comm.all_gather(t, axis, 0)
-    return t
 
 
 def _world_broadcast(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
@@ -77,10 +70,10 @@ def gather_objects(comm: Communicator, obj) -> list:
     """Every rank's ``obj`` (picklable), in rank order, on every rank."""
     with _unrecorded(comm):
         data = pickle.dumps(obj)
-        sizes = _world_all_gather(comm, torch.tensor([len(data)], dtype=torch.int64, device=comm.device)).tolist()
+        sizes = comm.all_gather_host(torch.tensor([len(data)], dtype=torch.int64)).view(-1).tolist()
         buf = torch.zeros(max(sizes), dtype=torch.uint8)
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        rows = _world_all_gather(comm, buf.to(comm.device)).cpu().view(len(sizes), -1)
+        rows = comm.all_gather_host(buf)
         return [pickle.loads(rows[r, :sizes[r]].numpy().tobytes()) for r in range(len(sizes))]
 
 
@@ -98,10 +91,9 @@ def check_call(comm: Communicator, digest: str, training: bool, describe=None) -
     ``no_grad`` call meeting training calls)."""
     if comm.mesh.size == 1:
         return
-    mine = torch.tensor([digest_number(digest), int(training), int(torch.is_grad_enabled())], dtype=torch.int64,
-                        device=comm.device)
+    mine = torch.tensor([digest_number(digest), int(training), int(torch.is_grad_enabled())], dtype=torch.int64)
     with _unrecorded(comm):
-        rows = _world_all_gather(comm, mine).cpu().view(comm.mesh.size, 3).tolist()
+        rows = comm.all_gather_host(mine).tolist()
     if all(row == rows[0] for row in rows):
         return
     train, evals = _split(rows, 1)

@@ -112,6 +112,16 @@ class Communicator(abc.ABC):
         """Where tensors this communicator's collectives take must live (NCCL: this process's GPU)."""
         return torch.device("cpu")
 
+    def all_gather_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's small 1-d CPU tensor ``t``, as a CPU tensor ``[world size, len(t)]`` in rank order: the
+        exchange of the agreement checks before every call (:mod:`autoshard.runtime.agreement`). Here one all-gather
+        along each mesh axis, the last axis first (ranks number coordinates row-major); a communicator whose
+        collectives run on a device exchanges on the host instead, so the check never waits for the device."""
+        out = t.to(self.device)
+        for axis in reversed(self.mesh.names):
+            out = self.all_gather(out, axis, 0)
+        return out.cpu().view(self.mesh.size, -1)
+
     # ---- raw collectives (no autograd) ------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
         """Sum of ``t`` over the group along ``axis`` (every rank gets the same new tensor)."""

@@ -111,10 +111,10 @@ class DistCommunicator(Communicator):
         self._owned: list[dist.ProcessGroup] = []  # the groups created here, which close() destroys
         self._on_close: list = []  # weak references to callbacks that let go of this communicator's groups
         self.closed = False
+        delta = timedelta(seconds=self.timeout)
         if device_mesh is not None:
             self._groups = self._groups_of_device_mesh(device_mesh)
         else:
-            delta = timedelta(seconds=self.timeout)
             for axis in mesh.names:
                 for ranks in mesh.groups(axis):
                     pg = dist.new_group(list(ranks), timeout=delta)
@@ -122,6 +122,12 @@ class DistCommunicator(Communicator):
                         self._groups[axis] = pg
                         self._owned.append(pg)
         self.backend = str(dist.get_backend()).lower()
+        #: a gloo group of every rank for the small host-side exchanges before each call (all_gather_host), so they
+        #: never synchronise with the device; None where the collectives are gloo's already
+        self._host_group = None
+        if "gloo" not in self.backend:
+            self._host_group = dist.new_group(backend="gloo", timeout=delta)
+            self._owned.append(self._host_group)
         if native_ops is None:
             native_ops = next((ops for name, ops in NATIVE_OPS.items() if name in self.backend), frozenset())
         unknown = set(native_ops) - _ALL
@@ -313,6 +319,14 @@ class DistCommunicator(Communicator):
     @property
     def device(self) -> torch.device:
         return self._device()
+
+    def all_gather_host(self, t: torch.Tensor) -> torch.Tensor:
+        if self._host_group is None:
+            return super().all_gather_host(t)
+        out = [torch.empty_like(t) for _ in range(self.mesh.size)]
+        with self._guard("all_gather_host", None):
+            dist.all_gather(out, t, group=self._host_group)
+        return torch.stack(out)
 
     def _device(self) -> torch.device:
         if "nccl" in self.backend and torch.cuda.is_available():
