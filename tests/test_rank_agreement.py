@@ -227,3 +227,20 @@ def test_a_plan_rank0_cannot_make_is_an_error_on_every_rank():
     for text in texts[1:]:
         assert text.startswith("PlanError: rank 0 failed to plan (PlanError): "), text
         assert "least memory" in text, text
+
+
+@pytest.mark.parametrize("digests, modes, grads, equal", [
+    ([7, 7, 7, 7], [1, 1, 1, 1], [1, 1, 1, 1], True),
+    ([2**59 + 5] * 4, [0] * 4, [0] * 4, True),
+    ([7, 7, 7, 7 + 2**20], [1] * 4, [1] * 4, False),  # only the second 20-bit piece differs
+    ([3, 5, 4, 4], [1] * 4, [1] * 4, False),  # same sum as four 4s: the squares tell
+    ([7] * 4, [1, 1, 0, 1], [1] * 4, False),
+    ([7] * 4, [1] * 4, [0, 1, 1, 1], False),
+])
+def test_the_check_before_each_call_is_one_sum_that_sees_any_difference(digests, modes, grads, equal):
+    from autoshard.runtime import current
+    from autoshard.runtime.agreement import _all_equal
+
+    world = SimWorld(autoshard.Mesh(a=2, b=2), timeout=30)
+    got = world.run(lambda r: _all_equal(current(), digests[r], bool(modes[r]), bool(grads[r])))
+    assert got == [equal] * 4

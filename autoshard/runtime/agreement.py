@@ -14,10 +14,11 @@ numbers:
   all of them, so a mismatch is an :class:`~autoshard.errors.AutoshardError` on every rank naming what differs,
   before any collective of the program runs.
 
-Both are built on the communicator's own exchanges (a world-wide one is one exchange along each mesh axis in turn;
-the check before each call runs on the host, :meth:`Communicator.all_gather_host`, so under NCCL it never waits for
-the GPU), so they run the same on ``torch.distributed`` and in the simulator, and they are left out of the
-communicator's log (they are not the plan's collectives).
+Both are built on the communicator's own exchanges (a world-wide one is one exchange along each mesh axis in turn),
+so they run the same on ``torch.distributed`` and in the simulator, and they are left out of the communicator's log
+(they are not the plan's collectives). The check before each call is one sum of 6 numbers over the world
+(:func:`_all_equal`), on the host (:meth:`Communicator.all_reduce_host`: under NCCL a gloo group, so it never waits
+for the GPU); only when something differs does every rank gather every rank's values to name it.
 """
 
 from __future__ import annotations
@@ -82,6 +83,19 @@ def digest_number(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
+def _all_equal(comm: Communicator, digest: int, training: bool, grad: bool) -> bool:
+    """Whether every rank passed the same values, by one small sum over the world (the price of every call, the
+    same for any world size): a flag is the same on every rank exactly when its sum is 0 or the world size, and a
+    number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as two 20-bit pieces (their squares summed
+    over 2^22 ranks stay within int64): two plans pass as one only if both pieces agree, 1 in 2^40."""
+    pieces = (digest & 0xFFFFF, (digest >> 20) & 0xFFFFF)
+    mine = torch.tensor([pieces[0], pieces[0] ** 2, pieces[1], pieces[1] ** 2, int(training), int(grad)],
+                        dtype=torch.int64)
+    s = comm.all_reduce_host(mine).tolist()
+    n = comm.mesh.size
+    return (n * s[1] == s[0] ** 2 and n * s[3] == s[2] ** 2 and s[4] in (0, n) and s[5] in (0, n))
+
+
 def check_call(comm: Communicator, digest: str, training: bool, describe=None) -> None:
     """Before a call of a sharded module's program: every rank must be in the same mode, with gradients on or off
     alike (a forward under ``no_grad`` runs no backward), with the same plan (``digest`` of the plan the program was
@@ -91,11 +105,12 @@ def check_call(comm: Communicator, digest: str, training: bool, describe=None) -
     ``no_grad`` call meeting training calls)."""
     if comm.mesh.size == 1:
         return
-    mine = torch.tensor([digest_number(digest), int(training), int(torch.is_grad_enabled())], dtype=torch.int64)
+    number, grad = digest_number(digest), torch.is_grad_enabled()
     with _unrecorded(comm):
-        rows = comm.all_gather_host(mine).tolist()
-    if all(row == rows[0] for row in rows):
-        return
+        if _all_equal(comm, number, training, grad):
+            return
+        # something differs: every rank learns what, from every rank's values (the rare path pays O(world))
+        rows = comm.all_gather_host(torch.tensor([number, int(training), int(grad)], dtype=torch.int64)).tolist()
     train, evals = _split(rows, 1)
     if train and evals:
         raise AutoshardError(

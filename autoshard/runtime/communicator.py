@@ -113,14 +113,22 @@ class Communicator(abc.ABC):
         return torch.device("cpu")
 
     def all_gather_host(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's small 1-d CPU tensor ``t``, as a CPU tensor ``[world size, len(t)]`` in rank order: the
-        exchange of the agreement checks before every call (:mod:`autoshard.runtime.agreement`). Here one all-gather
+        """Every rank's small 1-d CPU tensor ``t``, as a CPU tensor ``[world size, len(t)]`` in rank order: what the
+        agreement checks exchange to name what differs (:mod:`autoshard.runtime.agreement`). Here one all-gather
         along each mesh axis, the last axis first (ranks number coordinates row-major); a communicator whose
-        collectives run on a device exchanges on the host instead, so the check never waits for the device."""
+        collectives run on a device exchanges on the host instead, so it never waits for the device."""
         out = t.to(self.device)
         for axis in reversed(self.mesh.names):
             out = self.all_gather(out, axis, 0)
         return out.cpu().view(self.mesh.size, -1)
+
+    def all_reduce_host(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over every rank of a small 1-d CPU tensor ``t``, as a CPU tensor: the agreement check before
+        every call. Here one all-reduce along each mesh axis; on the host where the collectives run on a device."""
+        out = t.to(self.device)
+        for axis in self.mesh.names:
+            out = self.all_reduce(out, axis)
+        return out.cpu()
 
     # ---- raw collectives (no autograd) ------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:

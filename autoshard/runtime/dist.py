@@ -122,9 +122,10 @@ class DistCommunicator(Communicator):
                         self._groups[axis] = pg
                         self._owned.append(pg)
         self.backend = str(dist.get_backend()).lower()
-        #: a gloo group of every rank for the small host-side exchanges before each call (all_gather_host), so they
-        #: never synchronise with the device; None where the collectives are gloo's already
-        self._host_group = None
+        #: a gloo group of every rank for the small host-side exchanges before each call (all_reduce_host,
+        #: all_gather_host): one collective over the world, which never synchronises with the device (the default
+        #: group where it is gloo's already)
+        self._host_group = dist.group.WORLD
         if "gloo" not in self.backend:
             self._host_group = dist.new_group(backend="gloo", timeout=delta)
             self._owned.append(self._host_group)
@@ -320,9 +321,13 @@ class DistCommunicator(Communicator):
     def device(self) -> torch.device:
         return self._device()
 
+    def all_reduce_host(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        with self._guard("all_reduce_host", None):
+            dist.all_reduce(out, group=self._host_group)
+        return out
+
     def all_gather_host(self, t: torch.Tensor) -> torch.Tensor:
-        if self._host_group is None:
-            return super().all_gather_host(t)
         out = [torch.empty_like(t) for _ in range(self.mesh.size)]
         with self._guard("all_gather_host", None):
             dist.all_gather(out, t, group=self._host_group)
