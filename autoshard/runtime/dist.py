@@ -154,6 +154,7 @@ class DistCommunicator(Communicator):
                     fn()
             self._on_close = []
             owned, self._owned, self._groups = self._owned, [], {}
+            self._host_group = None  # a reference would keep its gloo backend, and its threads, alive
             if dist.is_initialized():
                 for pg in owned:
                     dist.destroy_process_group(pg)
