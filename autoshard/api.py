@@ -337,8 +337,8 @@ class ShardedModule(torch.nn.Module):
         when every rank plans at this point together (``comm``: :meth:`_job_communicator`): rank 0 plans, recording
         each decision that may differ between processes (``once``, :attr:`Context.once`: the time-limited search),
         and hands them to every rank, which plans again replaying them (a failure on rank 0 is raised on every
-        rank). Without such a communicator each process plans alone,
-        and every call compares plans (:func:`autoshard.runtime.agreement.check_call`)."""
+        rank). Without such a communicator each process plans alone, and every call compares plans
+        (:func:`autoshard.runtime.agreement.check_call`)."""
         from autoshard.runtime.agreement import decide_once
 
         if comm.rank == 0:
