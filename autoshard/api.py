@@ -11,6 +11,7 @@ Calling the returned :class:`ShardedModule` runs this process's rank of the plan
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import weakref
@@ -272,6 +273,7 @@ class ShardedModule(torch.nn.Module):
         self._other_box: tuple = ()  # the other mode's program, when made (boxed: not a child module)
         self._expected: list | None = None
         self._initialised = True  # False while this rank's shards are uninitialised memory (a meta-built model)
+        self._grad_sync = True  # False under no_sync() / set_requires_gradient_sync(False)
         self._skeleton_box = (meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
         self._traced_training = model.training
         self.training = model.training
@@ -676,16 +678,51 @@ class ShardedModule(torch.nn.Module):
         from autoshard.runtime.agreement import check_call
 
         # before any collective: the other mode's program is planned by every rank together
-        check_call(comm, self._digest, self.training, self.plan.layout)
+        check_call(comm, f"{self._digest}/sync={self._grad_sync}", self.training, self.plan.layout)
         program = self.local if self.training == self._traced_training else self._program_of_other_mode()
         from autoshard.parameters import bound
         from autoshard.runtime.communicator import backward_uses, use
+        from autoshard.runtime.grad_sync import syncing
         from autoshard.runtime.zero import running
 
         bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])
                     for owner, attr, is_param, holder, held, held_param in self._bindings(program)]
-        with use(comm), running(program), bound(program, bindings):
+        with use(comm), running(program), bound(program, bindings), syncing(self._grad_sync, self.bucketer):
             return backward_uses(program(*args, **kwargs), comm)
+
+    # ---- gradient accumulation without sync (DDP's no_sync, FSDP2's set_requires_gradient_sync) -------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """As FSDP2's: ``False`` makes the backward of the following calls keep each parameter gradient
+        unreduced (accumulated on this rank), until a call made with it ``True`` again reduces the sum at once —
+        the same gradients as syncing every micro-step, with one sync per parameter instead of one per micro-step.
+        Every rank must set it alike (each call checks)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise AutoshardError(f"set_requires_gradient_sync takes True or False, not {requires_gradient_sync!r}.")
+        if not requires_gradient_sync and not self.bucketing:
+            raise AutoshardError("gradient sync cannot be skipped with bucket_cap_mb=0: the program then reduces "
+                                 "each gradient inside backward. Leave bucket_cap_mb at its default (or > 0) to use "
+                                 "no_sync() / set_requires_gradient_sync(False).")
+        self._grad_sync = requires_gradient_sync
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute: whether the next backward syncs gradients (settable)."""
+        return self._grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.set_requires_gradient_sync(value)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As DDP's: the calls inside accumulate gradients without syncing them; the first call after it syncs
+        everything accumulated (call its backward outside the block, as with DDP)."""
+        was = self._grad_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._grad_sync = was
 
     def _program_of_other_mode(self) -> torch.fx.GraphModule:
         """The program of the mode the plan was not traced in: the skeleton traced in that mode, every
