@@ -25,7 +25,7 @@ from autoshard.errors import (
 )
 from autoshard.mesh import Mesh
 
-_LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
+_LAZY = {"compile": "autoshard.api", "shard": "autoshard.in_place", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
          "Pipeline": "autoshard.pipeline", "MixedPrecision": "autoshard.precision",
          "ContextParallel": "autoshard.context_parallel",
@@ -33,7 +33,7 @@ _LAZY = {"compile": "autoshard.api", "ShardedModule": "autoshard.api", "data_sha
          "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint",
          "clip_grad_norm_": "autoshard.parameters"}
 
-__all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
+__all__ = ["compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
            "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
            "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]
@@ -41,7 +41,7 @@ __all__ = ["compile", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate
 
 _SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "rank_programs", "ops", "strategies",
                "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint",
-               "parameters"}
+               "parameters", "in_place", "notices"}
 
 
 def __getattr__(name: str):

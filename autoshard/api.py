@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autoshard.context import Options
-from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
+from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.parameters import default_device, local_slice
 from autoshard.placements import parse_placement
@@ -35,7 +35,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
             bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
             device=None, zero: int | str | None = None, recompute: str | bool | None = None, precision=None,
-            context_axis=None) -> ShardedModule:
+            context_axis=None, new_shapes: str = "plan") -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -91,6 +91,13 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     ``device``; fill them with ``sharded.init_weights()`` (the model's own init, module by module) or
     ``autoshard.load(sharded, path)`` (a Hugging Face safetensors directory or an autoshard checkpoint). A model
     built normally gives each rank its slices and is not kept: the ShardedModule holds only this rank's shards.
+
+    ``new_shapes="plan"`` (default): a call whose inputs differ from the example's (another batch size or sequence
+    length, another constant argument) is planned for them on its first call — every parameter and buffer pinned to
+    its layout in the plan, the same shards — and that program is cached per mode and input shapes (a notice after
+    8 of them: pad or bucket inputs). ``"error"``: such a call is a RuntimeShapeError.
+
+    To shard the model object itself, in place (as FSDP2's ``fully_shard``), use :func:`autoshard.shard`.
     """
     mesh = as_mesh(mesh)
     options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer,
@@ -107,7 +114,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
         from autoshard.pipeline import PipelinedModule
 
         return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout, device)
-    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb, device)
+    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb, device,
+                         new_shapes)
 
 
 def _with_moe(options: Options, moe) -> Options:
@@ -251,7 +259,7 @@ class ShardedModule(torch.nn.Module):
     """
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
-                 timeout: float = 300.0, bucket_cap_mb: float | None = None, device=None):
+                 timeout: float = 300.0, bucket_cap_mb: float | None = None, device=None, new_shapes: str = "plan"):
         super().__init__()
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or bucket_cap_mb < 0):
@@ -271,6 +279,16 @@ class ShardedModule(torch.nn.Module):
         self._published: dict = {}
         self._bound: dict = {}
         self._other_box: tuple = ()  # the other mode's program, when made (boxed: not a child module)
+        self._shape_programs: dict = {}  # (training, input signature) -> program for inputs unlike the examples
+        self._planned_signatures: set = set()  # signatures of calls whose inputs are the examples' (this rank's)
+        self._compile_options: dict | None = None  # torch.compile's options for the programs (None: eager)
+        self._compiled: dict = {}  # id(program) -> (program, its compiled runner)
+        self._said: set = set()  # the warnings its plans gave (autoshard.notices.said_once)
+        self._in_place = None  # the model sharded in place (autoshard.shard): its own tree holds this rank's shards
+        if new_shapes not in ("plan", "error"):
+            raise AutoshardError(f"option new_shapes is {new_shapes!r}, but must be 'plan' (a call with inputs "
+                                 "unlike the example's is planned for them) or 'error'.")
+        self.new_shapes = new_shapes
         self._expected: list | None = None
         self._initialised = True  # False while this rank's shards are uninitialised memory (a meta-built model)
         self._grad_sync = True  # False under no_sync() / set_requires_gradient_sync(False)
@@ -324,12 +342,18 @@ class ShardedModule(torch.nn.Module):
         model = self._model[0]
         self._traced_training = model.training
         comm = self._job_communicator()
-        plan = (build_plan(model, self.mesh, args, kwargs, self.options) if comm is None
-                else self._planned_once(comm, model, args, kwargs, self.options))
+        from autoshard.notices import said_once
+
+        with said_once(self._said):
+            plan = (build_plan(model, self.mesh, args, kwargs, self.options) if comm is None
+                    else self._planned_once(comm, model, args, kwargs, self.options))
         with GRAPH_LOCK:  # the model may be shared with simulated ranks (threads) that trace it now
             self.plan = plan
             self.plan._mode_owner = weakref.ref(self)  # Plan.simulate follows this module's mode
             self._examples = (args, kwargs)
+            structure, leaves = self._signature(args, kwargs)
+            self._example_structure = structure
+            self._example_values = [tuple(v) for kind, *v in leaves if kind == "value"]
             self._unread = self._unread_state(model)
             self._digest = self.plan.digest()  # what every rank's plan must equal (agreement.check_call)
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
@@ -437,6 +461,19 @@ class ShardedModule(torch.nn.Module):
     def rank(self) -> int:
         return self.communicator().rank
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which chunk of the global batch this rank passes: its coordinate on the data axis (0 without one).
+        Ranks that differ only on other axes (model, context, expert) pass the same chunk."""
+        axis = self.options.data_axis
+        return self.mesh.coords(self.rank)[axis] if axis in self.mesh.names else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Into how many chunks the global batch is cut: the data axis's size (1 without one)."""
+        axis = self.options.data_axis
+        return self.mesh.axis_size(axis) if axis in self.mesh.names else 1
+
     def _rank_known(self) -> bool:
         """Whether this process's rank is known without a call (a communicator given, or torch.distributed up)."""
         if self._comm is not None:
@@ -517,17 +554,11 @@ class ShardedModule(torch.nn.Module):
         """As ``nn.Module.load_state_dict``, by the model's names: values may be DTensors (of any layout: they are
         redistributed) or whole tensors (this rank takes its slices)."""
         self._parameters_ready()
-        mine = dict(super().state_dict(keep_vars=True))
-        prepared = {}
-        for key, value in state_dict.items():
-            held = mine.get(key)
-            if isinstance(held, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = local_slice(value, held)
-            prepared[key] = value
         if assign:
             raise AutoshardError("load_state_dict(assign=True) would replace the tensors this rank's program reads; "
                                  "load with assign=False (the values are copied into the shards).")
-        return super().load_state_dict(prepared, strict=strict)
+        mine = dict(super().state_dict(keep_vars=True))
+        return super().load_state_dict(prepared_state(mine, state_dict), strict=strict)
 
     def _apply(self, fn, recurse: bool = True):
         raise AutoshardError("a ShardedModule's shards are placed by autoshard.compile: moving or casting them "
@@ -538,7 +569,7 @@ class ShardedModule(torch.nn.Module):
         """Give this module the model's tree of this rank's tensors as DTensors (:func:`build_tree`), sharing
         storage with the program's, and note where each program tensor is published (for :meth:`_bindings`)."""
         from autoshard import meta as M
-        from autoshard.parameters import build_tree, device_mesh
+        from autoshard.parameters import build_tree, device_mesh, fill_tree
         from autoshard.placements import Replicate
         from autoshard.trace import fetch_attr
 
@@ -560,7 +591,12 @@ class ShardedModule(torch.nn.Module):
                           f"{self.mesh} are its local shards as plain tensors, not DTensors: clip_grad_norm_, DCP "
                           "and the state_dict helpers would see local values. Initialise torch.distributed "
                           "(torchrun), or run ranks with autoshard.runtime.SimWorld.run.", stacklevel=3)
-        children, top, public = build_tree(self._skeleton, held, dm)
+        if self._in_place is not None:  # autoshard.shard: the model's own modules hold the DTensors
+            public = fill_tree(self._in_place, held, dm)
+            children = dict(self._in_place._modules)
+            top = {**self._in_place._parameters, **self._in_place._buffers}
+        else:
+            children, top, public = build_tree(self._skeleton, held, dm)
         for name, module in children.items():
             if hasattr(type(self), name) or name in self.__dict__:
                 raise PlanError(f"the model's top-level module `{name}` has the name of a ShardedModule attribute, "
@@ -572,7 +608,8 @@ class ShardedModule(torch.nn.Module):
             else:
                 self.register_buffer(name, t, persistent=name not in self._skeleton._non_persistent_buffers_set)
         where = {}
-        for path, module in self.named_modules(remove_duplicate=False):
+        tree = self._in_place if self._in_place is not None else self
+        for path, module in tree.named_modules(remove_duplicate=False):
             for table, is_param in ((module._parameters, True), (module._buffers, False)):
                 for attr, t in table.items():
                     if t is not None:
@@ -664,6 +701,7 @@ class ShardedModule(torch.nn.Module):
         for program in (*self._local_box, *self._other_box):
             if program is not None:
                 program.train(mode)
+        # a program planned for new inputs runs in the mode it was traced in (it is chosen by mode)
         return self
 
     def forward(self, *args, **kwargs):
@@ -674,12 +712,14 @@ class ShardedModule(torch.nn.Module):
         if not self._initialised:
             raise AutoshardError("this rank's shards are uninitialised memory (the model was built on the meta "
                                  "device): call sharded.init_weights() or autoshard.load(sharded, path) first.")
-        self._check_inputs(args, kwargs)
+        signature = self._signature(args, kwargs)
+        planned = self._is_planned_call(signature, args, kwargs)
         from autoshard.runtime.agreement import check_call
 
-        # before any collective: the other mode's program is planned by every rank together
-        check_call(comm, f"{self._digest}/sync={self._grad_sync}", self.training, self.plan.layout)
-        program = self.local if self.training == self._traced_training else self._program_of_other_mode()
+        # before any collective: a program not made yet is planned by every rank together
+        check_call(comm, f"{self._digest}/sync={self._grad_sync}/inputs={_digest_of(signature)}", self.training,
+                   self.plan.layout)
+        program = self._program(self.training, signature, planned, args, kwargs)
         from autoshard.parameters import bound
         from autoshard.runtime.communicator import backward_uses, use
         from autoshard.runtime.grad_sync import syncing
@@ -687,8 +727,79 @@ class ShardedModule(torch.nn.Module):
 
         bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])
                     for owner, attr, is_param, holder, held, held_param in self._bindings(program)]
+        run = self._compiled_runner(program) if self._compile_options is not None else program
         with use(comm), running(program), bound(program, bindings), syncing(self._grad_sync, self.bucketer):
-            return backward_uses(program(*args, **kwargs), comm)
+            return backward_uses(run(*args, **kwargs), comm)
+
+    # ---- one program per mode and input shapes ----------------------------------------------------------
+    @staticmethod
+    def _signature(args, kwargs) -> tuple:
+        """What selects a program: the inputs' structure, each tensor's shape and dtype, each other value."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        out = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                out.append(("tensor", tuple(x.shape), str(x.dtype)))
+            else:
+                try:
+                    hash(x)
+                    out.append(("value", type(x).__name__, x))
+                except TypeError:
+                    out.append(("value", type(x).__name__, repr(x)))
+        return (str(spec), tuple(out))
+
+    def _is_planned_call(self, signature, args, kwargs) -> bool:
+        """Whether this call's inputs are those the plan was made for (this rank's shapes of the example inputs,
+        the same other values); else the inputs are checked (a dtype that differs is an error, as is any
+        difference with ``new_shapes="error"``) and a program is planned for them (:meth:`_program`)."""
+        from autoshard.inputs import ExpectedInput, check_inputs, tensor_leaves
+
+        if signature in self._planned_signatures:
+            return True
+        tensors = tensor_leaves(args, kwargs)
+        expected = self._expected
+        same_layout = len(tensors) == len(expected) and signature[0] == self._example_structure
+        same_values = [tuple(v) for kind, *v in signature[1] if kind == "value"] == self._example_values
+        if (same_layout and same_values and all(tuple(x.shape) == e.local_shape and x.dtype == e.dtype for x, e in zip(tensors, expected))):
+            self._planned_signatures.add(signature)
+            return True
+        if self.new_shapes == "error":
+            self._check_inputs(args, kwargs)  # names the input and both shapes
+            raise RuntimeShapeError(f"ShardedModule.forward was called with inputs unlike the example inputs "
+                                    f"({_describe(signature)}), and new_shapes='error'. Pass inputs like the "
+                                    "example's, or new_shapes='plan' (the default) to plan new inputs on the fly.")
+        if same_layout:
+            for x, e in zip(tensors, expected):
+                # the plan's dtype is not changed by a call: a dtype that differs is the usual error
+                check_inputs([ExpectedInput(e.name, e.global_shape, tuple(x.shape), e.dtype)], [x], local=True,
+                             where="ShardedModule.forward")
+        return False
+
+    def _program(self, training: bool, signature, planned: bool, args, kwargs) -> torch.fx.GraphModule:
+        """This rank's program for a call in mode ``training`` with inputs of ``signature``: the plan's own (or
+        its other mode's) for the planned inputs; for others a program planned on first use with every parameter
+        and buffer pinned to its layout in the plan, sharing this rank's tensors (cached per mode and inputs)."""
+        if planned:
+            return self.local if training == self._traced_training else self._program_of_other_mode()
+        key = (training, signature)
+        program = self._shape_programs.get(key)
+        if program is not None:
+            return program
+        examples = self._global_examples(args, kwargs)
+        plan = self._pinned_plan(training, examples)
+        program = plan.rank_program(self.communicator().rank, bucket_grads=self.bucketing, local_weights=self.local)
+        program.train(training)
+        self._shape_programs[key] = program
+        count = len({sig for _, sig in self._shape_programs})
+        if count == self.NEW_SHAPES_WARNING:
+            from autoshard.notices import notice
+
+            notice(f"autoshard: {self.NEW_SHAPES_WARNING} input shapes beyond the example's planned so far (each "
+                   "one is traced and planned on its first call): pad or bucket inputs to a few shapes.")
+        return program
+
+    #: after this many new input shapes, a notice suggests padding or bucketing inputs
+    NEW_SHAPES_WARNING = 8
 
     # ---- gradient accumulation without sync (DDP's no_sync, FSDP2's set_requires_gradient_sync) -------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -749,10 +860,16 @@ class ShardedModule(torch.nn.Module):
     def _other_mode_plan(self, training: bool | None = None) -> Plan:
         """The plan of the mode the model was not traced in, traced from the skeleton with every parameter pinned to
         its layout in the plan (the skeleton's meta tensors as weights)."""
+        training = (not self._traced_training) if training is None else training
+        return self._pinned_plan(training, self._examples)
+
+    def _pinned_plan(self, training: bool, examples: tuple) -> Plan:
+        """A plan of the skeleton traced in mode ``training`` on the global ``examples`` (args, kwargs), every
+        parameter and buffer pinned to its layout in the plan (stored as the plan stores it), so that its program
+        shares this rank's tensors; made by every rank together (:meth:`_planned_once`) where ranks plan at once."""
         import dataclasses
 
         plan = self._need_plan()
-        training = (not self._traced_training) if training is None else training
         specs = plan.param_specs()
         # pinned in their compute layout, stored as the plan stores them (ZeRO stage per parameter)
         storage = plan.param_storage()
@@ -765,10 +882,13 @@ class ShardedModule(torch.nn.Module):
         skeleton = self._skeleton
         was = skeleton.training
         skeleton.train(training)
+        from autoshard.notices import said_once
+
         try:
             comm = self._job_communicator()
-            other = (build_plan(skeleton, self.mesh, *self._examples, pinned) if comm is None
-                     else self._planned_once(comm, skeleton, *self._examples, pinned))
+            with said_once(self._said):  # what the plan warned about is not said again
+                other = (build_plan(skeleton, self.mesh, *examples, pinned) if comm is None
+                         else self._planned_once(comm, skeleton, *examples, pinned))
         finally:
             skeleton.train(was)
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}
@@ -778,6 +898,24 @@ class ShardedModule(torch.nn.Module):
                             f"{sorted(moved)[:3]} differently from the plan ({moved[first]}), so it "
                             "cannot share this rank's tensors. Annotate those parameters (plan=...) to fix one layout.")
         return other
+
+    # ---- torch.compile ------------------------------------------------------------------------------------
+    def compile_programs(self, **options) -> None:
+        """Run every program of this module through ``torch.compile(program, **options)`` from the next call on
+        (what ``torch.compile`` of an in-place sharded model, its ``compile()``, or a compiled block of it asks
+        for: autoshard runs the model as one traced program per mode and input shapes, so that program is what is
+        compiled). Dynamo captures a rank program whole: the collectives are ``torch.library`` ops."""
+        options = dict(options)
+        if self._compile_options != options:
+            self._compile_options = options
+            self._compiled = {}
+
+    def _compiled_runner(self, program: torch.fx.GraphModule):
+        found = self._compiled.get(id(program))
+        if found is None:
+            found = (program, torch.compile(program, **self._compile_options))
+            self._compiled[id(program)] = found
+        return found[1]
 
     def _global_examples(self, args, kwargs):
         n = self.mesh.axis_size(self.options.data_axis) if self.options.data_axis in self.mesh.names else 1
@@ -798,3 +936,28 @@ class ShardedModule(torch.nn.Module):
         from autoshard.inputs import check_inputs, tensor_leaves
 
         check_inputs(self._expected, tensor_leaves(args, kwargs), local=True, where="ShardedModule.forward")
+
+
+def _digest_of(signature) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(signature).encode()).hexdigest()[:16]
+
+
+def _describe(signature) -> str:
+    parts = [f"{list(v[1])} {v[2].replace('torch.', '')}" if v[0] == "tensor" else f"{v[2]!r}"
+             for v in signature[1]]
+    return ", ".join(parts) if parts else "no inputs"
+
+
+def prepared_state(mine: dict, state_dict: dict) -> dict:
+    """``state_dict`` made loadable into a module whose tensors are ``mine`` (``state_dict(keep_vars=True)``): a
+    whole tensor for a DTensor entry becomes this rank's slices of it (no collective); DTensors of any layout are
+    left to ``DTensor.copy_`` (which redistributes)."""
+    prepared = {}
+    for key, value in state_dict.items():
+        held = mine.get(key)
+        if isinstance(held, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = local_slice(value, held)
+        prepared[key] = value
+    return prepared

@@ -73,6 +73,8 @@ class _View:
     global shapes, alias groups, the communicator (None in one process) and the source model."""
 
     def __init__(self, target):
+        if getattr(type(target), "AUTOSHARD_IN_PLACE", False):  # autoshard.shard's model: its ShardedModule
+            target = target.autoshard
         self.sharded = getattr(type(target), "AUTOSHARD_SHARDED", False)
         if self.sharded:
             self._init_sharded(target)

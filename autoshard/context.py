@@ -68,7 +68,9 @@ class Context:
         return decide() if self.once is None else self.once(decide)
 
     def warn(self, message: str) -> None:
-        import warnings
+        """Note ``message`` in the report, and warn about it on rank 0 (:func:`autoshard.notices.notice`): every
+        rank of a job makes the same plan."""
+        from autoshard.notices import notice
 
         self.warnings.append(message)
-        warnings.warn(message, stacklevel=3)
+        notice(message, stacklevel=4)

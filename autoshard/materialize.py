@@ -481,6 +481,8 @@ def load_pretrained(sharded, path) -> dict:
     """``autoshard.load(sharded, hf_dir)``: this rank's slices of a Hugging Face safetensors directory into a
     :class:`~autoshard.ShardedModule` (or, for a plain ``nn.Module``, its whole tensors). Returns ``{"bytes_read":
     bytes this rank read, "tensors": tensors read, ...}``."""
+    if getattr(type(sharded), "AUTOSHARD_IN_PLACE", False):  # autoshard.shard's model: its ShardedModule
+        sharded = sharded.autoshard
     if not getattr(type(sharded), "AUTOSHARD_SHARDED", False):
         return _load_plain(sharded, os.fspath(path))
     local = sharded.materialize()

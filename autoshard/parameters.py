@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 
-__all__ = ["bound", "build_tree", "clip_grad_norm_", "default_device", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
+__all__ = ["bound", "build_tree", "fill_tree", "clip_grad_norm_", "default_device", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
 
 _MESHES: dict = {}
 _MESHES_LOCK = threading.Lock()
@@ -148,6 +148,38 @@ def build_tree(skeleton: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tu
             if name in module._non_persistent_buffers_set:
                 holder._non_persistent_buffers_set.add(name)
     return dict(root_holder._modules), {**root_holder._parameters, **root_holder._buffers}, public
+
+
+def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple, tuple]], dm) -> dict[int, torch.Tensor]:
+    """:func:`build_tree` into the model itself (``autoshard.shard``, in place): each parameter and buffer of
+    ``model`` named in ``held`` is replaced by its public tensor (a DTensor over ``dm``, or this rank's tensor as an
+    ``nn.Parameter`` without one), keeping its ``requires_grad``; tied tensors stay one object. The model's own
+    tensors are dropped. Returns {id(local tensor): its public tensor}."""
+    public: dict[int, torch.Tensor] = {}
+    done: set[int] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        if id(module) in done:
+            continue  # a shared module: filled under its first path
+        done.add(id(module))
+        prefix = f"{path}." if path else ""
+        for name, p in list(module._parameters.items()):
+            entry = held.get(prefix + name)
+            if p is None or entry is None:
+                continue
+            local, spec, shape = entry
+            if id(local) not in public:
+                public[id(local)] = (torch.nn.Parameter(local, requires_grad=p.requires_grad) if dm is None
+                                     else _dtensor(local, dm, spec, shape, p.requires_grad))
+            module._parameters[name] = public[id(local)]
+        for name, b in list(module._buffers.items()):
+            entry = held.get(prefix + name)
+            if b is None or entry is None:
+                continue
+            local, spec, shape = entry
+            if id(local) not in public:
+                public[id(local)] = local if dm is None else _dtensor(local, dm, spec, shape, None)
+            module._buffers[name] = public[id(local)]
+    return public
 
 
 @contextlib.contextmanager

@@ -382,7 +382,8 @@ def test_lazy_module_plan_before_first_call():
 
 
 def test_runtime_input_of_wrong_shape():
-    sm = autoshard.compile(Mlp(), Mesh(data=2), (_x(8),))  # each rank is compiled for a local batch of 4
+    # each rank is compiled for a local batch of 4; new_shapes="error": not planned for another (the default plans)
+    sm = autoshard.compile(Mlp(), Mesh(data=2), (_x(8),), new_shapes="error")
     world = SimWorld(Mesh(data=2), timeout=10)
     with use(world.communicator(0)), pytest.raises(RuntimeShapeError) as info:
         sm(_x(3))

@@ -71,7 +71,7 @@ def test_rank_module_called_with_the_global_batch_gets_the_data_shard_hint():
 
 
 def test_sharded_module_called_with_the_global_batch_gets_the_data_shard_hint():
-    _, sm = _compiled()
+    _, sm = _compiled(new_shapes="error")  # (by default a call with new shapes is planned for them)
     world = SimWorld(Mesh(data=2), timeout=10)
     with use(world.communicator(0)), pytest.raises(RuntimeShapeError) as info:
         sm(_x(8))
