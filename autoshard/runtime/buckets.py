@@ -27,6 +27,15 @@ Identical to unbucketed sync: each element is summed over the same ranks in the 
 order), and a gradient that already existed (accumulation over micro-batches without ``zero_grad``) gets the
 reduced new gradient added exactly as ``AccumulateGrad`` would add it — the hook moves the old ``.grad`` aside
 before autograd accumulates, so the all-reduce only ever sees this backward's gradient.
+
+**Sync off** (``no_sync()``; :mod:`autoshard.runtime.grad_sync`): :attr:`GradBucketer.sync` is the flag of the
+module's latest forward made with grad enabled, read once per backward (at its first hook). A backward with it off
+launches nothing: each hook adds the local gradient to the parameter's unsynced sum (``_unsynced``, a tensor of its
+local shape) and ``.grad`` is put back as it was at the end of backward, so an already-reduced gradient is never
+summed over the ranks again. The next backward with it on adds each parameter's unsynced sum to its gradient in
+the bucket before the all-reduce (a parameter with a sum but no gradient this time joins with the sum alone), so
+the reduced result is added to ``.grad`` once, as above. :attr:`GradBucketer.unsynced` holds, for the same
+module, the gradients that the ops of the program held (:class:`~autoshard.runtime.grad_sync.Unsynced`).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from autoshard import meta as M
 from autoshard.errors import AutoshardError
 from autoshard.parameters import like, local_of
 from autoshard.runtime.communicator import Communicator, Handle, current
+from autoshard.runtime.grad_sync import Unsynced
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB", "GRAD_SYNC", "GradBucketer"]
 
@@ -79,6 +89,10 @@ class GradBucketer:
     parameters, whose ``to_local()`` the program reads (:mod:`autoshard.parameters`): the hooks go on those, and
     gradients are handed back as DTensors of the parameter's layout. Default: the module's own parameters.
     Call :meth:`remove` to take the hooks off again.
+
+    ``sync``: whether the next backward all-reduces (set per forward by
+    :func:`~autoshard.runtime.grad_sync.syncing`); ``unsynced``: the program ops' held gradients of the same
+    module (see the module docstring).
     """
 
     def __init__(
@@ -130,9 +144,13 @@ class GradBucketer:
             bucket.numel += local_of(p).numel()
             if bucket.numel * p.element_size() >= bucket.limit:
                 open_[key] = None
-        self._old: dict[str, torch.Tensor] = {}
+        self._old: dict[str, torch.Tensor | None] = {}
         self._next = 0  # index of the next bucket to launch
         self._queued = False
+        self.sync = True
+        self._syncing = True  # the flag of the backward running now, read at its first hook
+        self._unsynced: dict[str, torch.Tensor] = {}  # name -> this rank's unreduced local gradient sum
+        self.unsynced = Unsynced()
         self._hooks = [p.register_hook(self._hook(name)) for name, p in self.params.items()]
 
     def remove(self) -> None:
@@ -150,8 +168,17 @@ class GradBucketer:
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not self._queued:
-                self._queued = True
+                self._queued, self._syncing = True, self.sync
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if not self._syncing:  # no_sync: add to the unsynced sum; .grad is put back as it was by _finish
+                self._old[name] = p.grad
+                p.grad = None
+                held = self._unsynced.get(name)
+                if held is None:
+                    self._unsynced[name] = local_of(grad).detach().clone()
+                else:
+                    held.add_(local_of(grad))
+                return grad
             if p.grad is not None:  # accumulation: keep the old gradient out of this backward's all-reduce
                 self._old[name] = p.grad
                 p.grad = None
@@ -160,6 +187,9 @@ class GradBucketer:
                 views = self._fill(bucket, grad.device)
             view = views[i]
             view.copy_(local_of(grad))
+            held = self._unsynced.pop(name, None) if self._unsynced else None
+            if held is not None:
+                view.add_(held)
             bucket.ready.add(name)
             if len(bucket.ready) == size:
                 self._launch_ready()
@@ -198,7 +228,11 @@ class GradBucketer:
         bucket.handle = self.comm.all_reduce_async(bucket.flat, bucket.axes[0], phase="backward")
 
     def _finish(self) -> None:
+        if not self._syncing:
+            self._put_back()
+            return
         try:
+            self._join_unsynced()
             for bucket in self.buckets[self._next :]:
                 if bucket.ready:  # a bucket no gradient reached this time is skipped (on every rank alike)
                     for name, view in zip(bucket.names, bucket.views):
@@ -233,6 +267,31 @@ class GradBucketer:
             self._old.clear()
             self._next = 0
             self._queued = False
+
+    def _put_back(self) -> None:
+        """End of a backward with sync off: every ``.grad`` as it was before it."""
+        try:
+            for name, old in self._old.items():
+                self.params[name].grad = old
+        finally:
+            self._old.clear()
+            self._queued = False
+
+    def _join_unsynced(self) -> None:
+        """Put the unsynced sum of each parameter that got no gradient in this (synced) backward into its bucket
+        as its gradient, so it is reduced now too (its bucket is not launched yet: it was not complete)."""
+        for name in list(self._unsynced):
+            b, i = self._where[name]
+            bucket = self.buckets[b]
+            if name in bucket.ready:
+                continue
+            p = self.params[name]
+            if p.grad is not None:
+                self._old[name] = p.grad
+                p.grad = None
+            views = bucket.views if bucket.views is not None else self._fill(bucket, self._unsynced[name].device)
+            views[i].copy_(self._unsynced.pop(name))
+            bucket.ready.add(name)
 
     def __repr__(self) -> str:
         sizes = ", ".join(

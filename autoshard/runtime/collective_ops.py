@@ -53,6 +53,7 @@ import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.communicator import PHASES, CollectiveRecord, current
+from autoshard.runtime.grad_sync import note_site, unsynced
 from autoshard.runtime.primitives import (AUTOCAST_LOWER, all_to_all_shape, chunk, comm_of, define_op,
                                           gathered_shape, keep_comm, raw_all_gather, raw_all_reduce, raw_all_to_all,
                                           raw_reduce_scatter, scattered_shape, sum_over)
@@ -87,13 +88,18 @@ def _grad_all_reduce_op(x, axes):
 
 
 def _grad_all_reduce_backward(ctx, grad):
+    grads = unsynced(ctx, [grad])  # a parameter's gradient under no_sync: held, not reduced (grad_sync.py)
+    if grads is None:
+        return None, None
     with comm_of(ctx):
-        return sum_over(grad, ctx.axes), None
+        return sum_over(grads[0], ctx.axes), None
 
 
 def _setup_grad_all_reduce(ctx, inputs, output):
     keep_comm(ctx)
     ctx.axes = tuple(inputs[1])
+    if ctx.axes:
+        note_site(ctx, inputs[:1], "grad_all_reduce", ctx.axes)
 
 
 _grad_all_reduce_op.register_fake(lambda x, axes: torch.empty_like(x))
@@ -174,11 +180,17 @@ def _setup_gather_sync(ctx, inputs, output):
     keep_comm(ctx)
     _, ctx.axis, ctx.dim, ctx.size, axes = inputs
     ctx.axes = tuple(axes)
+    if ctx.axes:
+        note_site(ctx, inputs[:1], "all_gather_sync", ctx.axis, ctx.dim, ctx.size, ctx.axes)
 
 
 def _all_gather_sync_backward(ctx, grad):
     # all_gather + grad_all_reduce on the same axis, fused: the sum over ``axis`` and the slice are one
     # reduce-scatter (half the bytes of all-reduce + slice); the other axes are summed in the order of ``axes``
+    grads = unsynced(ctx, [grad])  # a parameter's gradient under no_sync: held, not reduced (grad_sync.py)
+    if grads is None:
+        return None, None, None, None, None
+    grad = grads[0]
     k = ctx.axes.index(ctx.axis)
     with comm_of(ctx):
         grad = sum_over(grad, ctx.axes[:k])
@@ -201,8 +213,11 @@ def _all_gather_reshard_backward(ctx, grad):
     # is not summed over (replicated compute), this rank's slice as all_gather's
     if ctx.axis in ctx.axes:
         return _all_gather_sync_backward(ctx, grad)
+    grads = unsynced(ctx, [grad])
+    if grads is None:
+        return None, None, None, None, None
     with comm_of(ctx):
-        return chunk(sum_over(grad, ctx.axes), ctx.axis, ctx.dim, ctx.size), None, None, None, None
+        return chunk(sum_over(grads[0], ctx.axes), ctx.axis, ctx.dim, ctx.size), None, None, None, None
 
 
 _all_gather_reshard_op.register_fake(lambda x, axis, dim, size, axes: x.new_empty(gathered_shape(x, dim, size)))

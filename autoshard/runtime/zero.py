@@ -31,6 +31,7 @@ import torch.fx
 
 from autoshard import meta as M
 from autoshard.runtime.communicator import Handle, current, use
+from autoshard.runtime.grad_sync import note_site, unsynced
 from autoshard.runtime.primitives import chunk, comm_of, keep_comm, raw_all_gather, raw_reduce_scatter, sum_over
 
 __all__ = ["gather_group", "reduce_group", "remember_gathered", "remember_gathered_group", "reshard_after_forward",
@@ -261,14 +262,19 @@ def _setup_group(ctx, inputs, output):
     xs, ctx.axis, dims, ctx.size, axes, prefetch = inputs
     ctx.dims, ctx.axes, ctx.prefetched = tuple(dims), tuple(axes), len(prefetch)
     ctx.shapes, ctx.dtypes = [tuple(x.shape) for x in xs], [x.dtype for x in xs]
+    if ctx.axes:
+        note_site(ctx, xs, "all_gather_reshard_group", ctx.axis, ctx.dims, ctx.size, ctx.axes)
 
 
 def _group_backward(ctx, grads):
-
-    with comm_of(ctx):
-        out = reduce_group(list(grads), ctx.shapes, ctx.dtypes, ctx.axis, ctx.dims, ctx.size, ctx.axes)
     # (autograd matches the structure of list arguments: an empty list, or a list of tensors, as a list)
-    return out, None, None, None, None if ctx.axes else [], [None] * ctx.prefetched
+    rest = None, None, None, None if ctx.axes else [], [None] * ctx.prefetched
+    grads = unsynced(ctx, list(grads))  # the parameters' gradients under no_sync: held, not reduced (grad_sync.py)
+    if grads is None:
+        return [None] * len(ctx.shapes), *rest
+    with comm_of(ctx):
+        out = reduce_group(grads, ctx.shapes, ctx.dtypes, ctx.axis, ctx.dims, ctx.size, ctx.axes)
+    return out, *rest
 
 
 _all_gather_reshard_group_op.register_autograd(_group_backward, setup_context=_setup_group)
