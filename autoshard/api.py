@@ -718,7 +718,8 @@ class ShardedModule(torch.nn.Module):
 
         # before any collective: a program not made yet is planned by every rank together
         check_call(comm, f"{self._digest}/sync={self._grad_sync}/inputs={_digest_of(signature)}", self.training,
-                   self.plan.layout)
+                   lambda: {"call": {"gradient sync": self._grad_sync, "inputs": _describe(signature)},
+                            **self.plan.layout()})
         program = self._program(self.training, signature, planned, args, kwargs)
         from autoshard.parameters import bound
         from autoshard.runtime.communicator import backward_uses, use

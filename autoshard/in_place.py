@@ -63,7 +63,7 @@ def shard(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dic
     engine = compile_sharded(target, mesh, **options)
     args = () if example_inputs is None else (
         tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
-    engine._in_place = target
+    object.__setattr__(engine, "_in_place", target)  # a plain attribute, not a child module (no cycle)
     engine._build_plan(*engine._global_examples(args, dict(example_kwargs or {})))
     engine.materialize()  # this rank's shards replace the model's tensors (ShardedModule._publish)
     target.__dict__["_autoshard"] = engine
@@ -163,27 +163,61 @@ def _call(model, args, kwargs):
     engine = model.__dict__["_autoshard"]
     if engine.training != model.training:
         engine.train(model.training)
-    if engine._compile_options is None and _has_compiled_block(model):
-        from autoshard.notices import notice
+    if engine._compile_options is None:
+        block = _compiled_block(model)
+        if block is not None:
+            from autoshard.notices import notice
 
-        notice("autoshard: a block of the model is torch.compile'd; autoshard runs the model as one traced program, "
-               "so that whole program is compiled.")
-        engine.compile_programs()
+            notice("autoshard: a block of the model is torch.compile'd; autoshard runs the model as one traced "
+                   "program, so that whole program is compiled (with the block's backend).")
+            engine.compile_programs(**_options_of(block))
     return engine(*args, **kwargs)
 
 
 @torch._dynamo.disable
 def _call_compiled(model, args, kwargs):
+    """The model's call from inside ``torch.compile(model)``'s frame (dynamo runs this eagerly: a graph break):
+    the rank programs are compiled with that compile's backend."""
     engine = model.__dict__["_autoshard"]
     if engine._compile_options is None:
-        engine.compile_programs()
+        engine.compile_programs(**_options_of(_compiling_wrapper(model)))
     return _call(model, args, kwargs)
 
 
-def _has_compiled_block(model: torch.nn.Module) -> bool:
+def _compiled_block(model: torch.nn.Module):
+    """A submodule of ``model`` that is ``torch.compile``'d (an ``OptimizedModule`` put in its place, or a module
+    whose ``compile()`` was called), or None."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     for m in model.modules():
         if m is not model and (isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None):
-            return True
-    return False
+            return m
+    return None
+
+
+def _compiling_wrapper(model: torch.nn.Module):
+    """The ``OptimizedModule`` (``torch.compile(model)``) whose call is running ``model`` on this thread, or None
+    (``model.compile()`` was called before sharding). Found on the call stack: the wrapper is not referenced by the
+    model."""
+    import sys
+
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, OptimizedModule) and owner._orig_mod is model:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _options_of(compiled) -> dict:
+    """``torch.compile`` options for the rank programs that repeat ``compiled``'s backend (an ``OptimizedModule``;
+    a module whose ``compile()`` was called or None: the default backend)."""
+    backend = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    while hasattr(backend, "_torchdynamo_orig_backend"):  # dynamo's wrappers, down to torch.compile's backend
+        backend = backend._torchdynamo_orig_backend
+    return {} if backend is None else {"backend": backend}

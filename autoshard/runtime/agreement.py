@@ -127,6 +127,12 @@ def check_call(comm: Communicator, digest: str, training: bool, describe=None) -
             "rank, print on rank 0).")
     described = gather_objects(comm, describe() if describe is not None else None)
     differs = _first_difference(described)
+    call = _first_difference([d.get("call") if isinstance(d, dict) else None for d in described])
+    if call:
+        raise AutoshardError(
+            f"the sharded module was called differently on its ranks{call.replace('first difference: ', '')}: "
+            "every rank must call it with inputs of the same shapes and with gradient sync set alike (no_sync() / "
+            "set_requires_gradient_sync on every rank), or their collectives pair with the wrong peers.")
     digests: dict = {}
     for r, row in enumerate(rows):
         digests.setdefault(row[0], []).append(r)
@@ -146,7 +152,7 @@ def _split(rows: list, column: int) -> tuple[list[int], list[int]]:
 def _first_difference(described: list) -> str:
     if not described or any(d is None for d in described) or not all(isinstance(d, dict) for d in described):
         return ""
-    keys = sorted(set().union(*described))
+    keys = [k for k in dict.fromkeys(k for d in described for k in d) if k != "call"]
     for key in keys:
         values = [d.get(key) for d in described]
         if any(v != values[0] for v in values):
