@@ -24,18 +24,23 @@ Where a parameter's gradient is reduced, and what is kept instead with sync off:
   (views, transposes, casts, ``all_gather`` of a ZeRO-1 shard: :data:`STATIC_MAPS`), found by walking the
   input's autograd graph down to the parameter's ``AccumulateGrad``. With sync off the site adds its incoming
   gradient (the full, unreduced gradient of the gathered parameter: FSDP2's unsharded accumulation) to the sum
-  held for it and returns no gradient; with sync on it adds the held sum to its incoming gradient and reduces as
-  always. A site is named by the op, its arguments, and per tensor the parameter, the maps and the gradient's
-  shape and dtype: two uses of one parameter through the same maps share a sum (their reductions are the same
-  linear map, so either may reduce it). The flag is the one the forward ran under (kept on the op's context, as
-  its communicator is), whenever its backward runs.
+  held for it and returns no gradient (autograd hands the maps below it zeros, so the shard's ``.grad`` gets
+  zeros added: it keeps what the last synced backward gave, or becomes zeros); with sync on it adds the held sum
+  to its incoming gradient and reduces as always. A site is named by the op, its arguments, and per tensor the
+  parameter, the maps and the gradient's shape and dtype: two uses of one parameter through the same maps share a
+  sum (their reductions are the same linear map, so either may reduce it). The flag is the one the forward ran
+  under (kept on the op's context, as its communicator is), whenever its backward runs. A synced backward that
+  does not run through a site holding a sum (its loss does not depend on that parameter) leaves the sum held for
+  the next synced backward that does, and warns, since ``.grad`` lacks it until then; the buckets have no such
+  gap (a held sum joins its bucket with any synced backward).
 
 What is not deferred: a sum over the data axis of an *activation* computed from a parameter — the position
 embedding's rows looked up from a ZeRO-gathered table (``embedding(all_gather(wpe), arange)``) — runs in every
 backward: the lookup between the sum and the parameter depends on its indices, which need not be the same in every
 micro-step, so a held sum of rows could not be reduced into another micro-step's lookup. Its gradient is synced
-as always; only the count of collectives is larger by that one all-reduce per micro-step. Nor under
-``torch.compile`` of a rank program, whose ops are traced without autograd graphs to walk.
+as always; only the count of collectives is larger by that one all-reduce per micro-step. Nor are the sites
+inside a rank program compiled with ``torch.compile`` (traced once, without autograd graphs to walk): they reduce
+in every backward, while the buckets, outside the compiled program, still hold their sums.
 
 The unsynced sums live on the module's bucketer (:attr:`GradBucketer.unsynced`, one per rank: the simulator's
 ranks are threads, each with its own module); the flag of a forward reaches the ops through this thread's state,
@@ -47,6 +52,7 @@ check includes it), so the sites, and the collectives they run or skip, are the 
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -78,6 +84,22 @@ class Unsynced:
 
     def __init__(self):
         self.held: dict[tuple, list[torch.Tensor | None]] = {}
+        self._checking = False  # a check of what a synced backward left held is queued
+
+    def check_after_backward(self) -> None:
+        """Queue, once per backward, a warning for the sums this (synced) backward leaves held."""
+        if self._checking:
+            return
+        self._checking = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._check)
+
+    def _check(self) -> None:
+        self._checking = False
+        if self.held:
+            warnings.warn(f"a backward with gradient sync on did not reach {len(self.held)} place(s) where "
+                          "parameter gradients were held under no_sync() / set_requires_gradient_sync(False) (its "
+                          "loss does not depend on those parameters): their held gradients are not in .grad yet, "
+                          "and are reduced by the next synced backward that reaches them.", stacklevel=1)
 
     def add(self, key: tuple, grads) -> None:
         """Add ``grads`` (None: nothing for that tensor) to the sums held for ``key``."""
@@ -127,15 +149,16 @@ def syncing(enabled: bool, bucketer=None):
 
 def parameter_of(t: torch.Tensor) -> tuple[torch.Tensor, tuple[str, ...]] | None:
     """The parameter ``t`` is computed from through :data:`STATIC_MAPS` alone, with the names of those maps from
-    ``t`` down; None where ``t`` is anything else (an activation, or a function of several tensors)."""
+    ``t`` down; None where ``t`` is anything else (an activation, a function of several tensors, an input that
+    requires grad)."""
     node = t.grad_fn
     if node is None:
-        return (t, ()) if t.is_leaf and t.requires_grad else None
+        return (t, ()) if isinstance(t, torch.nn.Parameter) and t.requires_grad else None
     chain = []
     for _ in range(_MAX_DEPTH):
         name = node.name()
         if name == _ACCUMULATE:
-            return node.variable, tuple(chain)
+            return (node.variable, tuple(chain)) if isinstance(node.variable, torch.nn.Parameter) else None
         if name not in STATIC_MAPS:
             return None
         nexts = [f for f, _ in node.next_functions if f is not None]
@@ -180,6 +203,7 @@ def unsynced(ctx, grads: list) -> list | None:
     if not enabled:
         store.add(key, grads)
         return None
+    store.check_after_backward()
     held = store.take(key)
     if held is None:
         return grads

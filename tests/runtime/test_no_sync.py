@@ -12,7 +12,9 @@ generator), and copied per rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 from collections import Counter
 
 import pytest
@@ -147,6 +149,84 @@ def test_accumulating_without_sync_equals_syncing_every_micro_batch_with_fewer_r
     world = SimWorld(mesh, timeout=120)
     results = world.run(lambda rank: _train(rank, world.communicator(rank), mesh, stage))
     _check(results, stage)
+
+
+# ---- a synced backward that does not reach every parameter ----------------------------------------------------
+class _TwoLosses(torch.nn.Module):
+    """A trunk and two heads with a loss each: a backward of the first loss does not reach the second head."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = torch.relu(self.trunk(x))
+        return torch.nn.functional.mse_loss(self.a(h), y), torch.nn.functional.mse_loss(self.b(h), y)
+
+
+torch.manual_seed(0)
+_TWO = _TwoLosses()
+_TWO_BATCHES = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+                for g in [torch.Generator().manual_seed(s) for s in (1, 2, 3)]]
+# (batch, sync, which losses the backward runs from): the second micro-step's synced backward skips head b
+_PARTIAL = [(0, False, (0, 1)), (1, True, (0,)), (2, True, (0, 1))]
+
+
+def _partial_steps(model, step, batches):
+    """Run ``_PARTIAL`` on ``model`` (``step(model, batch, sync, losses)``), returning the gradients after each
+    synced micro-step."""
+    out = []
+    for i, sync, which in _PARTIAL:
+        step(model, batches[i], sync, which)
+        if sync:
+            out.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                        for n, p in model.named_parameters() if p.grad is not None})
+    return out
+
+
+def _partial_backward(sharded, batch, sync, which):
+    with sharded.no_sync() if not sync else contextlib.nullcontext():
+        losses = sharded(*batch)
+    sum(losses[k] for k in which).backward()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_synced_backward_that_misses_a_held_gradient_reduces_it_then_or_with_the_next_that_reaches_it(stage):
+    """Buckets reduce a held gradient with any synced backward (it joins its bucket alone); a ZeRO op holds it until
+    a synced backward runs through the op again, and the one that does not warns."""
+    mesh = autoshard.Mesh(data=2)
+    world = SimWorld(mesh, timeout=60)
+
+    def body(rank):
+        comm = world.communicator(rank)
+        sharded = autoshard.compile(copy.deepcopy(_TWO), mesh, _TWO_BATCHES[0], zero=stage, comm=comm)
+        local = [sharded.plan.shard_inputs(rank, b)[0] for b in _TWO_BATCHES]
+        counts = []
+
+        def step(*a):
+            before = len(comm.log)
+            _partial_backward(*a)
+            counts.append(_data_reductions(_backward_collectives(comm.log[before:])))
+
+        return _partial_steps(sharded, step, local), counts
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = world.run(body)
+    ref = _partial_steps(copy.deepcopy(_TWO), lambda m, b, sync, which: sum(m(*b)[k] for k in which).backward(),
+                         _TWO_BATCHES)
+    held = [w for w in caught if "did not reach" in str(w.message)]
+    for (after_second, after_third), counts in results:
+        assert counts[0] == 0 and counts[1] > 0 and counts[2] > 0, counts  # nothing reduced without sync
+        _assert_grads(after_third, ref[1], f"zero={stage} after the third micro-step")
+        if stage == 0:
+            _assert_grads(after_second, ref[0], "zero=0 after the second micro-step")
+        else:  # head b's held gradient waits for the third (.grad: the zeros the unsynced backward left)
+            for n in ("b.weight", "b.bias"):
+                torch.testing.assert_close(after_second[n], torch.zeros_like(ref[0][n]), rtol=0, atol=0)
+            _assert_grads({n: g for n, g in after_second.items() if not n.startswith("b.")},
+                          {n: g for n, g in ref[0].items() if not n.startswith("b.")}, "zero=2 after the second")
+    assert len(held) == (0 if stage == 0 else 2), [str(w.message) for w in caught]
 
 
 # ---- real processes ------------------------------------------------------------------------------------------
