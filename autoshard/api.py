@@ -880,6 +880,11 @@ class ShardedModule(torch.nn.Module):
         pinned = dataclasses.replace(self.options, layouts=tuple(compute.items()),
                                      zero=stages if stages else (0 if self.options.zero == "auto" else
                                                                  self.options.zero))
+        if not training and pinned.planner == "search":
+            # an eval program saves nothing for backward, so memory is the weights' (pinned) plus one layer's: the
+            # greedy planner lays out its activations in a fraction of the search's time (a generation loop plans
+            # a new length per token)
+            pinned = dataclasses.replace(pinned, planner="greedy", recompute=None)
         skeleton = self._skeleton
         was = skeleton.training
         skeleton.train(training)

@@ -129,13 +129,9 @@ class PlanSearch:
                     f"search finished: the plan is the best found{within}, its estimated step time at most "
                     f"{status['gap']:.2%} above the best lower bound known ({status['method']}); it is used as it "
                     "is.")
-        scope = ("every plan" if not problem.units else "the plans recomputing the layers the walk chose (the "
-                 "bound does not range over other recomputation choices)")
-        return (f"plan_search: the plan is not proven optimal under memory_limit: its estimated step time is at "
-                f"most {status['gap']:.2%} above the Lagrangian lower bound of {scope} ({status['method']}; the "
-                f"exact ILP gets exact_seconds={self.exact_seconds:g} s of time_limit="
-                f"{self.time_limit or DEFAULT_TIME_LIMIT:g} s, only when the gap exceeds accept_gap="
-                f"{self.accept_gap:.0%} and the budget is worth ten LP solves); it is used as it is.")
+        return (f"plan_search: the plan is not proven optimal under memory_limit (its estimated step time is at most "
+                f"{status['gap']:.2%} above a lower bound; plan.report['search'] has the details); it is used as "
+                "it is.")
 
     def _record_choices(self, gm: torch.fx.GraphModule, problem: Problem, choice: list[int]) -> None:
         """``PLANNED`` and ``DECISION`` on ops, the spec on free parameters."""
