@@ -79,11 +79,14 @@ _LOCAL = threading.local()
 class Unsynced:
     """This rank's gradients held unreduced until the next synced backward, by site (see the module docstring).
 
-    ``held``: {site key: [held gradient or None, one per tensor of the site]}. Read by tests and by
-    :func:`unsynced`; the sums are plain tensors of the gradient's shape and dtype."""
+    ``held``: {site key: [held gradient or None, one per tensor of the site]}: plain tensors of the gradient's
+    shape, summed in its dtype or float32 where that is wider (a bf16 compute copy's gradients add up in float32,
+    and the synced backward reduces the sum in the gradient's own dtype, as it reduces its own gradient: ``dtypes``
+    keeps that dtype per tensor)."""
 
     def __init__(self):
         self.held: dict[tuple, list[torch.Tensor | None]] = {}
+        self.dtypes: dict[tuple, list[torch.dtype | None]] = {}
         self._checking = False  # a check of what a synced backward left held is queued
 
     def check_after_backward(self) -> None:
@@ -103,24 +106,36 @@ class Unsynced:
 
     def add(self, key: tuple, grads) -> None:
         """Add ``grads`` (None: nothing for that tensor) to the sums held for ``key``."""
-        have = self.held.get(key)
-        if have is None:
-            self.held[key] = [None if g is None else g.detach().clone() for g in grads]
-            return
+        if key not in self.held:
+            self.held[key], self.dtypes[key] = [None] * len(grads), [None] * len(grads)
+        have, dtypes = self.held[key], self.dtypes[key]
         for i, g in enumerate(grads):
             if g is None:
                 continue
             if have[i] is None:
-                have[i] = g.detach().clone()
+                have[i], dtypes[i] = _accumulator(g), g.dtype
             else:
                 have[i].add_(g)
 
-    def take(self, key: tuple) -> list[torch.Tensor | None] | None:
-        """The sums held for ``key`` (gone from here), or None."""
-        return self.held.pop(key, None)
+    def take(self, key: tuple, grads) -> list[torch.Tensor | None]:
+        """``grads`` (None: none for that tensor) with the sums held for ``key`` added (gone from here), each in
+        the gradient's dtype."""
+        held = self.held.pop(key, None)
+        if held is None:
+            return grads
+        dtypes = self.dtypes.pop(key)
+        return [g if h is None else h.to(dt) if g is None else (g + h).to(g.dtype)
+                for g, h, dt in zip(grads, held, dtypes)]
 
     def __len__(self) -> int:
         return len(self.held)
+
+
+def _accumulator(g: torch.Tensor) -> torch.Tensor:
+    g = g.detach()
+    if g.is_floating_point() and torch.finfo(g.dtype).bits < 32:
+        return g.to(torch.float32)
+    return g.clone()
 
 
 @contextmanager
@@ -204,7 +219,4 @@ def unsynced(ctx, grads: list) -> list | None:
         store.add(key, grads)
         return None
     store.check_after_backward()
-    held = store.take(key)
-    if held is None:
-        return grads
-    return [h if g is None else g if h is None else g + h for g, h in zip(grads, held)]
+    return store.take(key, grads)
