@@ -33,6 +33,10 @@ op                             forward                          backward
                                                                 weight grads (Megatron's async column-parallel)
 =============================  ===============================  ============================================
 
+Under ``no_sync()`` (:mod:`autoshard.runtime.grad_sync`), the backward of ``grad_all_reduce``, ``all_gather_sync``
+and ``all_gather_reshard`` whose input is a parameter (through views and casts, or ZeRO-1's ``all_gather``) holds the
+gradient unreduced and returns none; the next synced backward adds what was held before it reduces.
+
 Ops that change a shape take the axis size as an argument (``size``), so their fake kernels need no
 communicator. The compiler's table of collective kinds (:mod:`autoshard.collective_kinds`) names these ops; the Python
 functions at the end of this module (``all_reduce(x, axis)``, ...) call them with the size filled in from the

@@ -18,6 +18,9 @@ parameters are gathered with one all-gather per dtype into one flat buffer (:fun
 gradients reduce-scattered at once (:func:`reduce_group`); in backward the first use of any member gathers the whole
 group again (:class:`_GatheredGroup`). Each group op may start the next group's all-gather asynchronously once its
 own is done (``prefetch``), and a group re-gathered in backward starts the one that prefetched it in forward.
+Under ``no_sync()`` a group's backward holds its parameters' full gradients instead of reduce-scattering them, and
+the next synced backward adds them before it does (:mod:`autoshard.runtime.grad_sync`); the re-gathers run either
+way.
 """
 
 from __future__ import annotations
