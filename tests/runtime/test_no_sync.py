@@ -164,8 +164,9 @@ class _TwoLosses(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.a(h), y), torch.nn.functional.mse_loss(self.b(h), y)
 
 
-torch.manual_seed(0)
-_TWO = _TwoLosses()
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    _TWO = _TwoLosses()
 _TWO_BATCHES = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
                 for g in [torch.Generator().manual_seed(s) for s in (1, 2, 3)]]
 # (batch, sync, which losses the backward runs from): the second micro-step's synced backward skips head b
