@@ -101,12 +101,6 @@ def plan_of(work: Path, limit):
                              memory_limit=limit).plan
 
 
-@pytest.fixture(scope="module")
-def sharded(work, memory_limit) -> dict:
-    """train.py on 4 gloo processes, data=2 x model=2, the searched plan under the memory limit; saves at 25."""
-    return run(work, "train.py", 4, "sharded", *MESH, "--memory_limit", str(memory_limit), "--save_at", "25")
-
-
 def assert_same_losses(got: dict, want: dict, tol: float, steps=None) -> float:
     """Every logged loss of ``got`` equals ``want``'s within ``tol`` (train losses at ``steps``, default all of
     want's); returns the largest difference."""
@@ -149,20 +143,20 @@ def test_train_ddp_py_on_2_processes_equals_one_process(work, reference):
 
 
 @pytest.mark.gloo
-def test_train_py_searched_plan_on_data_2_model_2_equals_one_process(sharded, reference):
+def test_train_py_searched_plan_on_data_2_model_2_equals_one_process_and_resumes_at_step_25(work, reference,
+                                                                                           memory_limit):
+    """train.py on 4 gloo processes, data=2 x model=2, the searched plan under the memory limit, saving a DCP
+    checkpoint at step 25 (model, optimizer, step, RNG); then a new job resumed from it continues with the same
+    losses. One test, so that the 4-process run is made once whatever the pytest-xdist workers."""
+    sharded = run(work, "train.py", 4, "sharded", *MESH, "--memory_limit", str(memory_limit), "--save_at", "25")
     worst = assert_same_losses(sharded, reference, 1e-4)
     assert sharded["sample"] == reference["sample"]
     print(f"sharded vs reference: max |difference| {worst:.2e} over {len(reference['train'])} steps")
-
-
-@pytest.mark.gloo
-def test_train_py_resumed_from_its_step_25_checkpoint_continues_the_same_losses(work, sharded, memory_limit):
-    """The DCP checkpoint written at step 25 by the sharded run (model, optimizer, step, RNG), loaded by a new job."""
     resumed = run(work, "train.py", 4, "resumed", *MESH, "--memory_limit", str(memory_limit), "--resume",
                   "--out_dir", str(work / "sharded"))
+    assert "resumed from" in resumed["stdout"]
     assert_same_losses(resumed, sharded, 1e-4, steps=range(25, 50))
     assert resumed["sample"] == sharded["sample"]
-    assert "resumed from" in resumed["stdout"]
 
 
 @pytest.mark.gloo
