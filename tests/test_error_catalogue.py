@@ -120,9 +120,37 @@ def _run_mlp_on_data2(call):
     world.run(lambda r: call(autoshard.compile(m, mesh, (x, t), comm=world.communicator(r)), x, t))
 
 
+def _run_mlp_on_data2_no_new_shapes(call):
+    m, (x, t), _ = _mlp()
+    mesh = autoshard.Mesh(data=2)
+    world = autoshard.runtime.SimWorld(mesh, timeout=30)
+    world.run(lambda r: call(autoshard.compile(m, mesh, (x, t), comm=world.communicator(r), new_shapes="error"),
+                             x, t))
+
+
 def _runtime_shape():
-    # the compiled local batch is 4, then a call with 2
-    _run_mlp_on_data2(lambda sharded, x, t: (sharded(x[:4], t[:4]), sharded(x[:2], t[:2])))
+    # the compiled local batch is 4, then a call with 2 (new_shapes="error": by default it is planned for)
+    _run_mlp_on_data2_no_new_shapes(lambda sharded, x, t: (sharded(x[:4], t[:4]), sharded(x[:2], t[:2])))
+
+
+def _called_differently():
+    # rank 1 calls with a batch of 2 while rank 0 calls with 4
+    m, (x, t), _ = _mlp()
+    mesh = autoshard.Mesh(data=2)
+    world = autoshard.runtime.SimWorld(mesh, timeout=30)
+    world.run(lambda r: autoshard.compile(m, mesh, (x, t), comm=world.communicator(r))(x[:4 - 2 * r], t[:4 - 2 * r]))
+
+
+def _shard_twice():
+    m = _mlp()[0]
+    x = _mlp()[1]
+    autoshard.shard(m, autoshard.Mesh(data=1), example_inputs=x)
+    autoshard.shard(m, autoshard.Mesh(data=1), example_inputs=x)
+
+
+def _sharded_model_moved():
+    m, x, _ = _mlp()
+    autoshard.shard(m, autoshard.Mesh(data=1), example_inputs=x).to(torch.float64)
 
 
 def _runtime_dtype():
@@ -298,6 +326,14 @@ TRIGGERS = {
     "ranks-in-other-modes": _eval_on_rank0,
     "ranks-in-other-grad-modes": _no_grad_on_rank0,
     "ranks-planned-differently": _planned_differently,
+    "ranks-called-differently": _called_differently,
+    "no-sync-unbucketed": lambda: autoshard.compile(_mlp()[0], autoshard.Mesh(data=2), bucket_cap_mb=0).no_sync(
+        ).__enter__(),
+    "shard-needs-examples": lambda: autoshard.shard(_mlp()[0], autoshard.Mesh(data=1)),
+    "shard-twice": _shard_twice,
+    "shard-pipeline": lambda: autoshard.shard(_mlp()[0], autoshard.Mesh(pipe=1), example_inputs=_mlp()[1],
+                                              pipeline=autoshard.Pipeline(microbatches=1)),
+    "sharded-model-moved": _sharded_model_moved,
     "peer-died": "tests/test_faults.py::test_a_rank_dying_mid_step_makes_every_other_rank_fail_within_the_timeout",
     "peer-hangs": "tests/test_faults.py::test_a_rank_hanging_mid_step_makes_every_other_rank_time_out",
     # checkpoints
