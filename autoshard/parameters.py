@@ -239,10 +239,13 @@ class _LocalView(torch.autograd.Function):
     def forward(ctx, p: DTensor) -> torch.Tensor:  # noqa: D102 - see the class
         mine = p._local_tensor
         ctx.spec, ctx.local = p._spec, (mine.shape, mine.stride(), mine.dtype)
+        ctx.set_materialize_grads(False)  # no gradient (a sync held back by no_sync) stays None, not zeros
         return mine.view_as(mine)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> DTensor:  # noqa: D102
+    def backward(ctx, grad: torch.Tensor | None) -> DTensor | None:  # noqa: D102
+        if grad is None:
+            return None
         spec = ctx.spec
         if (grad.shape, grad.stride(), grad.dtype) == ctx.local:
             return DTensor(grad, spec, requires_grad=False)
