@@ -546,18 +546,50 @@ def _price(node, inputs, strat: M.Strategy, ctx: Context, paid: set[tuple]) -> f
 
 
 def _require_outputs(node: torch.fx.Node, ctx: Context) -> None:
-    """Outputs leave replicated, except a batch shard on the data axis that stays local (as with DDP)."""
-    mesh, opts = ctx.mesh, ctx.options
-    wants = []
-    for x in tensor_inputs(node):
-        have = x.meta[M.SPEC]
-        want = []
-        for a, p in enumerate(have):
-            keep = (opts.output_keep_data_shard and mesh.names[a] == opts.data_axis and isinstance(p, Shard)
-                    and p.dim == 0)
-            want.append(p if keep else Replicate())
-        wants.append(tuple(want))
+    """Outputs leave replicated, except on the data axis, as with DDP: an output whose dim 0 is the batch
+    (:func:`batch_outputs`) is this rank's chunk of it (``Shard(0)``, whatever layout computed it), and any other
+    batch shard (``Shard(0)`` on the data axis) stays local."""
+    wants = [tuple(output_spec(x.meta[M.SPEC], keep))
+             for x, keep in zip(tensor_inputs(node), output_keeps(node, ctx))]
     node.meta[M.STRATEGY] = M.Strategy(tuple(wants), (), tuple(() for _ in wants), "outputs")
+
+
+#: what an output keeps on an axis (:func:`output_keeps`): nothing (replicated), a dim-0 shard where it has one,
+#: or this rank's chunk of dim 0 (a batch-shaped output on the data axis)
+KEEP_NONE, KEEP_SHARD, KEEP_BATCH = 0, 1, 2
+
+
+def output_keeps(node: torch.fx.Node, ctx: Context) -> list[tuple[int, ...]]:
+    """Per tensor of the output node, per mesh axis, what the output keeps there (``KEEP_*``)."""
+    mesh, opts = ctx.mesh, ctx.options
+    if not opts.output_keep_data_shard or opts.data_axis not in mesh.names:
+        return [(KEEP_NONE,) * mesh.ndim for _ in tensor_inputs(node)]
+    axis = mesh.names.index(opts.data_axis)
+    batches = batch_sizes(node.graph, ctx)
+    out = []
+    for x in tensor_inputs(node):
+        dims = shape(x)
+        keep = KEEP_BATCH if dims and dims[0] in batches else KEEP_SHARD
+        out.append(tuple(keep if a == axis else KEEP_NONE for a in range(mesh.ndim)))
+    return out
+
+
+def batch_sizes(graph: torch.fx.Graph, ctx: Context) -> set[int]:
+    """The global batch sizes of the graph: dim 0 of every input split over the data axis (``Shard(0)`` there)."""
+    mesh, opts = ctx.mesh, ctx.options
+    axis = mesh.names.index(opts.data_axis)
+    out = set()
+    for n in graph.nodes:
+        spec = n.meta.get(M.SPEC) if n.op == "placeholder" else None
+        if spec is not None and isinstance(spec[axis], Shard) and spec[axis].dim == 0 and shape(n):
+            out.add(shape(n)[0])
+    return out
+
+
+def output_spec(src, keep: tuple[int, ...]) -> tuple:
+    """The layout an output of layout ``src`` leaves in, given what it keeps per axis (:func:`output_keeps`)."""
+    return tuple(Shard(0) if k == KEEP_BATCH else p if (k == KEEP_SHARD and isinstance(p, Shard) and p.dim == 0)
+                 else Replicate() for p, k in zip(src, keep))
 
 
 __all__ = ["Propagate", "keeps_layout", "mark_requires_grad", "node_strategies", "pin_conflict", "pinned_values",

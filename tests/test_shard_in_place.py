@@ -296,3 +296,33 @@ def test_torch_compile_of_the_sharded_model_compiles_the_rank_programs_on_real_r
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, n=name: f"{mode} {n}: {m}")
+
+
+@pytest.mark.parametrize("planner", ["greedy", "search"])
+def test_batch_outputs_are_this_ranks_chunk_whatever_layout_computed_them(planner):
+    """As with DDP, an output whose dim 0 is the batch comes back as this rank's chunk (the search may compute the
+    logits replicated on the data axis; they are then sliced, not returned whole), in training and in eval."""
+    from examples.nanogpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=4, n_embd=32))
+    copies = [copy.deepcopy(model) for _ in range(MESH.size)]
+    ids, labels = _data()
+    logits, loss = model(ids, labels)
+
+    def body(rank):
+        m = copies[rank]
+        mine = _mine(rank, ids, labels)
+        autoshard.shard(m, MESH, example_inputs=mine, planner=planner)
+        train = m(*mine)
+        m.eval()
+        evaluated = m(*mine)
+        sample = m.generate(mine[0][:1, :4], 2, greedy=True)
+        return train[0].detach(), train[1].detach(), evaluated[0], sample
+
+    for rank, (train, train_loss, evaluated, sample) in enumerate(SimWorld(MESH, timeout=120).run(body)):
+        chunk = _mine(rank, logits.detach())[0]
+        torch.testing.assert_close(train, chunk, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(evaluated, chunk, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(train_loss, loss.detach(), rtol=1e-5, atol=1e-6)
+        assert sample.shape == (1, 6)

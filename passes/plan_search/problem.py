@@ -533,14 +533,18 @@ def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned
 
 
 def _output_requirements(gm, ctx: Context) -> dict:
-    """Per graph output: which mesh axes may keep a batch shard (the data axis, as with DDP)."""
-    mesh, opts = ctx.mesh, ctx.options
-    keep = tuple(opts.output_keep_data_shard and name == opts.data_axis for name in mesh.names)
-    return {(n, pos): keep for n in gm.graph.nodes if n.op == "output" for pos, _ in enumerate(tensor_inputs(n))}
+    """Per graph output: what it keeps per mesh axis (:func:`autoshard.passes.propagate.output_keeps`: a batch-shaped
+    output is this rank's chunk on the data axis, as with DDP; otherwise replicated but for a batch shard)."""
+    from autoshard.passes.propagate import output_keeps
+
+    return {(n, pos): keep for n in gm.graph.nodes if n.op == "output"
+            for pos, keep in enumerate(output_keeps(n, ctx))}
 
 
-def output_spec_for(src: Spec, keep: tuple[bool, ...]) -> Spec:
-    return tuple(p if (k and isinstance(p, Shard) and p.dim == 0) else Replicate() for p, k in zip(src, keep))
+def output_spec_for(src: Spec, keep: tuple[int, ...]) -> Spec:
+    from autoshard.passes.propagate import output_spec
+
+    return output_spec(src, keep)
 
 
 def _producer_options(u, cu, problem: Problem, term: ValueTerm, intern: _SpecPool) -> None:
