@@ -235,10 +235,10 @@ def gloo_compile_modes(rank: int, world: int) -> dict:
         counters.clear()
         torch.manual_seed(0)
         model = TinyGPT()
-        # inductor once (compiling first, sharding after), the others with aot_eager (the suite's time), which also
-        # shows that the user's backend is the one the rank programs are compiled with
+        # aot_eager (the suite's time: tests/test_example_nanogpt.py runs inductor end to end), which also shows that
+        # the user's backend is the one the rank programs are compiled with
         if mode == "before":
-            model = torch.compile(model)
+            model = torch.compile(model, backend="aot_eager")
             autoshard.shard(model, MESH, example_inputs=mine)
         else:
             autoshard.shard(model, MESH, example_inputs=mine)
@@ -288,7 +288,7 @@ def test_torch_compile_of_the_sharded_model_compiles_the_rank_programs_on_real_r
     for r in compiled_on_real_ranks:
         got = r[mode]
         assert got["graphs"] >= 2  # dynamo captured the training program and the eval program
-        assert got["backend"] == ("inductor" if mode == "before" else "aot_eager")
+        assert got["backend"] == "aot_eager"
         assert r["eager"]["graphs"] == 0 and r["eager"]["backend"] is None
         for a, b in zip(got["losses"], losses):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
