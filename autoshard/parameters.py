@@ -97,6 +97,19 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _public_of(entry: tuple, dm, public: dict, requires_grad: bool | None) -> torch.Tensor:
+    """The public tensor of ``entry`` (this rank's local tensor, stored spec, global shape), made once per local
+    tensor (tied names share it): a DTensor over ``dm`` (a parameter where ``requires_grad`` is not None), or without
+    a DeviceMesh the local tensor itself (as an ``nn.Parameter`` for a parameter)."""
+    local, spec, shape = entry
+    if id(local) not in public:
+        if dm is not None:
+            public[id(local)] = _dtensor(local, dm, spec, shape, requires_grad)
+        else:
+            public[id(local)] = local if requires_grad is None else torch.nn.Parameter(local, requires_grad)
+    return public[id(local)]
+
+
 def build_tree(skeleton: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple, tuple]], dm
                ) -> tuple[dict[str, torch.nn.Module], dict[str, torch.Tensor], dict[int, torch.Tensor]]:
     """The model-shaped tree of this rank's tensors.
@@ -130,21 +143,13 @@ def build_tree(skeleton: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tu
                 holder.register_parameter(name, None)
                 continue
             entry = held.get(prefix + name)
-            if entry is None:
-                continue
-            local, spec, shape = entry
-            if id(local) not in public:
-                public[id(local)] = (torch.nn.Parameter(local, requires_grad=p.requires_grad) if dm is None
-                                     else _dtensor(local, dm, spec, shape, p.requires_grad))
-            holder._parameters[name] = public[id(local)]
+            if entry is not None:
+                holder._parameters[name] = _public_of(entry, dm, public, p.requires_grad)
         for name, b in module._buffers.items():
             entry = held.get(prefix + name)
             if b is None or entry is None:
                 continue
-            local, spec, shape = entry
-            if id(local) not in public:
-                public[id(local)] = local if dm is None else _dtensor(local, dm, spec, shape, None)
-            holder._buffers[name] = public[id(local)]
+            holder._buffers[name] = _public_of(entry, dm, public, None)
             if name in module._non_persistent_buffers_set:
                 holder._non_persistent_buffers_set.add(name)
     return dict(root_holder._modules), {**root_holder._parameters, **root_holder._buffers}, public
@@ -162,23 +167,11 @@ def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple,
             continue  # a shared module: filled under its first path
         done.add(id(module))
         prefix = f"{path}." if path else ""
-        for name, p in list(module._parameters.items()):
-            entry = held.get(prefix + name)
-            if p is None or entry is None:
-                continue
-            local, spec, shape = entry
-            if id(local) not in public:
-                public[id(local)] = (torch.nn.Parameter(local, requires_grad=p.requires_grad) if dm is None
-                                     else _dtensor(local, dm, spec, shape, p.requires_grad))
-            module._parameters[name] = public[id(local)]
-        for name, b in list(module._buffers.items()):
-            entry = held.get(prefix + name)
-            if b is None or entry is None:
-                continue
-            local, spec, shape = entry
-            if id(local) not in public:
-                public[id(local)] = local if dm is None else _dtensor(local, dm, spec, shape, None)
-            module._buffers[name] = public[id(local)]
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                entry = held.get(prefix + name)
+                if t is not None and entry is not None:
+                    table[name] = _public_of(entry, dm, public, t.requires_grad if is_param else None)
     return public
 
 

@@ -326,3 +326,27 @@ def test_batch_outputs_are_this_ranks_chunk_whatever_layout_computed_them(planne
         torch.testing.assert_close(evaluated, chunk, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(train_loss, loss.detach(), rtol=1e-5, atol=1e-6)
         assert sample.shape == (1, 6)
+
+
+def test_a_hugging_face_model_keeps_its_class_config_and_helpers():
+    """A Hugging Face LlamaForCausalLM sharded in place: its config, device/dtype/num_parameters helpers (which read
+    the parameters) and its ModelOutput, with this rank's chunk of the logits and the global batch's loss."""
+    model, _, kwargs = models.hf_llama(batch=4, seq=16)
+    copies = [copy.deepcopy(model) for _ in range(MESH.size)]
+    ref = model(**kwargs)
+
+    def body(rank):
+        m = copies[rank]
+        dp = MESH.coords(rank)["data"]
+        mine = {k: v.chunk(2)[dp] for k, v in kwargs.items()}
+        autoshard.shard(m, MESH, example_kwargs=mine, planner="search")
+        out = m(**mine)
+        return (type(m).__name__, m.config.hidden_size, m.dtype, m.num_parameters(), out.loss.detach(),
+                out.logits.detach())
+
+    for rank, (name, hidden, dtype, n, loss, logits) in enumerate(SimWorld(MESH, timeout=200).run(body)):
+        assert (name, hidden, dtype, n) == ("ShardedLlamaForCausalLM", model.config.hidden_size, torch.float32,
+                                            model.num_parameters())
+        torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, ref.logits.detach().chunk(2)[MESH.coords(rank)["data"]], rtol=1e-4,
+                                   atol=1e-5)
