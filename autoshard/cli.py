@@ -118,6 +118,9 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
     show.add_argument("--profile", default=profile,
                       help=f"hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default {profile})")
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
+    show.add_argument("--search-time-limit", type=float, default=None, metavar="SECONDS",
+                      help="seconds for the search (default 120; the best plan found by then is used, its gap warned "
+                           "about); a --memory-limit no plan meets is refused in seconds whatever this is")
     # left out, --zero and --recompute are compile's defaults: auto when the search has a --memory-limit
     show.add_argument("--zero", default=compile_default("zero"), choices=("0", "1", "2", "3", "auto"),
                       help="ZeRO stage of parameter storage over the data axis; auto: the search picks (default: "
@@ -229,7 +232,7 @@ def show(args: argparse.Namespace) -> int:
                                pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,
                                moe=autoshard.MoE.parse(args.moe) if getattr(args, "moe", None) else None,
                                zero=_zero(args.zero), recompute=_recompute(args.recompute),
-                               precision=parse_precision(args.precision))
+                               precision=parse_precision(args.precision), **_search_options(args))
     symbolic = getattr(args, "symbolic", False)
     if args.pipeline:  # the stages (or --rank's program of its stage)
         if args.json:
@@ -251,6 +254,12 @@ def show(args: argparse.Namespace) -> int:
         if symbolic:
             sys.stdout.write(fit_text(format_symbolic(plan), _width()))
     return 0
+
+
+def _search_options(args: argparse.Namespace) -> dict:
+    """compile's keywords for the search's own flags given on the command line (left out: compile's defaults)."""
+    limit = getattr(args, "search_time_limit", None)
+    return {} if limit is None else {"search_time_limit": limit}
 
 
 def _zero(text: str | None) -> int | str | None:

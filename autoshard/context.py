@@ -30,6 +30,10 @@ class Options:
     profile: Any = "cpu-gloo"  # hardware profile name, path or HardwareProfile
     memory_limit: float | None = None  # bytes per rank
     optimizer: str = "adam"  # for the optimizer-state term of the memory model
+    #: planner="search": seconds for the whole search (None: 120, passes/plan_search DEFAULT_TIME_LIMIT); when it
+    #: runs out the best plan found is used, with its gap warned about. A memory_limit no plan meets is refused
+    #: before the search's walk, in seconds (passes/plan_search/lagrangian.py PROOF_SECONDS), whatever this is.
+    search_time_limit: float | None = None
     #: greedy planner: among strategies of equal communication, prefer the output with fewer replicated axes
     #: (norms, residuals, dropout sharded along the sequence: Megatron's sequence parallelism)
     sequence_parallel: bool = False

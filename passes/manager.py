@@ -121,7 +121,8 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         SeedSpecs(),
         CutSequence() if getattr(options, "context", None) is not None else None,
         MarkRequiresGrad(),
-        PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer)
+        PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer,
+                   **_search_time(options))
         if options.planner == "search" else None,
         Propagate(),
         MixedPrecisionCasts(mp.param_dtype, mp.output_dtype) if mp else None,
@@ -144,6 +145,12 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         GroupGathers(),
     ]
     return {"plan": [p for p in plan if p is not None], "rank": [p for p in rank if p is not None]}
+
+
+def _search_time(options: Options) -> dict:
+    """PlanSearch's ``time_limit`` when the options give one (left out otherwise: the pass's own default)."""
+    limit = getattr(options, "search_time_limit", None)
+    return {} if limit is None else {"time_limit": float(limit)}
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes: list[Pass], ran: tuple[str, ...] = ()

@@ -26,7 +26,10 @@ The pass (:class:`PlanSearch`) builds a problem, searches it and writes the choi
 
 A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned about, never silently used. Time never
 ends the search without a plan (:func:`search`: the best plan met, or a solver-free one, with its gap and
-``timed_out``); the one error is a memory limit below the least memory any plan needs, known before any solve.
+``timed_out``); the one error is a memory limit below the least memory any plan needs: below a lower bound
+computed without a solve (:func:`least_memory_bound`), or below the least peak the least-peak ILP proves within
+``PROOF_SECONDS``, it is refused before the walk; a limit between the bound and the least plan found is refused only
+when the walk, too, finds no plan within it.
 The graph arrives functional, its inputs and annotated parameters seeded and its gradients marked
 (``passes/prepare.py``, earlier in the pass list).
 Annotated parameters are hard constraints, as in propagation (:func:`autoshard.passes.propagate.pinned_values`).
@@ -45,7 +48,8 @@ import torch
 import torch.fx
 from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.passes.plan_search.ilp import Program, build_program, solve
-from autoshard.passes.plan_search.lagrangian import DEFAULT_TIME_LIMIT, GAP_TOLERANCE, best_units, lp_bound, search
+from autoshard.passes.plan_search.lagrangian import (DEFAULT_TIME_LIMIT, GAP_TOLERANCE, PROOF_SECONDS, best_units,
+                                                    least_memory_bound, lp_bound, search)
 from autoshard.passes.plan_search.layers import Unit, find_layers, layer_copies, leaves_unit
 from autoshard.passes.plan_search.objective import (INFEASIBLE, TIE_BREAK, Candidate, binding, evaluate, explain,
                                                     option_cost, option_memory, term_cost, transient_bytes)
@@ -60,10 +64,10 @@ from autoshard.context import Context
 from autoshard.graph_utils import is_getitem, is_tensor_node
 from autoshard.progress import slow_step
 
-__all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "TIE_BREAK", "Candidate", "DecisionVar", "PlanSearch",
+__all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS", "TIE_BREAK", "Candidate", "DecisionVar", "PlanSearch",
            "Problem", "Program", "Unit", "ValueTerm", "WarmLP", "best_units", "build_problem", "build_program",
            "evaluate", "explain", "fallback_plan", "find_layers", "improve_layouts", "layer_copies",
-           "least_memory_plan", "leaves_unit", "lp_bound", "option_cost", "option_memory", "output_spec_for",
+           "least_memory_bound", "least_memory_plan", "leaves_unit", "lp_bound", "option_cost", "option_memory", "output_spec_for",
            "quickest_plan", "repair", "search", "solve", "term_cost", "transient_bytes"]
 
 
@@ -75,7 +79,10 @@ class PlanSearch:
     memory_limit: float | None = None
     optimizer: str = "adam"
     tie_layers: bool = True
-    time_limit: float | None = None  # seconds for the whole search (None: 120); a plan stopped by it reports its gap
+    #: seconds for the whole search (None: DEFAULT_TIME_LIMIT, 120; compile's Options.search_time_limit, the CLI's
+    #: --search-time-limit); a plan stopped by it reports its gap. A limit no plan meets is refused before the walk
+    #: (in at most PROOF_SECONDS of it), whatever this is.
+    time_limit: float | None = None
     #: under a memory limit: seconds for the exact ILP after the Lagrangian search, when that leaves a gap
     exact_seconds: float = 2.0
     #: under a memory limit: a Lagrangian plan this close to the lower bound is taken without the exact ILP (like a

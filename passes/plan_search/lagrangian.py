@@ -7,9 +7,15 @@ forward, each backward layer boundary, the optimizer step: :func:`.objective.mem
 structure, so it solves like the unconstrained one, from the previous HiGHS basis (:class:`.solver.WarmLP`;
 :meth:`_Walk.relaxed`). The search (:func:`search`):
 
-0. The memory is a sum over decisions (plus transient bytes), so the least any plan needs is known before any
-   solve (:func:`.repair.least_memory_plan`): a limit below it is :class:`~autoshard.errors.PlanError` at once,
-   naming the least memory and the options that would lower it (:func:`_no_plan_fits`) — the only error.
+0. A limit the least-memory plan (:func:`.repair.least_memory_plan`: per decision the option of fewest bytes,
+   every unit recomputed) does not meet is checked before the walk (:func:`_least_memory`): every plan needs at
+   least :func:`least_memory_bound` bytes (per liveness point, each decision's fewest bytes there, by the same
+   columns the walk prices, plus the temporaries every plan has: computed in milliseconds), and the least-peak ILP
+   (:func:`.ilp.least_peak_program`) gets ``PROOF_SECONDS`` to find the plan of least peak and prove it. A limit
+   below the bound, or below a proven least peak, is :class:`~autoshard.errors.PlanError` at once, naming the
+   least memory ("at least" when not proven), the least-memory plan found and the options that would lower it
+   (:func:`_no_plan_fits`) — the only error. Between the bound and the least plan found the walk runs; a plan the
+   ILP found within the limit is its fallback (:meth:`_Walk.least_fitting`).
 1. ``λ = 0`` (:meth:`_Walk.point`): the least-time plan; if it fits, it is optimal.
 2. Cutting planes (:meth:`_Walk.cutting_planes`): every plan met is a cut ``θ ≤ T_i + λ·(M_i − room)`` of the dual;
    a small LP maximises their lower envelope within a box around the best multipliers so far (Kelley's method in
@@ -63,6 +69,13 @@ GAP_TOLERANCE = 1e-6
 DEFAULT_TIME_LIMIT = 120.0
 #: when the walk's multipliers price no plan within the limit: doublings of them at most, then bisections
 MAX_DOUBLINGS, BISECTIONS = 30, 4
+#: doublings in a row that met the same relaxed plan, after which raising the multipliers stops
+SAME_PLAN = 2
+#: seconds (at most; never more than the search's time limit) the check of a limit the least-memory plan does not
+#: meet spends on the least-peak ILP, to name the least memory exactly instead of its lower bound: HF Llama
+#: (2 layers, data=2 x model=2) is not proven in it on 2 loaded cores (its LP alone took ~20 s), a Llama-3-8B
+#: shape at seq 8192 on data=64 is (~2 s); bench/infeasible_limit.py times the refusal
+PROOF_SECONDS = 5.0
 
 
 def search(problem: Problem, time_limit: float | None = None, info: dict | None = None, exact_limit: float = np.inf,
@@ -74,10 +87,15 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     total = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     if problem.memory_limit is None:
         return _unconstrained(problem, total, info)
-    least = least_memory_plan(problem)  # its bytes without the transient ones bound every plan's from below
-    if least.priced_memory > problem.memory_limit:  # (its priced bytes: a lower bound of every plan's peak)
-        raise _no_plan_fits(problem, _least_peak(problem, least, total))
-    walk = _Walk(problem, total)
+    least = least_memory_plan(problem)
+    floor, seed = 0.0, None
+    if least.memory > problem.memory_limit:  # is the limit met at all? (step 0)
+        floor, found, proven = _least_memory(problem, least, min(PROOF_SECONDS, total))
+        if found.memory <= problem.memory_limit:
+            seed = found
+        elif proven or problem.memory_limit < floor:
+            raise _no_plan_fits(problem, floor, found, proven)
+    walk = _Walk(problem, total, floor, seed)
     start = walk.point(walk.zero)
     if start is None:  # time_limit ran out in the first solve
         return _out_of_time(problem, walk, info)
@@ -136,9 +154,10 @@ def _out_of_time(problem: Problem, walk: _Walk, info: dict) -> tuple[list[int], 
     :func:`.repair.fallback_plan` (a tenth of the time limit, at least a second, to improve it) or a repaired plan
     of the walk, whichever is faster; the gap to the best lower bound known is reported."""
     made = fallback_plan(problem, max(1.0, 0.1 * walk.total))
-    found = [p for p in (made, walk.best) if p is not None]
+    found = [p for p in (made, walk.best, walk.seed) if p is not None]
     if not found:
-        raise _no_plan_fits(problem, least_memory_plan(problem).memory)
+        raise _no_plan_fits(problem, walk.floor or least_memory_bound(problem), walk.least_met(), proven=False,
+                            searched=walk.elapsed())
     best = min(found, key=lambda p: p.time)
     bound = walk.final_bound()
     gap = _gap(best.time, bound)
@@ -184,8 +203,10 @@ class _Walk:
     """The state of the search under a limit: the programs and per-point bytes per recomputation set, the HiGHS
     copy, the time budget, the best plan within the limit and the best lower bound so far."""
 
-    def __init__(self, problem: Problem, total: float):
+    def __init__(self, problem: Problem, total: float, floor: float = 0.0, seed: Candidate | None = None):
         self.problem, self.total, self.start = problem, total, time.perf_counter()
+        # bytes every plan needs at least (0: not computed), and a plan within the limit found before the walk
+        self.floor, self.seed = floor, seed
         self.limit = problem.memory_limit
         base = build_program(problem, frozenset(), memory_row=False)
         self.base, self.warm = base, WarmLP.create(base)
@@ -340,18 +361,28 @@ class _Walk:
         dearer: the best multipliers are doubled until a plan met fits after repair, then the factor is bisected
         (geometrically) between the last that did not and the first that did, and the best plan's layouts improved
         by coordinate descent (:func:`.repair.improve_layouts`). One relaxed solve per step; at most
-        ``MAX_DOUBLINGS`` doublings."""
+        ``MAX_DOUBLINGS`` doublings, and none more once ``SAME_PLAN`` doublings in a row met the same plan: the
+        multipliers then price bytes so dearly that the relaxed plan is the one of least bytes it reaches, and more
+        would meet it again (HF Llama, 2 layers, at a limit between the least-memory bound and the least plan: 29
+        doublings, 122 s, before this stop)."""
         lam = self.multiplier if self.multiplier is not None and np.any(self.multiplier > 0) else None
         if lam is None:  # the bound never rose above λ = 0's: price the start's peak point at seconds per limit
             lam = self.zero.copy()
             lam[int(np.argmax(start.points + start.transient))] = start.seconds / self.limit
         below, above = 1.0, None
+        last, same = None, 0
         for _ in range(MAX_DOUBLINGS):
-            if self._fits_at(lam * 2 * below, start) is None:
+            cut = self.point(lam * 2 * below, best_units(self.problem, list(start.plan.choice), lam * 2 * below))
+            if cut is None:
                 return
             if self.best is not None:
                 above = 2 * below
                 break
+            plan = (cut.plan.choice, self.key(cut.plan.recompute))
+            same = same + 1 if plan == last else 0
+            if same >= SAME_PLAN:
+                return
+            last = plan
             below *= 2
         if above is None:
             return
@@ -379,13 +410,22 @@ class _Walk:
         """When no plan the walk met could be repaired to fit: the least-memory plan met, the solver-free one or the
         plan of least peak (the ILP of every liveness point's row), repaired; raises when none fits."""
         problem = self.problem
-        found = [least_memory_plan(problem), *([self.least] if self.least is not None else [])]
-        peak = _least_peak_plan(problem, 2 * max(start.memory, found[0].memory), start.time, max(1.0, self.left()))
-        least = min(found + [peak] if peak is not None else found, key=lambda p: p.memory)
+        found = [p for p in (least_memory_plan(problem), self.least, self.seed) if p is not None]
+        if min(p.memory for p in found) > self.limit:  # (the ILP's plan, when it found one within the limit, is seed)
+            peak, _ = _least_peak_plan(problem, 2 * max(start.memory, found[0].memory), start.time,
+                                       max(1.0, self.left()))
+            found += [peak] if peak is not None else []
+        least = min(found, key=lambda p: p.memory)
         if least.memory > self.limit:
-            raise _no_plan_fits(problem, least.memory)
+            raise _no_plan_fits(problem, self.floor or least_memory_bound(problem), least, proven=False,
+                                searched=self.elapsed())
         fixed = repair(problem, least.choice, least.recompute)
         return fixed if fixed is not None and fixed.time < least.time else least
+
+    def least_met(self) -> Candidate:
+        """The plan of least memory met: the walk's, the one found before it, the least-memory plan."""
+        found = [p for p in (least_memory_plan(self.problem), self.least, self.seed) if p is not None]
+        return min(found, key=lambda p: p.memory)
 
     def final_bound(self) -> float:
         """The best lower bound: the walk's, and at worst the least seconds of every decision (communication costs
@@ -424,27 +464,47 @@ def _exact(problem: Problem, walk: _Walk, best: Candidate, left: float, info: di
     return best
 
 
-def _least_peak(problem: Problem, least: Candidate, seconds: float) -> float:
-    """The least memory to name when a limit is refused before the walk: the least-peak ILP's plan when HiGHS proves
-    it optimal (a limit that high is met; transients included), else the priced bytes of the least-memory plan (a
-    lower bound of every plan's peak, but one that transients such as a loss's logits may leave far below it)."""
-    peak = _least_peak_plan(problem, 2 * least.memory, least.time, min(seconds, 30.0), proven=True)
-    if peak is None:
-        return least.priced_memory
-    return max(least.priced_memory, min(least.memory, peak.memory))
+def least_memory_bound(problem: Problem) -> float:
+    """Bytes per rank every plan needs at least, from the columns the walk prices (:func:`.objective.option_columns`)
+    and the temporaries every plan adds (:func:`_least_temporaries`): per liveness point, the fixed bytes plus each
+    decision's fewest bytes at that point over its options, recomputed or not (parameters at their most sharded
+    layout and stage, activations at their smallest layout), the largest over points. Each decision is chosen
+    apart per point, and redistributed copies, ZeRO-3's gathered layers and a recomputed layer's activations count
+    nothing, so no plan is below it (the walk's ``room`` rests on the same inequality); the copies a layout forces
+    (a loss's logits gathered, a weight's copy kept for backward) can leave it far below the least peak (HF Llama,
+    2 layers, data=2 x model=2: 363 KiB against 422 KiB; bench/infeasible_limit.py)."""
+    cols = option_columns(problem)
+    points = np.minimum(cols.points, cols.points + cols.recomputed)  # (recomputed: unit columns; else 0 added)
+    fewest = np.minimum.reduceat(points, cols.offsets, axis=0) if len(points) else np.zeros((0, 0))
+    per_point = problem.fixed_points + fewest.sum(axis=0) + _least_temporaries(problem)
+    return float(per_point.max())
+
+
+def _least_memory(problem: Problem, least: Candidate, seconds: float) -> tuple[float, Candidate, bool]:
+    """(bytes every plan needs at least, the plan of least memory found, whether that plan is proven the least):
+    :func:`least_memory_bound`, then the least-peak ILP for at most ``seconds`` (its program's build included).
+    Proven, the least memory is that plan's (a limit that high is met; transients included)."""
+    started = time.perf_counter()
+    floor = least_memory_bound(problem)
+    peak, proven = _least_peak_plan(problem, 2 * least.memory, least.time, seconds, started=started)
+    found = peak if peak is not None and peak.memory < least.memory else least
+    if proven:
+        return found.memory, found, True
+    return min(floor, found.memory), found, False
 
 
 def _least_peak_plan(problem: Problem, scale: float, seconds_scale: float, seconds: float,
-                     proven: bool = False) -> Candidate | None:
-    """The plan of least peak, every unit recomputed (the ILP of every liveness point's row bounding one peak
-    variable, :func:`.ilp.least_peak_program`), solved for at most ``seconds``; None when HiGHS found none (with
-    ``proven``: none it proved optimal)."""
+                     started: float | None = None) -> tuple[Candidate | None, bool]:
+    """(the plan of least peak, every unit recomputed, or None when HiGHS found none; whether HiGHS proved it):
+    the ILP of every liveness point's row bounding one peak variable (:func:`.ilp.least_peak_program`), solved
+    within ``seconds`` of ``started`` (``time.perf_counter()``; default: now)."""
+    started = time.perf_counter() if started is None else started
     every = frozenset(range(len(problem.units)))
     prog = least_peak_program(problem, every, scale, max(seconds_scale, 1e-30))
-    res = solve_program(problem, prog, prog.c, seconds)
-    if res.choice is None or (proven and not res.optimal):
-        return None
-    return Candidate.of(problem, res.choice, every, np.inf)
+    res = solve_program(problem, prog, prog.c, max(0.01, seconds - (time.perf_counter() - started)))
+    if res.choice is None:
+        return None, False
+    return Candidate.of(problem, res.choice, every, np.inf), bool(res.optimal)
 
 
 def _most_ties(problem: Problem) -> float:
@@ -452,16 +512,32 @@ def _most_ties(problem: Problem) -> float:
     return sum(max(ties(problem, d), default=0.0) for d in problem.decisions)
 
 
-def _no_plan_fits(problem: Problem, least: float) -> PlanError:
+def _no_plan_fits(problem: Problem, least: float, found: Candidate | None = None, proven: bool = True,
+                  searched: float | None = None) -> PlanError:
+    """The refusal of a limit: ``least`` bytes every plan needs (exactly, with ``proven``; else at least), the plan
+    of least memory ``found``, and ``searched`` seconds when the walk looked for a plan first."""
     limit = problem.memory_limit
+    floor, met = format_bytes(least), None if found is None else format_bytes(found.memory)
+    fixed = f"{format_bytes(problem.fixed_memory)} of it fixed by annotations and buffers"
+    if proven:
+        head = f"the least memory any plan needs is {floor} per rank ({fixed})"
+        fix = f"Raise memory_limit to at least {floor}"
+    else:
+        bound = f"the least memory any plan needs is at least {floor} per rank (a lower bound; {fixed})"
+        head = bound if met is None else f"{bound}, and the least-memory plan found needs {met}"
+        if searched is not None:
+            head = f"no plan within it was found in {searched:.1f} s of search: {head}"
+            fix = f"Raise memory_limit to {met or floor}, give the search more time (search_time_limit)"
+        else:
+            fix = f"Raise memory_limit to at least {floor}" + (f" ({met} is met)" if met is not None else "")
     error = PlanError(
-        f"option memory_limit is {format_bytes(limit)} per rank, but the least memory any plan needs is "
-        f"{format_bytes(least)} per rank ({format_bytes(problem.fixed_memory)} of it fixed by annotations and "
-        f"buffers). Raise memory_limit to at least {format_bytes(least)}, or use a larger mesh"
+        f"option memory_limit is {format_bytes(limit)} per rank, but {head}. {fix}, or use a larger mesh"
         + ("" if problem.units else ", recompute='auto' (recompute layers in backward)")
         + ("" if any(d.stages and max(d.stages) > 0 for d in problem.decisions)
            else ", zero='auto' (store parameters sharded over the data axis)") + ".")
-    error.least_memory = least  # bytes per rank, by the search's memory model
+    error.least_memory = least  # bytes per rank every plan needs (at least, unless proven), by the memory model
+    error.least_memory_found = None if found is None else found.memory  # the least-memory plan found: it is met
+    error.least_memory_proven = proven
     return error
 
 
