@@ -7,16 +7,27 @@ None before each; no optimizer) of:
 
 * tensor parallel, ``Mesh(model=2)``, Megatron plan (column-parallel q/k/v and first MLP linear, row-parallel
   output projections; embeddings and LM head replicated):
-  - **autoshard**: ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer``, as ``ShardedModule`` runs
-    it (plain tensors, direct collectives; the few parameter gradient syncs, here the row-parallel biases, bucketed);
+  - **autoshard** (headline): the ``ShardedModule`` a user runs — ``autoshard.compile(model, mesh, args,
+    plan=..., comm=..., bucket_cap_mb=25)`` called as a module: its DTensor parameters bound to the rank program
+    per call (``autoshard.parameters.bound``), the agreement check before the call, gradients as DTensors;
+    ``autoshard-SP`` (the block) the same with sequence parallelism;
+  - **autoshard rank module** (secondary): the bare program the ShardedModule runs,
+    ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer`` (plain tensors, direct collectives; the
+    few parameter gradient syncs, here the row-parallel biases, bucketed): what the ShardedModule adds per call is
+    the difference;
   - **DTensor**: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` and ``PrepareModuleInput`` on
     the attention and MLP inputs (the torchtitan layout: one input all-reduce in backward per sub-block);
 * data parallel, ``Mesh(data=2)``:
-  - **autoshard**: ``rank_module(rank, bucket_grads=True)`` + :class:`~autoshard.runtime.buckets.GradBucketer`
-    (``bucket_cap_mb=25``: the buckets DDP cuts with that cap, launched asynchronously as they fill; the loss
-    all-reduce left in flight), and the unbucketed program (one blocking all-reduce per parameter);
+  - **autoshard** (headline): the ``ShardedModule`` (``bucket_cap_mb=25``: the buckets DDP cuts with that cap,
+    launched asynchronously as they fill; the loss all-reduce left in flight);
+  - **autoshard rank module** / **autoshard-unbucketed rank module** (secondary): the bare program with
+    :class:`~autoshard.runtime.buckets.GradBucketer`, and without buckets (one blocking all-reduce per parameter);
   - **DDP**: ``DistributedDataParallel(bucket_cap_mb=25)``, and DDP plus an async all-reduce of its loss (waited
     at the end of backward): DDP returns each rank's local loss, autoshard the global one.
+
+Gradients: after the warm-up steps every headline row's gradients are compared with its reference's (tp: DTensor,
+dp: DDP), every parameter whole (``full_tensor()``); the run fails (exit status 1, a banner) when one differs by
+more than 1e-5 of the reference's largest entry, or when any parameter was not compared.
 
 Cases: an MLP, one GPT block, a 4-layer GPT. Repetitions are interleaved: in each, every system in turn (the
 order rotating) runs one untimed step and then two timed steps back to back, as a training loop runs its steps
@@ -71,6 +82,14 @@ SIZES = {
         "reps": {"mlp": 3, "block": 3, "gpt4": 3},
     },
 }
+
+
+#: the secondary rows: the bare rank programs (``plan.rank_module``) the ShardedModule binds its parameters to
+TP_BARE, SP_BARE = "tp/autoshard rank module", "tp/autoshard-SP rank module"
+DP_BARE, DP_UNBUCKETED = "dp/autoshard rank module", "dp/autoshard-unbucketed rank module"
+#: row order: the reference, the headline ShardedModule rows, then the secondary ones
+ORDER = ("tp/DTensor", "tp/autoshard", "tp/autoshard-SP", TP_BARE, SP_BARE,
+         "dp/DDP", "dp/DDP+loss all-reduce", "dp/autoshard", DP_BARE, DP_UNBUCKETED)
 
 
 class BlockLoss(nn.Module):
@@ -200,11 +219,10 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             with use(tp_comm):
                 return loss_of(m(*a))
 
-        systems["tp/autoshard"] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
+        systems[TP_BARE] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
+        sp_ann = {**{k: (v,) for k, v in ann.items()}, "x": ("S(1)",)}
         if name == "block":  # sequence parallelism: the block's input and residual sharded along the sequence
-            sp_plan = autoshard.compile(
-                model, tp_mesh, args, plan={**{k: (v,) for k, v in ann.items()}, "x": ("S(1)",)}, sequence_parallel=True
-            ).plan
+            sp_plan = autoshard.compile(model, tp_mesh, args, plan=sp_ann, sequence_parallel=True).plan
             sp_mod = sp_plan.rank_module(rank, weights=model, bucket_grads=True)
             GradBucketer(sp_mod, comm=tp_comm, bucket_cap_mb=25)
             sp_args, _ = sp_plan.shard_inputs(rank, args)
@@ -213,7 +231,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
                 with use(tp_comm):
                     return loss_of(m(*a))
 
-            systems["tp/autoshard-SP"] = (as_sp, list(sp_mod.parameters()), [sp_mod], tp_comm)
+            systems[SP_BARE] = (as_sp, list(sp_mod.parameters()), [sp_mod], tp_comm)
         dt_model = copy.deepcopy(model)
         for m in dt_model.modules():
             if hasattr(m, "heads") and hasattr(m, "q"):
@@ -245,8 +263,8 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         def ddp_step(m=ddp, a=dp_args):
             return m(*a)
 
-        systems["dp/autoshard"] = (as_dp, list(dp_mod.parameters()), [dp_mod], dp_comm)
-        systems["dp/autoshard-unbucketed"] = (as_dp_plain, list(dp_plain.parameters()), [dp_plain], dp_comm)
+        systems[DP_BARE] = (as_dp, list(dp_mod.parameters()), [dp_mod], dp_comm)
+        systems[DP_UNBUCKETED] = (as_dp_plain, list(dp_plain.parameters()), [dp_plain], dp_comm)
         systems["dp/DDP"] = (ddp_step, list(ddp.parameters()), [ddp], None)
         # DDP returns each rank's local loss; autoshard returns the global one (for a mean cross-entropy, the exact
         # global mean, which needs the global target count). The cheapest way to give DDP the same: all-reduce the
@@ -265,8 +283,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
             return loss
 
         systems["dp/DDP+loss all-reduce"] = (ddp_global_loss_step, list(ddp_g.parameters()), [ddp_g], None)
-        # what a user runs: the ShardedModule (DTensor parameters bound to the same programs per call), last,
-        # on copies of the model (compiling on a known rank lets go of the model's own weights)
+        # the headline rows: what a user runs, the ShardedModule (``autoshard.compile(...)`` called as a module, its
+        # DTensor parameters bound to the same rank programs per call, bucket_cap_mb=25), made last, on copies of
+        # the model (compiling on a known rank lets go of the model's own weights)
         sm_tp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, plan={k: (v,) for k, v in ann.items()},
                                   comm=tp_comm, bucket_cap_mb=25)
         sm_dp = autoshard.compile(copy.deepcopy(model), dp_mesh, args, comm=dp_comm, bucket_cap_mb=25)
@@ -274,10 +293,18 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         def sm_step(m, a):
             return loss_of(m(*a))
 
-        systems["tp/ShardedModule"] = (functools.partial(sm_step, sm_tp, tp_args), list(sm_tp.parameters()),
-                                       [sm_tp], tp_comm)
-        systems["dp/ShardedModule"] = (functools.partial(sm_step, sm_dp, dp_args), list(sm_dp.parameters()),
-                                       [sm_dp], dp_comm)
+        systems["tp/autoshard"] = (functools.partial(sm_step, sm_tp, tp_args), list(sm_tp.parameters()),
+                                   [sm_tp], tp_comm)
+        if name == "block":
+            sm_sp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, plan=sp_ann, sequence_parallel=True,
+                                      comm=tp_comm, bucket_cap_mb=25)
+            systems["tp/autoshard-SP"] = (functools.partial(sm_step, sm_sp, sp_args), list(sm_sp.parameters()),
+                                          [sm_sp], tp_comm)
+        systems["dp/autoshard"] = (functools.partial(sm_step, sm_dp, dp_args), list(sm_dp.parameters()),
+                                   [sm_dp], dp_comm)
+        compared_with = {"tp/autoshard": (sm_tp, "tp/DTensor", dt_model), "dp/autoshard": (sm_dp, "dp/DDP", ddp)}
+        if name == "block":
+            compared_with["tp/autoshard-SP"] = (sm_sp, "tp/DTensor", dt_model)
 
         # warm-up, losses, bytes and collective counts of one step
         info = {}
@@ -297,6 +324,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
                 rec["n_coll"] = cdm.get_total_counts() if key.startswith("tp/") else "-"
             rec["peak"] = _peak_bytes(fn, params, mods)
             info[key] = rec
+        # every headline row's gradients against its reference's, whole (the last step above left them: the
+        # same inputs and weights everywhere); DDP's parameters are under `module.`
+        info["gradients"] = _compare_gradients(compared_with)
         times = {k: [] for k in systems}
         keys = list(systems)
         for rep in range(reps_of[name]):
@@ -317,6 +347,54 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         info["params"] = sum(p.numel() for p in model.parameters())
         out[name] = info
     return out
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _compare_gradients(compared_with: dict) -> dict:
+    """{system: (max |grad diff| over the reference's parameters, how many compared, the names not compared)}:
+    every parameter's whole gradient (``full_tensor()`` where it is a DTensor; collectives in the same order on
+    every rank) against the reference module's; a gradient missing on either side is not compared and named."""
+    out = {}
+    for key, (module, _, reference) in compared_with.items():
+        ours = dict(module.named_parameters())
+        diff, compared, missing = 0.0, 0, []
+        for name, p in reference.named_parameters():
+            name = name.removeprefix("module.")
+            mine = ours.pop(name, None)
+            if mine is None or mine.grad is None or p.grad is None:
+                missing.append(name)
+                continue
+            a, b = _whole(mine.grad), _whole(p.grad)
+            if a.shape != b.shape:
+                missing.append(f"{name} (shapes {list(a.shape)} vs {list(b.shape)})")
+                continue
+            compared += 1
+            diff = max(diff, (a - b).abs().max().item() / max(1.0, b.abs().max().item()))
+        missing += [f"{name} (not in the reference)" for name in ours]
+        out[key] = (diff, compared, missing)
+    return out
+
+
+#: the largest |grad diff| (relative to the reference gradient's largest entry, or absolute below 1) counted equal
+GRAD_TOLERANCE = 1e-5
+
+
+def check(results, cases) -> list[str]:
+    """The headline rows whose gradients differ from their reference's beyond ``GRAD_TOLERANCE`` or were not all
+    compared, on any rank; empty when every comparison ran and agreed."""
+    problems = []
+    for name in cases:
+        for r, per_rank in enumerate(results):
+            for key, (diff, compared, missing) in per_rank[name]["gradients"].items():
+                if not diff <= GRAD_TOLERANCE:  # (nan fails too)
+                    problems.append(f"{name} {key} rank {r}: max |grad diff| {diff:.3e} > {GRAD_TOLERANCE:g}")
+                if missing or not compared:
+                    problems.append(f"{name} {key} rank {r}: {compared} gradients compared, not compared: "
+                                    + ", ".join(missing[:10]))
+    return problems
 
 
 def _bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -380,7 +458,7 @@ def report(results, cases) -> str:
             return statistics.median(ratios), _bootstrap_ci(ratios)
 
         for group, base in (("tp", "tp/DTensor"), ("dp", "dp/DDP")):
-            keys = [k for k in per_rank[0] if k.startswith(group + "/")]
+            keys = sorted((k for k in per_rank[0] if k.startswith(group + "/")), key=ORDER.index)
             for key in keys:
                 rec = per_rank[0][key]
                 t = med(key)
@@ -390,7 +468,7 @@ def report(results, cases) -> str:
                 else:
                     analytic = params * 4  # DDP all-reduces every gradient once
                 bytes_ = rec.get("bytes")
-                if key.endswith("-SP"):
+                if "-SP" in key:
                     b_txt = _fmt_bytes(bytes_)
                 elif bytes_ is not None and group == "tp":
                     extra = bytes_ - rec["act_bytes"]
@@ -418,13 +496,19 @@ def report(results, cases) -> str:
         lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
         if i == 0:
             lines.append("| " + " | ".join("-" * w for w in widths) + " |")
-    losses = []
+    losses, grads = [], []
     for name in cases:
         rec = results[0][name]
         losses.append(f"{name}: " + ", ".join(f"{k} {rec[k]['loss']:.6f}" for k in rec if "/" in k))
+        for key in rec["gradients"]:
+            diff = max(r[name]["gradients"][key][0] for r in results)
+            compared = min(r[name]["gradients"][key][1] for r in results)
+            grads.append(f"{name} {key}: {diff:.1e} over {compared}")
     return (
         "\n".join(lines) + "\n\nlosses (rank 0; DDP's is its local half-batch loss, the others the global "
-        "batch's): " + "; ".join(losses)
+        "batch's): " + "; ".join(losses) + "\n\nmax |grad diff| of the headline rows against their reference "
+        "(tp: DTensor, dp: DDP; every parameter's whole gradient, relative to its largest entry, max over ranks): "
+        + "; ".join(grads)
     )
 
 
@@ -449,6 +533,12 @@ def main(argv=None) -> None:
     )
     print(report(results, a.cases))
     print(f"\n({time.time() - t0:.0f} s)")
+    problems = check(results, a.cases)
+    if problems:  # loudly: rows that compute different gradients are not comparable timings
+        print("\n" + "!" * 100 + "\nGRADIENTS DIFFER, OR A COMPARISON DID NOT RUN:\n  " + "\n  ".join(problems)
+              + "\n" + "!" * 100)
+        raise SystemExit(1)
+    return results
 
 
 if __name__ == "__main__":

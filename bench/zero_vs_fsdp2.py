@@ -15,7 +15,10 @@ step is the same elementwise update of the same shards in both):
 * **FSDP2**: ``fully_shard(block, mesh, reshard_after_forward=True)`` for every block, then on the root (the
   embeddings, final norm and tied head, which FSDP2 keeps gathered between forward and backward); the loss is this
   rank's half (quarter) of the batch, so the max loss difference below compares autoshard's loss with the mean of
-  FSDP2's rank losses, and the max gradient difference compares each rank's gradient shards.
+  FSDP2's rank losses, and the max gradient difference compares every parameter's whole gradient (``full_tensor()``
+  of autoshard's DTensor gradient and of FSDP2's sharded one). The run fails (exit status 1, a banner) when a loss
+  or gradient differs by more than 1e-5 or any gradient was not compared (missing on either side, or shapes that
+  differ): a comparison that does not run is a failure, not a ``nan``.
 
 Timing: repetitions interleave the systems (order rotating); in each, a system runs one untimed step and then
 ``TIMED`` steps, each started after a barrier and timed on every rank; a step's time is the slower rank's. The
@@ -179,20 +182,29 @@ def _worker(rank, world, size_name, reps):
     mean_f = loss_f.detach().clone()
     dist.all_reduce(mean_f)
     mean_f /= world
-    diff, compared = 0.0, 0
-    for mod in (sharded, no_prefetch, ungrouped):
+    diff, compared, missing = 0.0, 0, []
+    # every gradient compared whole: autoshard's DTensor gradients and FSDP2's shards (Shard(0), padded where dim 0
+    # does not divide) are gathered to full tensors on every rank, in the same order on every rank
+    for label, mod in (("autoshard", sharded), ("autoshard-no-prefetch", no_prefetch),
+                       ("autoshard-ungrouped", ungrouped)):
         grads_a = dict(mod.named_parameters())
         for name, p in fsdp.named_parameters():
             mine = grads_a.get(name)
             if mine is None or mine.grad is None or p.grad is None:
+                missing.append(f"{label}:{name}")
                 continue
-            theirs = p.grad.to_local()
+            theirs = _whole(p.grad)
+            ours = _whole(mine.grad)
+            if ours.shape != theirs.shape:
+                missing.append(f"{label}:{name} (shapes {list(ours.shape)} vs {list(theirs.shape)})")
+                continue
             compared += 1
-            if theirs.shape != mine.grad.shape:  # FSDP2 pads dim 0 where it does not divide; none here
-                diff = float("nan")
-                continue
-            diff = max(diff, (theirs - mine.grad).abs().max().item())
+            diff = max(diff, (theirs - ours).abs().max().item())
+        extra = sorted(set(grads_a) - {n for n, _ in fsdp.named_parameters()})
+        missing += [f"{label}:{name} (not in FSDP2's model)" for name in extra]
     info["loss"] = (loss_a, float(mean_f), max(abs(v - float(mean_f)) for v in losses.values()), diff, compared)
+    info["missing"] = missing
+    info["expected"] = 3 * sum(1 for _ in fsdp.parameters())
     for key in SYSTEMS:
         info[key]["peak"] = _peak_bytes(steps[key], modules[key])
     times = {k: [] for k in SYSTEMS}
@@ -210,6 +222,15 @@ def _worker(rank, world, size_name, reps):
     info["times"] = times
     info["params"] = sum(p.numel() for p in model.parameters())
     return info
+
+
+def _whole(t):
+    """A gradient as one full tensor on every rank (a DTensor gathered over its mesh)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+#: what "equal" means for the gradients and losses (fp32, one step; the sums run in different orders)
+LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-5
 
 
 def _interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -250,6 +271,7 @@ def summarize(results: list[dict]) -> dict:
     out = {"ratio": {k: (statistics.median(v), _interval(v)) for k, v in ratios.items()},
            "loss": tuple(max(r["loss"][i] for r in results) for i in (2, 3)),
            "compared": min(r["loss"][4] for r in results),
+           "expected": results[0]["expected"], "missing": sorted({m for r in results for m in r["missing"]}),
            "losses": results[0]["loss"][:2], "params": results[0]["params"]}
     for k in SYSTEMS:
         peaks = [r[k]["peak"] for r in results]
@@ -278,9 +300,25 @@ def report(by_world: dict[int, dict]) -> str:
     for world, s in by_world.items():
         la, lf = s["losses"]
         lines.append(f"\n{world} ranks: loss autoshard {la:.6f}, FSDP2 (mean of ranks) {lf:.6f}; max |loss diff| "
-                     f"{s['loss'][0]:.2e}, max |grad diff| over {s['compared']} gradient shards (the autoshard "
-                     f"programs vs FSDP2's) {s['loss'][1]:.2e}")
+                     f"{s['loss'][0]:.2e}, max |grad diff| over {s['compared']} of {s['expected']} whole gradients "
+                     f"(the 3 autoshard programs' vs FSDP2's, full_tensor on both sides) {s['loss'][1]:.2e}")
     return "\n".join(lines)
+
+
+def check(by_world: dict[int, dict]) -> list[str]:
+    """What the run got wrong: a loss or gradient that differs beyond the tolerances, or a comparison that did not
+    run (a gradient missing on either side, or shapes that differ). Empty when every comparison ran and agreed."""
+    problems = []
+    for world, s in by_world.items():
+        loss_diff, grad_diff = s["loss"]
+        if not loss_diff <= LOSS_TOLERANCE:  # (nan fails too)
+            problems.append(f"{world} ranks: max |loss diff| {loss_diff:.3e} > {LOSS_TOLERANCE:g}")
+        if not grad_diff <= GRAD_TOLERANCE:
+            problems.append(f"{world} ranks: max |grad diff| {grad_diff:.3e} > {GRAD_TOLERANCE:g}")
+        if s["compared"] != s["expected"] or s["missing"]:
+            problems.append(f"{world} ranks: {s['compared']} of {s['expected']} gradients compared; not compared: "
+                            + ", ".join(s["missing"][:10]) + (" ..." if len(s["missing"]) > 10 else ""))
+    return problems
 
 
 def main(argv=None) -> dict[int, dict]:
@@ -303,6 +341,11 @@ def main(argv=None) -> dict[int, dict]:
           "bytes = collective inputs per rank, one step")
     print(report(by_world))
     print(f"\n({time.time() - t0:.0f} s)")
+    problems = check(by_world)
+    if problems:  # loudly: a benchmark whose systems compute different things measures nothing
+        print("\n" + "!" * 100 + "\nGRADIENTS OR LOSSES DIFFER, OR A COMPARISON DID NOT RUN:\n  " + "\n  ".join(problems)
+              + "\n" + "!" * 100)
+        raise SystemExit(1)
     return by_world
 
 
