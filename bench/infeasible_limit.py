@@ -52,7 +52,8 @@ def attempt(factory: str, kwargs: dict, mesh_axes: dict, profile: str, limit: fl
     mesh = Mesh(**mesh_axes)
     options = make_options({}, "data", "replicate", mesh, planner="search", profile=profile, memory_limit=limit,
                            zero="auto", recompute="auto")
-    options = dataclasses.replace(options, search_time_limit=time_limit)
+    if time_limit is not None:
+        options = dataclasses.replace(options, search_time_limit=time_limit)
     row = {"limit": limit, "refused": False}
     started = time.perf_counter()
     try:
@@ -85,14 +86,14 @@ def run_case(case, quick: bool, time_limit: float | None) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     from autoshard.passes.plan_search.objective import format_bytes
 
-    lines = [f"{'case':<26}{'limit':<17}{'KiB':>12}  {'outcome':<22}{'s':>7}  {'least named':>16}  "
+    lines = [f"{'case':<26}{'limit':<17}{'bytes/rank':>12}  {'outcome':<22}{'s':>7}  {'least named':>16}  "
              f"{'least plan found':>16}  proven"]
     for r in rows:
-        outcome = "refused" if r["refused"] else f"plan, {r['memory'] / 1024:.1f} KiB"
+        outcome = "refused" if r["refused"] else f"plan, {format_bytes(r['memory'])}"
         least = format_bytes(r["least"]) if r.get("least") is not None else "-"
         found = format_bytes(r["found"]) if r.get("found") is not None else "-"
         proven = "-" if r.get("proven") is None else ("yes" if r["proven"] else "no (at least)")
-        lines.append(f"{r['case']:<26}{r['what']:<17}{r['limit'] / 1024:>12.1f}  {outcome:<22}{r['seconds']:>7.2f}  "
+        lines.append(f"{r['case']:<26}{r['what']:<17}{format_bytes(r['limit']):>12}  {outcome:<22}{r['seconds']:>7.2f}  "
                      f"{least:>16}  {found:>16}  {proven}")
     return "\n".join(lines) + "\n"
 

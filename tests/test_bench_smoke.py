@@ -1,12 +1,16 @@
-"""Smoke runs of the compile-time and plan-quality benchmarks (``bench/*.py --quick``), in this process: their
-rows and tables are consistent. How long anything takes is the benchmarks' to report, not these tests'."""
+"""Smoke runs of benchmarks (``bench/*.py --quick``), in this process: their rows and tables are consistent, and
+the ones that compare gradients compare every one of them (the runtime benchmarks spawn 2 gloo processes). How long
+anything takes is the benchmarks' to report, not these tests'."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import sys
 from pathlib import Path
+
+import pytest
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -54,3 +58,42 @@ def test_plan_quality_quick(capsys):
     assert "auto <= best hand" in out and "WORSE" not in out
     plain = bench.format_table(rows)
     assert f"auto <= best hand plan in all {len(rows)} rows." in plain
+
+
+def test_infeasible_limit_quick(capsys):
+    """The refusal's rows: refused, a lower bound named (said to be one when not proven) below the least plan
+    found."""
+    bench = _load("infeasible_limit")
+    rows = bench.main(["--quick"])
+    out = capsys.readouterr().out
+    assert [r["what"] for r in rows] == ["far below", "just below"]
+    for r in rows:
+        assert r["refused"] and r["least"] > r["limit"] and r["least"] <= r["found"]
+        assert ("needs is at least" in r["message"]) == (not r["proven"])
+    assert "least plan found" in out
+
+
+@pytest.mark.gloo
+def test_zero_vs_fsdp2_quick_compares_every_gradient(capsys):
+    """2 gloo processes: every gradient of the three autoshard programs is compared whole with FSDP2's, and they
+    agree (a comparison that does not run fails the benchmark)."""
+    bench = importlib.import_module("bench.zero_vs_fsdp2")  # (importable: spawned workers unpickle its functions)
+    by_world = bench.main(["--quick", "--ranks", "2"])
+    s = by_world[2]
+    assert s["compared"] == s["expected"] > 0 and not s["missing"]
+    assert s["loss"][1] <= bench.GRAD_TOLERANCE and bench.check(by_world) == []
+    assert f"over {s['expected']} of {s['expected']} whole gradients" in capsys.readouterr().out
+
+
+@pytest.mark.gloo
+def test_runtime_quick_times_the_sharded_module_and_compares_its_gradients(capsys):
+    """2 gloo processes, one case: the headline rows are the ShardedModule's, the bare rank module's a secondary
+    row, and the headline gradients equal DTensor's and DDP's."""
+    bench = importlib.import_module("bench.runtime")
+    results = bench.main(["--quick", "--cases", "mlp", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert bench.check(results, ["mlp"]) == []
+    for key in ("tp/autoshard", "dp/autoshard", bench.TP_BARE, bench.DP_BARE):
+        assert f"| {key} " in out
+    grads = results[0]["mlp"]["gradients"]
+    assert set(grads) == {"tp/autoshard", "dp/autoshard"} and all(c > 0 and not m for _, c, m in grads.values())
