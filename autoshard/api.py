@@ -35,7 +35,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
             optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
             bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
             device=None, zero: int | str | None = None, recompute: str | bool | None = None, precision=None,
-            context_axis=None, new_shapes: str = "plan") -> ShardedModule:
+            context_axis=None, new_shapes: str = "plan", search_time_limit: float | None = None) -> ShardedModule:
     """Shard ``model`` over ``mesh``.
 
     ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
@@ -97,6 +97,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     its layout in the plan, the same shards — and that program is cached per mode and input shapes (a notice after
     8 of them: pad or bucket inputs). ``"error"``: such a call is a RuntimeShapeError.
 
+    ``search_time_limit`` (seconds, ``planner="search"``): how long the search may run (None: 120 s); a limit no
+    plan meets is refused before the search runs.
+
     To shard the model object itself, in place (as FSDP2's ``fully_shard``), use :func:`autoshard.shard`.
     """
     mesh = as_mesh(mesh)
@@ -108,6 +111,14 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
         from autoshard.context_parallel import as_context_parallel
 
         options = dataclasses.replace(options, context=as_context_parallel(context_axis, mesh))
+    if search_time_limit is not None:
+        import dataclasses
+
+        if isinstance(search_time_limit, bool) or not isinstance(search_time_limit, (int, float)) or \
+                search_time_limit <= 0:
+            raise PlanError(f"option search_time_limit is {search_time_limit!r}, but must be a number of seconds > 0 "
+                            "(or None: 120 s).")
+        options = dataclasses.replace(options, search_time_limit=float(search_time_limit))
     if moe is not None:
         options = _with_moe(options, moe)
     if pipeline is not None:
