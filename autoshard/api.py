@@ -97,8 +97,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
     its layout in the plan, the same shards — and that program is cached per mode and input shapes (a notice after
     8 of them: pad or bucket inputs). ``"error"``: such a call is a RuntimeShapeError.
 
-    ``search_time_limit`` (seconds, ``planner="search"``): how long the search may run (None: 120 s); a limit no
-    plan meets is refused before the search runs.
+    ``search_time_limit`` (seconds, ``planner="search"``): how long the search may run (None: 120 s). A limit below
+    the least memory the search can bound (or prove within a few seconds) is refused before the search's walk; one
+    between that bound and the least-memory plan found is refused, saying so, when the search finds no plan in time.
 
     To shard the model object itself, in place (as FSDP2's ``fully_shard``), use :func:`autoshard.shard`.
     """

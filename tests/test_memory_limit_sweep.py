@@ -63,8 +63,10 @@ def test_memory_limit_alone_fits_matches_one_device_and_shards(name):
     # the walk's plans, repaired or at raised multipliers: never the least-peak ILP's (Mamba's took 72 s for a plan
     # 3x slower, 8.22 ms, than the one raising the multipliers finds in a few solves)
     assert "least-peak" not in method, method
-    if name == "hf_mamba":  # no layer to recompute (one layer): the repair alone cannot make a walk's plan fit
-        assert "multipliers raised" in method, method
+    if name == "hf_mamba":  # no layer to recompute (one layer): the walk's first plan does not fit; it is repaired,
+        # or the multipliers are raised (since the walk stops raising once two doublings meet the same plan, 70d8551,
+        # the repair of that plan fits: lagrangian (9 solves) + repair)
+        assert "multipliers raised" in method or "+ repair" in method, method
     assert row["sharded"], plan.param_specs()  # on `model`, or stored on `data`
     if name in ON_MODEL:
         axis = plan.mesh.names.index("model")
