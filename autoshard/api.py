@@ -773,7 +773,8 @@ class ShardedModule(torch.nn.Module):
         expected = self._expected
         same_layout = len(tensors) == len(expected) and signature[0] == self._example_structure
         same_values = [tuple(v) for kind, *v in signature[1] if kind == "value"] == self._example_values
-        if (same_layout and same_values and all(tuple(x.shape) == e.local_shape and x.dtype == e.dtype for x, e in zip(tensors, expected))):
+        if same_layout and same_values and all(tuple(x.shape) == e.local_shape and x.dtype == e.dtype
+                                               for x, e in zip(tensors, expected)):
             self._planned_signatures.add(signature)
             return True
         if self.new_shapes == "error":

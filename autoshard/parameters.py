@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 
-__all__ = ["bound", "build_tree", "fill_tree", "clip_grad_norm_", "default_device", "device_mesh", "like", "local_of", "local_slice", "placements_of"]
+__all__ = ["bound", "build_tree", "clip_grad_norm_", "default_device", "device_mesh", "fill_tree", "like", "local_of",
+           "local_slice", "placements_of"]
 
 _MESHES: dict = {}
 _MESHES_LOCK = threading.Lock()
@@ -155,7 +156,8 @@ def build_tree(skeleton: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tu
     return dict(root_holder._modules), {**root_holder._parameters, **root_holder._buffers}, public
 
 
-def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple, tuple]], dm) -> dict[int, torch.Tensor]:
+def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple, tuple]],
+              dm) -> dict[int, torch.Tensor]:
     """:func:`build_tree` into the model itself (``autoshard.shard``, in place): each parameter and buffer of
     ``model`` named in ``held`` is replaced by its public tensor (a DTensor over ``dm``, or this rank's tensor as an
     ``nn.Parameter`` without one), keeping its ``requires_grad``; tied tensors stay one object. The model's own
