@@ -54,6 +54,20 @@ def op_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfi
     return out
 
 
+def forward_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfile) -> list[float]:
+    """Forward seconds of ``node`` under each strategy in ``strategies``: what backward spends running it again where
+    its recomputation region is recomputed (:func:`plan_cost`; the plan search prices recomputed ops with it)."""
+    fwd = compute_time(node, profile, 1)  # x / 1 is x: the same floats as compute_time(node, profile, f)
+    vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
+    return [fwd / shard_factor(node, s, mesh, vals) for s in strategies]
+
+
+def trains(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph has a backward (some node needs a gradient): only then are recomputation regions run
+    again."""
+    return any(n.meta.get(M.REQUIRES_GRAD) for n in gm.graph.nodes)
+
+
 def op_comm_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
     """What the op's local form sends by itself under ``strat`` (the registry's ``comm`` facet: context-parallel
     attention), forward + backward; 0 for ops without one."""
@@ -159,6 +173,7 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
     ``compute_dtype`` copies, saved activations, gathered parameters)."""
     compute = comm = 0.0
     comm_bytes = {name: 0.0 for name in mesh.names}
+    backward = trains(gm)
     for n in gm.graph.nodes:
         info = n.meta.get(M.COLLECTIVE)
         if info is not None:
@@ -174,8 +189,9 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
             continue
         if n.op == "call_function" and M.STRATEGY in n.meta and not is_getitem(n):
             compute += op_time(n, n.meta[M.STRATEGY], mesh, profile)
-            if n.meta.get(M.RECOMPUTE) is not None and n.meta.get(M.REQUIRES_GRAD):
-                # recomputed in backward: its forward runs twice
-                compute += compute_time(n, profile, shard_factor(n, n.meta[M.STRATEGY], mesh))
+            if n.meta.get(M.RECOMPUTE) is not None and backward:
+                # recomputed in backward: its forward runs twice (a region runs again whole, ops needing no
+                # gradient too)
+                compute += forward_times(n, [n.meta[M.STRATEGY]], mesh, profile)[0]
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
     return PlanCost(compute + comm, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes, breakdown)

@@ -118,7 +118,9 @@ class PlanSearch:
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
             "cpu_seconds": time.process_time() - cpu0,  # this process's CPU time: what a busy machine does not inflate
-            "binding": binding(problem, memory),
+            # whether the memory limit changed the plan (the least-time plan exceeds it; None: not known)
+            "memory_limit_binding": status.get("binding") if self.memory_limit is not None else False,
+            "binding": binding(problem, status.get("binding")),
             "optimal": status["optimal"], "gap": status["gap"],  # gap: to the best lower bound the search knows
             "timed_out": bool(status.get("timed_out")),  # time_limit stopped the search before it finished
             "method": status.get("method"), "lower_bound": status.get("bound"),

@@ -85,6 +85,9 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     per liveness point, seconds per byte) and method."""
     info = info if info is not None else {}
     total = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    # binding: whether the limit changed the plan, i.e. the least-time plan exceeds it (None: not known, the time
+    # limit ran out before the least-time plan was found)
+    info.update(binding=False)
     if problem.memory_limit is None:
         return _unconstrained(problem, total, info)
     least = least_memory_plan(problem)
@@ -98,11 +101,13 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     walk = _Walk(problem, total, floor, seed)
     start = walk.point(walk.zero)
     if start is None:  # time_limit ran out in the first solve
+        info.update(binding=None)
         return _out_of_time(problem, walk, info)
     one_solve = walk.elapsed()  # what one relaxed solve of this program costs
     if start.plan.memory <= problem.memory_limit:
         info.update(optimal=True, gap=0.0, bound=start.plan.time, method="unconstrained optimum within the limit")
         return list(start.plan.choice), start.plan.recompute
+    info.update(binding=True)  # the least-time plan exceeds the limit: the plan returned is another one
     walk.cutting_planes(start, accept_gap)
     how = ""
     if walk.best is None and not walk.timed_out:

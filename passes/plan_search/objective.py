@@ -408,10 +408,14 @@ def option_vectors(problem: Problem, recompute) -> tuple[list[float], list[float
     return cost, memory
 
 
-def binding(problem: Problem, memory: float) -> str:
-    if problem.memory_limit is not None and memory >= 0.999 * problem.memory_limit:
-        return "memory limit"
-    return "step time (memory limit not binding)" if problem.memory_limit is not None else "step time"
+def binding(problem: Problem, limited: bool | None) -> str:
+    """The report's binding constraint: ``limited`` is whether the memory limit changed the plan (the least-time
+    plan exceeds it; None: not known, the search's time ran out before it found the least-time plan)."""
+    if problem.memory_limit is None:
+        return "step time"
+    if limited is None:
+        return "not known (the search's time limit ran out before it found the least-time plan)"
+    return "memory limit" if limited else "step time (memory limit not binding)"
 
 
 def format_bytes(b: float) -> str:

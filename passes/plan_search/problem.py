@@ -26,10 +26,9 @@ import numpy as np
 import torch
 import torch.fx
 from autoshard.collective_kinds import time as kind_time
-from autoshard.cost_models.compute import compute_time
 from autoshard.cost_models.memory import GraphMemory, keeps
-from autoshard.cost_models.plan_cost import (grad_sync_time, link, local_numel, op_times, redistribution_time_of,
-                                             shard_factor)
+from autoshard.cost_models.plan_cost import (forward_times, grad_sync_time, link, local_numel, op_times,
+                                             redistribution_time_of, trains)
 from autoshard.cost_models.profile import HardwareProfile
 from autoshard.passes.plan_search.layers import LayerUnits, copy_paths, find_layers, recompute_units
 from autoshard.passes.plan_search.precision import ComputeCopies
@@ -38,7 +37,7 @@ from autoshard.passes.propagate import (annotation_error, keeps_layout, node_str
 
 from autoshard import meta as M
 from autoshard.context import Context
-from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, out_vals, shape, tensor_inputs
+from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Replicate, Shard, Spec, format_spec
 
@@ -308,9 +307,12 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
     """A decision per canonical op: its strategies (those that keep every annotated parameter's layout), their
     seconds and saved activation bytes over every copy (:meth:`GraphMemory.op_option` at each copy's liveness
     points), and, in a recomputation unit, what recomputing costs and what it keeps then (every unit's copy its
-    own region, as when the layers around it are recomputed too)."""
+    own region, as when the layers around it are recomputed too). A copy already in a recomputation region (the
+    ``recompute=`` glob, the model's own ``torch.utils.checkpoint``) pays its forward again in every option, as
+    ``plan.cost()`` prices it (:func:`~autoshard.cost_models.plan_cost.forward_times`)."""
     mesh, canon, memory = problem.mesh, problem.canon, problem.memory_model
     regions = copy_paths(layers.units)
+    backward = trains(gm)
     pinned = pinned_values(gm)
     strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
     for n in gm.graph.nodes:
@@ -325,17 +327,20 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
         strats = [s for s, c in zip(strats, conflicts) if c is None]
         k = len(members[n])
         alive = memory.alive(members[n])
+        # copies recomputed whatever the search chooses (their region was marked before it)
+        again = sum(1 for x in members[n] if x.meta.get(M.RECOMPUTE) is not None) if backward else 0
+        u = layers.unit_of.get(n)
         with copies.read(n.all_input_nodes):  # the op reads mixed precision's copies
             seconds = op_times(n, strats, mesh, profile)
-            fwd = compute_time(n, profile, 1) if layers.unit_of.get(n) is not None else None
-        dv = DecisionVar(n, strats, [k * t for t in seconds], [], k,
+            forward = forward_times(n, strats, mesh, profile) if u is not None or again else None
+        cost = [k * t + again * f for t, f in zip(seconds, forward)] if again else [k * t for t in seconds]
+        dv = DecisionVar(n, strats, cost, [], k,
                          points=[memory.op_option(n, s.output_spec) * alive for s in strats],
                          gradient=[memory.gradient(n, s.output_spec) for s in strats], alive=alive)
         workspace = [memory.workspace(members[n], s) for s in strats]
         if any(w.any() for w in workspace):
             dv.workspace = workspace
             dv.points = [p + w for p, w in zip(dv.points, workspace)]
-        u = layers.unit_of.get(n)
         if u is None and memory.kept_only_by_readers(n):
             dv.own_output = True
             dv.points = [p - memory.op_option(n, s.output_spec) * alive for p, s in zip(dv.points, strats)]
@@ -344,8 +349,7 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
             dv.unit = u
             dv.points_recomputed = [memory.op_option(n, s.output_spec, regions.get) * alive + w
                                     for s, w in zip(strats, workspace)]
-            vals = [x.meta["val"] for x in tensor_inputs(n)] + out_vals(n)
-            dv.forward = [k * fwd / shard_factor(n, s, mesh, vals) for s in strats]
+            dv.forward = [(k - again) * f for f in forward]  # (copies recomputed already pay it in cost)
         problem.index[n] = len(problem.decisions)
         problem.decisions.append(dv)
 
