@@ -45,6 +45,9 @@ class CollectiveKind:
     doc: str = ""
     #: backward runs the forward primitive again first (ZeRO-3: the gathered parameter is gathered again)
     regather: bool = False
+    #: backward reduces a replicated value's gradient (a parameter's data-parallel sync, Megatron's f, the ZeRO
+    #: reduce-scatter): what a link's ``overlap`` hides behind backward compute
+    gradient_reduction: bool = False
 
     @property
     def overload(self) -> torch._ops.OpOverload:
@@ -54,7 +57,7 @@ class CollectiveKind:
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("all_reduce", "all_reduce", "all_reduce", None, sized=False,
                    doc="Partial → Replicate; backward identity"),
-    CollectiveKind("grad_all_reduce", "grad_all_reduce", None, "all_reduce", sized=False,
+    CollectiveKind("grad_all_reduce", "grad_all_reduce", None, "all_reduce", sized=False, gradient_reduction=True,
                    doc="identity; backward sums over each axis (Megatron's f)"),
     CollectiveKind("all_gather", "all_gather", "all_gather", None,
                    doc="Shard(d) → Replicate; backward keeps this rank's slice"),
@@ -64,15 +67,15 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    doc="Shard(i) → Shard(j); backward the inverse all-to-all"),
     CollectiveKind("local_slice", "local_slice", None, "all_gather",
                    doc="Replicate → Shard(d) without communication; backward all-gathers"),
-    CollectiveKind("all_gather_sync", "all_gather_sync", "all_gather", "reduce_scatter",
+    CollectiveKind("all_gather_sync", "all_gather_sync", "all_gather", "reduce_scatter", gradient_reduction=True,
                    doc="all_gather + grad_all_reduce fused (sequence parallel): backward one reduce-scatter"),
     CollectiveKind("all_gather_reshard", "all_gather_reshard", "all_gather", "reduce_scatter", regather=True,
-                   doc="all_gather_sync of a ZeRO-3 parameter: not kept for backward, gathered again there"),
+                   gradient_reduction=True, doc="all_gather_sync of a ZeRO-3 parameter: not kept for backward, gathered again there"),
     CollectiveKind("all_gather_reshard_group", "all_gather_reshard_group", "all_gather", "reduce_scatter",
-                   regather=True, doc="all_gather_reshard of a layer's parameters at once: one flat all-gather, one "
+                   regather=True, gradient_reduction=True, doc="all_gather_reshard of a layer's parameters at once: one flat all-gather, one "
                                       "reduce-scatter (passes/group_gathers.py)"),
     CollectiveKind("linears_grad_all_reduce", "linears_grad_all_reduce", None, "all_reduce", sized=False,
-                   doc="grad_all_reduce feeding linears: backward all-reduce overlapped with weight grads"),
+                   gradient_reduction=True, doc="grad_all_reduce feeding linears: backward all-reduce overlapped with weight grads"),
 )}
 
 _BY_OP = {k.op: k for k in KINDS.values()}
@@ -117,12 +120,16 @@ def wire_bytes(kind: str, b: float, n: int, requires_grad: bool = True) -> tuple
 
 
 def time(kind: str, b: float, n: int, link, requires_grad: bool = True) -> tuple[float, float]:
-    """(forward, backward) seconds of one node of ``kind`` by the alpha-beta model on ``link``."""
+    """(forward, backward) seconds of one node of ``kind`` by the alpha-beta model on ``link`` (the link's own
+    measurement for the primitive where it has one); a gradient reduction's backward (``gradient_reduction``) pays
+    ``1 - link.overlap`` of its time, the rest hidden behind backward compute."""
     from autoshard.cost_models.alpha_beta import collective_time
 
     k = KINDS[kind]
     fwd = collective_time(k.forward, b, n, link) if k.forward else 0.0
     bwd = collective_time(k.backward, b, n, link) if k.backward and requires_grad else 0.0
+    if k.gradient_reduction:
+        bwd *= 1.0 - link.overlap  # the share the link hides behind backward compute
     if k.regather and requires_grad:
         bwd += fwd
     return fwd, bwd

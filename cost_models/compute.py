@@ -27,10 +27,14 @@ Backward is ≈2× forward for contractions (gradients for both operands), ≈2.
 backward recomputes the scores: 5 matmuls against 2), 1× for the rest, and 0 for ops whose outputs are not
 floating point (no gradient flows). Causal attention is counted in full (the math and CPU kernels compute it).
 
-Time is a roofline, :func:`compute_time`: ``max(flops / peak_flops(dtype), bytes / mem_bandwidth) / shard_factor``,
-with the profile's FLOP peak for the dtype the op computes in (:func:`compute_dtype`: bf16 matmuls of a
-mixed-precision program at the bf16 tensor-core peak), where
-``bytes`` (:func:`bytes_accessed`) is every tensor input read once plus the output written once.
+Time, :func:`compute_time`, is the profile's per-op overhead (``op_overhead`` in forward, ``backward_op_overhead``
+for an op's backward) plus a roofline of the rank's share of the work,
+``max(f / (peak_flops(dtype)·eff(kind, f)), b / (mem_bandwidth·eff(memory, b)))`` with ``f = flops / shard_factor``
+and ``b = bytes / shard_factor``: the FLOP peak of the dtype the op computes in (:func:`compute_dtype`: bf16 matmuls
+of a mixed-precision program at the bf16 peak), ``bytes`` (:func:`bytes_accessed`) every tensor input read once
+plus the output written once, and ``eff`` the achieved fraction of the peak that the profile's efficiency tables
+give for the op's compute kind (the registry's ``compute_kind`` facet: matmul, attention, memory) at that size
+(small matmuls run far below the peak). A profile without tables or overheads is the plain roofline.
 
 :func:`flops_expr` runs the same formulas on symbols instead of sizes, for printing: a linear from ``[b, s, h]`` to
 ``n`` features gives ``2*b*h*n*s`` with ``names={2: "b", 16: "s", 64: "h", 128: "n"}``; sizes without a name
@@ -60,8 +64,10 @@ __all__ = [
     "compute_time",
     "flops",
     "flops_expr",
+    "op_work",
     "output_tensors",
     "tensor_bytes",
+    "work_seconds",
 ]
 
 aten = torch.ops.aten
@@ -173,14 +179,38 @@ def backward_bytes_accessed(node: Node) -> int:
 
 
 def compute_time(node: Node, profile: HardwareProfile, shard_factor: float = 1, *, backward: bool = False) -> float:
-    """Roofline seconds of ``node`` (its backward when ``backward``): ``max(flops / peak_flops, bytes /
-    mem_bandwidth) / shard_factor``, where ``shard_factor`` is how many ways the planner splits the op."""
+    """Seconds of ``node`` (its backward when ``backward``) on one rank when the planner splits it ``shard_factor``
+    ways: the profile's per-op overhead plus the roofline of the rank's share,
+    ``max(flops / (peak(dtype)·eff), bytes / (mem_bandwidth·eff_memory))`` with the achieved fractions of the peak
+    read from the profile's efficiency tables at the rank's work (:meth:`HardwareProfile.efficiency_for`)."""
     if not shard_factor > 0:
         raise PlanError(f"compute_time got shard_factor={shard_factor!r} for {node_location(node)}, but the "
                         "shard factor is the number of ways the op is split, >= 1.")
-    f = backward_flops(node) if backward else flops(node)
-    by = backward_bytes_accessed(node) if backward else bytes_accessed(node)
-    return max(f / profile.flops_for(compute_dtype(node)), by / profile.mem_bandwidth) / shard_factor
+    return work_seconds(op_work(node, backward), profile, shard_factor)
+
+
+def op_work(node: Node, backward: bool = False) -> tuple:
+    """What :func:`work_seconds` prices, computed once per node: ``(runs, flops, bytes, compute kind, dtype)``;
+    ``runs`` is ``"forward"`` or ``"backward"`` for an op that runs (it pays the profile's per-op overhead), None
+    for placeholders, outputs and a backward that does not run (no gradient flows)."""
+    e = _entry_of(node)
+    if e is None or (backward and not _has_gradient(node)):
+        return (None, 0, 0, "memory", torch.float32)
+    if backward:
+        return ("backward", backward_flops(node), backward_bytes_accessed(node), e.compute_kind, compute_dtype(node))
+    return ("forward", flops(node), bytes_accessed(node), e.compute_kind, compute_dtype(node))
+
+
+def work_seconds(work: tuple, profile: HardwareProfile, shard_factor: float = 1) -> float:
+    """Seconds of :func:`op_work`'s ``work`` split ``shard_factor`` ways (see :func:`compute_time`)."""
+    runs, f, by, kind, dtype = work
+    if runs is None:
+        return 0.0
+    overhead = profile.op_overhead if runs == "forward" else profile.backward_op_overhead
+    f, by = f / shard_factor, by / shard_factor
+    t_flops = f / (profile.flops_for(dtype) * profile.efficiency_for(kind, dtype, f)) if f else 0.0
+    t_bytes = by / (profile.mem_bandwidth * profile.efficiency_for("memory", dtype, by)) if by else 0.0
+    return overhead + max(t_flops, t_bytes)
 
 
 def compute_dtype(node: Node) -> torch.dtype:

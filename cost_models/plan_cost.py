@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from autoshard.cost_models.compute import compute_time
+from autoshard.cost_models.compute import compute_time, op_work, work_seconds
 from autoshard.cost_models.memory import MemoryBreakdown, plan_memory
 from autoshard.cost_models.profile import HardwareProfile
 
@@ -44,22 +44,25 @@ def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, vals: list 
 
 def op_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfile) -> list[float]:
     """:func:`op_time` of every strategy in ``strategies`` (the unsplit roofline time computed once)."""
-    fwd = compute_time(node, profile, 1)  # x / 1 is x: the same floats as op_time's
-    bwd = compute_time(node, profile, 1, backward=True) if node.meta.get(M.REQUIRES_GRAD) else None
+    fwd = op_work(node)  # the work once; its seconds per strategy's split (the same floats as op_time's)
+    bwd = op_work(node, backward=True) if node.meta.get(M.REQUIRES_GRAD) else None
     vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
     out = []
     for s in strategies:
         f = shard_factor(node, s, mesh, vals)
-        out.append((fwd / f if bwd is None else fwd / f + bwd / f) + op_comm_time(node, s, mesh, profile))
+        t = work_seconds(fwd, profile, f)
+        if bwd is not None:
+            t += work_seconds(bwd, profile, f)
+        out.append(t + op_comm_time(node, s, mesh, profile))
     return out
 
 
 def forward_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfile) -> list[float]:
     """Forward seconds of ``node`` under each strategy in ``strategies``: what backward spends running it again where
     its recomputation region is recomputed (:func:`plan_cost`; the plan search prices recomputed ops with it)."""
-    fwd = compute_time(node, profile, 1)  # x / 1 is x: the same floats as compute_time(node, profile, f)
+    fwd = op_work(node)  # the same floats as compute_time(node, profile, f)
     vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
-    return [fwd / shard_factor(node, s, mesh, vals) for s in strategies]
+    return [work_seconds(fwd, profile, shard_factor(node, s, mesh, vals)) for s in strategies]
 
 
 def trains(gm: torch.fx.GraphModule) -> bool:
@@ -153,9 +156,27 @@ def _zero_sync_saving(x, info, mesh: Mesh, profile: HardwareProfile) -> float:
     return max(0.0, all_reduce - reduce_scatter)
 
 
+def optimizer_time(x: torch.fx.Node, spec: Spec, stage: int, data_size: int, mesh: Mesh, profile: HardwareProfile,
+                   optimizer: str) -> float:
+    """Seconds of the optimizer step over parameter ``x`` computed in ``spec`` and stored at ZeRO ``stage`` (1-3:
+    this rank's 1/``data_size`` of it) — :meth:`HardwareProfile.optimizer_seconds` of one tensor; 0 for buffers and
+    frozen parameters. The plan search prices each parameter option with it, and :func:`plan_cost` the plan's."""
+    if not x.meta.get(M.REQUIRES_GRAD):
+        return 0.0
+    elements = local_numel(shape(x), spec, mesh) / (data_size if stage else 1)
+    return profile.optimizer_seconds(optimizer, 1, elements)
+
+
+def step_overhead(gm: torch.fx.GraphModule, profile: HardwareProfile) -> float:
+    """The profile's fixed seconds per training step (``step_overhead``) for a graph that trains, else 0."""
+    return profile.step_overhead if trains(gm) else 0.0
+
+
 @dataclass(frozen=True)
 class PlanCost:
-    step_time: float  # seconds: compute + communication, forward + backward (+ recomputed forwards), no overlap
+    #: seconds: compute + communication (forward + backward, recomputed forwards, the share of gradient reductions
+    #: a link does not hide) + the optimizer step + the profile's fixed step overhead
+    step_time: float
     compute_time: float
     comm_time: float
     memory_per_rank: float  # bytes: parameters, gradients, optimizer state, saved activations
@@ -164,6 +185,8 @@ class PlanCost:
     #: per-rank bytes by kind (parameters, gradients, optimizer, buffers, activations, gathered) and the step's
     #: peak (``memory_per_rank``): :class:`autoshard.cost_models.memory.MemoryBreakdown`
     memory: MemoryBreakdown | None = None
+    optimizer_time: float = 0.0  # seconds of the optimizer step (the profile's optimizer_step)
+    overhead_time: float = 0.0  # the profile's step_overhead
 
 
 def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, optimizer: str = "adam",
@@ -174,7 +197,16 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
     compute = comm = 0.0
     comm_bytes = {name: 0.0 for name in mesh.names}
     backward = trains(gm)
+    opt = 0.0
     for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.meta.get(M.REQUIRES_GRAD) and M.SPEC in n.meta:
+            storage = n.meta.get(M.STORAGE)
+            if storage is None:
+                opt += optimizer_time(n, n.meta[M.SPEC], 0, 1, mesh, profile, optimizer)
+            else:
+                opt += optimizer_time(n, storage.compute, storage.stage, mesh.axis_size(storage.axis), mesh,
+                                      profile, optimizer)
+            continue
         info = n.meta.get(M.COLLECTIVE)
         if info is not None:
             x = n.args[0]
@@ -194,4 +226,6 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
                 # gradient too)
                 compute += forward_times(n, [n.meta[M.STRATEGY]], mesh, profile)[0]
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
-    return PlanCost(compute + comm, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes, breakdown)
+    fixed = step_overhead(gm, profile)
+    return PlanCost(compute + comm + opt + fixed, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes,
+                    breakdown, opt, fixed)

@@ -64,6 +64,16 @@ __all__ = [
     "save_profile",
 ]
 
+#: The collective kinds a link may be measured for separately (:mod:`autoshard.cost_models.alpha_beta`'s kinds).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "grad_all_reduce")
+
+#: What an op's time is bound by, for the efficiency tables: contractions (mm, bmm, linear, einsum, convolution:
+#: work = FLOPs), attention (sdpa and its kernels: work = FLOPs), and everything else (memory-bound: work = bytes).
+COMPUTE_KINDS = ("matmul", "attention", "memory")
+
+#: The optimizers a profile may time the step of (the memory model's names).
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd_momentum")
+
 #: The dtypes a profile may give a FLOP peak for.
 _FLOP_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
@@ -77,8 +87,26 @@ class LinkCost:
 
     alpha: float
     beta: float
+    #: per collective kind (``"all_to_all"``, ...), the link measured for that kind when it differs from this one's
+    #: ``(alpha, beta)``: ``((kind, LinkCost), ...)`` (a dict is accepted)
+    kinds: tuple = ()
+    #: fraction of a gradient reduction's time (the backward of ``grad_all_reduce`` and of the ZeRO/sequence-parallel
+    #: gathers: all-reduce or reduce-scatter) hidden behind backward compute on this link: 0 where collectives run on
+    #: the compute cores (gloo on CPU), near 1 where they run on their own engine (NCCL) with compute to hide behind
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
+            raise PlanError(f"LinkCost has overlap={self.overlap!r}, but overlap is the fraction of gradient "
+                            "reductions hidden behind compute, between 0 and 1.")
+        object.__setattr__(self, "overlap", float(self.overlap))
+        kinds = tuple(self.kinds.items()) if isinstance(self.kinds, Mapping) else tuple(self.kinds)
+        for item in kinds:
+            if not (isinstance(item, tuple) and len(item) == 2 and item[0] in COLLECTIVE_KINDS
+                    and isinstance(item[1], LinkCost) and not item[1].kinds):
+                raise PlanError(f"LinkCost has the per-kind link {item!r}, but per-kind links are (kind, LinkCost) "
+                                f"pairs with kind one of {list(COLLECTIVE_KINDS)} (and no kinds of their own).")
+        object.__setattr__(self, "kinds", tuple(sorted(kinds)))
         for what, v in (("alpha", self.alpha), ("beta", self.beta)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PlanError(f"LinkCost has {what}={v!r}, but {what} is a finite number >= 0 "
@@ -87,12 +115,22 @@ class LinkCost:
         object.__setattr__(self, "beta", float(self.beta))
 
     @classmethod
-    def from_bandwidth(cls, alpha: float, bandwidth: float) -> LinkCost:
+    def from_bandwidth(cls, alpha: float, bandwidth: float, kinds=(), overlap: float = 0.0) -> LinkCost:
         """A link of ``bandwidth`` bytes per second and latency ``alpha`` seconds."""
         if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
             raise PlanError(f"LinkCost has bandwidth={bandwidth!r}, but bandwidth is a number of bytes per "
                             "second > 0.")
-        return cls(alpha, 1.0 / bandwidth)
+        return cls(alpha, 1.0 / bandwidth, kinds, overlap)
+
+    def for_kind(self, kind: str) -> LinkCost:
+        """The link collective ``kind`` runs at: its own measured link when the profile has one (``grad_all_reduce``
+        falls back to ``all_reduce``'s), else this one."""
+        own = dict(self.kinds)
+        if kind in own:
+            return own[kind]
+        if kind == "grad_all_reduce" and "all_reduce" in own:
+            return own["all_reduce"]
+        return self
 
     @property
     def bandwidth(self) -> float:
@@ -119,6 +157,20 @@ class HardwareProfile:
     #: peak FLOP/s per compute dtype but fp32, ``(("bfloat16", 9.89e14), ...)`` (a dict is accepted, and so is a dict
     #: as ``peak_flops``: its ``float32`` entry becomes ``peak_flops``); a dtype not listed runs at ``peak_flops``
     dtype_flops: tuple[tuple[str, float], ...] = field(default=())
+    #: seconds each op costs besides its work (dispatch, kernel launch, the program's Python): per op in forward,
+    #: and per op with a gradient in backward (autograd's node)
+    op_overhead: float = 0.0
+    backward_op_overhead: float = 0.0
+    #: achieved fraction of the peak per compute kind (:data:`COMPUTE_KINDS`, or ``"kind.dtype"`` for one dtype) as a
+    #: function of an op's work on one rank (FLOPs, bytes for ``memory``): ``((key, ((work, fraction), ...)), ...)``
+    #: (a dict is accepted), interpolated in log(work) and constant beyond the ends; a kind without a table runs at
+    #: the peak
+    efficiency: tuple = ()
+    #: seconds of one optimizer step: ``((name, per_tensor, per_element), ...)`` per optimizer; one not listed costs
+    #: :data:`OPTIMIZER_BYTES` per element at ``mem_bandwidth`` and nothing per tensor
+    optimizer_step: tuple = ()
+    #: seconds each training step costs besides its ops, collectives and optimizer (the call's checks, zero_grad)
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         per_dtype = dict(self.dtype_flops.items() if isinstance(self.dtype_flops, Mapping) else self.dtype_flops)
@@ -154,6 +206,13 @@ class HardwareProfile:
                 raise PlanError(f"Hardware profile `{self.name}` has the axis override {item!r}, but overrides "
                                 "are (pattern, LinkCost) pairs such as ('data', LinkCost(1e-5, 2e-11)).")
         object.__setattr__(self, "axes", axes)
+        for what in ("op_overhead", "backward_op_overhead", "step_overhead"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise PlanError(f"Hardware profile `{self.name}` has {what}={v!r}, but {what} is a finite number >= 0.")
+            object.__setattr__(self, what, float(v))
+        object.__setattr__(self, "efficiency", _checked_efficiency(self.name, self.efficiency))
+        object.__setattr__(self, "optimizer_step", _checked_optimizer(self.name, self.optimizer_step))
         object.__setattr__(self, "peak_flops", float(self.peak_flops))
         object.__setattr__(self, "mem_bandwidth", float(self.mem_bandwidth))
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
@@ -164,6 +223,22 @@ class HardwareProfile:
         ``peak_flops``."""
         key = str(dtype).removeprefix("torch.")
         return next((v for k, v in self.dtype_flops if k == key), self.peak_flops)
+
+    def efficiency_for(self, kind: str, dtype, work: float) -> float:
+        """Achieved fraction of the peak of an op of compute ``kind`` doing ``work`` (FLOPs, or bytes for
+        ``memory``) in ``dtype`` on one rank: the ``kind.dtype`` table, else the ``kind`` table, else 1."""
+        tables = dict(self.efficiency)
+        table = tables.get(f"{kind}.{str(dtype).removeprefix('torch.')}") or tables.get(kind)
+        if not table:
+            return 1.0
+        return _interpolate(table, work)
+
+    def optimizer_seconds(self, optimizer: str, tensors: int, elements: float) -> float:
+        """Seconds of one step of ``optimizer`` over ``tensors`` parameter tensors of ``elements`` elements."""
+        for name, per_tensor, per_element in self.optimizer_step:
+            if name == optimizer:
+                return tensors * per_tensor + elements * per_element
+        return elements * OPTIMIZER_BYTES.get(optimizer, OPTIMIZER_BYTES["adam"]) / self.mem_bandwidth
 
     def link_for(self, axis_name: str, axis_index: int | None = None, mesh: Mesh | None = None) -> LinkCost:
         """The link that collectives along mesh axis ``axis_name`` run over.
@@ -178,6 +253,67 @@ class HardwareProfile:
             if _matches(pattern, axis_name, axis_index, ndim):
                 return link
         return self.link
+
+
+#: Bytes an optimizer step reads and writes per fp32 parameter element when the profile has not timed it: Adam
+#: reads the parameter, its gradient and two moments and writes the parameter and the moments (7 x 4 bytes).
+OPTIMIZER_BYTES = {"adam": 28, "adamw": 28, "sgd": 12, "sgd_momentum": 20}
+
+
+def _interpolate(table, work: float) -> float:
+    """Piecewise linear in log(work) through ``table``'s ``(work, fraction)`` points, constant beyond the ends."""
+    if work <= table[0][0]:
+        return table[0][1]
+    if work >= table[-1][0]:
+        return table[-1][1]
+    x = math.log(work)
+    for (w0, f0), (w1, f1) in zip(table, table[1:]):
+        if work <= w1:
+            t = (x - math.log(w0)) / (math.log(w1) - math.log(w0))
+            return f0 + t * (f1 - f0)
+    return table[-1][1]  # not reached
+
+
+def _checked_efficiency(name: str, value) -> tuple:
+    items = tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise PlanError(f"Hardware profile `{name}` has the efficiency entry {item!r}, but entries are "
+                            "(kind, ((work, fraction), ...)) pairs.")
+        key, points = item
+        kind, _, dtype = key.partition(".")
+        if kind not in COMPUTE_KINDS or (dtype and dtype not in _FLOP_DTYPES):
+            raise PlanError(f"Hardware profile `{name}` has efficiency for {key!r}, but the keys are a compute kind "
+                            f"{list(COMPUTE_KINDS)}, optionally with a dtype (`matmul.bfloat16`).")
+        pts = []
+        for pt in points:
+            ok = isinstance(pt, (tuple, list)) and len(pt) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in pt)
+            if not ok:
+                raise PlanError(f"Hardware profile `{name}` has the efficiency point {pt!r} for {key!r}, but points "
+                                "are [work, fraction] with work > 0 (FLOPs or bytes) and fraction > 0.")
+            pts.append((float(pt[0]), float(pt[1])))
+        pts.sort()
+        if not pts or len({w for w, _ in pts}) != len(pts):
+            raise PlanError(f"Hardware profile `{name}` has efficiency for {key!r} with points {pts}, but needs at "
+                            "least one point and one fraction per work size.")
+        out.append((key, tuple(pts)))
+    return tuple(sorted(out))
+
+
+def _checked_optimizer(name: str, value) -> tuple:
+    items = [(k, *v) for k, v in value.items()] if isinstance(value, Mapping) else list(value)
+    out = []
+    for item in items:
+        ok = (isinstance(item, (tuple, list)) and len(item) == 3 and item[0] in OPTIMIZER_NAMES
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                      for v in item[1:]))
+        if not ok:
+            raise PlanError(f"Hardware profile `{name}` has the optimizer step {item!r}, but entries are (optimizer, "
+                            f"seconds per tensor, seconds per element) with optimizer one of {list(OPTIMIZER_NAMES)}.")
+        out.append((item[0], float(item[1]), float(item[2])))
+    return tuple(sorted(out))
 
 
 def _matches(pattern: str, axis_name: str, axis_index: int | None, ndim: int | None) -> bool:
@@ -226,7 +362,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
 def profile_from_dict(data: Mapping, source: str = "<dict>") -> HardwareProfile:
     """Build a profile from the parsed TOML layout described in the module docstring."""
     required = ("name", "peak_flops", "mem_bandwidth", "memory_bytes", "link")
-    known = set(required) | {"overlap_comm", "axes", "description"}
+    known = set(required) | {"overlap_comm", "axes", "description", "op_overhead", "backward_op_overhead",
+                             "efficiency", "optimizer", "step_overhead"}
     missing = [k for k in required if k not in data]
     if missing:
         raise PlanError(f"Hardware profile {source} has no {missing}, but needs {list(required)}.")
@@ -251,22 +388,52 @@ def profile_from_dict(data: Mapping, source: str = "<dict>") -> HardwareProfile:
         overlap_comm=data.get("overlap_comm", False),
         link=_link_from_dict(data["link"], f"{source} [link]"),
         axes=tuple((str(k), _link_from_dict(v, f'{source} [axes."{k}"]')) for k, v in axes.items()),
+        op_overhead=data.get("op_overhead", 0.0),
+        backward_op_overhead=data.get("backward_op_overhead", 0.0),
+        efficiency=_efficiency_from_dict(data.get("efficiency", {}), source),
+        optimizer_step=_optimizer_from_dict(data.get("optimizer", {}), source),
+        step_overhead=data.get("step_overhead", 0.0),
     )
+
+
+def _efficiency_from_dict(d, source: str) -> tuple:
+    if not isinstance(d, Mapping):
+        raise PlanError(f"Hardware profile {source} has efficiency={d!r}, but efficiency is a table such as "
+                        "[efficiency] matmul = [[1e6, 0.3], [1e9, 0.9]].")
+    return tuple((str(k), tuple(tuple(p) if isinstance(p, list) else p for p in v)) for k, v in d.items())
+
+
+def _optimizer_from_dict(d, source: str) -> tuple:
+    if not isinstance(d, Mapping) or not all(isinstance(v, Mapping) for v in d.values()):
+        raise PlanError(f"Hardware profile {source} has optimizer={d!r}, but optimizer is a table of tables such as "
+                        "[optimizer.adamw] per_tensor = 2e-5 per_element = 3e-9.")
+    out = []
+    for k, v in d.items():
+        unknown = sorted(set(v) - {"per_tensor", "per_element"})
+        if unknown:
+            raise PlanError(f"Hardware profile {source} [optimizer.{k}] has the unknown keys {unknown}; it has "
+                            "per_tensor and per_element (seconds).")
+        out.append((str(k), v.get("per_tensor", 0.0), v.get("per_element", 0.0)))
+    return tuple(out)
 
 
 def _link_from_dict(d, where: str) -> LinkCost:
     if not isinstance(d, Mapping):
         raise PlanError(f"Hardware profile {where} is {d!r}, but a link is a table with alpha and beta or bandwidth.")
-    unknown = sorted(set(d) - {"alpha", "beta", "bandwidth"})
+    kinds = {k: v for k, v in d.items() if k in COLLECTIVE_KINDS}
+    d = {k: v for k, v in d.items() if k not in kinds}
+    unknown = sorted(set(d) - {"alpha", "beta", "bandwidth", "overlap"})
     if unknown:
         raise PlanError(f"Hardware profile {where} has the unknown keys {unknown}; a link has alpha and either "
-                        "beta (s/B) or bandwidth (B/s).")
+                        "beta (s/B) or bandwidth (B/s), optionally overlap and per-kind tables.")
+    overlap = d.pop("overlap", 0.0) if "overlap" in d else 0.0
     if "alpha" not in d or ("beta" in d) == ("bandwidth" in d):
         raise PlanError(f"Hardware profile {where} has keys {sorted(d)}, but a link has alpha and exactly one of "
                         "beta (s/B) or bandwidth (B/s).")
+    own = tuple((k, _link_from_dict(v, f"{where[:-1]}.{k}]")) for k, v in kinds.items())
     if "beta" in d:
-        return LinkCost(d["alpha"], d["beta"])
-    return LinkCost.from_bandwidth(d["alpha"], d["bandwidth"])
+        return LinkCost(d["alpha"], d["beta"], own, overlap)
+    return LinkCost.from_bandwidth(d["alpha"], d["bandwidth"], own, overlap)
 
 
 def _toml_str(s: str) -> str:
@@ -281,8 +448,10 @@ def _toml_float(x: float) -> str:
 
 
 def _link_lines(link: LinkCost) -> list[str]:
-    return [f"alpha = {_toml_float(link.alpha)}",
-            f"beta = {_toml_float(link.beta)}  # {link.bandwidth / 1e9:.4g} GB/s"]
+    lines = [f"alpha = {_toml_float(link.alpha)}", f"beta = {_toml_float(link.beta)}  # {link.bandwidth / 1e9:.4g} GB/s"]
+    if link.overlap:
+        lines.append(f"overlap = {_toml_float(link.overlap)}  # of gradient reductions, hidden behind compute")
+    return lines
 
 
 def profile_to_toml(profile: HardwareProfile) -> str:
@@ -295,11 +464,24 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         f"memory_bytes = {profile.memory_bytes}  # {profile.memory_bytes / 2**30:.4g} GiB per rank",
         f"overlap_comm = {'true' if profile.overlap_comm else 'false'}",
         "",
-        "[link]",
-        *_link_lines(profile.link),
     ]
+    lines += [f"op_overhead = {_toml_float(profile.op_overhead)}  # s per op, forward",
+              f"backward_op_overhead = {_toml_float(profile.backward_op_overhead)}  # s per op, backward",
+              f"step_overhead = {_toml_float(profile.step_overhead)}  # s per training step"]
+    if profile.efficiency:
+        lines += ["", "[efficiency]  # [work (FLOPs; bytes for memory), fraction of the peak] on one rank"]
+        lines += [f"{_toml_str(k)} = [{', '.join(f'[{_toml_float(w)}, {_toml_float(f)}]' for w, f in pts)}]"
+                  for k, pts in profile.efficiency]
+    for name, per_tensor, per_element in profile.optimizer_step:
+        lines += ["", f"[optimizer.{name}]", f"per_tensor = {_toml_float(per_tensor)}  # s",
+                  f"per_element = {_toml_float(per_element)}  # s"]
+    lines += ["", "[link]", *_link_lines(profile.link)]
+    for kind, link in profile.link.kinds:
+        lines += ["", f"[link.{kind}]", *_link_lines(link)]
     for pattern, link in profile.axes:
         lines += ["", f"[axes.{_toml_str(pattern)}]", *_link_lines(link)]
+        for kind, sub in link.kinds:
+            lines += ["", f"[axes.{_toml_str(pattern)}.{kind}]", *_link_lines(sub)]
     return "\n".join(lines) + "\n"
 
 

@@ -206,7 +206,8 @@ def _localize(graph: torch.fx.Graph, new: torch.fx.Node, old: torch.fx.Node, mes
 # log-sum-exp are kept.
 op(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-   aten._scaled_dot_product_cudnn_attention, flops=sdpa_flops, backward=2.5, saves=(0, 1, 2, OUTPUT))
+   aten._scaled_dot_product_cudnn_attention, flops=sdpa_flops, backward=2.5, saves=(0, 1, 2, OUTPUT),
+   compute_kind="attention")
 
 
 @op(aten.scaled_dot_product_attention.default, localize=_localize, comm=context_comm, workspace=sdpa_workspace)

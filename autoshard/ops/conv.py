@@ -23,7 +23,8 @@ def conv_flops(op: Shapes):
     return 2 * op.out_numel() * math.prod(op.shape(1)[1:])
 
 
-op(aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d, flops=conv_flops, backward=2.0, saves=(0, 1))
+op(aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d, flops=conv_flops, backward=2.0, saves=(0, 1),
+   compute_kind="matmul")
 
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.conv1d.padding, aten.conv2d.padding,
           aten.conv3d.padding, aten.convolution.default)

@@ -67,10 +67,10 @@ def bias_once(graph, new, old, mesh, rank):
 
 
 # Every overload costs the same; backward ≈ 2× forward (a gradient for each operand).
-op(aten.mm, aten.bmm, aten.matmul, flops=matmul_flops, backward=2.0, saves=(0, 1))
-op(aten.addmm, aten.baddbmm, flops=addmm_flops, backward=2.0, saves=(1, 2))
-op(aten.linear, flops=linear_flops, backward=2.0, saves=(0, 1))
-op(aten.einsum, flops=einsum_flops, backward=2.0, saves=(1,))  # arg 1 is the list of operands
+op(aten.mm, aten.bmm, aten.matmul, flops=matmul_flops, backward=2.0, saves=(0, 1), compute_kind="matmul")
+op(aten.addmm, aten.baddbmm, flops=addmm_flops, backward=2.0, saves=(1, 2), compute_kind="matmul")
+op(aten.linear, flops=linear_flops, backward=2.0, saves=(0, 1), compute_kind="matmul")
+op(aten.einsum, flops=einsum_flops, backward=2.0, saves=(1,), compute_kind="matmul")  # arg 1 is the list of operands
 
 op(aten.mm.default, rule=einsum("mk,kn->mn"))
 op(aten.bmm.default, rule=einsum("bij,bjk->bik"))

@@ -124,6 +124,8 @@ class OpEntry:
     saves: tuple[int | str, ...] | None = None
     comm: CommFn | None = None
     workspace: WorkspaceFn | None = None
+    #: what bounds the op's time, for the hardware profile's efficiency tables: "matmul", "attention" or "memory"
+    compute_kind: str | None = None
 
     def stated(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -132,16 +134,19 @@ class OpEntry:
 #: What an unstated facet is: no rule (an unsupported op), no local form, one FLOP per output element, backward
 #: as costly as forward, bytes in + out, nothing saved, no workspace.
 DEFAULTS = OpEntry(rule=None, localize=None, flops=elementwise, backward=1.0, backward_flops=None, bytes="io",
-                   saves=(), comm=None, workspace=None)
+                   saves=(), comm=None, workspace=None, compute_kind="memory")
 
 _REGISTRY: dict[object, OpEntry] = {}
 _RESOLVED: dict[object, OpEntry] = {}  # entry()'s answers; cleared whenever the table changes
 _BYTES = ("io", "view", "embedding")
+_COMPUTE_KINDS = ("matmul", "attention", "memory")
 
 
 def _check(target, e: OpEntry) -> None:
     if e.bytes is not None and e.bytes not in _BYTES:
         raise ValueError(f"op {target} has bytes={e.bytes!r}, but bytes is one of {_BYTES}")
+    if e.compute_kind is not None and e.compute_kind not in _COMPUTE_KINDS:
+        raise ValueError(f"op {target} has compute_kind={e.compute_kind!r}, but it is one of {_COMPUTE_KINDS}")
     if e.saves is not None and (not isinstance(e.saves, tuple)
                                 or any(not (isinstance(s, int) or s in (OUTPUT, MASK)) for s in e.saves)):
         raise ValueError(f"op {target} has saves={e.saves!r}, but saves is a tuple of argument positions, "
@@ -168,14 +173,14 @@ class _Registration:
 def op(*targets, rule: RuleFn | None = None, localize: Localizer | None = None, flops: FlopsFn | None = None,
        backward: float | None = None, backward_flops: FlopsFn | None = None, bytes: str | None = None,
        saves: tuple[int | str, ...] | None = None, comm: CommFn | None = None,
-       workspace: WorkspaceFn | None = None) -> _Registration:
+       workspace: WorkspaceFn | None = None, compute_kind: str | None = None) -> _Registration:
     """Register the given facets for each target (an OpOverload, an OpOverloadPacket or a callable).
 
     A target is registered once: a second ``op()`` for it raises (:func:`unregister` first to replace it).
     Used as a decorator, the decorated function becomes the rule."""
     if not targets:
         raise ValueError("op() needs at least one target")
-    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm, workspace)
+    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm, workspace, compute_kind)
     for t in targets:
         if t in _REGISTRY:
             raise ValueError(f"op {t} is registered twice; each op has one entry in autoshard/ops")

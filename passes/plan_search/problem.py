@@ -28,7 +28,7 @@ import torch.fx
 from autoshard.collective_kinds import time as kind_time
 from autoshard.cost_models.memory import GraphMemory, keeps
 from autoshard.cost_models.plan_cost import (forward_times, grad_sync_time, link, local_numel, op_times,
-                                             redistribution_time_of, trains)
+                                             optimizer_time, redistribution_time_of, step_overhead, trains)
 from autoshard.cost_models.profile import HardwareProfile
 from autoshard.passes.plan_search.layers import LayerUnits, copy_paths, find_layers, recompute_units
 from autoshard.passes.plan_search.precision import ComputeCopies
@@ -173,6 +173,7 @@ class ParameterPricing:
     data_link: object  # cost_models.plan_cost.link of the data axis (None without one)
     optimizer: str
     zero: int | str
+    profile: HardwareProfile | None = None  # prices the optimizer step (None: not priced)
 
     @property
     def data_size(self) -> int:
@@ -215,6 +216,13 @@ class ParameterPricing:
         if stage == 0 or spec is None:
             return spec
         return stored_spec(spec, shape(x), self.mesh, self.data_axis)
+
+    def optimizer_time(self, x: torch.fx.Node, spec: Spec | None, stage: int) -> float:
+        """Seconds of the optimizer step over ``x`` stored in ``spec`` at ``stage``
+        (:func:`autoshard.cost_models.plan_cost.optimizer_time`, as ``plan.cost()`` prices it)."""
+        if self.profile is None or spec is None:
+            return 0.0
+        return optimizer_time(x, spec, stage, self.data_size, self.mesh, self.profile, self.optimizer)
 
     def stage_time(self, x: torch.fx.Node, spec: Spec, stage: int) -> float:
         """Seconds a stage adds: the all-gather of the stored shard forward, at stage 3 again in backward. What it
@@ -290,7 +298,9 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
                       np.zeros(memory.timeline.points))
     copies = ComputeCopies.of(gm, precision, profile, mesh)
     _op_decisions(gm, ctx, profile, problem, members, layers, copies)
-    pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero)
+    pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero,
+                               profile)
+    problem.fixed_seconds += step_overhead(gm, profile)
     _parameter_decisions(gm, problem, members, pricing, copies)
     problem.terms = _value_terms(gm, ctx, profile, problem, copies)
     with copies.read():
@@ -380,7 +390,8 @@ def _parameter_decisions(gm, problem: Problem, members: dict, pricing: Parameter
     def seconds(n, spec, stage: int) -> float:
         with copies.read([n]):  # the all-gather moves the param_dtype copy
             gather = pricing.stage_time(n, spec, stage)
-        return gather + copies.cast_seconds(n, pricing.cast_spec(n, spec, stage))
+        return gather + copies.cast_seconds(n, pricing.cast_spec(n, spec, stage)) + pricing.optimizer_time(n, spec,
+                                                                                                           stage)
 
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not is_tensor_node(n) or canonical(problem.canon, n) is not n:

@@ -1,0 +1,310 @@
+"""Does the cost model predict the clock? Predicted vs measured step time and peak memory, 4 gloo ranks.
+
+One run, on this machine:
+
+1. ``autoshard calibrate`` on 4 gloo processes (:func:`autoshard.cost_models.calibrate.measure`), the profile the
+   cost model reads (unless ``--profile`` names one);
+2. for each model (a GPT, Hugging Face Llama and GPT-2) and each plan below, on 4 fresh gloo processes: compile
+   with that profile, run ``--warmup`` training steps and ``--steps`` timed ones (``zero_grad``, forward, backward,
+   ``AdamW.step``; each rank's step timed from a barrier, the slowest rank's time kept, the median over steps),
+   then one step under the allocator's eye (``torch.profiler`` memory events: the most bytes the CPU allocator
+   held above the step's start, plus what was live at the start: parameters, optimizer state, buffers);
+3. the prediction of the same plan from the same profile: ``plan.cost(profile)`` (step time with the optimizer
+   step, the memory peak per rank), and for the pipeline the stages' estimate (``stages_json``) and
+   ``stage_memory`` of the rank's stage.
+
+Plans (each on the 4 ranks): ``dp`` data=4; ``zero3`` data=4 with ``zero=3``; ``tp`` Megatron on model=4; ``tp_sp``
+the same with sequence parallelism; ``recompute`` Megatron on data=2 x model=2 with every layer recomputed;
+``bf16`` data=4 under ``MixedPrecision(bf16)``; ``moe_ep`` every FFN as a 4-expert top-2 MoE with experts on
+data=4 (all-to-all); ``cp_ring`` context=4 with ring attention; ``pipeline`` pipe=2 x data=2, 1F1B, 4
+microbatches.
+
+Printed: one row per (model, plan) with predicted and measured step time and memory and their errors
+(``predicted / measured - 1``), then the Spearman rank correlation of step times over all plans and the median and
+largest absolute errors. These are benchmark numbers, not asserts; ``--quick`` (a smoke run in the test suite)
+uses small shapes and checks only that every plan ran and was predicted.
+
+    python bench/fidelity.py                 # calibrate, then 3 models x 9 plans (about 10 minutes on 2 cores)
+    python bench/fidelity.py --quick         # small shapes, 1 timed step
+    python bench/fidelity.py --models gpt --plans dp,tp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MiB = 2**20
+WORLD = 4
+PLANS = ("dp", "zero3", "tp", "tp_sp", "recompute", "bf16", "moe_ep", "cp_ring", "pipeline")
+MODELS = ("gpt", "hf_llama", "hf_gpt2")
+#: (batch, seq, layers, hidden) of the full run and of --quick
+SHAPES = {"full": dict(batch=16, seq=128, layers=4, hidden=256), "quick": dict(batch=8, seq=32, layers=2, hidden=64)}
+#: module globs of each model's decoder layers and FFNs
+LAYERS = {"gpt": "blocks.*", "hf_llama": "model.layers.*", "hf_gpt2": "transformer.h.*"}
+FFNS = {"gpt": "blocks.*.mlp", "hf_llama": "model.layers.*.mlp", "hf_gpt2": "transformer.h.*.mlp"}
+
+
+def build_model(name: str, shape: dict):
+    from examples import models
+
+    kw = dict(batch=shape["batch"], seq=shape["seq"], layers=shape["layers"], hidden=shape["hidden"], vocab=512)
+    if name == "hf_llama":
+        return models.hf_llama(heads=8, kv_heads=4, **kw)
+    return getattr(models, name)(heads=8, **kw)
+
+
+def plan_options(name: str, plan: str):
+    """(mesh text, compile options) of ``plan`` on model ``name``."""
+    import torch
+
+    import autoshard
+    from examples import models
+
+    if plan == "dp":
+        return "data=4", {}
+    if plan == "zero3":
+        return "data=4", {"zero": 3}
+    if plan in ("tp", "tp_sp"):
+        mesh = autoshard.Mesh(model=4)
+        return "model=4", {"plan": models.megatron(mesh, name), "sequence_parallel": plan == "tp_sp"}
+    if plan == "recompute":
+        mesh = autoshard.Mesh(data=2, model=2)
+        return "data=2,model=2", {"plan": models.megatron(mesh, name), "recompute": LAYERS[name]}
+    if plan == "bf16":
+        return "data=4", {"precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16)}
+    if plan == "moe_ep":
+        return "data=4", {"moe": autoshard.MoE(layers=FFNS[name], num_experts=4, top_k=2, expert_axis="data")}
+    if plan == "cp_ring":
+        return "context=4", {"context_axis": autoshard.ContextParallel("context", attention="ring")}
+    if plan == "pipeline":
+        return "pipe=2,data=2", {"pipeline": autoshard.Pipeline(microbatches=4, schedule="1f1b")}
+    raise ValueError(f"unknown plan {plan!r}; the plans are {PLANS}")
+
+
+def _allocator_peak(prof) -> int:
+    """The most bytes the CPU allocator held above the profile's start (the profiler's allocation events, in time
+    order, freed blocks counted negative)."""
+    from torch._C._profiler import _EventType
+
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    cur = peak = 0
+    for _, size in sorted(events, key=lambda x: x[0]):
+        cur += size
+        peak = max(peak, cur)
+    return peak
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _live_bytes(params, optimizer, buffers) -> int:
+    """Bytes of the tensors that live across steps: this rank's parameters, optimizer state and buffers (each
+    storage once)."""
+    seen, total = set(), 0
+    tensors = [_local(p) for p in params] + [_local(b) for b in buffers]
+    tensors += [_local(v) for state in optimizer.state.values() for v in state.values() if hasattr(v, "numel")]
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def _step_fn(sharded, pipelined: bool, args, kwargs, optimizer):
+    from autoshard.plan import loss_of
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        if pipelined:
+            loss = sharded(*args, **kwargs)
+        else:
+            loss = loss_of(sharded(*args, **kwargs))
+            loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def _predict(sharded, pipelined: bool, rank: int, profile) -> dict:
+    if pipelined:
+        from autoshard.report import stages_json
+
+        pplan = sharded.plan
+        stages = stages_json(pplan)
+        stage = pplan.stages_of(rank)[0]
+        return {"time": stages["estimated_step_s"], "memory": pplan.stage_memory(stage, rank), "stage": stage}
+    cost = sharded.plan.cost(profile)
+    return {"time": cost.step_time, "memory": cost.memory_per_rank, "stage": None}
+
+
+def _worker(rank: int, world: int, models_: list, plans: list, shape: dict, profile_path: str, warmup: int,
+            steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import autoshard
+    from autoshard.cost_models.profile import load_profile
+
+    torch.set_num_threads(1)
+    prof_obj = load_profile(profile_path)
+    out = {}
+    for name in models_:
+        for plan in plans:
+            mesh_text, opts = plan_options(name, plan)
+            if plan == "pipeline":
+                opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
+                                                      schedule=opts["pipeline"].schedule, profile=profile_path)
+            mesh = autoshard.Mesh.parse(mesh_text)
+            torch.manual_seed(0)
+            model, args, kwargs = build_model(name, shape)
+            t0 = time.perf_counter()
+            sharded = autoshard.compile(model, mesh, args, kwargs, profile=profile_path, **opts)
+            pipelined = plan == "pipeline"
+            if pipelined:
+                a, k = args, kwargs  # a pipelined module takes the global batch
+            else:
+                a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
+                k = {key: autoshard.data_shard(v, mesh, rank) if isinstance(v, torch.Tensor) else v
+                     for key, v in kwargs.items()}
+            del model
+            optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=1e-4)
+            step = _step_fn(sharded, pipelined, a, k, optimizer)
+            for _ in range(warmup):
+                step()
+            compile_s = time.perf_counter() - t0
+            times = []
+            for _ in range(steps):
+                dist.barrier()
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            optimizer.zero_grad(set_to_none=True)
+            buffers = list(sharded.buffers()) if not pipelined else []
+            live = _live_bytes(sharded.parameters(), optimizer, buffers)
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
+            peak = live + _allocator_peak(prof)
+            pred = _predict(sharded, pipelined, rank, prof_obj)
+            out[(name, plan)] = {"time": statistics.median(slowest.tolist()), "memory": peak,
+                                 "pred_time": pred["time"], "pred_memory": pred["memory"], "stage": pred["stage"],
+                                 "mesh": mesh_text, "setup_s": compile_s}
+            del sharded, optimizer, step
+    return out
+
+
+def spearman(xs, ys) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+def run(models_, plans, shape, profile_path, warmup, steps, timeout=3600) -> list[dict]:
+    """Every (model, plan) measured and predicted: one row per (model, plan, stage) with the largest memory over
+    the ranks of that stage."""
+    from autoshard.runtime import spawn
+
+    results = spawn(_worker, WORLD, list(models_), list(plans), shape, profile_path, warmup, steps, timeout=timeout)
+    rows = []
+    for key in results[0]:
+        per_rank = [r[key] for r in results]
+        stages = sorted({r["stage"] for r in per_rank}, key=lambda s: -1 if s is None else s)
+        for stage in stages:
+            mine = [r for r in per_rank if r["stage"] == stage]
+            label = key[1] if stage is None else f"{key[1]} s{stage}"
+            rows.append({"model": key[0], "plan": label, "mesh": mine[0]["mesh"], "time": mine[0]["time"],
+                         "pred_time": mine[0]["pred_time"], "memory": max(r["memory"] for r in mine),
+                         "pred_memory": max(r["pred_memory"] for r in mine),
+                         "setup_s": max(r["setup_s"] for r in mine), "timed": stage in (None, 0)})
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    timed = [r for r in rows if r["timed"]]
+    t_err = [abs(r["pred_time"] / r["time"] - 1) for r in timed]
+    m_err = [abs(r["pred_memory"] / r["memory"] - 1) for r in rows]
+    return {"rank_correlation": spearman([r["pred_time"] for r in timed], [r["time"] for r in timed]),
+            "time_median_error": statistics.median(t_err), "time_max_error": max(t_err),
+            "memory_median_error": statistics.median(m_err), "memory_max_error": max(m_err),
+            "plans": len(timed)}
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'model':9} {'plan':13} {'mesh':15} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'pred MiB':>9} "
+            f"{'meas MiB':>9} {'err':>7}")
+    lines = [head]
+    for r in rows:
+        t = (f"{r['pred_time'] * 1e3:9.1f} {r['time'] * 1e3:9.1f} {r['pred_time'] / r['time'] - 1:+7.1%}"
+             if r["timed"] else f"{'':9} {'':9} {'':7}")
+        lines.append(f"{r['model']:9} {r['plan']:13} {r['mesh']:15} {t} {r['pred_memory'] / MiB:9.2f} "
+                     f"{r['memory'] / MiB:9.2f} {r['pred_memory'] / r['memory'] - 1:+7.1%}")
+    s = summary(rows)
+    lines.append(f"step time over {s['plans']} plans: rank correlation {s['rank_correlation']:.3f}, median error "
+                 f"{s['time_median_error']:.1%}, largest {s['time_max_error']:.1%}; peak memory: median error "
+                 f"{s['memory_median_error']:.1%}, largest {s['memory_max_error']:.1%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes and one timed step: a smoke run")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--profile", default=None, help="a profile TOML (default: calibrate now on 4 gloo ranks)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per plan (default 5; 1 with --quick)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the rows and the summary to this file")
+    opts = ap.parse_args(argv)
+    models_ = [m for m in opts.models.split(",") if m]
+    plans = [p for p in opts.plans.split(",") if p]
+    for p in plans:
+        if p not in PLANS:
+            ap.error(f"unknown plan {p!r}; the plans are {', '.join(PLANS)}")
+    shape = SHAPES["quick" if opts.quick else "full"]
+    steps = opts.steps or (1 if opts.quick else 5)
+    profile_path = opts.profile
+    if profile_path is None:
+        import tempfile
+
+        from autoshard.cost_models.calibrate import format_calibration, measure
+        from autoshard.cost_models.profile import save_profile
+
+        cal = measure(world_size=WORLD, repeats=3 if opts.quick else 10, timeout=600)
+        print(format_calibration(cal))
+        profile_path = str(save_profile(cal.profile("fidelity"), os.path.join(tempfile.mkdtemp(), "fidelity.toml")))
+    started = time.monotonic()
+    rows = run(models_, plans, shape, profile_path, opts.warmup, steps)
+    print(f"{len(models_)} models x {len(plans)} plans on {WORLD} gloo ranks, shape {shape}, profile "
+          f"{profile_path}, {time.monotonic() - started:.0f} s")
+    print(format_rows(rows))
+    result = {"rows": rows, "summary": summary(rows)}
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()
