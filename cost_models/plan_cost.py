@@ -172,6 +172,29 @@ def step_overhead(gm: torch.fx.GraphModule, profile: HardwareProfile) -> float:
     return profile.step_overhead if trains(gm) else 0.0
 
 
+def node_time(n: torch.fx.Node, mesh: Mesh, profile: HardwareProfile, backward: bool = True) -> tuple[float, float]:
+    """(compute, communication) seconds of one node of an annotated graph, forward + backward: an op's
+    :func:`op_time` (and its forward again where its recomputation region is recomputed, when the graph has a
+    ``backward``: :func:`trains`), an inserted collective's redistribution (ZeRO-3's gather again in backward) or
+    gradient sync (a reduce-scatter where the parameter is stored at ZeRO stage 2/3). :func:`plan_cost` is their
+    sum; the pipeline split prices its stages with it."""
+    info = n.meta.get(M.COLLECTIVE)
+    if info is not None:
+        x = n.args[0]
+        if info.kind == "grad_all_reduce":
+            return 0.0, grad_sync_time(info.src, info.axes, x, mesh, profile) - _zero_sync_saving(x, info, mesh,
+                                                                                                    profile)
+        return 0.0, ((redistribution_time(info.src, info.dst, x, mesh, profile) or 0.0)
+                     + _zero_regather_time(n, info, mesh, profile))
+    if n.op != "call_function" or M.STRATEGY not in n.meta or is_getitem(n):
+        return 0.0, 0.0
+    t = op_time(n, n.meta[M.STRATEGY], mesh, profile)
+    if n.meta.get(M.RECOMPUTE) is not None and backward:
+        # recomputed in backward: its forward runs twice (a region runs again whole, ops needing no gradient too)
+        t += forward_times(n, [n.meta[M.STRATEGY]], mesh, profile)[0]
+    return t, 0.0
+
+
 @dataclass(frozen=True)
 class PlanCost:
     #: seconds: compute + communication (forward + backward, recomputed forwards, the share of gradient reductions
@@ -209,22 +232,11 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
             continue
         info = n.meta.get(M.COLLECTIVE)
         if info is not None:
-            x = n.args[0]
-            if info.kind == "grad_all_reduce":
-                comm += grad_sync_time(info.src, info.axes, x, mesh, profile)
-                comm -= _zero_sync_saving(x, info, mesh, profile)
-            else:
-                comm += redistribution_time(info.src, info.dst, x, mesh, profile) or 0.0
-                comm += _zero_regather_time(n, info, mesh, profile)
             for axis in info.axes:
                 comm_bytes[axis] += (info.bytes_forward + info.bytes_backward) / len(info.axes)
-            continue
-        if n.op == "call_function" and M.STRATEGY in n.meta and not is_getitem(n):
-            compute += op_time(n, n.meta[M.STRATEGY], mesh, profile)
-            if n.meta.get(M.RECOMPUTE) is not None and backward:
-                # recomputed in backward: its forward runs twice (a region runs again whole, ops needing no
-                # gradient too)
-                compute += forward_times(n, [n.meta[M.STRATEGY]], mesh, profile)[0]
+        c, m = node_time(n, mesh, profile, backward)
+        compute += c
+        comm += m
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)
     fixed = step_overhead(gm, profile)
     return PlanCost(compute + comm + opt + fixed, compute, comm, breakdown.peak, breakdown.parameters, comm_bytes,
