@@ -167,6 +167,17 @@ def optimizer_time(x: torch.fx.Node, spec: Spec, stage: int, data_size: int, mes
     return profile.optimizer_seconds(optimizer, 1, elements)
 
 
+def parameter_optimizer_time(n: torch.fx.Node, mesh: Mesh, profile: HardwareProfile, optimizer: str) -> float:
+    """:func:`optimizer_time` of the parameter a get_attr node of an annotated graph reads, in the layout and ZeRO
+    stage the plan stores it in (0 for buffers, frozen parameters and nodes without a spec)."""
+    if not n.meta.get(M.REQUIRES_GRAD) or M.SPEC not in n.meta:
+        return 0.0
+    storage = n.meta.get(M.STORAGE)
+    if storage is None:
+        return optimizer_time(n, n.meta[M.SPEC], 0, 1, mesh, profile, optimizer)
+    return optimizer_time(n, storage.compute, storage.stage, mesh.axis_size(storage.axis), mesh, profile, optimizer)
+
+
 def step_overhead(gm: torch.fx.GraphModule, profile: HardwareProfile) -> float:
     """The profile's fixed seconds per training step (``step_overhead``) for a graph that trains, else 0."""
     return profile.step_overhead if trains(gm) else 0.0
@@ -222,13 +233,8 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
     backward = trains(gm)
     opt = 0.0
     for n in gm.graph.nodes:
-        if n.op == "get_attr" and n.meta.get(M.REQUIRES_GRAD) and M.SPEC in n.meta:
-            storage = n.meta.get(M.STORAGE)
-            if storage is None:
-                opt += optimizer_time(n, n.meta[M.SPEC], 0, 1, mesh, profile, optimizer)
-            else:
-                opt += optimizer_time(n, storage.compute, storage.stage, mesh.axis_size(storage.axis), mesh,
-                                      profile, optimizer)
+        if n.op == "get_attr":
+            opt += parameter_optimizer_time(n, mesh, profile, optimizer)
             continue
         info = n.meta.get(M.COLLECTIVE)
         if info is not None:
