@@ -324,21 +324,22 @@ def show_plan(plan, console=None, nodes: bool | None = None) -> None:
 
 def format_stages(pplan) -> str:
     """A pipelined plan's stages: modules, estimated time and memory, boundary tensors and their bytes, the
-    imbalance (max / mean stage cost) and the schedule's theoretical bubble fraction."""
-    from autoshard.pipeline.options import bubble_fraction
-
+    imbalance (max / mean stage cost), the schedule's theoretical bubble fraction and the estimated step
+    (:meth:`autoshard.pipeline.PipelinePlan.cost`, printed to the microsecond)."""
     split, p = pplan.split, pplan.pipeline
+    estimate = pplan.cost()
     lines = [(f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
               f"({'manual' if split.manual else 'auto'} split), schedule {p.schedule}, {p.microbatches} microbatches "
               f"of {pplan.batch // p.microbatches} rows; stages run on {pplan.submesh} inside")]
-    cols = ["stage", "ranks", "time/mb (ms)", "compute+comm", "transfer", "memory (MiB)", "modules"]
+    cols = ["stage", "ranks", "time/mb (ms)", "compute+comm", "transfer", "once/step", "memory (MiB)", "modules"]
     rows = []
-    for s, cost in enumerate(split.costs):
+    for s, cost in enumerate(estimate.microbatch):
         ranks = [r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)]
         mods = list(split.modules[s])
         shown = ", ".join(mods if len(mods) <= 6 else [*mods[:3], "...", *mods[-2:]])
         rows.append([str(s), ",".join(map(str, ranks)), f"{cost * 1e3:.3f}", f"{split.compute[s] * 1e3:.3f}",
-                     f"{split.transfer[s] * 1e3:.3f}", f"{pplan.stage_memory(s, ranks[0]) / 2**20:.2f}", shown])
+                     f"{split.transfer[s] * 1e3:.3f}", f"{estimate.once[s] * 1e3:.3f}",
+                     f"{pplan.stage_memory(s, ranks[0]) / 2**20:.2f}", shown])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
@@ -351,12 +352,11 @@ def format_stages(pplan) -> str:
         lines.append("shared parameters (gradients summed over their stages): "
                      + ", ".join(f"{n} (stages {', '.join(map(str, s))})" for n, s in shared))
     v = p.stages_per_rank if p.schedule == "interleaved" else 1
-    bubble = bubble_fraction(pplan.pipe, p.microbatches, v)
     formula = "(p-1)/(v*m+p-1)" if v > 1 else "(p-1)/(m+p-1)"
-    per_rank = [sum(split.costs[s] for s in pplan.stages_of(r)) for r in range(pplan.mesh.size)]
-    step = max(per_rank) * p.microbatches / (1 - bubble)
     lines.append(f"imbalance (max/mean stage cost): {split.imbalance:.3f}; theoretical bubble {formula}: "
-                 f"{bubble:.3f}; estimated step: {step * 1e3:.3f} ms")
+                 f"{estimate.bubble:.3f}; estimated step: {estimate.step_time * 1e3:.3f} ms (slowest rank: "
+                 f"microbatches x its stages' time/mb / (1 - bubble) + their once/step"
+                 + (f" + step overhead {estimate.overhead * 1e3:.3f} ms" if estimate.overhead else "") + ")")
     return "\n".join(lines) + "\n"
 
 
@@ -801,26 +801,23 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
 
 def stages_json(pplan) -> dict:
     """A pipelined plan's stages as data (what :func:`format_stages` prints): per stage its ranks, estimated time
-    and memory, modules; the boundary tensors with bytes; the imbalance, bubble and estimated step."""
-    from autoshard.pipeline.options import bubble_fraction
-
+    and memory, modules; the boundary tensors with bytes; the imbalance, bubble and estimated step
+    (:meth:`autoshard.pipeline.PipelinePlan.cost`)."""
     split, p = pplan.split, pplan.pipeline
+    estimate = pplan.cost()
     stages = []
-    for s, cost in enumerate(split.costs):
+    for s, cost in enumerate(estimate.microbatch):
         ranks = [r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)]
         stages.append({"stage": s, "ranks": ranks, "time_per_microbatch_s": cost, "compute_s": split.compute[s],
-                       "transfer_s": split.transfer[s], "memory_bytes": pplan.stage_memory(s, ranks[0]),
-                       "modules": list(split.modules[s])})
+                       "transfer_s": split.transfer[s], "once_per_step_s": estimate.once[s],
+                       "memory_bytes": pplan.stage_memory(s, ranks[0]), "modules": list(split.modules[s])})
     boundaries = [{"from": k, "to": k + 1, "bytes_per_microbatch": b.nbytes,
                    "tensors": [{"name": n, "shape": list(sh), "dtype": str(dt).replace("torch.", "")}
                                for n, sh, dt in zip(b.names, b.shapes, b.dtypes)]}
                   for k, b in enumerate(split.boundaries)]
-    v = p.stages_per_rank if p.schedule == "interleaved" else 1
-    bubble = bubble_fraction(pplan.pipe, p.microbatches, v)
-    per_rank = [sum(split.costs[s] for s in pplan.stages_of(r)) for r in range(pplan.mesh.size)]
     return {"model": pplan.model_name, "mesh": dict(pplan.mesh.axes), "submesh": dict(pplan.submesh.axes),
             "schedule": p.schedule, "microbatches": p.microbatches, "batch": pplan.batch,
             "split": "manual" if split.manual else "auto", "stages": stages, "boundaries": boundaries,
             "shared_parameters": [{"param": n, "stages": list(s)} for n, s in pplan.shared_params()],
-            "imbalance": split.imbalance, "bubble": bubble,
-            "estimated_step_s": max(per_rank) * p.microbatches / (1 - bubble)}
+            "imbalance": split.imbalance, "bubble": estimate.bubble, "step_overhead_s": estimate.overhead,
+            "estimated_step_s": estimate.step_time}

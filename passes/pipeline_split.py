@@ -26,10 +26,13 @@ Formulation. Nodes fall in two kinds:
 
 Cut candidates are the positions where the module *unit* changes (the path up to the first numbered
 component, ``transformer.h.3``, else the innermost module path) and every crossing value is a floating tensor.
-A stage ``[a, b)`` costs, per microbatch, ``C(a, b) = Σ (fwd + bwd roofline time of its nodes, or the
-alpha-beta time of the data/model-axis collectives among them) + T(a) + T(b)``, where ``T(i)`` sends the crossing
-tensors forward and their gradients back over the pipe link (``2 · (α · count + β · bytes)``, zero at the ends). Embeddings, the LM head and the loss are nodes like any
-other, so they are part of the balance. The split minimises ``max_k C(stage k)`` (then the total transfer) by
+A stage ``[a, b)`` costs, per microbatch, ``C(a, b) = Σ (seconds of its nodes) + T(a) + T(b)``, each node priced
+as ``plan.cost()`` prices it (:func:`autoshard.cost_models.plan_cost.node_time`: forward + backward, a recomputed
+op's forward again, a collective's time on its axes), where ``T(i)`` sends the crossing tensors forward and their
+gradients back over the pipe link (``2 · (α · count + β · bytes)``, zero at the ends). A parameter's gradient sync
+that the stage programs leave to the runner (once per step, ``bucket_grads``) and its optimizer step are not per
+microbatch: they are the stage's ``once`` seconds. Embeddings, the LM head and the loss are nodes like any other,
+so they are part of the balance. The split minimises ``max_k C(stage k)`` (then the total transfer) by
 dynamic programming over the candidates (:func:`_best_cuts`): ``D[k][j] = min_{i<j} max(D[k-1][i], C(c_i, c_j))``,
 exact for this chain of cut points. Manual cut points (module paths, each starting a stage) replace the search
 (:func:`_manual_cuts`).
@@ -70,10 +73,12 @@ class StageSplit:
     cuts: tuple[int, ...]  # positions in ``order`` where stages 1..p-1 start
     order: tuple[str, ...]  # the cuttable (non-recomputable) nodes in graph order
     boundaries: tuple[Boundary, ...]  # one per cut
-    compute: tuple[float, ...]  # per stage: compute seconds (forward + backward)
+    compute: tuple[float, ...]  # per stage: compute and communication seconds per microbatch (forward + backward)
     transfer: tuple[float, ...]  # per stage: seconds sending/receiving its boundaries
     modules: tuple[tuple[str, ...], ...]  # per stage: the module units it holds, in order
     manual: bool = False
+    #: per stage: seconds once per step — its parameters' gradient syncs left to the runner and optimizer steps
+    once: tuple[float, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -102,7 +107,7 @@ class PipelineSplit:
     name: str = "pipeline_split"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        split = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis)
+        split = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis, ctx.options.optimizer)
         gm.meta[M.STAGE_SPLIT] = split
         ctx.report[REPORT_KEY] = split
         return gm
@@ -137,13 +142,14 @@ class Analysis:
 
     order: list[torch.fx.Node]
     recomputable: set[torch.fx.Node]
-    node_cost: list[float]  # per order position
+    node_cost: list[float]  # per order position: seconds per microbatch
     candidates: list[int]  # valid cut positions, increasing
     crossing: list[list[torch.fx.Node]]  # crossing[i] for i in 0..N
     transfer: list[float]  # T(i) for i in 0..N (0 at both ends)
     units: list[str]
     mesh: Mesh
     also: list[list[str]]  # per order position: units of the recomputed nodes it is the first to read
+    once: list[float] | None = None  # per order position: seconds once per step (gradient syncs, optimizer steps)
 
     @property
     def n(self) -> int:
@@ -184,46 +190,24 @@ def _local_bytes(node: torch.fx.Node, mesh: Mesh) -> tuple[tuple[int, ...], int]
     return shp, math.prod(shp) * val.element_size()
 
 
-def _shard_factor(node: torch.fx.Node, mesh: Mesh) -> float:
-    val = node.meta.get("val")
-    spec = node.meta.get(M.SPEC)
-    if not isinstance(val, torch.Tensor) or not spec or isinstance(spec[0], tuple):
-        return 1.0  # multi-output ops: count them unsplit
-    local = math.prod(local_shape(val.shape, spec, mesh))
-    return max(val.numel() / local, 1.0) if local else 1.0
+def _node_time(node: torch.fx.Node, mesh: Mesh, profile, backward: bool = True) -> tuple[float, float]:
+    """(per microbatch, per step) seconds of one node, as ``plan.cost()`` prices it
+    (:func:`autoshard.cost_models.plan_cost.node_time`): the gradient sync of a parameter that the stage programs
+    leave to the runner's sync once per step (``bucket_grads``: the parameters
+    :func:`autoshard.passes.bucket_grad_sync.BucketGradSync` takes out) per step, everything else per microbatch."""
+    from autoshard.cost_models.plan_cost import node_time
+    from autoshard.passes.bucket_grad_sync import _param_of_sync
+
+    t = sum(node_time(node, mesh, profile, backward))
+    return (0.0, t) if _param_of_sync(node) is not None else (t, 0.0)
 
 
-def _collective_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
-    """Forward + backward seconds of an inserted collective (``b``: the larger of its local in/out buffers), by
-    the table of collective kinds."""
-    from autoshard.collective_kinds import time as kind_time
+def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None, optimizer: str = "adam") -> Analysis:
+    """The cut-point problem of ``gm`` planned over ``mesh`` (the non-pipe axes), priced by ``profile`` as
+    ``plan.cost()`` prices it (``optimizer``: the optimizer step of each parameter, once per step); stage transfers
+    go over ``pipe_link`` (default: the profile's link)."""
+    from autoshard.cost_models.plan_cost import parameter_optimizer_time, trains
 
-    info = node.meta[M.COLLECTIVE]
-    src = node.all_input_nodes[0] if node.all_input_nodes else node
-    b = max(_local_bytes(src, mesh)[1], _local_bytes(node, mesh)[1])
-    total = 0.0
-    for axis in info.axes:
-        n, link = mesh.axis_size(axis), profile.link_for(axis, mesh=mesh)
-        total += sum(kind_time(info.kind, b, n, link, bool(node.meta.get(M.REQUIRES_GRAD))))
-    return total
-
-
-def _node_time(node: torch.fx.Node, mesh: Mesh, profile) -> float:
-    """Seconds of one node per microbatch: forward + backward roofline, plus its communication if a collective."""
-    from autoshard.cost_models.compute import compute_time
-
-    if M.COLLECTIVE in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
-        src = node.all_input_nodes[0] if node.all_input_nodes else None
-        if node.meta[M.COLLECTIVE].kind == "grad_all_reduce" and src is not None and src.op == "get_attr":
-            return 0.0  # a parameter's gradient sync runs once per step, not per microbatch
-        return _collective_time(node, mesh, profile)
-    f = _shard_factor(node, mesh)
-    return compute_time(node, profile, f) + compute_time(node, profile, f, backward=True)
-
-
-def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None) -> Analysis:
-    """The cut-point problem of ``gm`` planned over ``mesh`` (the non-pipe axes), priced by ``profile``; stage
-    transfers go over ``pipe_link`` (default: the profile's link)."""
     pipe_link = pipe_link or profile.link
     recomputable: set[torch.fx.Node] = set()
     weights_only: set[torch.fx.Node] = set()  # functions of parameters alone (a grad sync of a tied weight)
@@ -257,21 +241,30 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None) -> An
     for i, cross in enumerate(crossing):
         nbytes = sum(_local_bytes(v, mesh)[1] for v in cross if isinstance(v.meta.get("val"), torch.Tensor))
         transfer.append(2 * (pipe_link.alpha * len(cross) + pipe_link.beta * nbytes) if cross else 0.0)
-    node_cost = [_node_time(v, mesh, profile) for v in order]
+    backward = trains(gm)
+    times = {v: _node_time(v, mesh, profile, backward) for v in gm.graph.nodes if v.op == "call_function"}
+    node_cost = [times[v][0] for v in order]
+    once = [times[v][1] for v in order]
     units = [unit_of(v) for v in order]
     # A recomputed node (an embedding of positions, a mask) is priced and listed with its first reader, so
-    # embeddings and heads stay part of the balance and of the report.
+    # embeddings and heads stay part of the balance and of the report (one read by no cut node, with the last:
+    # what the step runs is priced once, as plan.cost() prices it).
     also: list[list[str]] = [[] for _ in order]
     first: dict[torch.fx.Node, int] = {}
     for r in reversed([v for v in gm.graph.nodes if v in recomputable]):
         uses = [pos[u] if u in pos else first.get(u, n) for u in r.users if u in pos or u in recomputable]
         first[r] = min(uses, default=n)
-        if first[r] < n:
-            node_cost[first[r]] += _node_time(r, mesh, profile)
-            if unit_of(r):
-                also[first[r]].append(unit_of(r))
+        if first[r] < n and unit_of(r):
+            also[first[r]].append(unit_of(r))
+        if n:
+            node_cost[min(first[r], n - 1)] += times[r][0]
+            once[min(first[r], n - 1)] += times[r][1]
+    for p in gm.graph.nodes:  # each parameter's optimizer step, with its first reader's stage
+        if p.op == "get_attr" and n:
+            readers = [pos[u] if u in pos else first.get(u, n) for u in p.users]
+            once[min(min(readers, default=n), n - 1)] += parameter_optimizer_time(p, mesh, profile, optimizer)
     candidates = [i for i in range(1, n) if units[i] != units[i - 1] and _cuttable(crossing[i])]
-    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh, also)
+    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh, also, once)
 
 
 def _cuttable(cross: list[torch.fx.Node]) -> bool:
@@ -343,11 +336,11 @@ def _manual_cuts(a: Analysis, split: tuple[str, ...], stages: int) -> list[int]:
 
 
 def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto", profile="cpu-gloo",
-                pipe_axis: str = "pipe") -> StageSplit:
+                pipe_axis: str = "pipe", optimizer: str = "adam") -> StageSplit:
     from autoshard.cost_models.profile import HardwareProfile, load_profile
 
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-    a = analyse(gm, mesh, prof, prof.link_for(pipe_axis))
+    a = analyse(gm, mesh, prof, prof.link_for(pipe_axis), optimizer)
     if stages < 1:
         raise PlanError(f"pipeline has {stages} stages, but needs at least 1.")
     if split != "auto":
@@ -365,6 +358,7 @@ def _describe(a: Analysis, cuts: list[int], manual: bool) -> StageSplit:
     prefix = a.prefix()
     edges = [0, *cuts, a.n]
     compute = tuple(prefix[e] - prefix[s] for s, e in itertools.pairwise(edges))
+    once = tuple(math.fsum(a.once[s:e]) for s, e in itertools.pairwise(edges)) if a.once is not None else ()
     transfer = tuple(a.transfer[s] + a.transfer[e] for s, e in itertools.pairwise(edges))
     bounds = []
     for c in cuts:
@@ -374,7 +368,8 @@ def _describe(a: Analysis, cuts: list[int], manual: bool) -> StageSplit:
                                tuple(v.meta["val"].dtype for v in cross), sum(b for _, b in info)))
     modules = tuple(tuple(dict.fromkeys(u for i in range(s, e) for u in (*a.also[i], a.units[i]) if u))
                     for s, e in itertools.pairwise(edges))
-    return StageSplit(tuple(cuts), tuple(v.name for v in a.order), tuple(bounds), compute, transfer, modules, manual)
+    return StageSplit(tuple(cuts), tuple(v.name for v in a.order), tuple(bounds), compute, transfer, modules, manual,
+                      once)
 
 
 # ---- structural rewrite: one GraphModule per stage -------------------------------------------------------

@@ -18,7 +18,8 @@ class Pipeline:
     ``"1f1b"`` or ``"interleaved"`` (1F1B over ``stages_per_rank`` > 1 stages per rank); ``split``: ``"auto"``
     or the module paths that start stages 1.. (``["transformer.h.2"]``); ``loss_fn(output, target)``: the loss
     of one microbatch (a mean), default the model's own loss (its output, ``.loss`` or first element);
-    ``axis``: the mesh axis of the pipeline; ``profile``: the hardware profile that prices the split.
+    ``axis``: the mesh axis of the pipeline; ``profile``: the hardware profile that prices the split and the
+    stages (None, the default: ``compile``'s ``profile``, the one the plan and ``plan.cost()`` are priced by).
     """
 
     microbatches: int = 1
@@ -27,7 +28,7 @@ class Pipeline:
     stages_per_rank: int = 1
     loss_fn: Callable | None = field(default=None, compare=False)
     axis: str = "pipe"
-    profile: str = "cpu-gloo"
+    profile: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> Pipeline:

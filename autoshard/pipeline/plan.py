@@ -22,6 +22,18 @@ from autoshard.pipeline.options import Pipeline
 from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
 
 
+@dataclass(frozen=True)
+class PipelineCost:
+    """A pipelined plan's estimated step (:meth:`PipelinePlan.cost`), in seconds."""
+
+    step_time: float  # the slowest rank's step
+    microbatch: tuple[float, ...]  # per stage: seconds per microbatch (its nodes, forward + backward, and transfers)
+    once: tuple[float, ...]  # per stage: seconds once per step (gradient syncs left to the runner, optimizer steps)
+    ranks: tuple[float, ...]  # per rank: its step
+    bubble: float  # the schedule's idle fraction
+    overhead: float  # the profile's fixed seconds per step
+
+
 @dataclass
 class PipelinePlan:
     """The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages."""
@@ -155,6 +167,27 @@ class PipelinePlan:
         return out
 
     # ---- report -------------------------------------------------------------------------------------------
+    def cost(self) -> PipelineCost:
+        """The estimated step (:class:`PipelineCost`), from the stages the split priced as ``plan.cost()`` prices the
+        microbatch plan's nodes (:func:`autoshard.cost_models.plan_cost.node_time`): each rank runs its stages'
+        microbatches in the schedule's time, ``microbatches × Σ its stages' seconds per microbatch / (1 − bubble)``,
+        then once per step its stages' gradient syncs and optimizer steps and the profile's step overhead; the step
+        is the slowest rank's. What ``format``, ``autoshard show --pipeline`` and its ``--json`` print."""
+        from autoshard.cost_models.plan_cost import step_overhead
+        from autoshard.cost_models.profile import HardwareProfile, load_profile
+        from autoshard.pipeline.options import bubble_fraction
+
+        split, p = self.split, self.pipeline
+        name = p.profile or self.microbatch_plan.context.options.profile
+        profile = name if isinstance(name, HardwareProfile) else load_profile(name)
+        v = p.stages_per_rank if p.schedule == "interleaved" else 1
+        bubble = bubble_fraction(self.pipe, p.microbatches, v)
+        once = split.once or (0.0,) * split.stages
+        overhead = step_overhead(self.microbatch_plan.graph_module, profile)
+        ranks = tuple(sum(split.costs[s] for s in self.stages_of(r)) * p.microbatches / (1 - bubble)
+                      + sum(once[s] for s in self.stages_of(r)) + overhead for r in range(self.mesh.size))
+        return PipelineCost(max(ranks), tuple(split.costs), tuple(once), ranks, bubble, overhead)
+
     def format(self) -> str:
         from autoshard.report import format_stages
 
@@ -251,7 +284,7 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
     # the plan phase of the one pass list, with the pipeline split and the stage graphs enabled
     plan = build_plan(model, sub, margs, mkwargs, _strip_axis(options, mesh, pipeline.axis),
-                      pipeline=PipelineOptions(stages, split, pipeline.profile, pipeline.axis))
+                      pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis))
     gm = plan.graph_module
     return PipelinePlan(plan, mesh, sub, pipeline, stage_split_of(gm), list(stage_graphs_of(gm)), batch,
                         type(model).__name__)
