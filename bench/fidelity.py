@@ -268,6 +268,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> dict:
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines, from every rank
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes and one timed step: a smoke run")
     ap.add_argument("--models", default=",".join(MODELS))

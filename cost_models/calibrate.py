@@ -53,8 +53,10 @@ __all__ = [
     "CollectiveFit",
     "calibrate",
     "fit_collective",
+    "fit_efficiency",
     "fit_line",
     "fit_link",
+    "fit_optimizer",
     "format_calibration",
     "main",
     "measure",
@@ -62,7 +64,7 @@ __all__ = [
 
 #: Message sizes in bytes of the default run.
 DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "all_to_all")
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 _MATMUL_N = 512
 _COPY_BYTES = 32 << 20
@@ -92,6 +94,14 @@ class Calibration:
     seconds: float
     #: peak FLOP/s per dtype besides fp32's (``(("bfloat16", rate),)``)
     dtype_flops: tuple = ()
+    #: seconds per op of a program's forward and backward
+    op_overhead: tuple[float, float] = (0.0, 0.0)
+    #: achieved fraction of the peak per compute kind and size (:attr:`HardwareProfile.efficiency`)
+    efficiency: tuple = ()
+    #: ``((optimizer, per_tensor, per_element),)`` seconds of the optimizer step
+    optimizer_step: tuple = ()
+    #: raw ``[(work, seconds)]`` per table kind, as measured
+    tables: tuple = ()
 
     def profile(self, name: str | None = None) -> HardwareProfile:
         return HardwareProfile(
@@ -104,6 +114,10 @@ class Calibration:
             overlap_comm=self.backend == "nccl",
             link=self.link,
             dtype_flops=self.dtype_flops,
+            op_overhead=self.op_overhead[0],
+            backward_op_overhead=self.op_overhead[1],
+            efficiency=self.efficiency,
+            optimizer_step=self.optimizer_step,
         )
 
 
@@ -195,8 +209,95 @@ def _collective_call(comm, kind: str, nbytes: int, world_size: int):
     if kind == "all_gather":
         inp = torch.ones(numel // world_size)  # b is the gathered output
         return numel * 4, lambda: comm.all_gather(inp, AXIS, 0)
+    if kind == "reduce_scatter":
+        inp = torch.ones(numel)  # b is the unscattered input
+        return numel * 4, lambda: comm.reduce_scatter(inp, AXIS, 0)
     inp = torch.ones(numel)
     return numel * 4, lambda: comm.all_to_all(inp, AXIS, 0, 0)
+
+
+#: Sizes of the efficiency tables: square matmuls of side n (fp32 and bf16), causal attention of sequence s
+#: (batch 1, 4 heads of 32), and elementwise adds of n fp32 elements.
+_TABLE_SIZES = {"matmul": (32, 64, 128, 256, 512), "matmul.bfloat16": (32, 64, 128, 256, 512),
+                "attention": (32, 64, 128, 256, 512), "memory": (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)}
+_CHAIN = 100  # ops in the per-op overhead chain
+
+
+def _table_case(kind: str, size: int):
+    """``(work, fn)``: one op of ``kind`` at ``size`` and its work as the cost model counts it (FLOPs, or bytes for
+    memory: inputs read once and the output written)."""
+    if kind.startswith("matmul"):
+        dtype = torch.bfloat16 if kind.endswith("bfloat16") else torch.float32
+        a, out = torch.randn(size, size).to(dtype), torch.empty(size, size, dtype=dtype)
+        return 2 * size**3, lambda: torch.mm(a, a, out=out)
+    if kind == "attention":
+        q = torch.randn(1, 4, size, 32)
+        return 4 * 4 * size * size * 32, lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q,
+                                                                                                 is_causal=True)
+    x, y = torch.randn(size), torch.randn(size)
+    return 3 * 4 * size, lambda: torch.add(x, y)
+
+
+def _rate_table(kind: str, repeats: int) -> list[tuple[float, float]]:
+    """``[(work, seconds)]`` of one op of ``kind`` at each size of :data:`_TABLE_SIZES` (the fastest of
+    ``repeats``)."""
+    cases = [_table_case(kind, n) for n in _TABLE_SIZES[kind]]
+    return list(zip([w for w, _ in cases], _min_times([fn for _, fn in cases], repeats)))
+
+
+def _op_overheads(repeats: int) -> tuple[float, float]:
+    """Seconds per op of a generated program's forward and of its backward: a :class:`torch.fx.GraphModule` of
+    :data:`_CHAIN` elementwise ops on 8-element tensors (their work is nothing), run as compiled programs run."""
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = x
+    for _ in range(_CHAIN):
+        y = graph.call_function(torch.ops.aten.mul.Tensor, (y, x))
+    graph.output(graph.call_function(torch.ops.aten.sum.default, (y,)))
+    program = torch.fx.GraphModule(torch.nn.Module(), graph)
+    leaf = torch.ones(8, requires_grad=True)
+    forward, both = _min_times([lambda: program(leaf.detach()), lambda: program(leaf).backward()], repeats)
+    return forward / (_CHAIN + 1), max(0.0, both - forward) / (_CHAIN + 1)
+
+
+def _optimizer_samples(comm, repeats: int) -> list[tuple[int, int, float]]:
+    """``[(tensors, elements, seconds)]`` of ``torch.optim.AdamW.step`` over DTensor parameters (replicated over
+    the calibration's ranks, as a compiled model's are DTensors): many small tensors and a few large ones, to fit
+    a cost per tensor and one per element."""
+    from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+
+    mesh = DeviceMesh("cpu", list(range(comm.mesh.size)))
+    out = []
+    fns = []
+    for tensors, numel in ((32, 64), (4, 1 << 18), (8, 1 << 18)):
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(numel), mesh, [Replicate()]))
+                  for _ in range(tensors)]
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(numel), mesh, [Replicate()])
+        opt = torch.optim.AdamW(params, lr=1e-6)
+        fns.append(opt.step)
+        out.append((tensors, tensors * numel))
+    times = _min_times(fns, max(3, repeats // 2))
+    return [(nt, ne, t) for (nt, ne), t in zip(out, times)]
+
+
+def _overlap(comm, repeats: int) -> float:
+    """Fraction of an async all-reduce's time hidden behind compute run meanwhile (what the gradient buckets do in
+    backward): ``(serial - together) / min(comm, compute)``, clipped to [0, 1]."""
+    t = torch.ones(1 << 20)
+    a = torch.randn(256, 256)
+    work = lambda: [torch.mm(a, a) for _ in range(8)]  # noqa: E731
+
+    def together():
+        handle = comm.all_reduce_async(t, AXIS)
+        work()
+        handle.wait()
+
+    comm_s, compute_s, both_s = _min_times([lambda: comm.all_reduce_(t, AXIS), work, together], repeats)
+    hidden = comm_s + compute_s - both_s
+    return float(min(1.0, max(0.0, hidden / max(1e-12, min(comm_s, compute_s)))))
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[int, ...], repeats: int,
@@ -222,6 +323,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
         a16, c16 = a.to(torch.bfloat16), c.to(torch.bfloat16)
         matmul_s, copy_s, matmul16_s = _min_times([lambda: torch.mm(a, a, out=c), lambda: dst.copy_(src),
                                                    lambda: torch.mm(a16, a16, out=c16)], repeats)
+        overhead = _op_overheads(repeats)
+        tables = {kind: _rate_table(kind, repeats) for kind in _TABLE_SIZES}
+        optimizer = _optimizer_samples(comm, repeats)
+        overlap = _overlap(comm, repeats)
 
         times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
@@ -229,12 +334,22 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
                              dtype=torch.float64)
         dist.all_reduce(rates)
         rates /= world_size
+        # ranks share the machine: per-op and per-size times averaged over ranks, as the rates are
+        flat = torch.tensor([*overhead, *[t for k in _TABLE_SIZES for _, t in tables[k]],
+                             *[t for _, _, t in optimizer], overlap], dtype=torch.float64)
+        dist.all_reduce(flat)
+        flat = iter((flat / world_size).tolist())
+        overhead = [next(flat), next(flat)]
+        tables = {k: [(w, next(flat)) for w, _ in tables[k]] for k in _TABLE_SIZES}
+        optimizer = [(nt, ne, next(flat)) for nt, ne, _ in optimizer]
+        overlap = next(flat)
         if rank == 0:
             flat = iter(times.tolist())
             counts = {kind: sum(1 for r in comm.log if r.kind == kind) for kind in COLLECTIVES}
             result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
                       "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
-                      "bfloat16_flops": rates[2].item(),
+                      "bfloat16_flops": rates[2].item(), "op_overhead": overhead, "tables": tables,
+                      "optimizer": optimizer, "overlap": overlap,
                       "transport": type(comm).__name__, "calls": counts}
             Path(out_path).write_text(json.dumps(result))
     finally:
@@ -289,17 +404,50 @@ def measure(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend
     start = time.monotonic()
     raw = _run_workers(world_size, backend, sizes, repeats, timeout)
     samples = {kind: [(int(nb), float(t)) for nb, t in raw["samples"][kind]] for kind in COLLECTIVES}
+    fits = tuple(fit_collective(kind, samples[kind], world_size) for kind in COLLECTIVES)
+    joint = fit_link(samples, world_size)
+    overhead = (float(raw["op_overhead"][0]), float(raw["op_overhead"][1]))
+    tables = {k: [(float(w), float(t)) for w, t in v] for k, v in raw["tables"].items()}
+    peaks, efficiency = fit_efficiency(tables, overhead[0])
     return Calibration(
         world_size=world_size,
         backend=backend,
-        fits=tuple(fit_collective(kind, samples[kind], world_size) for kind in COLLECTIVES),
-        link=fit_link(samples, world_size),
-        peak_flops=raw["peak_flops"],
-        mem_bandwidth=raw["mem_bandwidth"],
+        fits=fits,
+        link=LinkCost(joint.alpha, joint.beta, tuple((f.kind, LinkCost(f.alpha, f.beta)) for f in fits),
+                      overlap=float(raw["overlap"])),
+        peak_flops=peaks["matmul"],
+        mem_bandwidth=peaks["memory"],
         memory_bytes=_physical_memory() // world_size,
         seconds=time.monotonic() - start,
-        dtype_flops=(("bfloat16", raw["bfloat16_flops"]),),
+        dtype_flops=(("bfloat16", peaks["matmul.bfloat16"]),),
+        op_overhead=overhead,
+        efficiency=efficiency,
+        optimizer_step=tuple((name, *fit_optimizer(raw["optimizer"])) for name in ("adam", "adamw")),
+        tables=tuple((k, tuple(v)) for k, v in tables.items()),
     )
+
+
+def fit_efficiency(tables: dict, overhead: float) -> tuple[dict, tuple]:
+    """The peaks and efficiency tables of measured ``{kind: [(work, seconds)]}``: each size's rate is its work over
+    its time less the per-op ``overhead`` (the cost model adds that apart); a kind's peak is its best rate (fp32
+    matmul's for attention, which the model prices against the fp32 peak), each size's fraction its rate over the
+    peak."""
+    def rate(w, t):
+        return w / max(t - overhead, 0.1 * t)
+
+    peaks = {k: max(rate(w, t) for w, t in v) for k, v in tables.items()}
+    peaks["attention"] = peaks["matmul"]
+    efficiency = tuple((k, tuple((w, min(1.0, rate(w, t) / peaks[k])) for w, t in v)) for k, v in tables.items())
+    return peaks, efficiency
+
+
+def fit_optimizer(samples) -> tuple[float, float]:
+    """``(per_tensor, per_element)`` seconds fitted to ``[(tensors, elements, seconds)]`` (least squares on relative
+    error, clipped at 0)."""
+    rows = np.array([(nt, ne) for nt, ne, _ in samples], dtype=float)
+    times = np.array([t for _, _, t in samples], dtype=float)
+    per_tensor, per_element = _relative_lstsq(rows, times)
+    return max(0.0, float(per_tensor)), max(0.0, float(per_element))
 
 
 def calibrate(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend: str = "gloo",
@@ -335,6 +483,12 @@ def format_calibration(cal: Calibration) -> str:
     lines.append(f"peak {cal.peak_flops / 1e9:.3g} GFLOP/s{per}, memory bandwidth {cal.mem_bandwidth / 1e9:.3g} GB/s, "
                  f"memory {cal.memory_bytes / 2**30:.3g} GiB per rank ({cal.world_size} {cal.backend} ranks, "
                  f"{cal.seconds:.1f} s)")
+    for kind, pts in cal.efficiency:
+        lines.append(f"efficiency {kind}: " + ", ".join(f"{w:.3g}: {f:.2f}" for w, f in pts))
+    lines.append(f"per op: forward {cal.op_overhead[0] * 1e6:.3g} us, backward {cal.op_overhead[1] * 1e6:.3g} us; "
+                 f"gradient reductions hidden behind compute: {cal.link.overlap:.2f}")
+    for name, per_tensor, per_element in cal.optimizer_step:
+        lines.append(f"optimizer {name}: {per_tensor * 1e6:.3g} us per tensor, {per_element * 1e9:.3g} ns per element")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from autoshard.cost_models.profile import HardwareProfile, LinkCost
 from torch import nn
 
 from autoshard.errors import PlanError
+from autoshard.ops import entry
 
 aten = torch.ops.aten
 B, S, H, N = 4, 8, 64, 32  # linear: [B, S, H] -> [B, S, N]
@@ -159,3 +160,28 @@ def test_missing_shapes_name_the_node():
     with pytest.raises(PlanError, match=r"node `mm_default` \(aten.mm.default\) has argument 0 \(`a`\) without "
                                         r"a tensor in meta\['val'\]"):
         flops(mm)
+
+
+def test_compute_time_adds_the_per_op_overhead_and_reads_the_efficiency_at_the_ranks_share(graph):
+    import dataclasses
+
+    lin = node(graph, aten.linear)
+    f, by = flops(lin), bytes_accessed(lin)
+    table = ((f / 4, 0.25), (f, 0.5))  # the whole op at half the peak, a quarter of it at a quarter
+    p = dataclasses.replace(_profile(1e9, 1e15), op_overhead=3e-6, backward_op_overhead=7e-6,
+                            efficiency={"matmul": table})
+    assert compute_time(lin, p) == pytest.approx(3e-6 + f / (1e9 * 0.5))
+    assert compute_time(lin, p, shard_factor=4) == pytest.approx(3e-6 + f / 4 / (1e9 * 0.25))
+    # between two points: linear in log(work)
+    mid = 0.25 + 0.5 * (0.5 - 0.25)
+    assert compute_time(lin, p, shard_factor=2) == pytest.approx(3e-6 + f / 2 / (1e9 * mid))
+    assert compute_time(lin, p, backward=True) == pytest.approx(7e-6 + 2 * f / (1e9 * 0.5))
+    # an elementwise op is memory-bound: the matmul table does not apply to it, the memory table does
+    p2 = dataclasses.replace(_profile(1e15, 1e9), efficiency={"matmul": table, "memory": ((1.0, 0.1),)})
+    add = next(n for n in graph.nodes if n.op == "call_function" and entry(n.target).compute_kind == "memory"
+               and bytes_accessed(n) > 0)
+    assert compute_time(add, p2) == pytest.approx(bytes_accessed(add) / (1e9 * 0.1))
+    assert compute_time(lin, p2) == pytest.approx(max(f / (1e15 * 0.5), by / (1e9 * 0.1)))
+    # views run (the overhead) but move nothing
+    view = next(n for n in graph.nodes if n.op == "call_function" and bytes_accessed(n) == 0 and flops(n) == 0)
+    assert compute_time(view, p) == pytest.approx(3e-6)

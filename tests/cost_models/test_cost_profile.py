@@ -137,3 +137,51 @@ def test_bad_position_pattern():
 def test_format_profile():
     text = format_profile(load_profile("multi-node"))
     assert "67 TFLOP/s" in text and "450 GB/s" in text and "'#0': alpha=10 us, bandwidth=50 GB/s" in text
+
+
+def test_round_trip_of_the_calibrated_fields(tmp_path):
+    p = _profile(op_overhead=4e-6, backward_op_overhead=9e-6, step_overhead=1e-3,
+                 efficiency={"matmul": [(1e6, 0.2), (1e9, 0.9)], "matmul.bfloat16": [(1e6, 0.5)],
+                             "memory": [(1e4, 0.1), (1e7, 1.0)]},
+                 optimizer_step=[("adamw", 1e-4, 2e-9)],
+                 link=LinkCost(5e-4, 3e-9, {"all_to_all": LinkCost(4e-4, 3.2e-9)}, overlap=0.25),
+                 axes={"#0": LinkCost(1e-5, 2e-11, {"all_reduce": LinkCost(2e-5, 1e-11)}, overlap=0.5)})
+    q = load_profile(save_profile(p, tmp_path / "p.toml"))
+    assert q == p
+    assert q.link.for_kind("all_to_all") == LinkCost(4e-4, 3.2e-9)
+    assert q.link.for_kind("all_reduce") is q.link  # not measured apart: the link's own
+    assert q.link_for("data", 0).for_kind("grad_all_reduce") == LinkCost(2e-5, 1e-11)  # as all_reduce's
+    assert q.efficiency_for("matmul", "float32", 1e3) == 0.2  # constant beyond the ends
+    assert q.efficiency_for("matmul", "float32", 1e12) == 0.9
+    assert q.efficiency_for("matmul", "float32", 10**7.5) == pytest.approx(0.55)  # halfway in log(work)
+    assert q.efficiency_for("matmul", "bfloat16", 1e9) == 0.5  # the dtype's own table
+    assert q.efficiency_for("attention", "float32", 1e9) == 1.0  # no table: the peak
+    assert q.optimizer_seconds("adamw", 10, 1e6) == pytest.approx(10 * 1e-4 + 1e6 * 2e-9)
+    # an optimizer not timed: its bytes at the memory bandwidth
+    assert q.optimizer_seconds("sgd", 10, 1e6) == pytest.approx(1e6 * 12 / q.mem_bandwidth)
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({"efficiency": {"tensor": [(1, 1)]}}, "efficiency for 'tensor'"),
+    ({"efficiency": {"matmul": [(0, 1)]}}, "efficiency point"),
+    ({"optimizer_step": [("lion", 1, 1)]}, "optimizer step"),
+    ({"op_overhead": -1.0}, "op_overhead=-1.0"),
+    ({"link": "overlap"}, "overlap=1.5"),
+])
+def test_bad_calibrated_fields_name_the_field(kw, expected):
+    with pytest.raises(PlanError, match=expected):
+        if kw == {"link": "overlap"}:
+            LinkCost(1e-5, 1e-9, overlap=1.5)
+        _profile(**kw)
+
+
+def test_link_overlap_hides_gradient_reductions_only():
+    from autoshard.collective_kinds import time as kind_time
+
+    plain, hidden = LinkCost(1e-4, 1e-9), LinkCost(1e-4, 1e-9, overlap=0.75)
+    b, n = 1 << 20, 4
+    assert kind_time("grad_all_reduce", b, n, hidden)[1] == pytest.approx(0.25 * kind_time("grad_all_reduce", b, n,
+                                                                                             plain)[1])
+    assert kind_time("all_gather_reshard", b, n, hidden)[0] == kind_time("all_gather_reshard", b, n, plain)[0]
+    assert kind_time("all_reduce", b, n, hidden) == kind_time("all_reduce", b, n, plain)  # forward: not hidden
+    assert kind_time("all_to_all", b, n, hidden) == kind_time("all_to_all", b, n, plain)
