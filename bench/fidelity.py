@@ -131,13 +131,15 @@ def _live_bytes(params, optimizer, buffers) -> int:
 def _step_fn(sharded, pipelined: bool, args, kwargs, optimizer):
     from autoshard.plan import loss_of
 
-    def step():
+    def step(marks=None):
         optimizer.zero_grad(set_to_none=True)
         if pipelined:
             loss = sharded(*args, **kwargs)
         else:
             loss = loss_of(sharded(*args, **kwargs))
             loss.backward()
+        if marks is not None:
+            marks.append(time.perf_counter())
         optimizer.step()
         return loss
 
@@ -153,7 +155,8 @@ def _predict(sharded, pipelined: bool, rank: int, profile) -> dict:
         stage = pplan.stages_of(rank)[0]
         return {"time": stages["estimated_step_s"], "memory": pplan.stage_memory(stage, rank), "stage": stage}
     cost = sharded.plan.cost(profile)
-    return {"time": cost.step_time, "memory": cost.memory_per_rank, "stage": None}
+    return {"time": cost.step_time, "memory": cost.memory_per_rank, "stage": None, "opt": cost.optimizer_time,
+            "comm": cost.comm_time}
 
 
 def _worker(rank: int, world: int, models_: list, plans: list, shape: dict, profile_path: str, warmup: int,
@@ -192,14 +195,17 @@ def _worker(rank: int, world: int, models_: list, plans: list, shape: dict, prof
             for _ in range(warmup):
                 step()
             compile_s = time.perf_counter() - t0
-            times = []
+            times, opt_times = [], []
             for _ in range(steps):
                 dist.barrier()
                 t = time.perf_counter()
-                step()
+                marks = []
+                step(marks)
                 times.append(time.perf_counter() - t)
-            slowest = torch.tensor(times, dtype=torch.float64)
+                opt_times.append(times[-1] - (marks[0] - t))
+            slowest = torch.tensor(times + opt_times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            slowest, slowest_opt = slowest[:steps], slowest[steps:]
             optimizer.zero_grad(set_to_none=True)
             buffers = list(sharded.buffers()) if not pipelined else []
             live = _live_bytes(sharded.parameters(), optimizer, buffers)
@@ -209,6 +215,8 @@ def _worker(rank: int, world: int, models_: list, plans: list, shape: dict, prof
             peak = live + _allocator_peak(prof)
             pred = _predict(sharded, pipelined, rank, prof_obj)
             out[(name, plan)] = {"time": statistics.median(slowest.tolist()), "memory": peak,
+                                 "opt_time": statistics.median(slowest_opt.tolist()),
+                                 "pred_opt": pred.get("opt", 0.0), "pred_comm": pred.get("comm", 0.0),
                                  "pred_time": pred["time"], "pred_memory": pred["memory"], "stage": pred["stage"],
                                  "mesh": mesh_text, "setup_s": compile_s}
             del sharded, optimizer, step
@@ -237,7 +245,9 @@ def run(models_, plans, shape, profile_path, warmup, steps, timeout=3600) -> lis
             rows.append({"model": key[0], "plan": label, "mesh": mine[0]["mesh"], "time": mine[0]["time"],
                          "pred_time": mine[0]["pred_time"], "memory": max(r["memory"] for r in mine),
                          "pred_memory": max(r["pred_memory"] for r in mine),
-                         "setup_s": max(r["setup_s"] for r in mine), "timed": stage in (None, 0)})
+                         "setup_s": max(r["setup_s"] for r in mine), "timed": stage in (None, 0),
+                         "opt_time": mine[0]["opt_time"], "pred_opt": mine[0]["pred_opt"],
+                         "pred_comm": mine[0]["pred_comm"]})
     return rows
 
 
@@ -253,13 +263,14 @@ def summary(rows: list[dict]) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     head = (f"{'model':9} {'plan':13} {'mesh':15} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'pred MiB':>9} "
-            f"{'meas MiB':>9} {'err':>7}")
+            f"{'meas MiB':>9} {'err':>7} {'opt pred':>9} {'opt meas':>9} {'comm pred':>9}")
     lines = [head]
     for r in rows:
         t = (f"{r['pred_time'] * 1e3:9.1f} {r['time'] * 1e3:9.1f} {r['pred_time'] / r['time'] - 1:+7.1%}"
              if r["timed"] else f"{'':9} {'':9} {'':7}")
         lines.append(f"{r['model']:9} {r['plan']:13} {r['mesh']:15} {t} {r['pred_memory'] / MiB:9.2f} "
-                     f"{r['memory'] / MiB:9.2f} {r['pred_memory'] / r['memory'] - 1:+7.1%}")
+                     f"{r['memory'] / MiB:9.2f} {r['pred_memory'] / r['memory'] - 1:+7.1%} "
+                     f"{r['pred_opt'] * 1e3:9.1f} {r['opt_time'] * 1e3:9.1f} {r['pred_comm'] * 1e3:9.1f}")
     s = summary(rows)
     lines.append(f"step time over {s['plans']} plans: rank correlation {s['rank_correlation']:.3f}, median error "
                  f"{s['time_median_error']:.1%}, largest {s['time_max_error']:.1%}; peak memory: median error "

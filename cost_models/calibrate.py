@@ -57,6 +57,7 @@ __all__ = [
     "fit_line",
     "fit_link",
     "fit_optimizer",
+    "calibration_from_raw",
     "format_calibration",
     "main",
     "measure",
@@ -102,6 +103,8 @@ class Calibration:
     optimizer_step: tuple = ()
     #: raw ``[(work, seconds)]`` per table kind, as measured
     tables: tuple = ()
+    #: seconds a training step of a compiled model costs beyond its ops, collectives and optimizer
+    step_overhead: float = 0.0
 
     def profile(self, name: str | None = None) -> HardwareProfile:
         return HardwareProfile(
@@ -118,6 +121,7 @@ class Calibration:
             backward_op_overhead=self.op_overhead[1],
             efficiency=self.efficiency,
             optimizer_step=self.optimizer_step,
+            step_overhead=self.step_overhead,
         )
 
 
@@ -226,10 +230,10 @@ _CHAIN = 100  # ops in the per-op overhead chain
 def _table_case(kind: str, size: int):
     """``(work, fn)``: one op of ``kind`` at ``size`` and its work as the cost model counts it (FLOPs, or bytes for
     memory: inputs read once and the output written)."""
-    if kind.startswith("matmul"):
+    if kind.startswith("matmul"):  # as models run them: a linear layer's
         dtype = torch.bfloat16 if kind.endswith("bfloat16") else torch.float32
-        a, out = torch.randn(size, size).to(dtype), torch.empty(size, size, dtype=dtype)
-        return 2 * size**3, lambda: torch.mm(a, a, out=out)
+        a = torch.randn(size, size).to(dtype)
+        return 2 * size**3, lambda: torch.nn.functional.linear(a, a)
     if kind == "attention":
         q = torch.randn(1, 4, size, 32)
         return 4 * 4 * size * size * 32, lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q,
@@ -281,6 +285,30 @@ def _optimizer_samples(comm, repeats: int) -> list[tuple[int, int, float]]:
         out.append((tensors, tensors * numel))
     times = _min_times(fns, max(3, repeats // 2))
     return [(nt, ne, t) for (nt, ne), t in zip(out, times)]
+
+
+def _step_overhead(profile: HardwareProfile, world_size: int, repeats: int) -> float:
+    """Seconds a training step of a compiled model (data-parallel over the calibration's ranks) takes beyond what
+    ``profile`` prices of it: the call's checks and bookkeeping, ``zero_grad``, the loss outside the program. The
+    fastest of ``repeats`` steps of a one-layer model whose work is nothing, less ``plan.cost(profile)``'s step."""
+    import autoshard
+    from autoshard.mesh import Mesh
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    x = torch.randn(2 * world_size, 8)
+    sharded = autoshard.compile(model, Mesh(data=world_size), (x,), profile=profile)
+    local = x.chunk(world_size)[0]
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-6)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        sharded(local).sum().backward()
+        opt.step()
+
+    (measured,) = _min_times([step], repeats)
+    predicted = sharded.plan.cost(profile).step_time + 2 * (profile.op_overhead + profile.backward_op_overhead)
+    return max(0.0, measured - predicted)
 
 
 def _overlap(comm, repeats: int) -> float:
@@ -343,14 +371,18 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
         tables = {k: [(w, next(flat)) for w, _ in tables[k]] for k in _TABLE_SIZES}
         optimizer = [(nt, ne, next(flat)) for nt, ne, _ in optimizer]
         overlap = next(flat)
+        flat = iter(times.tolist())
+        counts = {kind: sum(1 for r in comm.log if r.kind == kind) for kind in COLLECTIVES}
+        result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
+                  "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
+                  "bfloat16_flops": rates[2].item(), "op_overhead": overhead, "tables": tables,
+                  "optimizer": optimizer, "overlap": overlap,
+                  "transport": type(comm).__name__, "calls": counts}
+        # every rank has the same numbers now: the profile they give prices a tiny compiled model's step, and
+        # what its measured step takes beyond that is the fixed cost of a training step
+        profile = calibration_from_raw(result, world_size, backend, 0.0).profile()
+        result["step_overhead"] = _step_overhead(profile, world_size, repeats)
         if rank == 0:
-            flat = iter(times.tolist())
-            counts = {kind: sum(1 for r in comm.log if r.kind == kind) for kind in COLLECTIVES}
-            result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
-                      "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
-                      "bfloat16_flops": rates[2].item(), "op_overhead": overhead, "tables": tables,
-                      "optimizer": optimizer, "overlap": overlap,
-                      "transport": type(comm).__name__, "calls": counts}
             Path(out_path).write_text(json.dumps(result))
     finally:
         from autoshard.runtime.dist import shutdown
@@ -403,6 +435,11 @@ def measure(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend
                              "in bytes.")
     start = time.monotonic()
     raw = _run_workers(world_size, backend, sizes, repeats, timeout)
+    return calibration_from_raw(raw, world_size, backend, time.monotonic() - start)
+
+
+def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: float) -> Calibration:
+    """The fits of one run's raw measurements (what the worker processes send back)."""
     samples = {kind: [(int(nb), float(t)) for nb, t in raw["samples"][kind]] for kind in COLLECTIVES}
     fits = tuple(fit_collective(kind, samples[kind], world_size) for kind in COLLECTIVES)
     joint = fit_link(samples, world_size)
@@ -418,12 +455,13 @@ def measure(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend
         peak_flops=peaks["matmul"],
         mem_bandwidth=peaks["memory"],
         memory_bytes=_physical_memory() // world_size,
-        seconds=time.monotonic() - start,
+        seconds=seconds,
         dtype_flops=(("bfloat16", peaks["matmul.bfloat16"]),),
         op_overhead=overhead,
         efficiency=efficiency,
         optimizer_step=tuple((name, *fit_optimizer(raw["optimizer"])) for name in ("adam", "adamw")),
         tables=tuple((k, tuple(v)) for k, v in tables.items()),
+        step_overhead=float(raw.get("step_overhead", 0.0)),
     )
 
 
@@ -486,7 +524,8 @@ def format_calibration(cal: Calibration) -> str:
     for kind, pts in cal.efficiency:
         lines.append(f"efficiency {kind}: " + ", ".join(f"{w:.3g}: {f:.2f}" for w, f in pts))
     lines.append(f"per op: forward {cal.op_overhead[0] * 1e6:.3g} us, backward {cal.op_overhead[1] * 1e6:.3g} us; "
-                 f"gradient reductions hidden behind compute: {cal.link.overlap:.2f}")
+                 f"per step {cal.step_overhead * 1e3:.3g} ms; gradient reductions hidden behind compute: "
+                 f"{cal.link.overlap:.2f}")
     for name, per_tensor, per_element in cal.optimizer_step:
         lines.append(f"optimizer {name}: {per_tensor * 1e6:.3g} us per tensor, {per_element * 1e9:.3g} ns per element")
     return "\n".join(lines)
