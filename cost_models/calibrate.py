@@ -3,25 +3,35 @@
 :func:`measure` spawns ``world_size`` processes on 127.0.0.1 (``torch.multiprocessing``, a free port,
 ``init_process_group(backend)``), and in them
 
-1. times all_reduce, all_gather and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
+1. times all_reduce, all_gather, reduce_scatter and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
    :mod:`autoshard.cost_models.alpha_beta`: the reduced tensor, the gathered output, the exchanged buffer), the fastest
    of ``repeats`` calls, each right after a barrier, sizes interleaved (:func:`_min_times`), keeping the slowest
    rank's. The calls are the runtime's own: a :class:`~autoshard.runtime.dist.DistCommunicator` over a
    one-axis mesh of all the ranks, so what is measured is the transport a compiled model uses (the backend's
    collectives on a process group made by the communicator, with the communicator's own copies around them);
-2. times a 512×512 fp32 matmul (peak FLOP/s), the same in bf16 (the profile's ``bfloat16`` peak, for mixed
-   precision; CPUs without bf16 units run it slower than fp32) and a 32 MiB copy (memory bandwidth, read + write) on every rank at
-   once, so that ranks share the machine as they will in a run, and averages the rates over ranks.
+2. on every rank at once, so that ranks share the machine as they will in a run (rates and times averaged over
+   ranks): a 512×512 fp32 matmul and a 32 MiB copy; the **efficiency tables**: a linear layer at five sizes in fp32
+   and bf16, causal attention (``scaled_dot_product_attention``) at five sequence lengths, an elementwise add at five
+   sizes — each size's rate less the per-op overhead, over the kind's best rate (:func:`fit_efficiency`); the
+   **per-op overhead** of a generated program (a :class:`torch.fx.GraphModule` chain of ops on 8-element tensors,
+   forward, and forward + backward); the **optimizer step** (``AdamW.step`` over DTensor parameters, as a compiled
+   model's are: many small tensors and a few large ones, fitted to a cost per tensor and per element:
+   :func:`fit_optimizer`); the **overlap** of an async all-reduce with matmuls run meanwhile (what gradient buckets
+   do in backward): ``(serial - together) / min(comm, compute)``;
+3. the **step overhead**: a one-layer model compiled data-parallel over the ranks with the profile fitted so far,
+   its fastest training step less ``plan.cost(profile)``'s (the call's checks, ``zero_grad``, the loop).
 
-The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`alpha_beta.model_coefficients`). For each
-collective, :func:`fit_line` fits ``time = intercept + slope·b`` and ``alpha = intercept / steps``,
-``beta = slope / wire`` (the per-collective rows of the table). The profile's link is one ``(alpha, beta)``
-fitted to all samples of all collectives at once with the same coefficients (:func:`fit_link`). Both fits are
-least squares on relative error, so that the small messages, which fix ``alpha``, weigh as much as the large ones.
+The alpha-beta model says ``time = steps(n)·alpha + wire(n)·b·beta`` (:func:`alpha_beta.model_coefficients`).
+For each collective (all_reduce, all_gather, reduce_scatter, all_to_all), :func:`fit_line` fits
+``time = intercept + slope·b`` and ``alpha = intercept / steps``, ``beta = slope / wire`` (the per-collective rows
+of the table; the profile's link carries them as per-kind links, so each collective is priced as measured). The
+link's default is one ``(alpha, beta)`` fitted to all samples of all collectives at once with the same
+coefficients (:func:`fit_link`), for the kinds not measured (send/recv). Both fits are least squares on relative
+error, so that the small messages, which fix ``alpha``, weigh as much as the large ones.
 
 The whole run is bounded by ``timeout`` seconds; on a timeout or a failing rank every child is killed and an
-:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes 5-10 s on an idle 2-core machine, most of
-it starting the processes (each imports torch and autoshard); a loaded machine can take several times that.
+:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes about 25 s with 2 ranks and 60 s with 4 on a
+2-core machine (starting the processes, the tables and compiling the tiny model); a loaded machine takes longer.
 """
 
 from __future__ import annotations
