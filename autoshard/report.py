@@ -89,15 +89,44 @@ def format_summary(plan) -> str:
     if search is not None:
         axes = ", ".join(f"{a} {b:.0f}B" for a, b in cost.comm_bytes.items())
         limit = search["memory_limit"]
-        text += (f"\nestimated step time {cost.step_time * 1e3:.3f} ms (compute {cost.compute_time * 1e3:.3f} ms, "
-                 f"communication {cost.comm_time * 1e3:.3f} ms) on profile {search['profile']}; bytes per axis: "
-                 f"{axes}; memory per rank {cost.memory_per_rank / 2**20:.1f} MiB"
+        text += (f"\nestimated step time {_ms(cost.step_time)} ({_step_parts(cost)}) on profile {search['profile']}; "
+                 f"bytes per axis: {axes}; memory per rank {cost.memory_per_rank / 2**20:.1f} MiB"
                  + (f" of {limit / 2**20:.1f} MiB allowed" if limit else "")
                  + f"; binding constraint: {search['binding']}; search: {search['decisions']} decisions "
                  "(repeated layers shared), "
                  + ("solved exactly" if search["optimal"] else f"within {search['gap']:.2%} of its lower bound"
                     + (" (stopped by its time limit)" if search.get("timed_out") else "")))
     return text
+
+
+def _ms(t: float) -> str:
+    """Seconds as milliseconds to 4 significant digits (within 0.05% of ``t``, whatever its size)."""
+    return f"{t * 1e3:.4g} ms"
+
+
+def _step_parts(cost) -> str:
+    """What a :class:`~autoshard.cost_models.plan_cost.PlanCost`'s step time adds up: compute, communication, and
+    the optimizer step and the profile's step overhead where the profile prices them."""
+    parts = [f"compute {_ms(cost.compute_time)}", f"communication {_ms(cost.comm_time)}"]
+    if getattr(cost, "optimizer_time", 0.0):
+        parts.append(f"optimizer {_ms(cost.optimizer_time)}")
+    if getattr(cost, "overhead_time", 0.0):
+        parts.append(f"step overhead {_ms(cost.overhead_time)}")
+    return ", ".join(parts)
+
+
+def search_json(plan) -> dict | None:
+    """What the plan search said of its plan (None: no search): its own estimate of the step time and memory per
+    rank (equal to ``plan.cost()``'s), the memory limit, whether the limit changed the plan
+    (``memory_limit_binding``: the least-time plan exceeds it; None: not known) and the binding constraint, how
+    close to optimal it is."""
+    search = plan.context.report.get("plan_search")
+    if search is None:
+        return None
+    return {"step_time_s": search["step_time"], "memory_per_rank_bytes": search["memory_per_rank"],
+            "memory_limit_bytes": search["memory_limit"], "memory_limit_binding": search.get("memory_limit_binding"),
+            "binding": search["binding"], "optimal": search["optimal"], "gap": search["gap"],
+            "profile": search["profile"], "decisions": search["decisions"]}
 
 
 def memory_by_kind(cost) -> dict:
@@ -325,7 +354,7 @@ def show_plan(plan, console=None, nodes: bool | None = None) -> None:
 def format_stages(pplan) -> str:
     """A pipelined plan's stages: modules, estimated time and memory, boundary tensors and their bytes, the
     imbalance (max / mean stage cost), the schedule's theoretical bubble fraction and the estimated step
-    (:meth:`autoshard.pipeline.PipelinePlan.cost`, printed to the microsecond)."""
+    (:meth:`autoshard.pipeline.PipelinePlan.cost`, to 4 significant digits)."""
     split, p = pplan.split, pplan.pipeline
     estimate = pplan.cost()
     lines = [(f"pipeline for {pplan.model_name} on {pplan.mesh}: {split.stages} stages "
@@ -354,7 +383,7 @@ def format_stages(pplan) -> str:
     v = p.stages_per_rank if p.schedule == "interleaved" else 1
     formula = "(p-1)/(v*m+p-1)" if v > 1 else "(p-1)/(m+p-1)"
     lines.append(f"imbalance (max/mean stage cost): {split.imbalance:.3f}; theoretical bubble {formula}: "
-                 f"{estimate.bubble:.3f}; estimated step: {estimate.step_time * 1e3:.3f} ms (slowest rank: "
+                 f"{estimate.bubble:.3f}; estimated step: {_ms(estimate.step_time)} (slowest rank: "
                  f"microbatches x its stages' time/mb / (1 - bubble) + their once/step"
                  + (f" + step overhead {estimate.overhead * 1e3:.3f} ms" if estimate.overhead else "") + ")")
     return "\n".join(lines) + "\n"
@@ -623,11 +652,14 @@ def plan_overview(plan) -> dict:
             "groups": {g: sorted(ix) for g, ix in groups.items()},
             "modules": list(modules.values()), "params": list(params.values()), "collectives": coll_list,
             "cost": {"step_time_s": cost.step_time, "compute_time_s": cost.compute_time,
-                     "comm_time_s": cost.comm_time, "memory_per_rank_bytes": cost.memory_per_rank,
+                     "comm_time_s": cost.comm_time, "optimizer_time_s": getattr(cost, "optimizer_time", 0.0),
+                     "overhead_time_s": getattr(cost, "overhead_time", 0.0),
+                     "memory_per_rank_bytes": cost.memory_per_rank,
                      "param_bytes_per_rank": cost.parameter_bytes, "comm_bytes_per_axis": dict(cost.comm_bytes),
                      "memory_by_kind": memory_by_kind(cost),
                      "profile": str(plan.context.options.profile),
-                     "memory_limit_bytes": search["memory_limit"] if search else None}}
+                     "memory_limit_bytes": search["memory_limit"] if search else None},
+            "search": search_json(plan)}
 
 
 def _top_fold(name: str) -> str:
@@ -789,8 +821,15 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
     limit = cost["memory_limit_bytes"]
     lines.append(f"memory per rank: {_bytes(cost['memory_per_rank_bytes'])} peak"
                  + (f" of {_bytes(limit)} allowed" if limit else "") + " = " + _memory_text(cost["memory_by_kind"]))
-    lines.append(f"estimated step: {cost['step_time_s'] * 1e3:.1f} ms = compute {cost['compute_time_s'] * 1e3:.1f} + "
-                 f"communication {cost['comm_time_s'] * 1e3:.1f} ({cost['profile']})")
+    extra = "".join(f" + {name} {_ms(cost[key])}" for name, key in (("optimizer", "optimizer_time_s"),
+                                                                    ("step overhead", "overhead_time_s"))
+                    if cost.get(key))
+    lines.append(f"estimated step: {_ms(cost['step_time_s'])} = compute {_ms(cost['compute_time_s'])} + "
+                 f"communication {_ms(cost['comm_time_s'])}{extra} ({cost['profile']})")
+    search = o.get("search")
+    if search is not None:
+        lines.append(f"plan search: binding constraint: {search['binding']}; {search['decisions']} decisions, "
+                     + ("solved exactly" if search["optimal"] else f"within {search['gap']:.2%} of its lower bound"))
     lines.append("bytes per step per axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in
                                                           cost["comm_bytes_per_axis"].items()))
     moe = format_moe(plan)

@@ -4,7 +4,8 @@
   second copy, node by node: the program then has one set of variables per layer however deep the model is
   (:func:`autoshard.layer_reuse.find_groups` says which layers repeat; the first and last copies, which meet the
   prologue and epilogue, stay free). Copies are tied only when their node sequences match
-  (:func:`_signature`: ops, shapes, argument structure, parameter names up to the layer index, annotations).
+  (:func:`_signature`: ops, shapes, argument structure, parameter names up to the layer index, annotations, and
+  whether a recomputation region marked before the search holds them).
 * :func:`recompute_units` groups the copies into :class:`Unit` s for ``recompute="auto"``: the tied interior
   copies form one unit (a share of whose copies may be recomputed), every other copy one unit of its own.
 """
@@ -86,8 +87,10 @@ def _signature(nodes: list[torch.fx.Node], prefix: str, index: int) -> tuple:
     for n in nodes:
         target = str(n.target).replace(own, "") if n.op == "get_attr" else str(n.target)
         annotated = (M.ANNOTATED in n.meta, n.meta.get(M.SPEC)) if n.op == "get_attr" else None
+        # a copy recomputed (a recompute= glob or checkpoint marked it) keeps other activations than one that is not
+        recomputed = n.meta.get(M.RECOMPUTE) is not None
         sig.append((n.op, target, _shape_or_none(n), arg(n.args),
-                    tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())), annotated))
+                    tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())), annotated, recomputed))
     return tuple(sig)
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from autoshard.cost_models.compute import output_tensors
-from autoshard.cost_models.memory import SavedValue, largest_gradient, point_totals, saved_bytes, storage_key
+from autoshard.cost_models.memory import (SavedValue, largest_gradient, point_totals, recompute_region, saved_bytes,
+                                          storage_key)
 
 
 def _no_region(node) -> None:
@@ -227,7 +228,10 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     gathered = np.bincount(cols.layer[at][zero3], cols.gathered[at][zero3]).max(initial=0.0) if zero3.any() else 0.0
     acts, copies_gradient, per_unit, _, _ = activations(problem, choice)
     recomputed = {int(u) for u in cols.unit[at][shares > 0]}
-    live = max((per_unit.get(u, 0.0) for u in recomputed), default=0.0)
+    # the largest region's activations while its backward runs: a recomputed unit's copy, or a region marked before
+    # the search (keyed by its id)
+    live = max([per_unit.get(u, 0.0) for u in recomputed] + [v for u, v in per_unit.items() if isinstance(u, str)],
+               default=0.0)
     unit_share = dict(zip(cols.unit[at].tolist(), shares.tolist()))
     for u, vec in recomputation_change(problem, choice).items():
         if unit_share.get(u, 0.0):
@@ -251,8 +255,9 @@ def recomputation_change(problem: Problem, choice: list[int]) -> dict:
 def activations(problem: Problem, choice: list[int]) -> tuple:
     """What the chosen layouts keep for backward, and what recomputing a unit changes of it: (saved activation bytes
     per point with nothing recomputed, the largest gradient of a redistributed copy, {unit: what one recomputed copy
-    holds while its backward runs}, {unit: bytes per point of the inputs its copies keep as regions, that no op of
-    theirs saves}, {unit: bytes per point its copies' values keep recomputed less what they keep otherwise}); the
+    holds while its backward runs; region id: the same of a region marked before the search}, {unit: bytes per point
+    of the inputs its copies keep as regions, that no op of theirs saves}, {unit: bytes per point its copies' values
+    keep recomputed less what they keep otherwise}); the
     last two are for every copy of the unit recomputed (a share scales them). The first is
     :func:`autoshard.cost_models.memory.saved_bytes` of every value group — its own output where a reader that
     keeps it reads the layout it is produced in, a copy per other layout a keeping reader needs, the outputs of
@@ -282,6 +287,10 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
     for d, k in zip(problem.decisions, choice):
         if d.stored is None and len(output_tensors(d.node)) > 1 and memory.is_value(d.node):
             own, numel = memory.own_bytes(d.node, d.options[k].output_spec)
+            region = recompute_region(d.node)  # marked before the search: what it saves itself, again in backward
+            if region is not None:
+                one = saved_bytes([SavedValue(d.node, own, [], np.ones(1), numel)], _no_region)[1]
+                live[region] = live.get(region, 0.0) + one
             if d.unit is not None:
                 unit_of[d.node] = d.unit
                 recomputed.setdefault(d.unit, {})[len(values)] = SavedValue(d.node, own, [], d.alive, numel)
@@ -357,6 +366,15 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
         if unit is not None:
             one = saved_bytes([SavedValue(u, own, inside, np.ones(1), numel)], _no_region)[1]
             live[unit] = live.get(unit, 0.0) + one
+        if term.region is not None:  # in a region marked before the search: what it holds while its backward runs
+            again = []  # (as plan_memory's region_part: its own layout for any reader, copies for readers inside)
+            for d in ix.consumers:
+                if term.kept_plain.get(d):
+                    again.extend((None, u, None) if i == o else
+                                 (None, u, (("copy", id(term), id(i)), memory.copy_bytes(u, i)))
+                                 for i in ix.need.get((d, choice[d]), ()) if i == o or term.same_region.get(d))
+            one = saved_bytes([SavedValue(u, own, again, np.ones(1), numel)], _no_region)[1]
+            live[term.region] = live.get(term.region, 0.0) + one
 
     def copied(view, source) -> bool:  # the view reads its source in another layout than the one it is made in
         index = None

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.fx
 from autoshard.collective_kinds import time as kind_time
-from autoshard.cost_models.memory import GraphMemory, keeps
+from autoshard.cost_models.memory import GraphMemory, keeps, recompute_region
 from autoshard.cost_models.plan_cost import (forward_times, grad_sync_time, link, local_numel, op_times,
                                              optimizer_time, redistribution_time_of, step_overhead, trains)
 from autoshard.cost_models.profile import HardwareProfile
@@ -108,6 +108,13 @@ class ValueTerm:
     #: consumer decision -> whether it reads the value inside the value's own layer copy (its recomputation
     #: region when that copy is recomputed: a copy made for it is then made again in backward, not kept)
     within: dict = field(default_factory=dict, repr=False)
+    #: the recomputation region the value lies in when it was marked before the search (the ``recompute=`` glob,
+    #: the model's own checkpoint), else None; for such a value, per consumer decision: whether it keeps the value
+    #: for its backward were nothing recomputed (``kept_plain``: what the region holds again while its backward
+    #: runs) and whether it lies in the same region (``same_region``)
+    region: str | None = None
+    kept_plain: dict = field(default_factory=dict, repr=False)
+    same_region: dict = field(default_factory=dict, repr=False)
     by_option: OptionIndex | None = field(default=None, repr=False, compare=False)
 
     def index(self) -> OptionIndex:
@@ -158,6 +165,10 @@ class Problem:
             if d.points_recomputed is not None:
                 d.memory_recomputed = [float(v[point]) for v in d.points_recomputed]
         self.fixed_memory = float(self.fixed_points[point])
+
+
+def _no_region(node: torch.fx.Node) -> None:
+    return None
 
 
 def canonical(canon: dict, n: torch.fx.Node) -> torch.fx.Node:
@@ -499,14 +510,20 @@ def _zero_syncs(problem: Problem, pricing: ParameterPricing, copies: ComputeCopi
 def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, intern: _SpecPool, out_req: dict,
                       copy_of: dict):
     """Fill ``term.needs`` (spec -> consumer options needing it), ``term.syncs``, ``term.outputs``, and
-    ``term.kept`` and ``term.within`` per consumer (``copy_of``: {node: the path of its recomputation unit's copy})."""
+    ``term.kept`` and ``term.within`` per consumer (``copy_of``: {node: the path of its recomputation unit's copy});
+    for a value in a region marked before the search, ``term.region``, ``term.kept_plain`` and
+    ``term.same_region``."""
     seen: set = set()  # (spec, decision, option) and (spec, axes, decision, option) already listed
+    term.region = recompute_region(u)
     for c, pos in consumers:
         if c.op == "output":
             term.outputs.append(out_req[(c, pos)])
             continue
         d = problem.index[canonical(problem.canon, c)]
         term.kept[d] = term.kept.get(d, False) or keeps(c, u, u)
+        if term.region is not None:
+            term.kept_plain[d] = term.kept_plain.get(d, False) or keeps(c, u, u, _no_region)
+            term.same_region[d] = term.same_region.get(d, True) and recompute_region(c) == term.region
         term.within[d] = term.within.get(d, True) and copy_of.get(u) is not None and copy_of.get(u) == copy_of.get(c)
         for k, s in enumerate(problem.decisions[d].options):
             i = intern(s.input_specs[pos])
