@@ -22,7 +22,7 @@ microbatches.
 Printed: one row per (model, plan) with predicted and measured step time and memory and their errors
 (``predicted / measured - 1``), then the Spearman rank correlation of step times over all plans and the median and
 largest absolute errors. These are benchmark numbers, not asserts; ``--quick`` (a smoke run in the test suite)
-uses small shapes and checks only that every plan ran and was predicted.
+uses small shapes, each plan once on one of the models in turn, one warm-up and one timed step.
 
     python bench/fidelity.py                 # calibrate, then 3 models x 9 plans (about 10 minutes on 2 cores)
     python bench/fidelity.py --quick         # small shapes, 1 timed step
@@ -159,8 +159,7 @@ def _predict(sharded, pipelined: bool, rank: int, profile) -> dict:
             "comm": cost.comm_time}
 
 
-def _worker(rank: int, world: int, models_: list, plans: list, shape: dict, profile_path: str, warmup: int,
-            steps: int) -> dict:
+def _worker(rank: int, world: int, pairs: list, shape: dict, profile_path: str, warmup: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -171,55 +170,54 @@ def _worker(rank: int, world: int, models_: list, plans: list, shape: dict, prof
     torch.set_num_threads(1)
     prof_obj = load_profile(profile_path)
     out = {}
-    for name in models_:
-        for plan in plans:
-            mesh_text, opts = plan_options(name, plan)
-            if plan == "pipeline":
-                opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
-                                                      schedule=opts["pipeline"].schedule, profile=profile_path)
-            mesh = autoshard.Mesh.parse(mesh_text)
-            torch.manual_seed(0)
-            model, args, kwargs = build_model(name, shape)
-            t0 = time.perf_counter()
-            sharded = autoshard.compile(model, mesh, args, kwargs, profile=profile_path, **opts)
-            pipelined = plan == "pipeline"
-            if pipelined:
-                a, k = args, kwargs  # a pipelined module takes the global batch
-            else:
-                a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
-                k = {key: autoshard.data_shard(v, mesh, rank) if isinstance(v, torch.Tensor) else v
-                     for key, v in kwargs.items()}
-            del model
-            optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=1e-4)
-            step = _step_fn(sharded, pipelined, a, k, optimizer)
-            for _ in range(warmup):
-                step()
-            compile_s = time.perf_counter() - t0
-            times, opt_times = [], []
-            for _ in range(steps):
-                dist.barrier()
-                t = time.perf_counter()
-                marks = []
-                step(marks)
-                times.append(time.perf_counter() - t)
-                opt_times.append(times[-1] - (marks[0] - t))
-            slowest = torch.tensor(times + opt_times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            slowest, slowest_opt = slowest[:steps], slowest[steps:]
-            optimizer.zero_grad(set_to_none=True)
-            buffers = list(sharded.buffers()) if not pipelined else []
-            live = _live_bytes(sharded.parameters(), optimizer, buffers)
+    for name, plan in pairs:
+        mesh_text, opts = plan_options(name, plan)
+        if plan == "pipeline":
+            opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
+                                                  schedule=opts["pipeline"].schedule, profile=profile_path)
+        mesh = autoshard.Mesh.parse(mesh_text)
+        torch.manual_seed(0)
+        model, args, kwargs = build_model(name, shape)
+        t0 = time.perf_counter()
+        sharded = autoshard.compile(model, mesh, args, kwargs, profile=profile_path, **opts)
+        pipelined = plan == "pipeline"
+        if pipelined:
+            a, k = args, kwargs  # a pipelined module takes the global batch
+        else:
+            a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
+            k = {key: autoshard.data_shard(v, mesh, rank) if isinstance(v, torch.Tensor) else v
+                 for key, v in kwargs.items()}
+        del model
+        optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=1e-4)
+        step = _step_fn(sharded, pipelined, a, k, optimizer)
+        for _ in range(warmup):
+            step()
+        compile_s = time.perf_counter() - t0
+        times, opt_times = [], []
+        for _ in range(steps):
             dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                step()
-            peak = live + _allocator_peak(prof)
-            pred = _predict(sharded, pipelined, rank, prof_obj)
-            out[(name, plan)] = {"time": statistics.median(slowest.tolist()), "memory": peak,
-                                 "opt_time": statistics.median(slowest_opt.tolist()),
-                                 "pred_opt": pred.get("opt", 0.0), "pred_comm": pred.get("comm", 0.0),
-                                 "pred_time": pred["time"], "pred_memory": pred["memory"], "stage": pred["stage"],
-                                 "mesh": mesh_text, "setup_s": compile_s}
-            del sharded, optimizer, step
+            t = time.perf_counter()
+            marks = []
+            step(marks)
+            times.append(time.perf_counter() - t)
+            opt_times.append(times[-1] - (marks[0] - t))
+        slowest = torch.tensor(times + opt_times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        slowest, slowest_opt = slowest[:steps], slowest[steps:]
+        optimizer.zero_grad(set_to_none=True)
+        buffers = list(sharded.buffers()) if not pipelined else []
+        live = _live_bytes(sharded.parameters(), optimizer, buffers)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        peak = live + _allocator_peak(prof)
+        pred = _predict(sharded, pipelined, rank, prof_obj)
+        out[(name, plan)] = {"time": statistics.median(slowest.tolist()), "memory": peak,
+                             "opt_time": statistics.median(slowest_opt.tolist()),
+                             "pred_opt": pred.get("opt", 0.0), "pred_comm": pred.get("comm", 0.0),
+                             "pred_time": pred["time"], "pred_memory": pred["memory"], "stage": pred["stage"],
+                             "mesh": mesh_text, "setup_s": compile_s}
+        del sharded, optimizer, step
     return out
 
 
@@ -229,12 +227,12 @@ def spearman(xs, ys) -> float:
     return float(spearmanr(xs, ys).statistic)
 
 
-def run(models_, plans, shape, profile_path, warmup, steps, timeout=3600) -> list[dict]:
-    """Every (model, plan) measured and predicted: one row per (model, plan, stage) with the largest memory over
-    the ranks of that stage."""
+def run(pairs, shape, profile_path, warmup, steps, timeout=3600) -> list[dict]:
+    """Every (model, plan) pair measured and predicted: one row per (model, plan, stage) with the largest memory
+    over the ranks of that stage."""
     from autoshard.runtime import spawn
 
-    results = spawn(_worker, WORLD, list(models_), list(plans), shape, profile_path, warmup, steps, timeout=timeout)
+    results = spawn(_worker, WORLD, list(pairs), shape, profile_path, warmup, steps, timeout=timeout)
     rows = []
     for key in results[0]:
         per_rank = [r[key] for r in results]
@@ -282,20 +280,28 @@ def main(argv=None) -> dict:
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines, from every rank
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes and one timed step: a smoke run")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODELS)} (default all)")
+    ap.add_argument("--plans", default=None, help=f"comma-separated, of {', '.join(PLANS)} (default all)")
     ap.add_argument("--profile", default=None, help="a profile TOML (default: calibrate now on 4 gloo ranks)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per plan (default 5; 1 with --quick)")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; 1 with --quick)")
     ap.add_argument("--json", default=None, help="also write the rows and the summary to this file")
     opts = ap.parse_args(argv)
-    models_ = [m for m in opts.models.split(",") if m]
-    plans = [p for p in opts.plans.split(",") if p]
+    models_ = [m for m in (opts.models or ",".join(MODELS)).split(",") if m]
+    plans = [p for p in (opts.plans or ",".join(PLANS)).split(",") if p]
     for p in plans:
         if p not in PLANS:
             ap.error(f"unknown plan {p!r}; the plans are {', '.join(PLANS)}")
+    for m in models_:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; the models are {', '.join(MODELS)}")
+    if opts.quick and opts.models is None and opts.plans is None:
+        pairs = [(MODELS[i % len(MODELS)], p) for i, p in enumerate(PLANS)]  # every plan once, the models in turn
+    else:
+        pairs = [(m, p) for m in models_ for p in plans]
     shape = SHAPES["quick" if opts.quick else "full"]
     steps = opts.steps or (1 if opts.quick else 5)
+    warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 2)
     profile_path = opts.profile
     if profile_path is None:
         import tempfile
@@ -307,8 +313,8 @@ def main(argv=None) -> dict:
         print(format_calibration(cal))
         profile_path = str(save_profile(cal.profile("fidelity"), os.path.join(tempfile.mkdtemp(), "fidelity.toml")))
     started = time.monotonic()
-    rows = run(models_, plans, shape, profile_path, opts.warmup, steps)
-    print(f"{len(models_)} models x {len(plans)} plans on {WORLD} gloo ranks, shape {shape}, profile "
+    rows = run(pairs, shape, profile_path, warmup, steps)
+    print(f"{len(pairs)} (model, plan) pairs on {WORLD} gloo ranks, shape {shape}, profile "
           f"{profile_path}, {time.monotonic() - started:.0f} s")
     print(format_rows(rows))
     result = {"rows": rows, "summary": summary(rows)}

@@ -97,3 +97,26 @@ def test_runtime_quick_times_the_sharded_module_and_compares_its_gradients(capsy
         assert f"| {key} " in out
     grads = results[0]["mlp"]["gradients"]
     assert set(grads) == {"tp/autoshard", "dp/autoshard"} and all(c > 0 and not m for _, c, m in grads.values())
+
+
+@pytest.mark.gloo
+def test_fidelity_quick_runs_and_predicts_every_plan(capsys):
+    """bench/fidelity.py --quick: every plan (each on one of the three models) trained on 4 gloo ranks, timed, its
+    allocator peak read, and priced by the cost model; the errors are benchmark numbers, not asserted here."""
+    fidelity = importlib.import_module("bench.fidelity")  # (importable: spawned workers unpickle its functions)
+    result = fidelity.main(["--quick", "--profile", "cpu-gloo"])
+    rows = result["rows"]
+    ran = {r["plan"].split(" ")[0] for r in rows}
+    assert ran == set(fidelity.PLANS)
+    assert {r["model"] for r in rows} == set(fidelity.MODELS)
+    for r in rows:
+        assert r["memory"] > 0 and r["pred_memory"] > 0, r
+        if r["timed"]:
+            assert r["time"] > 0 and r["pred_time"] > 0, r
+    stages = [r for r in rows if r["plan"].startswith("pipeline")]
+    assert [r["plan"] for r in stages] == ["pipeline s0", "pipeline s1"]  # one row per stage
+    summary = result["summary"]
+    assert summary["plans"] == len(fidelity.PLANS)
+    assert -1 <= summary["rank_correlation"] <= 1
+    out = capsys.readouterr().out
+    assert "rank correlation" in out and "median error" in out
