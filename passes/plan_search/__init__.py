@@ -64,11 +64,12 @@ from autoshard.context import Context
 from autoshard.graph_utils import is_getitem, is_tensor_node
 from autoshard.progress import slow_step
 
-__all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS", "TIE_BREAK", "Candidate", "DecisionVar", "PlanSearch",
-           "Problem", "Program", "Unit", "ValueTerm", "WarmLP", "best_units", "build_problem", "build_program",
-           "evaluate", "explain", "fallback_plan", "find_layers", "improve_layouts", "layer_copies",
-           "least_memory_bound", "least_memory_plan", "leaves_unit", "lp_bound", "option_cost", "option_memory", "output_spec_for",
-           "quickest_plan", "repair", "search", "solve", "term_cost", "transient_bytes"]
+__all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS", "TIE_BREAK", "Candidate",
+           "DecisionVar", "PlanSearch", "Problem", "Program", "Unit", "ValueTerm", "WarmLP", "best_units",
+           "build_problem", "build_program", "evaluate", "explain", "fallback_plan", "find_layers", "improve_layouts",
+           "layer_copies", "least_memory_bound", "least_memory_plan", "leaves_unit", "lp_bound", "option_cost",
+           "option_memory", "output_spec_for", "quickest_plan", "repair", "search", "solve", "term_cost",
+           "transient_bytes"]
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,9 @@ def test_recompute_auto_binding_exactly_when_the_limit_changes_the_plan():
 def test_pipeline_stages_are_priced_as_plan_cost_and_printed_alike(cli):
     """A pipeline's stages are priced by plan.cost()'s own node times: with ``recompute="blocks.*"`` its estimate
     rises (before, the split priced nodes by its own roofline and ignored recomputation: GPT 4 layers, batch 8,
-    gpu-8x-nvlink, 24.87 us with and without). The stages' seconds per microbatch and once per step sum to plan.cost() of the microbatch plan, whose
-    search agrees with it; the step the report, the CLI's JSON and ``PipelinePlan.cost()`` give is one number."""
+    gpu-8x-nvlink, 24.87 us with and without). The stages' seconds per microbatch and once per step sum to
+    plan.cost() of the microbatch plan, whose search agrees with it; the step the report, the CLI's JSON and
+    ``PipelinePlan.cost()`` give is one number."""
     from autoshard.pipeline.options import bubble_fraction
 
     steps = {}
