@@ -83,7 +83,9 @@ def test_multi_node_prices_the_outer_axis_as_inter_node():
     p = load_profile("multi-node")
     mesh = Mesh(data=2, model=2)
     assert p.link_for("data", mesh=mesh).bandwidth == pytest.approx(50e9)
-    assert p.link_for("model", mesh=mesh).bandwidth == pytest.approx(450e9)
+    # the innermost axis: NVLink inside a node, all 8 NICs of each node when it spans nodes (the lower, 400 GB/s)
+    assert p.link_for("model", mesh=mesh).bandwidth == pytest.approx(400e9)
+    assert p.link_for("data", mesh=Mesh(data=128)).bandwidth == pytest.approx(400e9)  # one axis: innermost too
     assert p.link_for("model", 0).bandwidth == pytest.approx(50e9)  # whichever axis is outermost
 
 
