@@ -35,7 +35,7 @@ class BucketGradSync:
             return gm
         syncs: list[tuple[str, tuple[str, ...]]] = []
         for node in list(gm.graph.nodes):
-            param = _param_of_sync(node)
+            param = param_of_sync(node)
             if param is None:
                 continue
             syncs.append((param.target, tuple(node.args[1])))
@@ -46,7 +46,7 @@ class BucketGradSync:
         return gm
 
 
-def _param_of_sync(node: torch.fx.Node) -> torch.fx.Node | None:
+def param_of_sync(node: torch.fx.Node) -> torch.fx.Node | None:
     """The parameter whose gradient ``node`` (a grad_all_reduce) syncs, where it can join the buckets."""
     if not is_kind(node, "grad_all_reduce"):
         return None

@@ -194,12 +194,12 @@ def _node_time(node: torch.fx.Node, mesh: Mesh, profile, backward: bool = True) 
     """(per microbatch, per step) seconds of one node, as ``plan.cost()`` prices it
     (:func:`autoshard.cost_models.plan_cost.node_time`): the gradient sync of a parameter that the stage programs
     leave to the runner's sync once per step (``bucket_grads``: the parameters
-    :func:`autoshard.passes.bucket_grad_sync.BucketGradSync` takes out) per step, everything else per microbatch."""
+    :func:`autoshard.passes.bucket_grad_sync.param_of_sync`) per step, everything else per microbatch."""
     from autoshard.cost_models.plan_cost import node_time
-    from autoshard.passes.bucket_grad_sync import _param_of_sync
+    from autoshard.passes.bucket_grad_sync import param_of_sync
 
     t = sum(node_time(node, mesh, profile, backward))
-    return (0.0, t) if _param_of_sync(node) is not None else (t, 0.0)
+    return (0.0, t) if param_of_sync(node) is not None else (t, 0.0)
 
 
 def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None, optimizer: str = "adam") -> Analysis:
