@@ -841,7 +841,7 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
 def stages_json(pplan) -> dict:
     """A pipelined plan's stages as data (what :func:`format_stages` prints): per stage its ranks, estimated time
     and memory, modules; the boundary tensors with bytes; the imbalance, bubble and estimated step
-    (:meth:`autoshard.pipeline.PipelinePlan.cost`)."""
+    (:meth:`autoshard.pipeline.PipelinePlan.cost`); the microbatch plan's ``plan.cost()`` and search estimate."""
     split, p = pplan.split, pplan.pipeline
     estimate = pplan.cost()
     stages = []
@@ -859,4 +859,7 @@ def stages_json(pplan) -> dict:
             "split": "manual" if split.manual else "auto", "stages": stages, "boundaries": boundaries,
             "shared_parameters": [{"param": n, "stages": list(s)} for n, s in pplan.shared_params()],
             "imbalance": split.imbalance, "bubble": estimate.bubble, "step_overhead_s": estimate.overhead,
-            "estimated_step_s": estimate.step_time}
+            "estimated_step_s": estimate.step_time,
+            # one microbatch through every stage as one plan: its plan.cost() and the search's own estimate of it
+            "microbatch": {"step_time_s": pplan.microbatch_plan.cost().step_time,
+                           "search": search_json(pplan.microbatch_plan)}}

@@ -178,6 +178,8 @@ def test_pipeline_stages_are_priced_as_plan_cost_and_printed_alike(cli):
                  + sum(estimate.once[s] for s in pplan.stages_of(r)) + estimate.overhead for r in range(4)]
         assert estimate.step_time == max(ranks) and estimate.bubble == bubble
         assert doc["estimated_step_s"] == estimate.step_time
+        assert doc["microbatch"]["step_time_s"] == micro.cost().step_time
+        assert doc["microbatch"]["search"]["step_time_s"] == micro.context.report["plan_search"]["step_time"]
         assert [s["time_per_microbatch_s"] for s in doc["stages"]] == list(split.costs)
         assert _printed("estimated step:", pplan.format()) == pytest.approx(estimate.step_time, rel=PRINTED)
         steps[recompute] = (estimate.step_time, micro.cost().step_time)
