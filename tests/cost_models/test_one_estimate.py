@@ -129,18 +129,18 @@ def test_model_checkpoint_regions_search_equals_plan_cost():
 
 
 def test_recompute_auto_binding_exactly_when_the_limit_changes_the_plan():
-    """``recompute="auto"`` (and ``zero="auto"``) under limits below, at and above the unlimited plan's peak: the
+    """``recompute="auto"`` (and ``zero="auto"``) under a limit below the unlimited plan's peak and one above: the
     search's plan agrees with plan.cost() and the report, and "memory limit binding" is true exactly when the
     unlimited plan does not fit the limit; when it is false the plan is as fast as the unlimited one. (Before,
     binding meant a peak within 0.1% of the limit: the plan recomputed to fit at 80% said 'memory limit not
     binding'.)"""
-    free = _search(models.gpt(layers=3, **GPT), mesh={"data": 2, "model": 2})
+    free = _search(models.gpt(layers=2, **GPT), mesh={"data": 2, "model": 2})
     assert free.context.report["plan_search"]["memory_limit_binding"] is False
     assert_one_estimate(free)
     peak = free.cost().memory_per_rank
-    for share in (0.8, 0.99, 1.5):
+    for share in (0.8, 1.5):
         limit = share * peak
-        plan = _search(models.gpt(layers=3, **GPT), mesh={"data": 2, "model": 2}, memory_limit=limit)
+        plan = _search(models.gpt(layers=2, **GPT), mesh={"data": 2, "model": 2}, memory_limit=limit)
         report = plan.context.report["plan_search"]
         assert_one_estimate(plan)
         assert plan.cost().memory_per_rank <= limit
@@ -148,7 +148,7 @@ def test_recompute_auto_binding_exactly_when_the_limit_changes_the_plan():
         assert report["binding"] == ("memory limit" if peak > limit else "step time (memory limit not binding)")
         if peak > limit:
             assert plan.cost().step_time > free.cost().step_time
-            assert share > 0.9 or _recomputed(plan)  # at 80% it recomputes layers to fit
+            assert _recomputed(plan)  # at 80% it recomputes layers to fit
         else:  # the least-time plan (of the unlimited one's time: ties may be broken otherwise)
             assert plan.cost().step_time == pytest.approx(free.cost().step_time, rel=SUMMED)
 
