@@ -162,25 +162,35 @@ def _checked(what: str, alpha: float, beta: float, samples) -> LinkCost:
     return LinkCost(alpha, beta)
 
 
-def fit_collective(kind: str, samples, world_size: int) -> CollectiveFit:
-    """Fit one collective's samples and divide out its model coefficients."""
-    intercept, slope = fit_line(samples)
-    steps, wire = alpha_beta.model_coefficients(kind, world_size)
-    link = _checked(kind, intercept / steps, slope / wire, samples)
+def fit_collective(kind: str, samples, world_size: int, others: dict | None = None) -> CollectiveFit:
+    """Fit one collective's samples and divide out its model coefficients. ``others``: ``{group size: samples}``
+    measured on smaller groups too (pairs of ranks), fitted together with the world's by the model's coefficients
+    at each group size."""
+    if not others:
+        intercept, slope = fit_line(samples)
+        steps, wire = alpha_beta.model_coefficients(kind, world_size)
+        link = _checked(kind, intercept / steps, slope / wire, samples)
+        return CollectiveFit(kind, tuple(samples), link.alpha, link.beta)
+    link = fit_link({kind: samples}, world_size, {kind: others})
     return CollectiveFit(kind, tuple(samples), link.alpha, link.beta)
 
 
-def fit_link(samples_by_kind: dict[str, list[tuple[int, float]]], world_size: int) -> LinkCost:
-    """One ``(alpha, beta)`` for all collectives: least squares of ``steps_k·alpha + wire_k·b·beta``."""
-    rows, times = [], []
+def fit_link(samples_by_kind: dict[str, list[tuple[int, float]]], world_size: int,
+             others: dict | None = None) -> LinkCost:
+    """One ``(alpha, beta)`` for all collectives: least squares of ``steps_k(n)·alpha + wire_k(n)·b·beta``
+    (``others``: ``{kind: {group size: samples}}`` of smaller groups, fitted with the world's)."""
+    rows, times, every = [], [], []
     for kind, samples in samples_by_kind.items():
-        steps, wire = alpha_beta.model_coefficients(kind, world_size)
-        for nbytes, t in samples:
-            rows.append((steps, wire * nbytes))
-            times.append(t)
+        groups = {world_size: samples, **((others or {}).get(kind) or {})}
+        for n, group in groups.items():
+            steps, wire = alpha_beta.model_coefficients(kind, n)
+            for nbytes, t in group:
+                rows.append((steps, wire * nbytes))
+                times.append(t)
+                every.append((nbytes, t))
     a, b = _relative_lstsq(np.array(rows, dtype=float), np.array(times, dtype=float))
-    return _checked("all collectives together", float(a), float(b),
-                    [s for samples in samples_by_kind.values() for s in samples])
+    what = "all collectives together" if len(samples_by_kind) > 1 else next(iter(samples_by_kind))
+    return _checked(what, float(a), float(b), every)
 
 
 # ---- the worker processes --------------------------------------------------------------------------------
@@ -209,25 +219,26 @@ def _min_times(fns: list, repeats: int) -> list[float]:
     return best
 
 
-#: The one mesh axis of the calibration's communicator.
+#: The one mesh axis of the calibration's communicator, and the inner axis of the 2 x n/2 mesh of rank pairs.
 AXIS = "ranks"
+PAIR_AXIS = "pair"
 
 
-def _collective_call(comm, kind: str, nbytes: int, world_size: int):
+def _collective_call(comm, kind: str, nbytes: int, world_size: int, axis: str = AXIS):
     """``(b, fn)``: ``fn`` runs collective ``kind`` of ``b`` bytes (:mod:`~autoshard.cost_models.alpha_beta`'s ``b``)
-    through ``comm``, the runtime's communicator."""
+    through ``comm``, the runtime's communicator, over its ``axis`` of ``world_size`` ranks."""
     numel = max(world_size, nbytes // 4 // world_size * world_size)  # even splits
     if kind == "all_reduce":
         t = torch.ones(numel)
-        return numel * 4, lambda: comm.all_reduce_(t, AXIS)
+        return numel * 4, lambda: comm.all_reduce_(t, axis)
     if kind == "all_gather":
         inp = torch.ones(numel // world_size)  # b is the gathered output
-        return numel * 4, lambda: comm.all_gather(inp, AXIS, 0)
+        return numel * 4, lambda: comm.all_gather(inp, axis, 0)
     if kind == "reduce_scatter":
         inp = torch.ones(numel)  # b is the unscattered input
-        return numel * 4, lambda: comm.reduce_scatter(inp, AXIS, 0)
+        return numel * 4, lambda: comm.reduce_scatter(inp, axis, 0)
     inp = torch.ones(numel)
-    return numel * 4, lambda: comm.all_to_all(inp, AXIS, 0, 0)
+    return numel * 4, lambda: comm.all_to_all(inp, axis, 0, 0)
 
 
 #: Sizes of the efficiency tables: square matmuls of side n (fp32 and bf16), causal attention of sequence s
@@ -356,6 +367,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
             calls = [_collective_call(comm, kind, size, world_size) for size in sizes]
             best = _min_times([fn for _, fn in calls], repeats)
             samples[kind] = [[nbytes, t] for (nbytes, _), t in zip(calls, best)]
+        # groups of 2 as well (the axes of a 2 x n/2 mesh): the fit then holds across group sizes
+        pair_samples: dict[str, list[list[float]]] = {}
+        if world_size >= 4 and world_size % 2 == 0:
+            pairs = DistCommunicator(Mesh(**{"outer": world_size // 2, PAIR_AXIS: 2}), timeout=timeout)
+            for kind in COLLECTIVES:
+                calls = [_collective_call(pairs, kind, size, 2, PAIR_AXIS) for size in sizes]
+                best = _min_times([fn for _, fn in calls], repeats)
+                pair_samples[kind] = [[nbytes, t] for (nbytes, _), t in zip(calls, best)]
         a, c = torch.randn(_MATMUL_N, _MATMUL_N), torch.empty(_MATMUL_N, _MATMUL_N)
         src, dst = torch.ones(_COPY_BYTES // 4), torch.empty(_COPY_BYTES // 4)
         a16, c16 = a.to(torch.bfloat16), c.to(torch.bfloat16)
@@ -366,7 +385,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
         optimizer = _optimizer_samples(comm, repeats)
         overlap = _overlap(comm, repeats)
 
-        times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]], dtype=torch.float64)
+        times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]]
+                             + [t for kind in pair_samples for _, t in pair_samples[kind]], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
         rates = torch.tensor([2 * _MATMUL_N**3 / matmul_s, 2 * _COPY_BYTES / copy_s, 2 * _MATMUL_N**3 / matmul16_s],
                              dtype=torch.float64)
@@ -384,6 +404,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
         flat = iter(times.tolist())
         counts = {kind: sum(1 for r in comm.log if r.kind == kind) for kind in COLLECTIVES}
         result = {"samples": {kind: [[int(nb), next(flat)] for nb, _ in samples[kind]] for kind in COLLECTIVES},
+                  "pair_samples": {kind: [[int(nb), next(flat)] for nb, _ in pair_samples[kind]]
+                                   for kind in pair_samples},
                   "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
                   "bfloat16_flops": rates[2].item(), "op_overhead": overhead, "tables": tables,
                   "optimizer": optimizer, "overlap": overlap,
@@ -451,8 +473,9 @@ def measure(world_size: int = 2, sizes: tuple[int, ...] = DEFAULT_SIZES, backend
 def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: float) -> Calibration:
     """The fits of one run's raw measurements (what the worker processes send back)."""
     samples = {kind: [(int(nb), float(t)) for nb, t in raw["samples"][kind]] for kind in COLLECTIVES}
-    fits = tuple(fit_collective(kind, samples[kind], world_size) for kind in COLLECTIVES)
-    joint = fit_link(samples, world_size)
+    pairs = {kind: {2: [(int(nb), float(t)) for nb, t in v]} for kind, v in raw.get("pair_samples", {}).items()}
+    fits = tuple(fit_collective(kind, samples[kind], world_size, pairs.get(kind)) for kind in COLLECTIVES)
+    joint = fit_link(samples, world_size, pairs)
     overhead = (float(raw["op_overhead"][0]), float(raw["op_overhead"][1]))
     tables = {k: [(float(w), float(t)) for w, t in v] for k, v in raw["tables"].items()}
     peaks, efficiency = fit_efficiency(tables, overhead[0])
