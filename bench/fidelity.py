@@ -7,8 +7,9 @@ One run, on this machine:
 2. for each model (a GPT, Hugging Face Llama and GPT-2) and each plan below, on 4 fresh gloo processes: compile
    with that profile, run ``--warmup`` training steps and ``--steps`` timed ones (``zero_grad``, forward, backward,
    ``AdamW.step``; each rank's step timed from a barrier, the slowest rank's time kept, the median over steps),
-   then one step under the allocator's eye (``torch.profiler`` memory events: the most bytes the CPU allocator
-   held above the step's start, plus what was live at the start: parameters, optimizer state, buffers);
+   then one step under the allocator's eye (``torch.profiler`` memory events with every CPU block sized, from one
+   step before: the most bytes the CPU allocator held above the step's start, plus the blocks alive at the start
+   that the step frees, plus what lives across steps: parameters, optimizer state, buffers);
 3. the prediction of the same plan from the same profile: ``plan.cost(profile)`` (step time with the optimizer
    step, the memory peak per rank), and for the pipeline the stages' estimate (``stages_json``) and
    ``stage_memory`` of the rank's stage.
@@ -89,9 +90,33 @@ def plan_options(name: str, plan: str):
     raise ValueError(f"unknown plan {plan!r}; the plans are {PLANS}")
 
 
-def _allocator_peak(prof) -> int:
-    """The most bytes the CPU allocator held above the profile's start (the profiler's allocation events, in time
-    order, freed blocks counted negative)."""
+def _count_every_block(on: bool) -> None:
+    """Have c10's CPU memory reporter size every block on every thread (its flag ``caffe2_report_cpu_memory_usage``),
+    not only blocks allocated while the profiler runs on the allocating thread. Without it the profiler misses the
+    frees of blocks made before it started ("Memory block of unknown size was allocated before the profiling
+    started": the pipeline's gradients of the previous step, let go at the next step's start) and frees on other
+    threads (a gloo work's buffers, dropped on gloo's thread), so a block freed early seemed alive to the step's
+    end. With it, each allocation event's ``total_allocated`` is the bytes of every block made since, all threads.
+    Off while steps are timed: the flag costs microseconds per allocation."""
+    import ctypes
+    import glob
+
+    import torch
+
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
+    if not libs:
+        raise RuntimeError("bench/fidelity.py measures memory through c10's flag caffe2_report_cpu_memory_usage, "
+                           f"but found no libc10 library under {os.path.dirname(torch.__file__)}/lib.")
+    ctypes.c_bool.in_dll(ctypes.CDLL(libs[0]), "FLAGS_caffe2_report_cpu_memory_usage").value = on
+
+
+def _allocator_peak(prof, live_ptrs=frozenset()) -> int:
+    """The most bytes the CPU allocator held during the profiled step above what it held at the start, plus the
+    blocks alive at the start that the step frees (not ``live_ptrs``: the parameters' and optimizer state's
+    storages, counted by :func:`_live_bytes`) — the runtime's state of the previous step the step lets go of
+    (the pipeline's stage gradients): at any moment the step's own blocks and those not yet freed are held.
+    From the profiler's allocation events under :func:`_count_every_block`: ``total_allocated`` after each
+    event, all threads."""
     from torch._C._profiler import _EventType
 
     events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -99,22 +124,32 @@ def _allocator_peak(prof) -> int:
         e = todo.pop()
         todo.extend(e.children)
         if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-    cur = peak = 0
-    for _, size in sorted(events, key=lambda x: x[0]):
-        cur += size
-        peak = max(peak, cur)
-    return peak
+            f = e.extra_fields
+            events.append((e.start_time_ns, f.alloc_size, f.ptr, f.total_allocated))
+    if not events:
+        return 0
+    events.sort(key=lambda x: x[0])
+    start = events[0][3] - events[0][1]
+    peak, made, freed_old = 0, set(), 0
+    for _, size, ptr, total in events:
+        if size > 0:
+            made.add(ptr)
+        elif ptr in made:
+            made.discard(ptr)
+        elif ptr not in live_ptrs:
+            freed_old -= size
+        peak = max(peak, total - start)
+    return peak + freed_old
 
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _live_bytes(params, optimizer, buffers) -> int:
+def _live_bytes(params, optimizer, buffers, seen: set | None = None) -> int:
     """Bytes of the tensors that live across steps: this rank's parameters, optimizer state and buffers (each
-    storage once)."""
-    seen, total = set(), 0
+    storage once; their data pointers are added to ``seen``)."""
+    seen, total = set() if seen is None else seen, 0
     tensors = [_local(p) for p in params] + [_local(b) for b in buffers]
     tensors += [_local(v) for state in optimizer.state.values() for v in state.values() if hasattr(v, "numel")]
     for t in tensors:
@@ -126,6 +161,16 @@ def _live_bytes(params, optimizer, buffers) -> int:
         seen.add(key)
         total += t.untyped_storage().nbytes()
     return total
+
+
+def _stage_buffers(pipelined_module) -> list:
+    """The receive buffers ``torch.distributed.pipelining`` keeps across steps for this rank's stages: one per
+    microbatch for each activation a stage receives and for the gradient of each activation it sends (made at the
+    first step, written in place after)."""
+    schedule = pipelined_module.runner().schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return [info.buffer for st in stages for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values())
+            for info in infos if getattr(info, "buffer", None) is not None]
 
 
 def _step_fn(sharded, pipelined: bool, args, kwargs, optimizer):
@@ -204,13 +249,18 @@ def _worker(rank: int, world: int, pairs: list, shape: dict, profile_path: str, 
         slowest = torch.tensor(times + opt_times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         slowest, slowest_opt = slowest[:steps], slowest[steps:]
+        # memory: one step to size the blocks that live from one step into the next, then the measured one
+        _count_every_block(True)
+        step()
         optimizer.zero_grad(set_to_none=True)
-        buffers = list(sharded.buffers()) if not pipelined else []
-        live = _live_bytes(sharded.parameters(), optimizer, buffers)
+        buffers = list(sharded.buffers()) if not pipelined else _stage_buffers(sharded)
+        live_ptrs: set = set()
+        live = _live_bytes(sharded.parameters(), optimizer, buffers, live_ptrs)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        peak = live + _allocator_peak(prof)
+        _count_every_block(False)
+        peak = live + _allocator_peak(prof, live_ptrs)
         pred = _predict(sharded, pipelined, rank, prof_obj)
         out[(name, plan)] = {"time": statistics.median(slowest.tolist()), "memory": peak,
                              "opt_time": statistics.median(slowest_opt.tolist()),

@@ -137,13 +137,46 @@ def _saves(node: Node) -> tuple:
 
 
 def _saved_inputs(user: Node) -> list:
-    """The nodes ``user`` keeps for its backward: the args at its ``saves`` positions (every node of a list arg)."""
+    """The nodes ``user`` keeps for its backward: the args at its ``saves`` positions (every node of a list arg),
+    less the operands of a product or quotient that autograd keeps only for another operand's gradient
+    (:func:`_kept_for_gradient`)."""
     saved = []
     for i in _saves(user):
-        if isinstance(i, int) and i < len(user.args):
+        if isinstance(i, int) and i < len(user.args) and _kept_for_gradient(user, i):
             a = user.args[i]
             saved.extend(a if isinstance(a, (list, tuple)) else [a])
     return saved
+
+
+def _identity_dropout(node: Node) -> bool:
+    """A dropout with ``p=0`` or out of training: the rank program runs it as the identity (no mask, its input)."""
+    if node.op != "call_function" or MASK not in _saves(node) or len(node.args) < 2:
+        return False
+    p, train = node.args[1], node.args[2] if len(node.args) > 2 else True
+    return isinstance(p, (int, float)) and (p == 0 or train is False)
+
+
+def _keeps_mask(node: Node) -> bool:
+    """``node`` keeps a dropout mask for its backward."""
+    return MASK in _saves(node) and not _identity_dropout(node)
+
+
+def _requires_grad(a) -> bool:
+    return isinstance(a, Node) and bool(a.meta.get(M.REQUIRES_GRAD))
+
+
+def _kept_for_gradient(user: Node, i: int) -> bool:
+    """Whether autograd keeps operand ``i`` of ``user`` (derivatives.yaml): ``a * b`` keeps ``a`` for ``b``'s
+    gradient and ``b`` for ``a``'s, so each only where the other operand requires grad (``x * 0.5`` and ``q * cos``
+    keep no ``x``, no ``q``); ``a / b`` keeps ``a`` only for ``b``'s gradient, ``b`` for either's. Every other op
+    keeps what its ``saves`` facet says."""
+    packet = getattr(user.target, "overloadpacket", user.target)
+    if packet not in (torch.ops.aten.mul, torch.ops.aten.div) or len(user.args) < 2 or i > 1:
+        return True
+    a, b = user.args[0], user.args[1]
+    if packet is torch.ops.aten.mul:
+        return _requires_grad(b if i == 0 else a)
+    return _requires_grad(b) if i == 0 else _requires_grad(a) or _requires_grad(b)
 
 
 def _is_param(node: Node) -> bool:
@@ -179,7 +212,7 @@ def activation_bytes(node: Node, local_numel: int | None = None,
     saved = (mine is None and OUTPUT in _saves(node)) or any(
         region_of(u) is not None or any(x is node for x in _saved_inputs(u)) for u in readers)
     total = numel * itemsize if saved else 0
-    if MASK in _saves(node) and mine is None:
+    if _keeps_mask(node) and mine is None:
         total += numel  # the boolean mask
     return total
 
@@ -378,7 +411,7 @@ def saved_bytes(values: list[SavedValue], region_of: Callable[[Node], str | None
             for key, b in zip(keys, v.own):
                 if b > shared.get(key, (0, None))[0]:
                     shared[key] = (b, v.alive)
-        extra = sum(copies.values()) + (v.numel if MASK in _saves(v.node) and mine is None else 0)
+        extra = sum(copies.values()) + (v.numel if _keeps_mask(v.node) and mine is None else 0)
         if extra:
             points = points + extra * v.alive
     for b, alive in shared.values():
@@ -424,15 +457,22 @@ class MemoryBreakdown:
     #: the transient workspace (:mod:`.workspace`) of the last segment's ops, whose backward runs first: at the end
     #: of forward (the other segments' ops add theirs to their own point of ``between``)
     transient: int = 0
+    #: gradients an earlier microbatch's backward made, alive at every point (a pipeline stage's later backwards:
+    #: ``plan_memory(accumulating=True)``); 0 otherwise
+    accumulated: int = 0
+    #: the once-per-step gradient sync's buffers, alive with every gradient before the step (a pipeline stage's
+    #: flat copies: ``plan_memory(sync_once=True)``); the step's point holds the larger of it and the optimizer's
+    gradient_sync: int = 0
 
     @property
     def end_of_forward(self) -> int:
         return (self.parameters + self.optimizer + self.buffers + self.activations + self.gathered + self.temporaries
-                + self.transient)
+                + self.transient + self.accumulated)
 
     @property
     def optimizer_step(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.buffers + self.largest_parameter
+        return (self.parameters + self.gradients + self.optimizer + self.buffers
+                + max(self.largest_parameter, self.gradient_sync))
 
     @property
     def points(self) -> tuple[int, ...]:
@@ -444,10 +484,12 @@ class MemoryBreakdown:
         return max(self.points)
 
     def as_dict(self) -> dict:
-        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                "buffers": self.buffers, "activations": self.activations, "gathered": self.gathered,
-                "temporaries": self.temporaries, "transient": self.transient, "peak": self.peak,
-                "stages": dict(self.stages)}
+        out = {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+               "buffers": self.buffers, "activations": self.activations, "gathered": self.gathered,
+               "temporaries": self.temporaries, "transient": self.transient, "peak": self.peak,
+               "stages": dict(self.stages)}
+        out.update({k: v for k, v in (("accumulated", self.accumulated), ("gradient_sync", self.gradient_sync)) if v})
+        return out
 
 
 def point_totals(fixed: float, varying: np.ndarray, zero3_gathered: float, temporaries: float,
@@ -541,12 +583,26 @@ def _own_bytes(node: Node, spec, local_numel: Callable) -> tuple[list[int], int]
 
 
 def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None,
-                in_flight: int = 1) -> MemoryBreakdown:
+                in_flight: int = 1, *, accumulating: bool = False, keeps_outputs: bool = False,
+                sync_once: bool = False) -> MemoryBreakdown:
     """:class:`MemoryBreakdown` of an annotated global graph (after ``propagate`` and ``insert_collectives``; ZeRO
     storage read from :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None:
-    the parameters' own dtype). ``in_flight``: microbatches whose activations are alive at once (a pipeline
-    stage's: :meth:`autoshard.pipeline.plan.PipelinePlan.stage_memory`; their gradients accumulate in one set).
-    Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of."""
+    the parameters' own dtype). Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of.
+
+    How a pipeline schedule runs the graph of one stage (:meth:`autoshard.pipeline.plan.PipelinePlan.stage_memory`):
+
+    - ``in_flight``: microbatches whose activations are alive at once; while one runs its backward, the others
+      hold everything their forward saved (their gradients accumulate in one set);
+    - ``accumulating``: an earlier microbatch's backward has made every gradient: all of them alive at every point,
+      and while backward adds a parameter's new gradient to its own, that new one too (the largest parameter's
+      gradient, with backward's first temporaries);
+    - ``keeps_outputs``: the graph's outputs are kept until their segment's backward (the schedule keeps each
+      microbatch's stage outputs to run its backward with the gradients the next stage sends);
+    - ``sync_once``: the data-parallel gradient syncs the program leaves to the runner
+      (:func:`passes.bucket_grad_sync.param_of_sync`'s) run once per step on flat copies
+      (:func:`autoshard.runtime.pipeline.sync_grads_once`: per (axes, dtype) group, the gradients concatenated
+      and the all-reduce's new tensor; the previous group's reduced copy is still held while the next is
+      concatenated) — ``gradient_sync``, with every gradient, before the optimizer step."""
     if not isinstance(in_flight, int) or in_flight < 1:
         raise PlanError(f"plan_memory has in_flight={in_flight!r}, but it counts microbatches: an int >= 1.")
     from autoshard.placements import local_shape
@@ -557,7 +613,8 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     timeline = Timeline.of(gm)
     kinds = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers", "activations", "gathered"), 0)
     varying = np.zeros(timeline.points)  # gradients and kept copies per point (activations are added below)
-    largest = 0
+    largest = largest_grad = 0
+    grad_of: dict[Node, int] = {}  # parameter -> bytes of its stored gradient
     stages: dict[int, int] = {}
     layer_gathers: dict[str, int] = {}
     largest_activation = 0
@@ -580,7 +637,11 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
                 kinds[k] += state[k]
             first, last = timeline.uses(n)
             varying += parameter_points(timeline, state, first, last) - (state["parameters"] + state["optimizer"])
+            if accumulating:  # made by an earlier microbatch's backward: alive before this one's reaches it
+                varying += state["gradients"] * (1 - timeline.gradient_alive(last))
             largest = max(largest, state["parameters"])
+            largest_grad = max(largest_grad, state["gradients"])
+            grad_of[n] = state["gradients"]
             stages[stage] = stages.get(stage, 0) + 1
             if stage == 3:
                 gathered = param_bytes(local_numel(val.shape, compute), compute_dtype or val.dtype)
@@ -605,6 +666,7 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     for r in gm.graph.nodes:  # (the output node keeps nothing, but a copy made for it has a gradient in backward)
         if r.op not in ("call_function", "output") or _is_collective(r):
             continue
+        keeper = None if r.op == "output" and keeps_outputs else r  # None: a reader known to keep it
         for a in _tensor_args(r):
             copy = _through_syncs(a)
             origin = _origin(copy)
@@ -612,11 +674,11 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
             if v is None:
                 continue
             if copy is origin:
-                v.reads.append((r, a, None))
+                v.reads.append((keeper, a, None))
             else:
                 cval = copy.meta["val"]
                 numel = local_numel(cval.shape, copy.meta[M.SPEC])
-                v.reads.append((r, a, (copy, numel * cval.element_size())))
+                v.reads.append((keeper, a, (copy, numel * cval.element_size())))
                 largest_activation = max(largest_activation, largest_gradient(numel, cval.dtype))
     acts, kinds["activations"] = saved_bytes(list(values.values()))
     # what ops keep besides their outputs (attention's float mask): once per storage, until its first keeper's
@@ -624,7 +686,9 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     for size, first in kept_workspace(gm, mesh, timeline.segment):
         kinds["activations"] += size
         acts = acts + size * timeline.activation_alive(timeline.segment(first))
-    acts, kinds["activations"] = acts * in_flight, kinds["activations"] * in_flight
+    # the other microbatches in flight hold what their whole forward saved, at every point but the step
+    kinds["activations"] *= in_flight
+    acts = acts + (in_flight - 1) * acts[0] * (np.arange(timeline.points) < timeline.points - 1)
     # what ops hold while they run (ring attention's score blocks): at the point where their segment's backward
     # runs next — every activation of it and of the segments before alive, as in its forward and more
     transient = np.zeros(timeline.points)
@@ -633,7 +697,7 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
         # by then the backward of its segment's later ops has freed what they saved (an attention's MLP after it)
         later = [v for v in values.values() if timeline.segment(v.node) == timeline.segment(n)
                  and order[v.node] > order[n]]
-        freed = saved_bytes(later)[1] * in_flight if later else 0
+        freed = saved_bytes(later)[1] if later else 0  # (this microbatch's: the others' stay)
         transient += max(0, size - freed) * transient_point(timeline, n)
     for v in values.values():  # what a recomputed region saves while its backward runs, recomputed
         region = recompute_region(v.node)
@@ -642,11 +706,33 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     zero3 = 2 * max(layer_gathers.values(), default=0)  # the layer in use and the next one's prefetch
     kinds["gathered"] += zero3
     # backward's first temporaries: the largest activation's gradient, and one recomputed region's activations
-    temporaries = largest_activation + max(regions.values(), default=0)
+    # (accumulating: and a parameter's new gradient before it is added to the one an earlier microbatch made)
+    temporaries = largest_activation + max(regions.values(), default=0) + (largest_grad if accumulating else 0)
+    sync = _gradient_sync_bytes(gm, grad_of) if sync_once else 0
     fixed = kinds["parameters"] + kinds["optimizer"] + kinds["buffers"]
-    points = point_totals(fixed, varying + acts, zero3, temporaries, largest) + transient
+    points = point_totals(fixed, varying + acts, zero3, temporaries, max(largest, sync)) + transient
     return MemoryBreakdown(**kinds, largest_parameter=largest, temporaries=temporaries, stages=stages,
-                           between=tuple(int(round(x)) for x in points[1:-1]), transient=int(transient[0]))
+                           between=tuple(int(round(x)) for x in points[1:-1]), transient=int(transient[0]),
+                           accumulated=kinds["gradients"] if accumulating else 0, gradient_sync=sync)
+
+
+def _gradient_sync_bytes(gm, grad_of: dict[Node, int]) -> int:
+    """The most bytes :func:`autoshard.runtime.pipeline.sync_grads_once` holds besides the gradients: the
+    parameters whose sync the program leaves to the runner (:func:`passes.bucket_grad_sync.param_of_sync`, in
+    graph order) grouped by (axes, dtype); per group its gradients concatenated into one flat tensor and the
+    all-reduce's new one, while the previous group's reduced tensor is still held during the concatenation."""
+    from autoshard.passes.bucket_grad_sync import param_of_sync
+
+    groups: dict[tuple, int] = {}
+    for n in gm.graph.nodes:
+        param = param_of_sync(n) if n.op == "call_function" else None
+        if param is not None and param in grad_of:
+            key = (tuple(n.args[1]), param.meta["val"].dtype)
+            groups[key] = groups.get(key, 0) + grad_of[param]
+    held, prev = 0, 0
+    for size in groups.values():
+        held, prev = max(held, size + max(size, prev)), size
+    return held
 
 
 _ALIAS_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default")  # (_to_copy always copies)
@@ -659,7 +745,7 @@ def _storage_base(node: Node, copied: Callable[[Node, Node], bool] | None = None
         src = node.args[0]
         if copied is not None and copied(node, src):
             break
-        if entry(node.target).bytes == "view":
+        if entry(node.target).bytes == "view" or _identity_dropout(node):
             node = src
             continue
         val, sval = node.meta.get("val"), src.meta.get("val")
@@ -823,7 +909,7 @@ class GraphMemory:
                 own or any(keeps(r, node, node, region_of) for r in node.users if r.op == "call_function")
                 or _aliases_region_input(node, mine, region_of)):
             counted = [0]
-        answer = (tuple(counted), MASK in _saves(node) and mine is None)
+        answer = (tuple(counted), _keeps_mask(node) and mine is None)
         self._counted_cache[key] = answer
         return answer
 

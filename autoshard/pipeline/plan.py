@@ -202,25 +202,51 @@ class PipelinePlan:
 
     def stage_memory(self, stage: int, rank: int = 0) -> int:
         """Estimated peak bytes on a rank for stage ``stage`` (:func:`autoshard.cost_models.memory.plan_memory` of
-        the stage's graph on the non-pipe axes, with the plan's optimizer and mixed precision): its parameters,
-        gradients and optimizer state, plus the saved activations of the microbatches in flight at once (all of
-        them for GPipe, ``stages - stage`` for 1F1B)."""
+        the stage's graph on the non-pipe axes, with the plan's optimizer and mixed precision, as the schedule runs
+        it): its parameters, gradients and optimizer state, the saved activations and stage outputs of the
+        microbatches in flight at once (all of them for GPipe, ``stages - stage`` for 1F1B) — with every gradient
+        once a microbatch's backward is done (1F1B's steady state) —, the runner's once-per-step gradient sync,
+        and the receive buffers ``torch.distributed.pipelining`` keeps, one per microbatch."""
         return self.stage_breakdown(stage, rank).peak
 
     def stage_breakdown(self, stage: int, rank: int = 0):
         """:class:`autoshard.cost_models.memory.MemoryBreakdown` of stage ``stage`` on ``rank`` (see
-        :meth:`stage_memory`)."""
+        :meth:`stage_memory`): of the schedule's backward that peaks higher — the first (``flight`` microbatches
+        forwarded, no gradient yet) or a later one (every gradient made; 1F1B keeps ``flight`` microbatches in
+        flight while more remain, GPipe and 1F1B's cool-down one fewer)."""
+        import math
+
         from autoshard.cost_models.memory import plan_memory
 
         self.mesh._check_rank(rank)  # shards are even: every rank of a stage holds the same bytes
         if not 0 <= stage < self.num_stages:
             raise PlanError(f"stage_memory has stage={stage}, but the pipeline has stages 0..{self.num_stages - 1}.")
-        flight = self.pipeline.microbatches if self.pipeline.schedule == "gpipe" else \
-            min(self.pipeline.microbatches, self.num_stages - stage)
+        m = self.pipeline.microbatches
+        gpipe = self.pipeline.schedule == "gpipe"
+        flight = m if gpipe else min(m, self.num_stages - stage)
         options = self.microbatch_plan.context.options
         precision = options.precision
-        return plan_memory(self.stages[stage].gm, self.submesh, options.optimizer,
-                           precision.param_dtype if precision is not None else None, in_flight=flight)
+
+        def price(in_flight: int, accumulating: bool):
+            return plan_memory(self.stages[stage].gm, self.submesh, options.optimizer,
+                               precision.param_dtype if precision is not None else None, in_flight=in_flight,
+                               accumulating=accumulating, keeps_outputs=True, sync_once=True)
+
+        cases = [price(flight, False)]
+        later = flight if not gpipe and m > flight else flight - 1
+        if later >= 1:
+            cases.append(price(later, True))
+        worst = max(cases, key=lambda b: b.peak)
+        # the receive buffers of every microbatch, allocated once: the activations this stage receives, and the
+        # gradients of the (floating) activations it sends
+        nbytes = 0
+        if stage > 0:
+            nbytes += sum(math.prod(s) * d.itemsize for s, d in self.act_meta(stage, rank, "acts"))
+        if stage < self.num_stages - 1:
+            nbytes += sum(math.prod(s) * d.itemsize for s, d in self.act_meta(stage, rank, "outputs")
+                          if d.is_floating_point)
+        return replace(worst, buffers=worst.buffers + m * nbytes,
+                       between=tuple(x + m * nbytes for x in worst.between))
 
 
 def _submesh(mesh: Mesh, axis: str) -> Mesh:
