@@ -7,6 +7,9 @@
 #    materialised on cuda:0 by init_weights(); all four ranks run in the simulator; loss and every gradient are
 #    compared with a single-device CUDA run of the same model (to_empty on cuda:0 + the same initialisation).
 # 2. With two or more GPUs: two NCCL processes (data=2), each on its own GPU, loss compared with one device.
+# 3. tests/gpu/calibrate_check.py: calibration tables (matmul, attention, elementwise), per-op overhead and the AdamW
+#    step measured on GPU 0 against the gpu-8x-nvlink preset, then a small Llama's predicted vs measured step time
+#    and peak memory (torch.cuda.max_memory_allocated) on a mesh of one rank.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python - <<'PY'
@@ -63,3 +66,4 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 el
 else
   echo "one GPU: the two-process NCCL run is skipped"
 fi
+python tests/gpu/calibrate_check.py || { echo "calibrate_check failed"; exit 1; }
