@@ -290,12 +290,14 @@ class ShardedModule(torch.nn.Module):
         self._local_box: tuple = ()  # this rank's program, when made (boxed: its tensors are published, not children)
         self._published: dict = {}
         self._bound: dict = {}
+        self._views: dict = {}  # the alias each DTensor parameter's calls read (autoshard.parameters.bound)
         self._other_box: tuple = ()  # the other mode's program, when made (boxed: not a child module)
         self._shape_programs: dict = {}  # (training, input signature) -> program for inputs unlike the examples
         self._planned_signatures: set = set()  # signatures of calls whose inputs are the examples' (this rank's)
         self._compile_options: dict | None = None  # torch.compile's options for the programs (None: eager)
         self._compiled: dict = {}  # id(program) -> (program, its compiled runner)
         self._said: set = set()  # the warnings its plans gave (autoshard.notices.said_once)
+        self._call_numbers: dict = {}  # (input signature, sync flag) -> the number the agreement check compares
         self._in_place = None  # the model sharded in place (autoshard.shard): its own tree holds this rank's shards
         if new_shapes not in ("plan", "error"):
             raise AutoshardError(f"option new_shapes is {new_shapes!r}, but must be 'plan' (a call with inputs "
@@ -368,6 +370,7 @@ class ShardedModule(torch.nn.Module):
             self._example_values = [tuple(v) for kind, *v in leaves if kind == "value"]
             self._unread = self._unread_state(model)
             self._digest = self.plan.digest()  # what every rank's plan must equal (agreement.check_call)
+            self._call_numbers = {}
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
 
     def _planned_once(self, comm, model, args: tuple, kwargs: dict, options: Options) -> Plan:
@@ -630,6 +633,7 @@ class ShardedModule(torch.nn.Module):
                             where.setdefault(key, (module, attr, is_param))
         self._published = where  # id(program tensor) -> (holder module, attribute, is parameter)
         self._bound = {}
+        self._views = {}
 
     def _published_targets(self, program: torch.fx.GraphModule):
         """(program target, holder module, holder attribute, is parameter) of every published program tensor."""
@@ -641,8 +645,9 @@ class ShardedModule(torch.nn.Module):
                     yield target, found[0], found[1], found[2]
 
     def _bindings(self, program: torch.fx.GraphModule) -> list:
-        """(program owner, attribute, is parameter, holder module, holder attribute) of every program tensor that
-        is published: the tensors :func:`autoshard.parameters.bound` swaps in for a call."""
+        """(program owner, attribute, is parameter, holder table, holder attribute) of every program tensor that is
+        published (the holder table: its holder module's ``_parameters`` or ``_buffers``): the rows
+        :func:`autoshard.parameters.bound` swaps in for a call, each the tensor the holder has at the call."""
         found = self._bound.get(id(program))
         if found is not None:
             return found
@@ -652,7 +657,9 @@ class ShardedModule(torch.nn.Module):
                 for attr, t in getattr(owner, table_name).items():
                     target = self._published.get(id(t)) if t is not None else None
                     if target is not None:
-                        out.append((owner, attr, is_param, target[0], target[1], target[2]))
+                        holder, held, held_param = target
+                        out.append((owner, attr, is_param, holder._parameters if held_param else holder._buffers,
+                                    held))
         self._bound[id(program)] = out
         return out
 
@@ -726,28 +733,63 @@ class ShardedModule(torch.nn.Module):
                                  "device): call sharded.init_weights() or autoshard.load(sharded, path) first.")
         signature = self._signature(args, kwargs)
         planned = self._is_planned_call(signature, args, kwargs)
-        from autoshard.runtime.agreement import check_call
+        training, sync = self.training, self._grad_sync
+        number = self._call_numbers.get((signature, sync))
+        if number is None:
+            from autoshard.runtime.agreement import digest_number
 
-        # before any collective: a program not made yet is planned by every rank together
-        check_call(comm, f"{self._digest}/sync={self._grad_sync}/inputs={_digest_of(signature)}", self.training,
-                   lambda: {"call": {"gradient sync": self._grad_sync, "inputs": _describe(signature)},
-                            **self.plan.layout()})
-        program = self._program(self.training, signature, planned, args, kwargs)
-        from autoshard.parameters import bound
-        from autoshard.runtime.communicator import backward_uses, use
-        from autoshard.runtime.grad_sync import syncing
-        from autoshard.runtime.zero import running
+            number = self._call_numbers[(signature, sync)] = digest_number(
+                f"{self._digest}/sync={sync}/inputs={_digest_of(signature)}")
+        # The agreement check (every rank makes this call with the same plan, mode, grad mode, sync flag and input
+        # signature) runs during the forward where it can: started here, settled by the communicator before the
+        # program's first collective (and at the end of the forward at the latest). A program not made yet is
+        # planned by every rank together after the check has settled; one that may change state before its first
+        # collective runs after it too.
+        program = self._known_program(training, signature, planned)
+        from autoshard.runtime import agreement
 
-        bindings = [(owner, attr, is_param, (holder._parameters if held_param else holder._buffers)[held])
-                    for owner, attr, is_param, holder, held, held_param in self._bindings(program)]
-        run = self._compiled_runner(program) if self._compile_options is not None else program
-        with use(comm), running(program), bound(program, bindings), syncing(self._grad_sync, self.bucketer):
-            return backward_uses(run(*args, **kwargs), comm)
+        overlap = program is not None and agreement.quiet_until_collective(program)
+        agreement.check_call(comm, number, training,
+                             lambda: {"call": {"gradient sync": sync, "inputs": _describe(signature)},
+                                      **self.plan.layout()}, overlap=overlap)
+        try:
+            if program is None:
+                program = self._program(training, signature, planned, args, kwargs)
+            from autoshard.parameters import bound
+            from autoshard.runtime.communicator import backward_uses, use
+            from autoshard.runtime.grad_sync import syncing
+            from autoshard.runtime.zero import running
+
+            run = self._compiled_runner(program) if self._compile_options is not None else program
+            with use(comm), running(program), bound(self._bindings(program), self._views), \
+                    syncing(sync, self.bucketer):
+                out = run(*args, **kwargs)
+                comm.settle()  # a program without a collective in its forward: the check's verdict before returning
+        except Exception:
+            comm.settle()  # where the ranks differ, that is the error every rank raises; else the forward's own
+            raise
+        except BaseException:
+            comm.forget_pending()
+            raise
+        return backward_uses(out, comm)
+
+    def _known_program(self, training: bool, signature, planned: bool) -> torch.fx.GraphModule | None:
+        """The program :meth:`_program` gives for this call if it is made already, else None (making it plans)."""
+        if planned:
+            if training == self._traced_training:
+                return self.local
+            return self._other_box[0] if self._other_box else None
+        return self._shape_programs.get((training, signature))
 
     # ---- one program per mode and input shapes ----------------------------------------------------------
     @staticmethod
     def _signature(args, kwargs) -> tuple:
         """What selects a program: the inputs' structure, each tensor's shape and dtype, each other value."""
+        if not kwargs and all(type(x) is torch.Tensor for x in args):  # the usual call: its structure known by count
+            structure = _POSITIONAL.get(len(args))
+            if structure is None:
+                structure = _POSITIONAL[len(args)] = str(pytree.tree_flatten(((0,) * len(args), {}))[1])
+            return (structure, tuple([("tensor", tuple(x.shape), str(x.dtype)) for x in args]))
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         out = []
         for x in leaves:
@@ -955,6 +997,10 @@ class ShardedModule(torch.nn.Module):
         from autoshard.inputs import check_inputs, tensor_leaves
 
         check_inputs(self._expected, tensor_leaves(args, kwargs), local=True, where="ShardedModule.forward")
+
+
+#: {number of positional arguments: the pytree structure of a call with that many tensors and no keywords}
+_POSITIONAL: dict[int, str] = {}
 
 
 def _digest_of(signature) -> str:

@@ -16,8 +16,8 @@ How the two meet, with no copy and no extra collective:
 * Each DTensor's local tensor *is* the tensor registered in the rank program (same object): writes by
   ``init_weights``, ``autoshard.load`` or DCP land where the program reads.
 * :func:`bound` swaps, for one call, every parameter the program reads for ``param.to_local()`` — differentiable,
-  a view — so autograd carries the program's gradient (already synced by the program's own collectives) back as a
-  DTensor ``p.grad`` with the parameter's placements.
+  an alias made once per parameter — so autograd carries the program's gradient (already synced by the program's
+  own collectives) back as a DTensor ``p.grad`` with the parameter's placements.
 
 Where no process group exists (one rank, no ``torch.distributed``), a DeviceMesh cannot be built; parameters then
 are the whole tensors, as on the model. :func:`device_mesh` says which.
@@ -178,26 +178,38 @@ def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple,
 
 
 @contextlib.contextmanager
-def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, bool, torch.Tensor]]):
-    """Run ``program`` on the public tensors: each (owner module, attribute, is parameter, public tensor) of
-    ``bindings`` is replaced, for the duration, by the public tensor's ``to_local()`` — a differentiable view for a
-    parameter that requires grad (its gradient comes back as a DTensor with the parameter's placements), the local
-    tensor itself otherwise. Tied parameters (one public tensor under two attributes) share one view.
+def bound(rows: list[tuple[torch.nn.Module, str, bool, dict, str]], views: dict | None = None):
+    """Run a program on the public tensors: for each (owner module, attribute, is parameter, holder table, holder
+    key) of ``rows`` the public tensor ``holder table[holder key]`` (a ``DTensor`` of the ShardedModule's tree) stands,
+    for the duration, in place of the owner's own — as its ``to_local()``: a differentiable alias of its local tensor
+    for a parameter that requires grad (its gradient comes back as a DTensor with the parameter's placements), the
+    local tensor itself otherwise. Tied parameters (one public tensor under two attributes) share one alias.
 
-    The view is a plain attribute of its owner for the call (taken out of ``_parameters``/``_buffers``): tools
+    ``views``: {id(public tensor): (public tensor, its local tensor, alias)} kept by the caller across calls: a
+    parameter's alias is made once and used by every call with gradients on while the parameter and its local tensor
+    stay the same objects (an alias carries no saved tensor, so every backward may run through it; its version
+    counter is the local tensor's). Without it, one alias per call.
+
+    The alias is a plain attribute of its owner for the call (taken out of ``_parameters``/``_buffers``): tools
     that walk a called module's parameters (``MemTracker``, hooks) see the ShardedModule's DTensor leaves, never a
-    non-leaf view as a parameter."""
-    views: dict[int, torch.Tensor] = {}
+    non-leaf alias as a parameter."""
+    grad = torch.is_grad_enabled()
+    made = {} if views is None else views
     saved = []
     try:
-        for owner, attr, is_param, t in bindings:
-            v = views.get(id(t))
-            if v is None:
-                if isinstance(t, DTensor):
-                    v = _LocalView.apply(t) if t.requires_grad and torch.is_grad_enabled() else t._local_tensor
+        for owner, attr, is_param, holder, key in rows:
+            t = holder[key]
+            if isinstance(t, DTensor):
+                local = t._local_tensor
+                if grad and t.requires_grad:
+                    entry = made.get(id(t))
+                    if entry is None or entry[0] is not t or entry[1] is not local:
+                        entry = made[id(t)] = (t, local, _LocalView.apply(t))
+                    v = entry[2]
                 else:
-                    v = t
-                views[id(t)] = v
+                    v = local
+            else:
+                v = t
             table = owner._parameters if is_param else owner._buffers
             saved.append((owner, table, attr, table.pop(attr)))
             owner.__dict__[attr] = v
@@ -206,6 +218,17 @@ def bound(program: torch.nn.Module, bindings: list[tuple[torch.nn.Module, str, b
         for owner, table, attr, old in reversed(saved):
             owner.__dict__.pop(attr, None)
             table[attr] = old
+
+
+#: DTensor's constructor proper (C++): ``DTensor(local, spec, requires_grad=False)`` without the Python wrappers
+#: around its ``__init__`` (which does nothing), a third of the cost — paid per parameter and step
+_new_dtensor = DTensor.__new__
+
+
+def _wrap(local: torch.Tensor, spec) -> DTensor:
+    """``local`` (the local tensor of a DTensor of ``spec``: its shape, stride and dtype) as that DTensor."""
+    return _new_dtensor(DTensor, local, spec, requires_grad=False)
+
 
 def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     """``local`` as a DTensor laid out as ``template`` (a DTensor); a plain template gives ``local`` itself.
@@ -220,32 +243,56 @@ def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
         return local
     mine = template._local_tensor
     if local.shape == mine.shape and local.dtype == mine.dtype and local.stride() == mine.stride():
-        return DTensor(local, template._spec, requires_grad=False)
+        return _wrap(local, template._spec)
     return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
                               shape=template.shape, stride=template.stride())
 
 
 class _LocalView(torch.autograd.Function):
-    """``p.to_local()`` of a DTensor parameter for one call of the rank program: forward a view of its local
-    tensor, backward the gradient as a DTensor laid out as the parameter with the parameter's own spec (not one
-    rebuilt per parameter and step as ``to_local``'s backward does)."""
+    """``p.to_local()`` of a DTensor parameter for the calls of the rank program: forward an alias of its local
+    tensor (``detach()``: the same storage and version counter, no view of it, so an in-place update of the
+    parameter — an optimizer step — leaves the alias's autograd node as it is), backward the gradient as a DTensor
+    laid out as the parameter with the parameter's own spec (not one rebuilt per parameter and step as
+    ``to_local``'s backward does). It saves no tensor, so one alias serves many calls and their backwards
+    (:func:`bound`'s ``views``).
+
+    Where the gradient would go straight into an empty ``p.grad`` — a ``backward()`` that accumulates into ``p``
+    (not ``autograd.grad``), no hook on ``p``, no ``create_graph``, ``p.grad`` None — backward stores it there itself,
+    as ``AccumulateGrad`` would (that step's case of a gradient it may take: ``p.grad`` the DTensor of ``grad
+    .detach()``), and sends nothing on: ``AccumulateGrad`` on a DTensor leaf detaches the gradient through DTensor's
+    dispatch, the larger part of this function's cost per parameter and step. A gradient that reaches ``p`` by
+    another path too then adds to it there (one addition either way: the same sum)."""
 
     @staticmethod
     def forward(ctx, p: DTensor) -> torch.Tensor:  # noqa: D102 - see the class
         mine = p._local_tensor
-        ctx.spec, ctx.local = p._spec, (mine.shape, mine.stride(), mine.dtype)
+        ctx.param, ctx.spec, ctx.local = p, p._spec, (mine.shape, mine.stride(), mine.dtype)
         ctx.set_materialize_grads(False)  # no gradient (a sync held back by no_sync) stays None, not zeros
-        return mine.view_as(mine)
+        return mine.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None) -> DTensor | None:  # noqa: D102
         if grad is None:
             return None
         spec = ctx.spec
-        if (grad.shape, grad.stride(), grad.dtype) == ctx.local:
-            return DTensor(grad, spec, requires_grad=False)
-        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                  stride=spec.stride)
+        if (grad.shape, grad.stride(), grad.dtype) != ctx.local:
+            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                      stride=spec.stride)
+        p = ctx.param
+        if p.grad is None and not p._backward_hooks and not p._post_accumulate_grad_hooks and \
+                not torch.is_grad_enabled() and not torch.compiler.is_compiling() and _accumulates(ctx):
+            p.grad = _wrap(grad.detach(), spec)
+            return None
+        return _wrap(grad, spec)
+
+
+def _accumulates(ctx) -> bool:
+    """Whether this backward pass runs the parameter's ``AccumulateGrad`` (a ``backward()`` reaching it, not
+    ``autograd.grad``, which torch refuses to answer for a leaf)."""
+    try:
+        return torch._C._will_engine_execute_node(ctx.next_functions[0][0])
+    except RuntimeError:
+        return False
 
 
 def local_slice(full: torch.Tensor, template: DTensor) -> DTensor:

@@ -19,6 +19,16 @@ so they run the same on ``torch.distributed`` and in the simulator, and they are
 (they are not the plan's collectives). The check before each call is one sum of 6 numbers over the world
 (:func:`_all_equal`), on the host (:meth:`Communicator.all_reduce_host`: under NCCL a gloo group, so it never waits
 for the GPU); only when something differs does every rank gather every rank's values to name it.
+
+**Overlapped with the forward** (``check_call(..., overlap=True)``, what a ShardedModule call uses): the sum is
+started asynchronously (:meth:`Communicator.all_reduce_host_async`) and the communicator settles it — waits, and
+raises the check's error where the ranks differ — before its next collective of any kind (the program's first,
+a planning exchange, a barrier) and before a random op draws (the dropout op, before ``comm.random_calls`` moves);
+the call settles it at the end of its forward at the latest, and on any error of the forward. So a mismatched call
+never reaches a collective of its program, as before, while a matching one pays only the wait for a sum that ran
+during the compute before the first collective. Programs that may change state before their first collective
+otherwise (an in-place op on a buffer such as BatchNorm's counter, an opaque function: :func:`quiet_until_collective`
+is False) settle before they run, as the check did before every call.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.runtime.communicator import Communicator
 
-__all__ = ["check_call", "decide_once", "gather_objects"]
+__all__ = ["check_call", "decide_once", "gather_objects", "quiet_until_collective"]
 
 
 @contextmanager
@@ -83,33 +93,125 @@ def digest_number(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
+def _pieces(digest: int, training: bool, grad: bool) -> torch.Tensor:
+    """What each rank adds up: the digest as two 20-bit pieces and their squares, and the two flags."""
+    pieces = (digest & 0xFFFFF, (digest >> 20) & 0xFFFFF)
+    return torch.tensor([pieces[0], pieces[0] ** 2, pieces[1], pieces[1] ** 2, int(training), int(grad)],
+                        dtype=torch.int64)
+
+
+def _sums_agree(s: list, n: int) -> bool:
+    return n * s[1] == s[0] ** 2 and n * s[3] == s[2] ** 2 and s[4] in (0, n) and s[5] in (0, n)
+
+
 def _all_equal(comm: Communicator, digest: int, training: bool, grad: bool) -> bool:
     """Whether every rank passed the same values, by one small sum over the world (the price of every call, the
     same for any world size): a flag is the same on every rank exactly when its sum is 0 or the world size, and a
     number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as two 20-bit pieces (their squares summed
     over 2^22 ranks stay within int64): two plans pass as one only if both pieces agree, 1 in 2^40."""
-    pieces = (digest & 0xFFFFF, (digest >> 20) & 0xFFFFF)
-    mine = torch.tensor([pieces[0], pieces[0] ** 2, pieces[1], pieces[1] ** 2, int(training), int(grad)],
-                        dtype=torch.int64)
-    s = comm.all_reduce_host(mine).tolist()
-    n = comm.mesh.size
-    return (n * s[1] == s[0] ** 2 and n * s[3] == s[2] ** 2 and s[4] in (0, n) and s[5] in (0, n))
+    return _sums_agree(comm.all_reduce_host(_pieces(digest, training, grad)).tolist(), comm.mesh.size)
 
 
-def check_call(comm: Communicator, digest: str, training: bool, describe=None) -> None:
+def check_call(comm: Communicator, digest: str | int, training: bool, describe=None, overlap: bool = False) -> None:
     """Before a call of a sharded module's program: every rank must be in the same mode, with gradients on or off
     alike (a forward under ``no_grad`` runs no backward), with the same plan (``digest`` of the plan the program was
-    made from). Otherwise raise on every rank, naming what differs; ``describe()`` (picklable, e.g. {node: layout})
-    is exchanged only then, to name the first thing the plans disagree on. A call on some ranks only meets the other
-    ranks' next call here, which differs in one of the three (an evaluation on rank 0 alone is an eval-mode or
-    ``no_grad`` call meeting training calls)."""
+    made from, or :func:`digest_number` of it). Otherwise raise on every rank, naming what differs; ``describe()``
+    (picklable, e.g. {node: layout}) is exchanged only then, to name the first thing the plans disagree on. A call on
+    some ranks only meets the other ranks' next call here, which differs in one of the three (an evaluation on rank 0
+    alone is an eval-mode or ``no_grad`` call meeting training calls).
+
+    ``overlap=True``: start the exchange and return; ``comm`` settles it (raising the same errors) before its next
+    collective, or when :meth:`Communicator.settle` is called — which the caller must do before its call returns, and
+    on any error of the call (see the module docstring)."""
     if comm.mesh.size == 1:
         return
-    number, grad = digest_number(digest), torch.is_grad_enabled()
+    number = digest if isinstance(digest, int) else digest_number(digest)
+    grad = torch.is_grad_enabled()
     with _unrecorded(comm):
-        if _all_equal(comm, number, training, grad):
-            return
-        # something differs: every rank learns what, from every rank's values (the rare path pays O(world))
+        handle = comm.all_reduce_host_async(_pieces(number, training, grad))
+
+    def settle():
+        with _unrecorded(comm):
+            agree = _sums_agree(handle.wait().tolist(), comm.mesh.size)
+        if not agree:
+            _name_the_difference(comm, number, training, grad, describe)
+
+    if overlap:
+        comm.expect(settle)
+    else:
+        settle()
+
+
+#: the ops of autoshard's runtime whose only effect beyond their output is through the communicator (collectives,
+#: which settle the check first; dropout's random count, which settles it too) or state local to the call
+_QUIET_OPS = frozenset({
+    "_all_reduce", "_all_gather", "_reduce_scatter", "_all_to_all", "_chunk", "vocab_parallel_cross_entropy",
+    "dropout", "all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_slice",
+    "all_gather_sync", "all_gather_reshard", "all_gather_reshard_group", "linears_grad_all_reduce",
+    "_linears_backward", "context_attention", "_context_attention_backward",
+})
+_QUIET_KEY = "autoshard.quiet_until_collective"
+
+
+def _quiet_functions() -> frozenset:
+    """The plain functions rank programs call that compute their output and nothing else (or call the ops above)."""
+    import builtins
+    import operator
+
+    from autoshard.runtime import ops
+
+    return frozenset({builtins.getattr, operator.getitem, operator.add, operator.sub, operator.mul,
+                      operator.floordiv, operator.truediv, operator.mod, operator.neg, ops.bias_once,
+                      ops.masked_embedding, ops.cross_entropy_partial_mean, ops.additive_mask, ops.dropout,
+                      ops.vocab_parallel_cross_entropy})
+
+
+def _draws_no_random(node: torch.fx.Node, op: torch._ops.OpOverload) -> bool:
+    """An aten op tagged as drawing random numbers that draws none here: its dropout probability is 0
+    (``scaled_dot_product_attention`` without dropout) or it is not training (``dropout(x, p, False)``)."""
+    values = {}
+    for i, arg in enumerate(op._schema.arguments):
+        values[arg.name] = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+    if values.get("train", True) is False:
+        return True
+    p = values.get("dropout_p", values.get("p"))
+    return p is not None and p == 0
+
+
+def quiet_until_collective(program: torch.fx.GraphModule) -> bool:
+    """Whether ``program`` changes nothing outside its outputs before its first collective, so the check of its call
+    may run during that compute (``check_call(..., overlap=True)``): every node a pure op — an aten op that mutates
+    no argument and draws no random numbers, one of the runtime's own ops (:data:`_QUIET_OPS`) or of its plain
+    functions (:func:`_quiet_functions`) — never an in-place op (a buffer's update), another function or a submodule
+    call. Looked up once per program."""
+    found = program.meta.get(_QUIET_KEY)
+    if found is not None:
+        return found
+    quiet, functions = True, _quiet_functions()
+    for n in program.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        t = n.target
+        if n.op != "call_function":
+            quiet = False
+        elif isinstance(t, torch._ops.OpOverload):
+            if t.namespace == "autoshard":
+                quiet = t._schema.name.split("::")[-1] in _QUIET_OPS
+            else:
+                quiet = t.namespace in ("aten", "prims") and not t._schema.is_mutable and (
+                    torch.Tag.nondeterministic_seeded not in t.tags or _draws_no_random(n, t))
+        else:
+            quiet = t in functions
+        if not quiet:
+            break
+    program.meta[_QUIET_KEY] = quiet
+    return quiet
+
+
+def _name_the_difference(comm: Communicator, number: int, training: bool, grad: bool, describe) -> None:
+    """The check found that the ranks differ: every rank learns what from every rank's values (the rare path pays
+    O(world)), and raises."""
+    with _unrecorded(comm):
         rows = comm.all_gather_host(torch.tensor([number, int(training), int(grad)], dtype=torch.int64)).tolist()
     train, evals = _split(rows, 1)
     if train and evals:

@@ -94,6 +94,28 @@ class Communicator(abc.ABC):
         #: The async collectives started and not yet waited on, in the order they were started (see wait_all).
         self._in_flight: dict[int, Handle] = {}
         self._in_flight_lock = threading.Lock()
+        #: the agreement check of the call now running, started and not yet settled (see expect)
+        self._pending = None
+
+    # ---- the agreement check of a call, overlapped with its forward (autoshard.runtime.agreement) ---------
+    def expect(self, settle) -> None:
+        """Hold ``settle`` (the agreement check of the call starting now: it waits for the check's exchange and
+        raises where the ranks differ) until :meth:`settle`, which every collective of this communicator calls
+        first: no collective runs before the check has passed."""
+        if self._pending is not None:
+            self.settle()
+        self._pending = settle
+
+    def settle(self) -> None:
+        """Finish the check held by :meth:`expect`, if any (raising its error); a no-op otherwise."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending()
+
+    def forget_pending(self) -> None:
+        """Drop the held check without waiting for it (a call interrupted by KeyboardInterrupt or the like: its
+        exchange stays in flight, and :meth:`wait_all` waits for it at shutdown)."""
+        self._pending = None
 
     # ---- coordinates ------------------------------------------------------------------------------------
     def axis_index(self, axis: str | int) -> int:
@@ -117,6 +139,8 @@ class Communicator(abc.ABC):
         agreement checks exchange to name what differs (:mod:`autoshard.runtime.agreement`). Here one all-gather
         along each mesh axis, the last axis first (ranks number coordinates row-major); a communicator whose
         collectives run on a device exchanges on the host instead, so it never waits for the device."""
+        if self._pending is not None:
+            self.settle()
         out = t.to(self.device)
         for axis in reversed(self.mesh.names):
             out = self.all_gather(out, axis, 0)
@@ -125,14 +149,23 @@ class Communicator(abc.ABC):
     def all_reduce_host(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over every rank of a small 1-d CPU tensor ``t``, as a CPU tensor: the agreement check before
         every call. Here one all-reduce along each mesh axis; on the host where the collectives run on a device."""
+        if self._pending is not None:
+            self.settle()
         out = t.to(self.device)
         for axis in self.mesh.names:
             out = self.all_reduce(out, axis)
         return out.cpu()
 
+    def all_reduce_host_async(self, t: torch.Tensor) -> Handle:
+        """:meth:`all_reduce_host` started, its :class:`Handle` waited on for the sum (here computed at once; a
+        communicator of real processes overlaps it with what the caller does meanwhile)."""
+        return Handle(self.all_reduce_host(t))
+
     # ---- raw collectives (no autograd) ------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
         """Sum of ``t`` over the group along ``axis`` (every rank gets the same new tensor)."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "all_reduce")
         out = self._all_reduce(t, axis)
         self._record("all_reduce", axis, t, phase)
@@ -141,6 +174,8 @@ class Communicator(abc.ABC):
     def all_reduce_(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
         """Sum of ``t`` over the group along ``axis``, written into ``t`` (contiguous); returns ``t``. Saves the
         output buffer: a fresh large tensor costs page faults that can exceed the collective itself."""
+        if self._pending is not None:
+            self.settle()
         axis = self._axis(axis)
         if not isinstance(t, torch.Tensor) or not t.is_contiguous():
             raise AutoshardError(f"all_reduce_ on rank {self.rank} needs a contiguous torch.Tensor.")
@@ -153,6 +188,8 @@ class Communicator(abc.ABC):
 
     def all_gather(self, t: torch.Tensor, axis: str, dim: int, phase: str = "forward") -> torch.Tensor:
         """Concatenation along ``dim`` of every group member's ``t``, in axis-coordinate order."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "all_gather")
         dim = self._dim(t, dim, "all_gather", axis)
         out = self._all_gather(t, axis, dim)
@@ -161,6 +198,8 @@ class Communicator(abc.ABC):
 
     def reduce_scatter(self, t: torch.Tensor, axis: str, dim: int, phase: str = "forward") -> torch.Tensor:
         """Sum over the group, then this rank's contiguous chunk along ``dim`` (chunk i on coordinate i)."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "reduce_scatter")
         dim = self._dim(t, dim, "reduce_scatter", axis, divisible=True)
         out = self._reduce_scatter(t, axis, dim)
@@ -171,6 +210,8 @@ class Communicator(abc.ABC):
                    phase: str = "forward") -> torch.Tensor:
         """Chunk ``t`` along ``split_dim`` into n pieces, send piece j to coordinate j, concatenate the received
         pieces along ``cat_dim`` in coordinate order. Shard(i) → Shard(j) is ``all_to_all(t, axis, j, i)``."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "all_to_all")
         split_dim = self._dim(t, split_dim, "all_to_all", axis, divisible=True)
         cat_dim = self._dim(t, cat_dim, "all_to_all", axis)
@@ -180,6 +221,8 @@ class Communicator(abc.ABC):
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, phase: str = "forward") -> torch.Tensor:
         """The ``t`` of the group member at coordinate ``src`` on ``axis``, on every member (a new tensor)."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "broadcast")
         n = self.mesh.axis_size(axis)
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
@@ -191,6 +234,8 @@ class Communicator(abc.ABC):
 
     def send(self, t: torch.Tensor, dst_rank: int, phase: str = "forward") -> None:
         """Point-to-point send of ``t`` to global rank ``dst_rank`` (matched by a ``recv`` there)."""
+        if self._pending is not None:
+            self.settle()
         t = self._input(t, "send")
         self._peer(dst_rank, "send")
         self._send(t, dst_rank)
@@ -198,6 +243,8 @@ class Communicator(abc.ABC):
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src_rank: int, phase: str = "forward") -> torch.Tensor:
         """Receive a tensor of ``shape`` and ``dtype`` sent by global rank ``src_rank``."""
+        if self._pending is not None:
+            self.settle()
         self._peer(src_rank, "recv")
         shape = torch.Size(shape)
         out = self._recv(shape, dtype, src_rank)
@@ -210,6 +257,8 @@ class Communicator(abc.ABC):
         the blocking ones). Used by the gradient bucketer (:mod:`autoshard.runtime.buckets`) to overlap gradient
         sync with backward compute. The caller hands ``t`` over: it may be reduced in place, and must not be read
         or modified before ``wait()``."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "all_reduce")
         handle = self._track(self._all_reduce_async(t, axis))
         self._record("all_reduce", axis, t, phase)
@@ -219,6 +268,8 @@ class Communicator(abc.ABC):
         """Start an all-gather of ``t`` along dim 0 over ``axis``; the :class:`Handle`'s ``wait()`` gives the
         gathered tensor. Same ordering rule as :meth:`all_reduce_async`; ``t`` must not be modified before
         ``wait()``. Used to gather the next layer's ZeRO-3 parameters early (:mod:`autoshard.runtime.zero`)."""
+        if self._pending is not None:
+            self.settle()
         axis, t = self._axis(axis), self._input(t, "all_gather")
         self._dim(t, 0, "all_gather", axis)
         handle = self._track(self._all_gather_async(t, axis))

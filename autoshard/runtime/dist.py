@@ -315,6 +315,8 @@ class DistCommunicator(Communicator):
         return out
 
     def barrier(self) -> None:
+        if self._pending is not None:
+            self.settle()
         with self._guard("barrier", None):
             dist.barrier()
 
@@ -323,12 +325,31 @@ class DistCommunicator(Communicator):
         return self._device()
 
     def all_reduce_host(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            self.settle()
         out = t.clone()
         with self._guard("all_reduce_host", None):
             dist.all_reduce(out, group=self._host_group)
         return out
 
+    def all_reduce_host_async(self, t: torch.Tensor) -> Handle:
+        """:meth:`all_reduce_host` started on the host group (``async_op``): the call's agreement check runs while
+        its forward computes."""
+        if self._pending is not None:
+            self.settle()
+        out = t.clone()
+        with self._guard("all_reduce_host", None):
+            work = dist.all_reduce(out, group=self._host_group, async_op=True)
+
+        def wait():
+            with self._guard("all_reduce_host", None):
+                work.wait()
+
+        return self._track(Handle(out, wait))
+
     def all_gather_host(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            self.settle()
         out = [torch.empty_like(t) for _ in range(self.mesh.size)]
         with self._guard("all_gather_host", None):
             dist.all_gather(out, t, group=self._host_group)

@@ -152,12 +152,16 @@ def syncing(enabled: bool, bucketer=None):
                                  "are kept on it. Leave bucket_cap_mb at its default (or > 0).")
         yield
         return
+    was = bucketer.sync
     if torch.is_grad_enabled():
         bucketer.sync = enabled  # the buckets' flag for the backward of this forward
     outer = getattr(_LOCAL, "state", None)
     _LOCAL.state = (enabled, bucketer.unsynced)
     try:
         yield
+    except BaseException:
+        bucketer.sync = was  # a forward that failed (or was refused) has no backward: the flag stays the last one's
+        raise
     finally:
         _LOCAL.state = outer
 

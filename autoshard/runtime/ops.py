@@ -140,6 +140,8 @@ def _dropout(x, p, global_shape, offsets, seed):
     ``seed`` (fixed per graph node at codegen) and ``c`` (the communicator's count of random calls, equal on every
     rank), drawn for the global shape and sliced at ``offsets``."""
     comm = current()
+    if comm._pending is not None:  # the call's agreement check settles before the count moves (runtime.agreement)
+        comm.settle()
     call = comm.random_calls
     comm.random_calls += 1
     g = torch.Generator(device=x.device).manual_seed((seed * 1_000_003 + call) % (2**63 - 1))

@@ -372,6 +372,8 @@ class SimCommunicator(Communicator):
                              "autoshard.runtime.spawn on one machine.")
 
     def barrier(self) -> None:
+        if self._pending is not None:
+            self.settle()
         world = self.world
         world._set_status(self.rank, "is waiting in barrier")
         entry = ("barrier", (), torch.float32, {}, torch.empty(0))
