@@ -173,10 +173,18 @@ class ContextAttention:
                                 "sequence. Keep parameters replicated (or ZeRO on the data axis) there, or use "
                                 "ContextParallel(balance=False).")
             if n.op == "call_function" and "dropout" in str(n.target) and isinstance(spec, tuple) and spec \
-                    and isinstance(spec[a], Shard):
+                    and isinstance(spec[a], Shard) and _drops(n):
                 raise PlanError(f"{node_location(n)} runs dropout on a tensor sharded along the sequence on "
                                 f"`{layout.axis}`, but the head-tail layout has no offsets for one global mask. Set "
                                 "dropout to 0 (or eval mode), or use ContextParallel(balance=False).")
+
+
+def _drops(node: torch.fx.Node) -> bool:
+    """Whether a dropout node draws a mask: not with p = 0 or train = False (``aten.dropout(x, p, train)``,
+    ``aten.native_dropout(x, p, train)``), which return their input."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return not (isinstance(p, (int, float)) and p == 0) and train is not False
 
 
 @dataclass(frozen=True)

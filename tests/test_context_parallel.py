@@ -342,3 +342,23 @@ def test_hf_mistral_sliding_window_and_qwen2_equal_one_device(kind):
     assert set(plan.context.report["context_attention"]["attention"].values()) == {"ring on context"}
     sim = plan.simulate(args, kwargs)
     _check_equal(model, args, kwargs, sim.outputs, sim.grads)
+
+
+def test_dropout_that_draws_nothing_is_no_obstacle_to_head_tail_balance():
+    """HF GPT-2 keeps its dropout modules at p = 0: they return their input, so the balanced layout runs them (it
+    refused them before, telling the user to set dropout to 0, which was already done); a dropout that draws a mask
+    on the sequence-sharded tensor is still refused."""
+    model, args, kwargs = models.hf_gpt2(batch=2, seq=32, layers=1, hidden=32, heads=4)
+    mesh = autoshard.Mesh(context=2)
+    plan = autoshard.compile(model, mesh, args, kwargs, context_axis="context").plan
+    sim = plan.simulate(args, kwargs)
+    ref_loss, ref_grads = reference(model, args, kwargs)
+    for out in sim.outputs:
+        torch.testing.assert_close(loss_of(out).detach(), ref_loss, rtol=1e-4, atol=1e-5)
+    assert set(ref_grads) - set(sim.grads) == {"lm_head.weight"}  # tied to transformer.wte.weight: one name
+    for name, g in sim.grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    dropping, args, kwargs = models.hf_gpt2(batch=2, seq=32, layers=1, hidden=32, heads=4)
+    dropping.transformer.drop.p = 0.1
+    with pytest.raises(autoshard.PlanError, match="runs dropout on a tensor sharded along the sequence"):
+        autoshard.compile(dropping, mesh, args, kwargs, context_axis="context")
