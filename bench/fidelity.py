@@ -206,69 +206,78 @@ def _predict(sharded, pipelined: bool, rank: int, profile) -> dict:
 
 def _worker(rank: int, world: int, pairs: list, shape: dict, profile_path: str, warmup: int, steps: int) -> dict:
     import torch
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
-    import autoshard
     from autoshard.cost_models.profile import load_profile
 
     torch.set_num_threads(1)
     prof_obj = load_profile(profile_path)
     out = {}
     for name, plan in pairs:
-        mesh_text, opts = plan_options(name, plan)
-        if plan == "pipeline":
-            opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
-                                                  schedule=opts["pipeline"].schedule, profile=profile_path)
-        mesh = autoshard.Mesh.parse(mesh_text)
-        torch.manual_seed(0)
-        model, args, kwargs = build_model(name, shape)
-        t0 = time.perf_counter()
-        sharded = autoshard.compile(model, mesh, args, kwargs, profile=profile_path, **opts)
-        pipelined = plan == "pipeline"
-        if pipelined:
-            a, k = args, kwargs  # a pipelined module takes the global batch
-        else:
-            a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
-            k = {key: autoshard.data_shard(v, mesh, rank) if isinstance(v, torch.Tensor) else v
-                 for key, v in kwargs.items()}
-        del model
-        optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=1e-4)
-        step = _step_fn(sharded, pipelined, a, k, optimizer)
-        for _ in range(warmup):
-            step()
-        compile_s = time.perf_counter() - t0
-        times, opt_times = [], []
-        for _ in range(steps):
-            dist.barrier()
-            t = time.perf_counter()
-            marks = []
-            step(marks)
-            times.append(time.perf_counter() - t)
-            opt_times.append(times[-1] - (marks[0] - t))
-        slowest = torch.tensor(times + opt_times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        slowest, slowest_opt = slowest[:steps], slowest[steps:]
-        # memory: one step to size the blocks that live from one step into the next, then the measured one
-        _count_every_block(True)
-        step()
-        optimizer.zero_grad(set_to_none=True)
-        buffers = list(sharded.buffers()) if not pipelined else _stage_buffers(sharded)
-        live_ptrs: set = set()
-        live = _live_bytes(sharded.parameters(), optimizer, buffers, live_ptrs)
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        _count_every_block(False)
-        peak = live + _allocator_peak(prof, live_ptrs)
-        pred = _predict(sharded, pipelined, rank, prof_obj)
-        out[(name, plan)] = {"time": statistics.median(slowest.tolist()), "memory": peak,
-                             "opt_time": statistics.median(slowest_opt.tolist()),
-                             "pred_opt": pred.get("opt", 0.0), "pred_comm": pred.get("comm", 0.0),
-                             "pred_time": pred["time"], "pred_memory": pred["memory"], "stage": pred["stage"],
-                             "mesh": mesh_text, "setup_s": compile_s}
-        del sharded, optimizer, step
+        try:
+            out[(name, plan)] = _measure(rank, name, plan, shape, profile_path, prof_obj, warmup, steps)
+        except Exception as e:  # the same on every rank (a plan refused): a row saying so, the run goes on
+            out[(name, plan)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     return out
+
+
+def _measure(rank, name, plan, shape, profile_path, prof_obj, warmup, steps) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import autoshard
+
+    mesh_text, opts = plan_options(name, plan)
+    if plan == "pipeline":
+        opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
+                                              schedule=opts["pipeline"].schedule, profile=profile_path)
+    mesh = autoshard.Mesh.parse(mesh_text)
+    torch.manual_seed(0)
+    model, args, kwargs = build_model(name, shape)
+    t0 = time.perf_counter()
+    sharded = autoshard.compile(model, mesh, args, kwargs, profile=profile_path, **opts)
+    pipelined = plan == "pipeline"
+    if pipelined:
+        a, k = args, kwargs  # a pipelined module takes the global batch
+    else:
+        a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
+        k = {key: autoshard.data_shard(v, mesh, rank) if isinstance(v, torch.Tensor) else v
+             for key, v in kwargs.items()}
+    del model
+    optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=1e-4)
+    step = _step_fn(sharded, pipelined, a, k, optimizer)
+    for _ in range(warmup):
+        step()
+    compile_s = time.perf_counter() - t0
+    times, opt_times = [], []
+    for _ in range(steps):
+        dist.barrier()
+        t = time.perf_counter()
+        marks = []
+        step(marks)
+        times.append(time.perf_counter() - t)
+        opt_times.append(times[-1] - (marks[0] - t))
+    slowest = torch.tensor(times + opt_times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    slowest, slowest_opt = slowest[:steps], slowest[steps:]
+    # memory: one step to size the blocks that live from one step into the next, then the measured one
+    _count_every_block(True)
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    buffers = list(sharded.buffers()) if not pipelined else _stage_buffers(sharded)
+    live_ptrs: set = set()
+    live = _live_bytes(sharded.parameters(), optimizer, buffers, live_ptrs)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    _count_every_block(False)
+    peak = live + _allocator_peak(prof, live_ptrs)
+    pred = _predict(sharded, pipelined, rank, prof_obj)
+    return {"time": statistics.median(slowest.tolist()), "memory": peak,
+            "opt_time": statistics.median(slowest_opt.tolist()),
+            "pred_opt": pred.get("opt", 0.0), "pred_comm": pred.get("comm", 0.0),
+            "pred_time": pred["time"], "pred_memory": pred["memory"], "stage": pred["stage"],
+            "mesh": mesh_text, "setup_s": compile_s}
 
 
 def spearman(xs, ys) -> float:
@@ -286,6 +295,10 @@ def run(pairs, shape, profile_path, warmup, steps, timeout=3600) -> list[dict]:
     rows = []
     for key in results[0]:
         per_rank = [r[key] for r in results]
+        if any("error" in r for r in per_rank):
+            error = next(r["error"] for r in per_rank if "error" in r)
+            rows.append({"model": key[0], "plan": key[1], "mesh": "", "error": error, "timed": False})
+            continue
         stages = sorted({r["stage"] for r in per_rank}, key=lambda s: -1 if s is None else s)
         for stage in stages:
             mine = [r for r in per_rank if r["stage"] == stage]
@@ -300,13 +313,15 @@ def run(pairs, shape, profile_path, warmup, steps, timeout=3600) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict:
-    timed = [r for r in rows if r["timed"]]
+    """Rank correlation and errors over the rows that ran (``errors``: how many plans failed)."""
+    ran = [r for r in rows if "error" not in r]
+    timed = [r for r in ran if r["timed"]]
     t_err = [abs(r["pred_time"] / r["time"] - 1) for r in timed]
-    m_err = [abs(r["pred_memory"] / r["memory"] - 1) for r in rows]
+    m_err = [abs(r["pred_memory"] / r["memory"] - 1) for r in ran]
     return {"rank_correlation": spearman([r["pred_time"] for r in timed], [r["time"] for r in timed]),
             "time_median_error": statistics.median(t_err), "time_max_error": max(t_err),
             "memory_median_error": statistics.median(m_err), "memory_max_error": max(m_err),
-            "plans": len(timed)}
+            "plans": len(timed), "errors": len(rows) - len(ran)}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -314,6 +329,9 @@ def format_rows(rows: list[dict]) -> str:
             f"{'meas MiB':>9} {'err':>7} {'opt pred':>9} {'opt meas':>9} {'comm pred':>9}")
     lines = [head]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:9} {r['plan']:13} failed: {r['error']}")
+            continue
         t = (f"{r['pred_time'] * 1e3:9.1f} {r['time'] * 1e3:9.1f} {r['pred_time'] / r['time'] - 1:+7.1%}"
              if r["timed"] else f"{'':9} {'':9} {'':7}")
         lines.append(f"{r['model']:9} {r['plan']:13} {r['mesh']:15} {t} {r['pred_memory'] / MiB:9.2f} "
@@ -322,7 +340,8 @@ def format_rows(rows: list[dict]) -> str:
     s = summary(rows)
     lines.append(f"step time over {s['plans']} plans: rank correlation {s['rank_correlation']:.3f}, median error "
                  f"{s['time_median_error']:.1%}, largest {s['time_max_error']:.1%}; peak memory: median error "
-                 f"{s['memory_median_error']:.1%}, largest {s['memory_max_error']:.1%}")
+                 f"{s['memory_median_error']:.1%}, largest {s['memory_max_error']:.1%}"
+                 + (f"; {s['errors']} plan(s) failed" if s["errors"] else ""))
     return "\n".join(lines)
 
 

@@ -106,6 +106,7 @@ def test_fidelity_quick_runs_and_predicts_every_plan(capsys):
     fidelity = importlib.import_module("bench.fidelity")  # (importable: spawned workers unpickle its functions)
     result = fidelity.main(["--quick", "--profile", "cpu-gloo"])
     rows = result["rows"]
+    assert [r for r in rows if "error" in r] == []
     ran = {r["plan"].split(" ")[0] for r in rows}
     assert ran == set(fidelity.PLANS)
     assert {r["model"] for r in rows} == set(fidelity.MODELS)
