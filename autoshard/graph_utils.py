@@ -146,3 +146,44 @@ def set_param(gm: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
             mod.add_module(part, torch.nn.Module())
         mod = getattr(mod, part)
     mod.register_parameter(leaf, param)
+
+
+def region_hull(nodes: list[torch.fx.Node], members, index: dict | None = None) -> list[torch.fx.Node]:
+    """The convex closure of one recomputation region: the nodes of ``nodes`` (a graph's nodes in order; ``index``:
+    {node: its position}, when the caller has it) that lie on a path from one of ``members`` to another,
+    ``members`` included, in graph order. What ``passes/recompute.py`` outlines into the region's checkpoint call:
+    backward runs every one of them again, the collectives inserted between the region's ops included."""
+    members = set(members)
+    index = index if index is not None else {n: i for i, n in enumerate(nodes)}
+    span = nodes[min(index[n] for n in members): max(index[n] for n in members) + 1]
+    down: set = set()
+    for n in span:
+        if n in members or any(x in down for x in n.all_input_nodes):
+            down.add(n)
+    up: set = set()
+    for n in reversed(span):
+        if n in members or any(u in up for u in n.users):
+            up.add(n)
+    return [n for n in span if n in down and n in up]
+
+
+def rerun_in_backward(graph: torch.fx.Graph, regions: dict | None = None) -> dict[torch.fx.Node, str]:
+    """{node: region id} of every node backward runs again: each recomputation region's (:data:`autoshard.meta.
+    RECOMPUTE`; ``regions``: {id: its nodes} instead) :func:`region_hull` and the getitems of the multi-output
+    nodes in it (a node in two hulls keeps the first)."""
+    nodes = list(graph.nodes)
+    if regions is None:
+        regions = {}
+        for n in nodes:
+            region = n.meta.get(M.RECOMPUTE) if n.op == "call_function" else None
+            if region is not None:
+                regions.setdefault(region, []).append(n)
+    out: dict[torch.fx.Node, str] = {}
+    index = {n: i for i, n in enumerate(nodes)}
+    for region, members in regions.items():
+        for n in region_hull(nodes, members, index):
+            out.setdefault(n, region)
+            for u in n.users:
+                if is_getitem(u):
+                    out.setdefault(u, region)
+    return out

@@ -18,7 +18,7 @@ from autoshard.cost_models.profile import HardwareProfile
 from autoshard import meta as M
 from autoshard import redistribute
 from autoshard.collective_kinds import time as kind_time
-from autoshard.graph_utils import is_getitem, itemsize, out_vals, shape, tensor_inputs
+from autoshard.graph_utils import is_getitem, itemsize, out_vals, rerun_in_backward, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.ops import entry
 from autoshard.placements import Spec, local_shape
@@ -58,11 +58,14 @@ def op_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfi
 
 
 def forward_times(node: torch.fx.Node, strategies, mesh: Mesh, profile: HardwareProfile) -> list[float]:
-    """Forward seconds of ``node`` under each strategy in ``strategies``: what backward spends running it again where
-    its recomputation region is recomputed (:func:`plan_cost`; the plan search prices recomputed ops with it)."""
+    """Forward seconds of ``node`` under each strategy in ``strategies``, what its local form sends by itself
+    forward included (:func:`op_comm_time`): what backward spends running it again where its recomputation region
+    is recomputed (:func:`plan_cost`; the plan search prices recomputed ops with it)."""
     fwd = op_work(node)  # the same floats as compute_time(node, profile, f)
     vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)
-    return [work_seconds(fwd, profile, shard_factor(node, s, mesh, vals)) for s in strategies]
+    return [work_seconds(fwd, profile, shard_factor(node, s, mesh, vals)) + op_comm_time(node, s, mesh, profile,
+                                                                                         backward=False)
+            for s in strategies]
 
 
 def trains(gm: torch.fx.GraphModule) -> bool:
@@ -71,11 +74,21 @@ def trains(gm: torch.fx.GraphModule) -> bool:
     return any(n.meta.get(M.REQUIRES_GRAD) for n in gm.graph.nodes)
 
 
-def op_comm_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
+def rerun_nodes(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """{node: region id} of the nodes of an annotated graph that backward runs again
+    (:func:`autoshard.graph_utils.rerun_in_backward`: each recomputation region's ops and the nodes between them,
+    collectives included); none when the graph has no backward (:func:`trains`)."""
+    return rerun_in_backward(gm.graph) if trains(gm) else {}
+
+
+def op_comm_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile,
+                 backward: bool = True) -> float:
     """What the op's local form sends by itself under ``strat`` (the registry's ``comm`` facet: context-parallel
-    attention), forward + backward; 0 for ops without one."""
+    attention), forward + backward (forward alone without ``backward``); 0 for ops without one."""
     fn = entry(node.target).comm
-    return 0.0 if fn is None else fn(node, strat, mesh, profile)
+    if fn is None:
+        return 0.0
+    return fn(node, strat, mesh, profile) if backward else fn(node, strat, mesh, profile, backward=False)
 
 
 def op_time(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, profile: HardwareProfile) -> float:
@@ -108,6 +121,22 @@ def redistribution_time_of(src, dst, shp, size, rg, mesh, profile) -> float | No
         fwd, bwd = kind_time(st.kind, max(before, after), n, link(profile, mesh, st.axis), rg)
         total += fwd
         total += bwd
+    return total
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def redistribution_forward_time_of(src, dst, shp, size, mesh, profile) -> float | None:
+    """Forward seconds of the redistribution ``src`` -> ``dst`` of a value of shape ``shp`` (``size`` bytes per
+    element): what backward spends running it again where it lies between the ops of a recomputed region
+    (:func:`node_time`; the plan search prices such redistributions with it). None where none exists."""
+    steps = redistribute.steps_between(src, dst, mesh)
+    if steps is None:
+        return None
+    total = 0.0
+    for st in steps:
+        before = local_numel(shp, st.before, mesh) * size
+        after = local_numel(shp, st.after, mesh) * size
+        total += kind_time(st.kind, max(before, after), mesh.axis_size(st.axis), link(profile, mesh, st.axis))[0]
     return total
 
 
@@ -183,11 +212,12 @@ def step_overhead(gm: torch.fx.GraphModule, profile: HardwareProfile) -> float:
     return profile.step_overhead if trains(gm) else 0.0
 
 
-def node_time(n: torch.fx.Node, mesh: Mesh, profile: HardwareProfile, backward: bool = True) -> tuple[float, float]:
+def node_time(n: torch.fx.Node, mesh: Mesh, profile: HardwareProfile, rerun=frozenset()) -> tuple[float, float]:
     """(compute, communication) seconds of one node of an annotated graph, forward + backward: an op's
-    :func:`op_time` (and its forward again where its recomputation region is recomputed, when the graph has a
-    ``backward``: :func:`trains`), an inserted collective's redistribution (ZeRO-3's gather again in backward) or
-    gradient sync (a reduce-scatter where the parameter is stored at ZeRO stage 2/3). :func:`plan_cost` is their
+    :func:`op_time`, an inserted collective's redistribution (ZeRO-3's gather again in backward) or gradient sync
+    (a reduce-scatter where the parameter is stored at ZeRO stage 2/3); for a node in ``rerun`` (the nodes backward
+    runs again, :func:`rerun_nodes`) its forward once more: an op's :func:`forward_times`, a collective's
+    :func:`redistribution_forward_time_of` (a gradient sync's forward is the identity). :func:`plan_cost` is their
     sum; the pipeline split prices its stages with it."""
     info = n.meta.get(M.COLLECTIVE)
     if info is not None:
@@ -195,12 +225,15 @@ def node_time(n: torch.fx.Node, mesh: Mesh, profile: HardwareProfile, backward: 
         if info.kind == "grad_all_reduce":
             return 0.0, grad_sync_time(info.src, info.axes, x, mesh, profile) - _zero_sync_saving(x, info, mesh,
                                                                                                     profile)
-        return 0.0, ((redistribution_time(info.src, info.dst, x, mesh, profile) or 0.0)
-                     + _zero_regather_time(n, info, mesh, profile))
+        t = (redistribution_time(info.src, info.dst, x, mesh, profile) or 0.0) + _zero_regather_time(n, info, mesh,
+                                                                                                     profile)
+        if n in rerun:  # between the ops of a recomputed region: its forward runs again in backward
+            t += redistribution_forward_time_of(info.src, info.dst, shape(x), itemsize(x), mesh, profile) or 0.0
+        return 0.0, t
     if n.op != "call_function" or M.STRATEGY not in n.meta or is_getitem(n):
         return 0.0, 0.0
     t = op_time(n, n.meta[M.STRATEGY], mesh, profile)
-    if n.meta.get(M.RECOMPUTE) is not None and backward:
+    if n in rerun:
         # recomputed in backward: its forward runs twice (a region runs again whole, ops needing no gradient too)
         t += forward_times(n, [n.meta[M.STRATEGY]], mesh, profile)[0]
     return t, 0.0
@@ -208,14 +241,14 @@ def node_time(n: torch.fx.Node, mesh: Mesh, profile: HardwareProfile, backward: 
 
 @dataclass(frozen=True)
 class PlanCost:
-    #: seconds: compute + communication (forward + backward, recomputed forwards, the share of gradient reductions
-    #: a link does not hide) + the optimizer step + the profile's fixed step overhead
+    #: seconds: compute + communication (forward + backward, recomputed forwards and the collectives among them, the
+    #: share of gradient reductions a link does not hide) + the optimizer step + the profile's fixed step overhead
     step_time: float
     compute_time: float
     comm_time: float
     memory_per_rank: float  # bytes: parameters, gradients, optimizer state, saved activations
     parameter_bytes: float  # bytes of this rank's parameter shards
-    comm_bytes: dict  # mesh axis -> bytes each rank sends per step (forward + backward)
+    comm_bytes: dict  # mesh axis -> bytes each rank sends per step (forward + backward, recomputed forwards)
     #: per-rank bytes by kind (parameters, gradients, optimizer, buffers, activations, gathered) and the step's
     #: peak (``memory_per_rank``): :class:`autoshard.cost_models.memory.MemoryBreakdown`
     memory: MemoryBreakdown | None = None
@@ -230,7 +263,7 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
     ``compute_dtype`` copies, saved activations, gathered parameters)."""
     compute = comm = 0.0
     comm_bytes = {name: 0.0 for name in mesh.names}
-    backward = trains(gm)
+    rerun = rerun_nodes(gm)
     opt = 0.0
     for n in gm.graph.nodes:
         if n.op == "get_attr":
@@ -238,9 +271,10 @@ def plan_cost(gm: torch.fx.GraphModule, mesh: Mesh, profile: HardwareProfile, op
             continue
         info = n.meta.get(M.COLLECTIVE)
         if info is not None:
+            again = info.bytes_forward if n in rerun else 0  # recomputed: its forward sends again
             for axis in info.axes:
-                comm_bytes[axis] += (info.bytes_forward + info.bytes_backward) / len(info.axes)
-        c, m = node_time(n, mesh, profile, backward)
+                comm_bytes[axis] += (info.bytes_forward + info.bytes_backward + again) / len(info.axes)
+        c, m = node_time(n, mesh, profile, rerun)
         compute += c
         comm += m
     breakdown = plan_memory(gm, mesh, optimizer, compute_dtype)

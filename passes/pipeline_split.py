@@ -28,14 +28,14 @@ Cut candidates are the positions where the module *unit* changes (the path up to
 component, ``transformer.h.3``, else the innermost module path) and every crossing value is a floating tensor.
 A stage ``[a, b)`` costs, per microbatch, ``C(a, b) = Σ (seconds of its nodes) + T(a) + T(b)``, each node priced
 as ``plan.cost()`` prices it (:func:`autoshard.cost_models.plan_cost.node_time`: forward + backward, a recomputed
-op's forward again, a collective's time on its axes), where ``T(i)`` sends the crossing tensors forward and their
-gradients back over the pipe link (``2 · (α · count + β · bytes)``, zero at the ends). A parameter's gradient sync
-that the stage programs leave to the runner (once per step, ``bucket_grads``) and its optimizer step are not per
-microbatch: they are the stage's ``once`` seconds. Embeddings, the LM head and the loss are nodes like any other,
-so they are part of the balance. The split minimises ``max_k C(stage k)`` (then the total transfer) by
-dynamic programming over the candidates (:func:`_best_cuts`): ``D[k][j] = min_{i<j} max(D[k-1][i], C(c_i, c_j))``,
-exact for this chain of cut points. Manual cut points (module paths, each starting a stage) replace the search
-(:func:`_manual_cuts`).
+op's or collective's forward again, a collective's time on its axes), where ``T(i)`` sends the crossing tensors
+forward and their gradients back over the pipe link (``2 · (α · count + β · bytes)``, zero at the ends). A
+parameter's gradient sync that the stage programs leave to the runner (once per step, ``bucket_grads``) and its
+optimizer step are not per microbatch: they are the stage's ``once`` seconds. Embeddings, the LM head and the loss
+are nodes like any other, so they are part of the balance. The split minimises ``max_k C(stage k)`` (then the
+total transfer) by dynamic programming over the candidates (:func:`_best_cuts`):
+``D[k][j] = min_{i<j} max(D[k-1][i], C(c_i, c_j))``, exact for this chain of cut points. Manual cut points
+(module paths, each starting a stage) replace the search (:func:`_manual_cuts`).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def _local_bytes(node: torch.fx.Node, mesh: Mesh) -> tuple[tuple[int, ...], int]
     return shp, math.prod(shp) * val.element_size()
 
 
-def _node_time(node: torch.fx.Node, mesh: Mesh, profile, backward: bool = True) -> tuple[float, float]:
+def _node_time(node: torch.fx.Node, mesh: Mesh, profile, rerun=frozenset()) -> tuple[float, float]:
     """(per microbatch, per step) seconds of one node, as ``plan.cost()`` prices it
     (:func:`autoshard.cost_models.plan_cost.node_time`): the gradient sync of a parameter that the stage programs
     leave to the runner's sync once per step (``bucket_grads``: the parameters
@@ -198,7 +198,7 @@ def _node_time(node: torch.fx.Node, mesh: Mesh, profile, backward: bool = True) 
     from autoshard.cost_models.plan_cost import node_time
     from autoshard.passes.bucket_grad_sync import param_of_sync
 
-    t = sum(node_time(node, mesh, profile, backward))
+    t = sum(node_time(node, mesh, profile, rerun))
     return (0.0, t) if param_of_sync(node) is not None else (t, 0.0)
 
 
@@ -206,7 +206,7 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None, optim
     """The cut-point problem of ``gm`` planned over ``mesh`` (the non-pipe axes), priced by ``profile`` as
     ``plan.cost()`` prices it (``optimizer``: the optimizer step of each parameter, once per step); stage transfers
     go over ``pipe_link`` (default: the profile's link)."""
-    from autoshard.cost_models.plan_cost import parameter_optimizer_time, trains
+    from autoshard.cost_models.plan_cost import parameter_optimizer_time, rerun_nodes
 
     pipe_link = pipe_link or profile.link
     recomputable: set[torch.fx.Node] = set()
@@ -241,8 +241,8 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None, optim
     for i, cross in enumerate(crossing):
         nbytes = sum(_local_bytes(v, mesh)[1] for v in cross if isinstance(v.meta.get("val"), torch.Tensor))
         transfer.append(2 * (pipe_link.alpha * len(cross) + pipe_link.beta * nbytes) if cross else 0.0)
-    backward = trains(gm)
-    times = {v: _node_time(v, mesh, profile, backward) for v in gm.graph.nodes if v.op == "call_function"}
+    rerun = rerun_nodes(gm)
+    times = {v: _node_time(v, mesh, profile, rerun) for v in gm.graph.nodes if v.op == "call_function"}
     node_cost = [times[v][0] for v in order]
     once = [times[v][1] for v in order]
     units = [unit_of(v) for v in order]

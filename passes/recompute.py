@@ -46,7 +46,7 @@ from autoshard.cost_models.memory import activation_bytes
 from autoshard import meta as M
 from autoshard.context import Context
 from autoshard.errors import PlanError
-from autoshard.graph_utils import node_location
+from autoshard.graph_utils import node_location, region_hull
 from autoshard.runtime.recompute import checkpoint
 
 __all__ = ["MarkRecompute", "Recompute", "RegionCost", "module_regions", "recompute_regions", "region_cost"]
@@ -184,19 +184,14 @@ def _convex(gm: torch.fx.GraphModule, region: str, nodes: list[torch.fx.Node]) -
     """The region's nodes closed under paths between them (and the getitems of its multi-output nodes), in graph
     order; the nodes of its span that read it without being in it (they move after the call); and its last node
     before the getitems joined (the call goes after it)."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    members = set(nodes)
-    first, last = min(order[n] for n in nodes), max(order[n] for n in nodes)
-    span = [n for n in gm.graph.nodes if first <= order[n] <= last]
-    down = set()
+    everything = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(everything)}
+    hull = region_hull(everything, nodes, order)  # (plan_cost prices the same nodes again: rerun_in_backward)
+    span = everything[order[hull[0]]: order[hull[-1]] + 1]
+    down = set(hull)
     for n in span:
-        if n in members or any(x in down for x in n.all_input_nodes):
+        if any(x in down for x in n.all_input_nodes):
             down.add(n)
-    up = set()
-    for n in reversed(span):
-        if n in members or any(u in up for u in n.users):
-            up.add(n)
-    hull = [n for n in span if n in down and n in up]
     last_node = hull[-1]
     inside = set(hull)
     for n in list(hull):

@@ -53,11 +53,11 @@ def ulysses_valid(strategy: M.Strategy, in_shapes, mesh) -> bool:
     return all(local_shape(in_shapes[i], strategy.input_specs[i], mesh)[-3] % n == 0 for i in (0, 1, 2))
 
 
-def context_comm(node: torch.fx.Node, strategy: M.Strategy, mesh, profile) -> float:
-    """Seconds (forward + backward) a context-parallel form sends by itself, by the alpha-beta model:
-    ring 2(n-1) sends of the local K/V forward, as many again and 2(n-1) of dK/dV backward; all-gather two
-    all-gathers forward, two and two reduce-scatters backward; Ulysses four all-to-alls forward (q, k, v, out)
-    and eight backward."""
+def context_comm(node: torch.fx.Node, strategy: M.Strategy, mesh, profile, backward: bool = True) -> float:
+    """Seconds (forward + backward; forward alone without ``backward``: what a recomputed region sends again) a
+    context-parallel form sends by itself, by the alpha-beta model: ring 2(n-1) sends of the local K/V forward, as
+    many again and 2(n-1) of dK/dV backward; all-gather two all-gathers forward, two and two reduce-scatters
+    backward; Ulysses four all-to-alls forward (q, k, v, out) and eight backward."""
     from autoshard.cost_models.alpha_beta import collective_time
     from autoshard.graph_utils import itemsize
 
@@ -73,7 +73,7 @@ def context_comm(node: torch.fx.Node, strategy: M.Strategy, mesh, profile) -> fl
         return math.prod(local_shape(tuple(x.meta["val"].shape), strategy.input_specs[i], mesh)) * itemsize(x)
 
     kb, vb, qb = local_bytes(1, k), local_bytes(2, v), local_bytes(0, q)
-    grad = bool(node.meta.get(M.REQUIRES_GRAD))
+    grad = bool(node.meta.get(M.REQUIRES_GRAD)) and backward
     if form == "ring":
         fwd = (n - 1) * (collective_time("send_recv", kb, 2, link) + collective_time("send_recv", vb, 2, link))
         return fwd * (3 if grad else 1)

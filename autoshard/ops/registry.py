@@ -17,7 +17,8 @@ facet               meaning                                                     
                     :data:`MASK` (a one-byte-per-element mask, dropout)
 ``comm``            seconds the op's *local form itself* communicates under a strategy (context-  none: 0
                     parallel attention passes K/V around the axis), ``(node, strategy, mesh,
-                    profile) -> seconds``, forward + backward; redistributions are priced apart
+                    profile, backward=True) -> seconds``, forward + backward (forward alone with
+                    ``backward=False``: a recomputed region's); redistributions are priced apart
 ``workspace``       bytes one rank's op allocates besides its outputs under a strategy,         none: nothing
                     ``(node, strategy, mesh) -> Workspace``: ``kept`` (autograd keeps them for
                     backward, e.g. attention's float copy of a boolean mask) and ``transient``
@@ -75,8 +76,9 @@ class Shapes(Protocol):
 
 
 FlopsFn = Callable[[Shapes], object]
-#: ``comm(node, strategy, mesh, profile) -> seconds`` (forward + backward) the local form communicates by itself
-CommFn = Callable[[Any, Any, Any, Any], float]
+#: ``comm(node, strategy, mesh, profile, backward=True) -> seconds`` (forward + backward; forward alone with
+#: ``backward=False``) the local form communicates by itself
+CommFn = Callable[..., float]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ memory row):
   ``q[u, o, i] ≥ y[u, o] + r[u, i] − 1`` paying ``time(o → i)``; impossible pairs get ``y[u, o] + r[u, i] ≤ 1``.
 * ``g[u, i, axes] ≥ x[c, k]`` for consumer options that need the gradient of ``u`` all-reduced over ``axes``
   (:meth:`_Builder.syncs`); graph outputs add a cost per producer spec (:meth:`_Builder.outputs`).
+* a redistribution between the ops of a recomputed region runs again in backward, at its forward seconds
+  (:meth:`_Builder.rerun_cost`): on the column that buys it where every reader needing it runs it again alike
+  (readers inside the region), else on a column the readers in the region buy alone.
 * objective: ``Σ x·compute_time + Σ q·redistribution_time + Σ g·all_reduce_time`` (seconds, forward + backward;
   no overlap of communication and compute), plus the tie-breaking seconds of :func:`.objective.ties`;
 * memory: per liveness point of :mod:`autoshard.cost_models.memory`, ``Σ x·bytes[point] + transients ≤ limit −
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from autoshard.cost_models.memory import largest_gradient
 from autoshard.passes.plan_search.highs import highs_with, run
-from autoshard.passes.plan_search.objective import option_vectors, recomputed_share
+from autoshard.passes.plan_search.objective import option_vectors, recomputed_share, unit_share
 from autoshard.passes.plan_search.problem import Problem, ValueTerm, output_spec_for
 
 from autoshard import meta as M
@@ -59,6 +62,10 @@ class Program:
     extra: dict = field(default_factory=dict, compare=False)
     #: auxiliary column -> the unit whose recomputed share it is not kept for (kept only within its layer copy)
     within: dict = field(default_factory=dict, compare=False)
+    #: auxiliary column -> (its seconds but for running again, forward seconds, (member, unit) pairs) of a
+    #: redistribution backward runs again (:meth:`_Builder.rerun_cost`); for a recomputation set it costs the first
+    #: plus :func:`rerun_column_cost` of the others
+    rerun: dict = field(default_factory=dict, compare=False)
 
     def choice(self, problem: Problem, x: np.ndarray) -> list[int]:
         """The option of each decision in the solution ``x``."""
@@ -98,6 +105,7 @@ class _Builder:
         self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
         self._copies: dict = {}  # (id(term), id(spec)) -> (gradient bytes, bytes per point) of that copy
         self.within: dict[int, int] = {}  # auxiliary column -> the unit it is kept only within (keep)
+        self.reruns: dict[int, tuple] = {}  # auxiliary column -> (seconds, forward seconds, pairs) (rerun_cost)
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
         """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
@@ -176,6 +184,15 @@ class _Builder:
         self.outputs(term, y)
         self.syncs(term)
 
+    def rerun_cost(self, col: int, term: ValueTerm, o, i, pairs) -> None:
+        """Column ``col`` buys the redistribution ``o → i`` of ``term``'s value, which the copies ``pairs`` ((member,
+        unit) pairs: readers in its recomputed region, ``term.rerun``) run again in backward: it also costs its
+        forward seconds per such copy (:func:`rerun_column_cost`, for this program's recomputation set)."""
+        forward = term.forward_cost.get((o, i), 0.0) if pairs else 0.0
+        if forward:
+            self.reruns[col] = (self.cost[col], forward, pairs)
+            self.cost[col] += rerun_column_cost(forward, pairs, self.recompute)
+
     def own_output(self, term: ValueTerm, y: dict) -> dict:
         """{spec: column} holding the bytes per point of the value in the layout its op produces it in, for an op
         whose output is kept only by readers (``DecisionVar.own_output``; its options' ``points`` leave it out).
@@ -205,6 +222,15 @@ class _Builder:
         # build_problem interns specs (one object per spec): look pairs up by identity, not by hashing
         # placements (the program's largest loop: a pair per producer spec, needed spec and consumer)
         pair_cost = {(id(o), id(i)): v for (o, i), v in term.pair_cost.items()}
+        # redistributions run again in backward (term.rerun): per needed spec, the (member, unit) pairs of the
+        # readers that may need it, and whether every such reader runs it again alike (then the column buying it
+        # for all of them carries the forward again; else a column bought by those readers alone does)
+        again: dict = {}
+        if term.rerun:
+            for i in term.needs:
+                sets = [term.rerun.get(d, frozenset()) for d in consumers if i in needed_by[d]]
+                pairs = frozenset().union(*sets)
+                again[id(i)] = (pairs, all(x == pairs for x in sets))
         for c in consumers:
             needs = sorted(needed_by[c], key=format_spec)
             ids = [spec_id.setdefault(i, len(spec_id)) for i in needs]
@@ -218,6 +244,8 @@ class _Builder:
                     keeps_own = own and o is i and o in own and term.kept.get(c)
                     if len(consumers) == 1:
                         evars[(oi, ii)] = self.new_var(m * pc)
+                        if again:
+                            self.rerun_cost(evars[(oi, ii)], term, o, i, again[id(i)][0])
                         if o is not i:
                             self.copy_gradient(term, i, [evars[(oi, ii)]])
                         if kept is not None:
@@ -229,10 +257,19 @@ class _Builder:
                     if keeps_own:
                         self.constraint([(own[o], 1.0), (ev, -1.0)], 0.0, np.inf)
                     if pc > 0:
+                        pairs, alike = again.get(id(i), (frozenset(), True))
                         bv = bought.get((oi, ids[ii]))
                         if bv is None:
                             bv = bought[(oi, ids[ii])] = self.new_var(m * pc)
+                            if alike:
+                                self.rerun_cost(bv, term, o, i, pairs)
                         self.constraint([(bv, 1.0), (ev, -1.0)], 0.0, np.inf)
+                        if not alike and term.rerun.get(c):
+                            av = bought.get(("again", oi, ids[ii]))
+                            if av is None:
+                                av = bought[("again", oi, ids[ii])] = self.new_var(0.0)
+                                self.rerun_cost(av, term, o, i, pairs)
+                            self.constraint([(av, 1.0), (ev, -1.0)], 0.0, np.inf)
                     if o is not i:
                         self.copy_gradient(term, i, [ev])
                     if kept is not None:  # the copy a keeping consumer holds, made once for all of them
@@ -256,8 +293,20 @@ class _Builder:
             if all(c == 0 for c in costs.values()):
                 continue
             rv = self.new_var(0.0)
-            for d, ks in _by_decision(users).items():  # a consumer's options exclude each other: sum them
+            readers = _by_decision(users)
+            for d, ks in readers.items():  # a consumer's options exclude each other: sum them
                 self.constraint([(rv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
+            # run again in backward by readers in the value's recomputed region (term.rerun): when every reader
+            # does alike, the column buying it carries the forward again; else a column those readers buy (sv, av)
+            sets = [term.rerun.get(d, frozenset()) for d in readers] if term.rerun else []
+            pairs = frozenset().union(*sets)
+            alike = all(x == pairs for x in sets)
+            sv = None
+            if pairs and not alike:
+                sv = self.new_var(0.0)
+                for d, ks in readers.items():
+                    if term.rerun.get(d):
+                        self.constraint([(sv, 1.0)] + [(self.offsets[d] + k, -1.0) for k in ks], 0.0, np.inf)
             # the copy, where a consumer keeps it (priced as if every consumer needing it did: an upper bound)
             keepers = {d for d, _ in users}
             kept = self.copy_points(term, i, keepers)
@@ -265,7 +314,7 @@ class _Builder:
                 c = costs[o]
                 if c == 0:
                     continue
-                if term.fixed is not None:  # y is the constant 1
+                if term.fixed is not None:  # y is the constant 1 (an input or annotated parameter: never run again)
                     if c is None:
                         self.constraint([(rv, 1.0)], 0.0, 0.0)
                     else:
@@ -280,6 +329,12 @@ class _Builder:
                     continue
                 qv = self.new_var(m * c)
                 self.constraint([(qv, 1.0), (rv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
+                if alike:
+                    self.rerun_cost(qv, term, o, i, pairs)
+                elif sv is not None:
+                    av = self.new_var(0.0)
+                    self.constraint([(av, 1.0), (sv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
+                    self.rerun_cost(av, term, o, i, pairs)
                 if kept is not None and o is not i:
                     self.keep(qv, kept, term, keepers)
                 if o is not i:
@@ -391,7 +446,15 @@ class _Builder:
         for col, v in kept_copies(self.extra, self.within, self.recompute).items():
             mem[col] = v[self.problem.point]
         return Program(np.array(self.cost), mem, a, self.lo, self.hi, np.array(self.integer), self.offsets,
-                       self.extra, self.within)
+                       self.extra, self.within, self.reruns)
+
+
+def rerun_column_cost(forward: float, pairs, recompute) -> float:
+    """Seconds a column of :meth:`_Builder.rerun_cost` adds with ``recompute``'s units recomputed: ``forward`` per
+    copy that runs it again (in a region marked before the search, or the recomputed share of its unit's copies)."""
+    marked = {j for j, unit in pairs if unit is None}
+    shares = sum(unit_share(recompute, unit) for j, unit in pairs if unit is not None and j not in marked)
+    return forward * (len(marked) + shares)
 
 
 def kept_copies(extra: dict, within: dict, recompute) -> dict:
@@ -436,12 +499,13 @@ def with_memory_row(prog: Program, room: float) -> Program:
     from scipy.sparse import csr_matrix, vstack
 
     return Program(prog.c, prog.mem, vstack([prog.a, csr_matrix(prog.mem)]).tocsr(), [*prog.lo, -np.inf],
-                   [*prog.hi, room], prog.integer, prog.offsets, prog.extra, prog.within)
+                   [*prog.hi, room], prog.integer, prog.offsets, prog.extra, prog.within, prog.rerun)
 
 
 def with_costs(prog: Program, cost: np.ndarray, mem: np.ndarray) -> Program:
     """``prog``'s rows with other seconds and bytes per column (another recomputation set)."""
-    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets, prog.extra, prog.within)
+    return Program(cost, mem, prog.a, prog.lo, prog.hi, prog.integer, prog.offsets, prog.extra, prog.within,
+                   prog.rerun)
 
 
 def solve_program(problem: Problem, prog: Program, cost: np.ndarray, time_limit: float,

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from autoshard.passes.plan_search.ilp import (Program, build_program, integral, kept_copies, least_peak_program,
-                                              solve_program, with_costs)
+                                              rerun_column_cost, solve_program, with_costs)
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
-                                                    option_vectors, recomputation_change, ties)
+                                                    option_vectors, recomputation_change, rerun_seconds, ties)
 from autoshard.passes.plan_search.problem import Problem
 from autoshard.passes.plan_search.repair import fallback_plan, improve_layouts, least_memory_plan, repair
 from autoshard.passes.plan_search.solver import WarmLP
@@ -248,6 +248,8 @@ class _Walk:
             memory[:len(mem)] = mem
             for col, v in kept_copies(self.base.extra, self.base.within, units).items():
                 memory[col] = v[self.problem.point]
+            for col, (seconds, forward, pairs) in self.base.rerun.items():  # redistributions run again
+                cost[col] = seconds + rerun_column_cost(forward, pairs, units)
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
 
@@ -548,14 +550,18 @@ def _no_plan_fits(problem: Problem, least: float, found: Candidate | None = None
 
 def best_units(problem: Problem, choice: list[int], lam) -> frozenset:
     """The units worth recomputing at ``lam`` (seconds per byte: one per liveness point, or one for the point the
-    problem prices) for ``choice``: what λ prices the bytes freed at exceeds the forward run again."""
+    problem prices) for ``choice``: what λ prices the bytes freed at exceeds the forward run again (its ops' and the
+    redistributions' between them)."""
     cols = option_columns(problem)
     at = cols.at(choice)
     at = at[cols.unit[at] >= 0]
     if not len(at):
         return frozenset()
     units = cols.unit[at]
-    extra = np.bincount(units, weights=cols.forward[at])
+    extra = np.bincount(units, weights=cols.forward[at]).tolist()
+    for u, seconds in rerun_seconds(problem, choice)[1].items():  # the redistributions inside its copies again
+        if u < len(extra):
+            extra[u] += seconds
     change = recomputation_change(problem, choice)
     saving = {}
     for u in np.unique(units).tolist():
@@ -571,7 +577,8 @@ def lp_bound(problem: Problem, lam) -> float:
     unit's recomputed share a variable (``r[u] ∈ [0, 1]``; per op ``d`` of the unit and option ``k`` a share
     ``z[d, k] ≤ x[d, k]`` with ``Σ_k z[d, k] = r[u]``, costing the option's forward again and changing its bytes
     by ``points_recomputed[k] − points[k]``: where ``x`` is integral that is the product ``r[u]·x[d, k]``,
-    linear), less the most the tie-breaking costs add. :func:`search`'s own bound fixes the recomputed units at each
+    linear; the redistributions a recomputed unit runs again are left out, which keeps it a bound), less the most
+    the tie-breaking costs add. :func:`search`'s own bound fixes the recomputed units at each
     λ (coordinate descent) and so may overstate this one; solving this program takes ~3× longer per λ, so the
     search does not (``bench/search_plans.py`` prints both)."""
     if not np.ndim(lam):

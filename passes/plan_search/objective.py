@@ -5,7 +5,8 @@ For a choice (one option index per decision) and a recomputation set (units reco
 
 * seconds ``T = Σ_d option_cost(d)[k_d] + Σ_terms term_cost`` (:func:`evaluate`): each option's compute (plus its
   forward again where recomputed, :func:`option_cost`), each redistribution bought once per (value, needed spec)
-  and each gradient sync (:func:`term_cost`) — the same objective the program of :mod:`.ilp` minimises, less the
+  and each gradient sync (:func:`term_cost`), the forward again of the redistributions between a recomputed
+  region's ops (:func:`rerun_seconds`) — the same objective the program of :mod:`.ilp` minimises, less the
   tie-breaking seconds (:func:`ties`);
 * bytes ``M``: the peak over the liveness points of :mod:`autoshard.cost_models.memory` (:func:`memory_points`:
   the end of forward, each backward segment boundary, the optimizer step) — the parameters' options' bytes per
@@ -69,8 +70,7 @@ def term_cost(term: ValueTerm, choice: list[int]) -> float:
     """Seconds of one value term for ``choice`` (times its multiplicity); :data:`INFEASIBLE` for an impossible
     redistribution."""
     ix = term.index()
-    o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
-                                                       if (d, choice[d]) in ix.out)
+    o = produced_spec(term, choice)
     wanted: dict = {}  # the specs consumers need (interned: one object per spec, so keyed by id)
     keys: dict = {}
     for d in ix.consumers:
@@ -96,22 +96,61 @@ def term_cost(term: ValueTerm, choice: list[int]) -> float:
     return term.multiplicity * total
 
 
+def produced_spec(term: ValueTerm, choice: list[int]):
+    """The spec ``term``'s value comes out in under ``choice``."""
+    if term.fixed is not None:
+        return term.fixed
+    ix = term.index()
+    return next(ix.out[(d, choice[d])] for d in ix.producers if (d, choice[d]) in ix.out)
+
+
+def rerun_seconds(problem: Problem, choice: list[int]) -> tuple[float, dict]:
+    """Seconds of the redistributions backward runs again under ``choice`` (they lie between the ops of a
+    recomputed region, :attr:`.problem.ValueTerm.rerun`; each once per value copy and needed spec, as
+    ``passes/insert_collectives.py`` shares it, priced by its forward seconds as ``plan.cost()`` prices it):
+    (those in regions marked before the search, {unit: those inside its layer copies, every copy recomputed}).
+    A unit's share of copies recomputed scales its seconds (:func:`evaluate`)."""
+    fixed, per_unit = 0.0, {}
+    for term in problem.rerun_terms:
+        ix = term.index()
+        o = produced_spec(term, choice)
+        wanted: dict = {}  # id(spec) -> (spec, the (member, unit) pairs reading it again)
+        for d, pairs in term.rerun.items():
+            for i in ix.need.get((d, choice[d]), ()):
+                wanted.setdefault(id(i), (i, set()))[1].update(pairs)
+        for i, pairs in wanted.values():
+            f = term.forward_cost.get((o, i), 0.0)
+            if not f:
+                continue
+            marked = {j for j, unit in pairs if unit is None}
+            fixed += f * len(marked)
+            for j, unit in pairs:
+                if unit is not None and j not in marked:
+                    per_unit[unit] = per_unit.get(unit, 0.0) + f
+    return fixed, per_unit
+
+
+def unit_share(recompute, unit: int) -> float:
+    """The share of ``unit``'s copies recomputed: ``recompute`` is a set of units or {unit: share}."""
+    return recompute.get(unit, 0.0) if isinstance(recompute, dict) else float(unit in recompute)
+
+
 def evaluate(problem: Problem, choice: list[int], recompute=frozenset()) -> tuple[float, float]:
     """(estimated step time in seconds, per-rank memory in bytes) of one option per decision, the units in
-    ``recompute`` recomputed (memory: the sum plus :func:`transient_bytes`)."""
+    ``recompute`` recomputed (seconds: what backward runs again included, :func:`rerun_seconds`; memory: the sum
+    plus :func:`transient_bytes`)."""
     t = problem.fixed_seconds + sum(option_cost(d, recompute)[choice[i]] for i, d in enumerate(problem.decisions))
     t += sum(term_cost(term, choice) for term in problem.terms)
+    if problem.rerun_terms:
+        fixed, per_unit = rerun_seconds(problem, choice)
+        t += fixed + sum(unit_share(recompute, u) * v for u, v in per_unit.items())
     return t, float(memory_points(problem, choice, recompute).max())
 
 
 def recomputed_share(d: DecisionVar, recompute) -> float:
     """The share of ``d``'s copies recomputed: ``recompute`` is a set of units (all their copies) or a mapping
     {unit: share of its copies}."""
-    if d.unit is None:
-        return 0.0
-    if isinstance(recompute, dict):
-        return recompute.get(d.unit, 0.0)
-    return 1.0 if d.unit in recompute else 0.0
+    return 0.0 if d.unit is None else unit_share(recompute, d.unit)
 
 
 def option_cost(d: DecisionVar, recompute=frozenset()) -> list[float]:

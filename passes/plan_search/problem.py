@@ -28,7 +28,8 @@ import torch.fx
 from autoshard.collective_kinds import time as kind_time
 from autoshard.cost_models.memory import GraphMemory, keeps, recompute_region
 from autoshard.cost_models.plan_cost import (forward_times, grad_sync_time, link, local_numel, op_times,
-                                             optimizer_time, redistribution_time_of, step_overhead, trains)
+                                             optimizer_time, redistribution_forward_time_of, redistribution_time_of,
+                                             rerun_nodes, step_overhead, trains)
 from autoshard.cost_models.profile import HardwareProfile
 from autoshard.passes.plan_search.layers import LayerUnits, copy_paths, find_layers, recompute_units
 from autoshard.passes.plan_search.precision import ComputeCopies
@@ -37,7 +38,7 @@ from autoshard.passes.propagate import (annotation_error, keeps_layout, node_str
 
 from autoshard import meta as M
 from autoshard.context import Context
-from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, shape, tensor_inputs
+from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, rerun_in_backward, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Replicate, Shard, Spec, format_spec
 
@@ -115,6 +116,13 @@ class ValueTerm:
     region: str | None = None
     kept_plain: dict = field(default_factory=dict, repr=False)
     same_region: dict = field(default_factory=dict, repr=False)
+    #: consumer decision -> the redistributions to it that backward runs again (they lie between the ops of a
+    #: recomputed region: :func:`autoshard.graph_utils.rerun_in_backward`), as (member index, unit) pairs: unit
+    #: None where the region was marked before the search, else the unit whose layer copy holds both ends (run
+    #: again when that copy is recomputed)
+    rerun: dict = field(default_factory=dict, repr=False)
+    #: (o, i) -> forward seconds of that redistribution of one member (what running it again costs), where ``rerun``
+    forward_cost: dict = field(default_factory=dict, repr=False)
     by_option: OptionIndex | None = field(default=None, repr=False, compare=False)
 
     def index(self) -> OptionIndex:
@@ -152,6 +160,8 @@ class Problem:
     fixed_stored: int = 0  # the largest stored tensor of the annotated parameters (the optimizer's temporaries)
     #: seconds every plan pays whatever it chooses: mixed precision's casts of the inputs and annotated parameters
     fixed_seconds: float = 0.0
+    #: the terms with redistributions backward may run again (``ValueTerm.rerun``)
+    rerun_terms: list = field(default_factory=list, repr=False)
     #: (layouts, answer) of the last :func:`.objective.activations`: a repair changes no layout
     activations_cache: tuple | None = field(default=None, repr=False, compare=False)
     columns: object = field(default=None, repr=False, compare=False)  # .objective._Columns, built once
@@ -308,12 +318,14 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {}, memory,
                       np.zeros(memory.timeline.points))
     copies = ComputeCopies.of(gm, precision, profile, mesh)
-    _op_decisions(gm, ctx, profile, problem, members, layers, copies)
+    rerun = _Rerun.of(gm, layers)
+    _op_decisions(gm, ctx, profile, problem, members, layers, copies, rerun.marked)
     pricing = ParameterPricing(mesh, data_axis, link(profile, mesh, data_axis) if data_axis else None, optimizer, zero,
                                profile)
     problem.fixed_seconds += step_overhead(gm, profile)
     _parameter_decisions(gm, problem, members, pricing, copies)
-    problem.terms = _value_terms(gm, ctx, profile, problem, copies)
+    problem.terms = _value_terms(gm, ctx, profile, problem, copies, rerun)
+    problem.rerun_terms = [t for t in problem.terms if t.rerun]
     with copies.read():
         _zero_syncs(problem, pricing, copies)
     _cast_seconds(gm, problem, copies)
@@ -323,8 +335,40 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     return problem
 
 
+@dataclass(frozen=True)
+class _Rerun:
+    """What backward runs again, on the graph the search plans (before collectives are inserted): ``marked``
+    ({node: region id}) the nodes of the regions marked before the search (the ``recompute=`` glob, the model's
+    own checkpoint) and those between their ops (:func:`autoshard.graph_utils.rerun_in_backward`, as
+    ``plan.cost()`` prices the compiled graph); ``copies`` ({node: (unit, copy path)}) the same of every copy of a
+    recomputation unit, were it recomputed. Empty for a graph without a backward."""
+
+    marked: dict
+    copies: dict
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, layers: LayerUnits) -> _Rerun:
+        marked = rerun_nodes(gm)
+        if not layers.units or not trains(gm):
+            return cls(marked, {})
+        unit_of = {path: k for k, unit in enumerate(layers.units) for path in unit.copies}
+        hulls = rerun_in_backward(gm.graph, {path: ops for unit in layers.units for path, ops in unit.copies.items()})
+        return cls(marked, {n: (unit_of[path], path) for n, path in hulls.items()})
+
+    def pair(self, u: torch.fx.Node, c: torch.fx.Node):
+        """Whether a redistribution from ``u`` to its reader ``c`` runs again in backward: (True, None) in a region
+        marked before the search, (True, unit) when that unit's copy holding both is recomputed, else None."""
+        region = self.marked.get(u)
+        if region is not None and self.marked.get(c) == region:
+            return True, None
+        copy = self.copies.get(u)
+        if copy is not None and self.copies.get(c) == copy:
+            return True, copy[0]
+        return None
+
+
 def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, members: dict,
-                  layers: LayerUnits, copies: ComputeCopies) -> None:
+                  layers: LayerUnits, copies: ComputeCopies, rerun: dict) -> None:
     """A decision per canonical op: its strategies (those that keep every annotated parameter's layout), their
     seconds and saved activation bytes over every copy (:meth:`GraphMemory.op_option` at each copy's liveness
     points), and, in a recomputation unit, what recomputing costs and what it keeps then (every unit's copy its
@@ -333,7 +377,6 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
     ``plan.cost()`` prices it (:func:`~autoshard.cost_models.plan_cost.forward_times`)."""
     mesh, canon, memory = problem.mesh, problem.canon, problem.memory_model
     regions = copy_paths(layers.units)
-    backward = trains(gm)
     pinned = pinned_values(gm)
     strict = {x: True for x, s in pinned.items() if s}  # annotated parameters: their layout is known now
     for n in gm.graph.nodes:
@@ -348,8 +391,8 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
         strats = [s for s, c in zip(strats, conflicts) if c is None]
         k = len(members[n])
         alive = memory.alive(members[n])
-        # copies recomputed whatever the search chooses (their region was marked before it)
-        again = sum(1 for x in members[n] if x.meta.get(M.RECOMPUTE) is not None) if backward else 0
+        # copies recomputed whatever the search chooses (their region was marked before it: ``rerun``)
+        again = sum(1 for x in members[n] if x in rerun)
         u = layers.unit_of.get(n)
         with copies.read(n.all_input_nodes):  # the op reads mixed precision's copies
             seconds = op_times(n, strats, mesh, profile)
@@ -451,9 +494,10 @@ class _SpecPool:
         return self.pool.setdefault(spec, spec)
 
 
-def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, copies: ComputeCopies
-                 ) -> list[ValueTerm]:
-    """One term per group of values with the same canonical value and canonical consumers."""
+def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, copies: ComputeCopies,
+                 rerun: _Rerun) -> list[ValueTerm]:
+    """One term per group of values with the same canonical value and canonical consumers (``rerun``: what backward
+    runs again, :meth:`_Rerun.pair`)."""
     canon = problem.canon
     consumers_of = _consumers(gm)
     groups: dict[tuple, list[torch.fx.Node]] = {}
@@ -472,6 +516,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, c
         term = ValueTerm(cu, len(members), members=members)
         _producer_options(u, cu, problem, term, intern)
         _consumer_options(u, consumers_of[u], problem, term, intern, out_req, copy_of)
+        _rerun_readers(members, consumers_of, problem, term, rerun)
         with copies.read([u]):  # redistributions and syncs move the param_dtype copies
             _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written,
                         copies.sync_size(u))
@@ -479,6 +524,20 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, c
             term.sync_cost[key] += copies.sync_casts(u, key[0])
         terms.append(term)
     return terms
+
+
+def _rerun_readers(members: list, consumers_of: dict, problem: Problem, term: ValueTerm, rerun: _Rerun) -> None:
+    """Fill ``term.rerun``: per consumer decision, the (member, unit) pairs whose redistribution to it backward runs
+    again (:meth:`_Rerun.pair`)."""
+    if not rerun.marked and not rerun.copies:
+        return
+    found: dict = {}
+    for j, u in enumerate(members):
+        for c, _ in consumers_of[u]:
+            again = rerun.pair(u, c) if c.op != "output" else None
+            if again is not None:
+                found.setdefault(problem.index[canonical(problem.canon, c)], set()).add((j, again[1]))
+    term.rerun = {d: frozenset(pairs) for d, pairs in found.items()}
 
 
 def _zero_syncs(problem: Problem, pricing: ParameterPricing, copies: ComputeCopies) -> None:
@@ -560,6 +619,9 @@ def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned
             if written and o != i:
                 pc = None  # written in place (running statistics): read in the layout it is stored in
             term.pair_cost[(o, i)] = pc
+    if term.rerun:  # run again in backward: their forward seconds
+        for (o, i), pc in term.pair_cost.items():
+            term.forward_cost[(o, i)] = redistribution_forward_time_of(o, i, value[0], value[1], mesh, profile) or 0.0
     for (i, axes) in term.syncs:
         term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile, sync_size)
 

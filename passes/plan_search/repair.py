@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, memory_points, option_cost, option_memory,
-                                                    recomputation_change, term_cost, terms_touching,
+                                                    recomputation_change, rerun_seconds, term_cost, terms_touching,
                                                     transient_bytes)
 from autoshard.passes.plan_search.problem import Problem
 
@@ -65,6 +65,9 @@ class _Plan:
         self.staged = [i for i, d in enumerate(problem.decisions) if d.stages]
         # moves keep every layout; the seconds every plan pays count here too
         self.comm = problem.fixed_seconds + sum(term_cost(term, self.choice) for term in problem.terms)
+        # ... and the redistributions backward runs again: fixed, or per unit's share (rerun_seconds)
+        rerun, self.rerun = rerun_seconds(problem, self.choice) if problem.rerun_terms else (0.0, {})
+        self.comm += rerun
         # ... but a stage move changes a gradient sync over the data axis (all-reduce or reduce-scatter)
         touching = terms_touching(problem)
         self.syncs = {i: [t for t in touching.get(i, ()) if t.zero_syncs] for i in self.staged}
@@ -83,7 +86,7 @@ class _Plan:
         for u, ds in self.members.items():
             step = 1.0 / len(self.problem.units[u].copies)
             decisions = [(self.problem.decisions[i], self.choice[i]) for i in ds]
-            dt = step * sum(d.forward[k] for d, k in decisions)
+            dt = step * (sum(d.forward[k] for d, k in decisions) + self.rerun.get(u, 0.0))
             dm = step * float(change[u][p]) if u in change else 0.0  # bytes, at the priced point
             if self.share[u] < 1.0 - 1e-9:
                 out.append(PricedMove(Move("unit", u, min(1.0, self.share[u] + step)), dt, dm))
@@ -125,6 +128,7 @@ class _Plan:
             k = self.choice[i]
             f = self.share[d.unit] if d.unit is not None else 0.0
             t += d.cost[k] + f * d.forward[k] if f else d.cost[k]
+        t += sum(self.share[u] * v for u, v in self.rerun.items())
         return t, float(memory_points(self.problem, self.choice, self.share).max())
 
 
