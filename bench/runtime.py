@@ -9,7 +9,8 @@ None before each; no optimizer) of:
   output projections; embeddings and LM head replicated):
   - **autoshard** (headline): the ``ShardedModule`` a user runs — ``autoshard.compile(model, mesh, args,
     plan=..., comm=..., bucket_cap_mb=25)`` called as a module: its DTensor parameters bound to the rank program
-    per call (``autoshard.parameters.bound``), the agreement check before the call, gradients as DTensors;
+    per call (``autoshard.parameters.bound``), the agreement check of every call (started before the forward,
+    settled before the program's first collective), gradients as DTensors;
     ``autoshard-SP`` (the block) the same with sequence parallelism;
   - **autoshard rank module** (secondary): the bare program the ShardedModule runs,
     ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer`` (plain tensors, direct collectives; the

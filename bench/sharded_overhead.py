@@ -5,10 +5,13 @@ Two gloo processes, one model, side by side in one run (repetitions interleaved,
 
 * ``bare``: ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer`` (``bucket_cap_mb=25``): plain
   tensors, what the ShardedModule runs;
-* ``bare+check``: the same after ``autoshard.runtime.agreement.check_call`` (the check every ShardedModule call
-  makes first: one host all-reduce over the world);
+* ``bare+check``: the same after ``autoshard.runtime.agreement.check_call`` waited on before the call (one host
+  all-reduce over the world: the check as a ShardedModule made it before it overlapped it with the forward);
 * ``sm``: the ``ShardedModule`` (``autoshard.compile(..., comm=..., bucket_cap_mb=25)`` called as a module: its
-  DTensor parameters bound to the program per call, gradients as DTensors);
+  DTensor parameters bound to the program per call, gradients as DTensors, the check started before the forward
+  and settled before the program's first collective);
+* ``sm-sync-check``: the ShardedModule with the check waited on before the program runs (as for a program that may
+  change state before its first collective: ``agreement.quiet_until_collective`` replaced by ``False``);
 * ``sm-no-check``: the ShardedModule with ``check_call`` replaced by a no-op for the call.
 
 Printed: the median step of each and its median paired ratio to ``bare``.
@@ -29,7 +32,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # run as a script (and in spawned workers): make `examples` importable
     sys.path.insert(0, str(_ROOT))
 
-SYSTEMS = ("bare", "bare+check", "sm", "sm-no-check")
+SYSTEMS = ("bare", "bare+check", "sm", "sm-sync-check", "sm-no-check")
 
 
 def _model(case: str):
@@ -59,7 +62,7 @@ def _worker(rank, world, cases, reps):
     from autoshard.runtime.buckets import GradBucketer
     from examples import models
 
-    real_check = agreement.check_call
+    real_check, real_quiet = agreement.check_call, agreement.quiet_until_collective
     out = {}
     for case in cases:
         model, args, megatron = _model(case)
@@ -83,6 +86,13 @@ def _worker(rank, world, cases, reps):
             def f_sm():
                 return loss_of(sm(*local))
 
+            def f_sm_sync_check():
+                agreement.quiet_until_collective = lambda program: False
+                try:
+                    return loss_of(sm(*local))
+                finally:
+                    agreement.quiet_until_collective = real_quiet
+
             def f_sm_no_check():
                 agreement.check_call = lambda *a, **k: None
                 try:
@@ -91,7 +101,8 @@ def _worker(rank, world, cases, reps):
                     agreement.check_call = real_check
 
             fns = {"bare": (f_bare, list(bare.parameters())), "bare+check": (f_bare_check, list(bare.parameters())),
-                   "sm": (f_sm, list(sm.parameters())), "sm-no-check": (f_sm_no_check, list(sm.parameters()))}
+                   "sm": (f_sm, list(sm.parameters())), "sm-sync-check": (f_sm_sync_check, list(sm.parameters())),
+                   "sm-no-check": (f_sm_no_check, list(sm.parameters()))}
 
             def step(fn, params):
                 for p in params:
@@ -139,10 +150,10 @@ def main(argv=None) -> list[dict]:
     rows = summarize(spawn(_worker, 2, tuple(a.cases), a.reps, timeout=1800))
     print(f"2 gloo processes; {a.reps} interleaved repetitions of 1 untimed + 2 timed steps (slower rank); ratio = "
           "median over repetitions of step / bare's in the same repetition")
-    print(f"| {'case':<5} | {'mesh':<4} | {'params':>6} | {'system':<11} | {'step ms':>8} | {'/ bare':>6} |")
-    print("| ----- | ---- | ------ | ----------- | -------- | ------ |")
+    print(f"| {'case':<5} | {'mesh':<4} | {'params':>6} | {'system':<13} | {'step ms':>8} | {'/ bare':>6} |")
+    print("| ----- | ---- | ------ | ------------- | -------- | ------ |")
     for r in rows:
-        print(f"| {r['case']:<5} | {r['mesh']:<4} | {r['params']:>6} | {r['system']:<11} | {r['ms']:>8.2f} | "
+        print(f"| {r['case']:<5} | {r['mesh']:<4} | {r['params']:>6} | {r['system']:<13} | {r['ms']:>8.2f} | "
               f"{r['ratio']:>6.3f} |")
     return rows
 

@@ -157,9 +157,13 @@ class Communicator(abc.ABC):
         return out.cpu()
 
     def all_reduce_host_async(self, t: torch.Tensor) -> Handle:
-        """:meth:`all_reduce_host` started, its :class:`Handle` waited on for the sum (here computed at once; a
-        communicator of real processes overlaps it with what the caller does meanwhile)."""
-        return Handle(self.all_reduce_host(t))
+        """:meth:`all_reduce_host` started, its :class:`Handle` waited on for the sum (here computed at once, left
+        out of :attr:`log`; a communicator of real processes overlaps it with what the caller does meanwhile)."""
+        was, self.recording = self.recording, False
+        try:
+            return Handle(self.all_reduce_host(t))
+        finally:
+            self.recording = was
 
     # ---- raw collectives (no autograd) ------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
@@ -498,8 +502,8 @@ def backward_uses(outputs, comm: Communicator):
 
     if not torch.is_grad_enabled():
         return outputs
-    nodes = {id(x.grad_fn): x.grad_fn for x in pytree.tree_leaves(outputs)
-             if isinstance(x, torch.Tensor) and x.grad_fn is not None}
+    leaves = (outputs,) if type(outputs) is torch.Tensor else pytree.tree_leaves(outputs)
+    nodes = {id(x.grad_fn): x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None}
     for node in nodes.values():
         node.register_prehook(lambda grads: _entered_backward(comm))
     return outputs

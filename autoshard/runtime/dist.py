@@ -80,6 +80,10 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+#: options of a sum all-reduce, for the process group's own ``allreduce``
+_SUM = dist.AllreduceOptions()
+_SUM.reduceOp = dist.ReduceOp.SUM
+
 #: Every DistCommunicator of this process that has not been closed (what shutdown() closes).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -338,8 +342,11 @@ class DistCommunicator(Communicator):
         if self._pending is not None:
             self.settle()
         out = t.clone()
+        self._check_open("all_reduce_host")
         with self._guard("all_reduce_host", None):
-            work = dist.all_reduce(out, group=self._host_group, async_op=True)
+            # the process group's own call: torch.distributed.all_reduce's Python checks and logging cost as much
+            # as the collective's launch, on every call of a ShardedModule
+            work = self._host_group.allreduce([out], _SUM)
 
         def wait():
             with self._guard("all_reduce_host", None):
