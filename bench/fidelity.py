@@ -262,15 +262,17 @@ def _measure(rank, name, plan, shape, profile_path, prof_obj, warmup, steps) -> 
     slowest, slowest_opt = slowest[:steps], slowest[steps:]
     # memory: one step to size the blocks that live from one step into the next, then the measured one
     _count_every_block(True)
-    step()
-    optimizer.zero_grad(set_to_none=True)
-    buffers = list(sharded.buffers()) if not pipelined else _stage_buffers(sharded)
-    live_ptrs: set = set()
-    live = _live_bytes(sharded.parameters(), optimizer, buffers, live_ptrs)
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    try:
         step()
-    _count_every_block(False)
+        optimizer.zero_grad(set_to_none=True)
+        buffers = list(sharded.buffers()) if not pipelined else _stage_buffers(sharded)
+        live_ptrs: set = set()
+        live = _live_bytes(sharded.parameters(), optimizer, buffers, live_ptrs)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        _count_every_block(False)
     peak = live + _allocator_peak(prof, live_ptrs)
     pred = _predict(sharded, pipelined, rank, prof_obj)
     return {"time": statistics.median(slowest.tolist()), "memory": peak,

@@ -162,7 +162,13 @@ def _keeps_mask(node: Node) -> bool:
 
 
 def _requires_grad(a) -> bool:
-    return isinstance(a, Node) and bool(a.meta.get(M.REQUIRES_GRAD))
+    """An operand with a gradient: a node marked so by trace (a floating tensor in a graph without the mark)."""
+    if not isinstance(a, Node):
+        return False
+    if M.REQUIRES_GRAD in a.meta:
+        return bool(a.meta[M.REQUIRES_GRAD])
+    val = a.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def _kept_for_gradient(user: Node, i: int) -> bool:
