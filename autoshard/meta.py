@@ -171,3 +171,8 @@ class ContextLayout:
     balance: bool
     attention: str | None
     inputs: tuple[str, ...] = ()
+
+#: On a rank program's ``GraphModule.meta``: whether it changes nothing outside its outputs before its first
+#: collective, so the per-call agreement check may run during that compute (a bool, cached by
+#: :func:`autoshard.runtime.agreement.quiet_until_collective`).
+QUIET_UNTIL_COLLECTIVE = "autoshard.quiet_until_collective"

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 import torch
 
 from autoshard.errors import AutoshardError, PlanError
+from autoshard.meta import QUIET_UNTIL_COLLECTIVE
 from autoshard.runtime.communicator import Communicator
 
 __all__ = ["check_call", "decide_once", "gather_objects", "quiet_until_collective"]
@@ -157,7 +158,7 @@ _QUIET_OPS = frozenset({
     "all_gather_sync", "all_gather_reshard", "all_gather_reshard_group", "linears_grad_all_reduce",
     "_linears_backward", "context_attention", "_context_attention_backward",
 })
-_QUIET_KEY = "autoshard.quiet_until_collective"
+_QUIET_KEY = QUIET_UNTIL_COLLECTIVE
 
 
 def _quiet_functions() -> frozenset:
