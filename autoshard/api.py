@@ -749,9 +749,12 @@ class ShardedModule(torch.nn.Module):
         from autoshard.runtime import agreement
 
         overlap = program is not None and agreement.quiet_until_collective(program)
+        # on two ranks on the host, the check's own exchange may do the program's first collective where that is a
+        # small all-reduce (a data-parallel loss): one exchange where there were two
+        carry = overlap and agreement.can_carry(comm) and agreement.first_collective_carries(program)
         agreement.check_call(comm, number, training,
                              lambda: {"call": {"gradient sync": sync, "inputs": _describe(signature)},
-                                      **self.plan.layout()}, overlap=overlap)
+                                      **self.plan.layout()}, overlap=overlap, carry=carry)
         try:
             if program is None:
                 program = self._program(training, signature, planned, args, kwargs)

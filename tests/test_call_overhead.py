@@ -93,6 +93,59 @@ def test_an_overlapped_check_is_settled_by_the_next_collective(digests, refused)
             assert text == "no error" and logged == 1
 
 
+@pytest.mark.parametrize("digests", [(7, 7), (7, 8)])
+def test_the_check_carries_a_small_all_reduce_with_the_very_sum_the_collective_gives(digests):
+    """check_call(overlap=True, carry=True) sends nothing; the first all-reduce (of at most 4 values, two ranks)
+    then goes in the check's own exchange: the same float32 sums as the collective (float64 sums of two float32
+    values rounded once), one record in the log, nothing where the ranks differ."""
+    world = SimWorld(autoshard.Mesh(data=2), timeout=30)
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(4, generator=g) * torch.tensor([1.0, 1e-9, 1e7, 3.0]) for _ in range(2)]
+    values[1][3] = -values[0][3]  # an exact cancellation
+
+    def rank(r):
+        comm = current()
+        want = comm.all_reduce(values[r], "data")
+        logged = len(comm.log)
+        exchanges, inner = [], comm._all_reduce
+
+        def counted(t, axis):
+            exchanges.append(t.numel())
+            return inner(t, axis)
+
+        comm._all_reduce = counted
+        check_call(comm, digests[r], True, overlap=True, carry=True)
+        sent_at_once = list(exchanges)
+        got = []
+        text = _errors(lambda: got.append(comm.all_reduce(values[r], "data")))
+        return want, got, text, len(comm.log) - logged, sent_at_once, exchanges
+
+    for want, got, text, logged, sent_at_once, exchanges in world.run(rank):
+        assert sent_at_once == []  # deferred: nothing sent before the collective
+        if digests[0] == digests[1]:
+            assert text == "no error" and logged == 1 and torch.equal(got[0], want)
+            assert len(exchanges) == 1  # the check's exchange did the all-reduce: one exchange, not two
+        else:
+            assert text.startswith("PlanError: ranks planned differently") and logged == 0 and got == []
+
+
+def test_which_programs_let_the_check_carry_their_first_collective():
+    """A data-parallel loss (an all-reduce of one value, or a cross-entropy's target count) is carried; a tensor-
+    parallel activation all-reduce, or anything else that communicates first, leaves the check overlapped."""
+    from autoshard.runtime.agreement import first_collective_carries
+
+    x, t = _inputs()
+    gpt, args, _ = models.gpt(layers=1)
+    for model, inputs, mesh, ann, carries in (
+            (models.MLP(16, 32), (x, t), autoshard.Mesh(data=2), None, True),
+            (models.MLP(16, 32), (x, t), MODEL, MEGATRON_MLP, False),
+            (DropoutMLP(), (x, t), autoshard.Mesh(data=2), None, False),
+            (gpt, args, autoshard.Mesh(data=2), None, True),
+            (gpt, args, autoshard.Mesh(model=2), {k: (v,) for k, v in models.MEGATRON["gpt"].items()}, False)):
+        plan = autoshard.compile(copy.deepcopy(model), mesh, inputs, plan=ann).plan
+        assert first_collective_carries(plan.rank_module(0, bucket_grads=True)) is carries, (type(model), mesh)
+
+
 def test_rank_programs_are_quiet_until_their_first_collective_unless_they_change_state():
     """Which programs may run their compute while the check is in flight: pure ops, the runtime's collectives and
     dropout (which settles the check before it draws); not a program that updates a buffer in place."""
@@ -318,3 +371,71 @@ def test_parameter_gradients_are_stored_without_dtensor_dispatch_and_hooks_still
     for out in world.run(lambda r: _grad_paths(r, 2)):
         assert out == {"dispatched": ([], ["aten.detach.default"]), "stored": True, "accumulated": True,
                        "autograd.grad": True, "hooks": True, "used outside": True}, out
+
+
+# ---- real processes: the overlapped and the carrying check on gloo ----------------------------------------------
+def _gloo_calls(rank: int, world_size: int) -> dict:
+    """Two gloo processes, data=2 (the check carries the loss all-reduce) and model=2 (it runs during the forward):
+    three AdamW steps of the ShardedModule against its bare program (losses and gradients), then a call on rank 0
+    only."""
+    from autoshard.runtime import DistCommunicator, use
+    from autoshard.runtime import agreement
+    from autoshard.runtime.buckets import GradBucketer
+
+    out = {}
+    x, t = _inputs()
+    for layout, mesh, ann in (("dp", autoshard.Mesh(data=2), None), ("tp", MODEL, MEGATRON_MLP)):
+        comm = DistCommunicator(mesh, timeout=60)
+        torch.manual_seed(0)
+        model = models.MLP(16, 32)
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=ann, comm=comm)
+        bare = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=ann).plan.rank_module(
+            rank, weights=model, bucket_grads=True)
+        GradBucketer(bare, comm=comm)
+        local = tuple(autoshard.data_shard(v, mesh, rank) for v in (x, t))
+        started, issue = [], comm.all_reduce_host_async
+        comm.all_reduce_host_async = lambda v: started.append(1) or issue(v)
+        opts = torch.optim.AdamW(sharded.parameters(), lr=1e-2), torch.optim.AdamW(bare.parameters(), lr=1e-2)
+        same = True
+        for _ in range(3):
+            for opt in opts:
+                opt.zero_grad()
+            n = len(comm.log)
+            ls = loss_of(sharded(*local))
+            ls.backward()
+            logged = len(comm.log) - n
+            with use(comm):
+                lb = loss_of(bare(*local))
+            lb.backward()
+            same &= logged == len(comm.log) - n - logged and ls.item() == lb.item()
+            mine, theirs = dict(sharded.named_parameters()), dict(bare.named_parameters())
+            same &= all(torch.equal(mine[k].grad._local_tensor, theirs[k].grad) for k in theirs)
+            for opt in opts:
+                opt.step()
+        carried = agreement.first_collective_carries(sharded.local)
+        n = len(comm.log)
+
+        def refused():
+            if rank == 0:
+                sharded.eval()
+                with torch.no_grad():
+                    sharded(*local)
+            sharded.train()
+            loss_of(sharded(*local)).backward()
+
+        out[layout] = (same, carried, len(started), _errors(refused), len(comm.log) - n)
+    return out
+
+
+@pytest.mark.gloo
+def test_on_gloo_the_check_overlaps_or_carries_and_still_refuses_a_call_on_one_rank():
+    from autoshard.runtime import spawn
+
+    for result in spawn(_gloo_calls, 2, timeout=300):
+        for layout, (same, carried, started, text, logged) in result.items():
+            assert same, layout  # every loss and gradient equal to the bare program's, the collectives logged alike
+            # data parallel: no exchange started ahead (the loss all-reduce carries the check); tensor parallel: one
+            # started before each of the three forwards
+            assert (carried, started) == ((True, 0) if layout == "dp" else (False, 3)), (layout, carried, started)
+            assert "in train mode on ranks 1 and in eval mode on ranks 0 at once" in text, (layout, text)
+            assert logged == 0, (layout, logged)  # the refused call ran no collective

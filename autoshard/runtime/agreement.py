@@ -43,7 +43,8 @@ from autoshard.errors import AutoshardError, PlanError
 from autoshard.meta import QUIET_UNTIL_COLLECTIVE
 from autoshard.runtime.communicator import Communicator
 
-__all__ = ["check_call", "decide_once", "gather_objects", "quiet_until_collective"]
+__all__ = ["can_carry", "check_call", "decide_once", "first_collective_carries", "gather_objects",
+           "quiet_until_collective"]
 
 
 @contextmanager
@@ -94,11 +95,19 @@ def digest_number(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
+#: the exchange of every check, the same size on every rank whatever each carries (float64, every value exact):
+#: the digest as four 15-bit pieces and their squares, the two flags, then ``_CARRY`` values of the program's first
+#: all-reduce where it carries one (zeros otherwise)
+_FLAGS, _CARRY = 8, 4
+_AT = _FLAGS + 3  # where the carried values start (after the mode, grad-mode and carrying flags)
+
+
 def _pieces(digest: int, training: bool, grad: bool) -> torch.Tensor:
-    """What each rank adds up: the digest as two 20-bit pieces and their squares, and the two flags."""
-    pieces = (digest & 0xFFFFF, (digest >> 20) & 0xFFFFF)
-    return torch.tensor([pieces[0], pieces[0] ** 2, pieces[1], pieces[1] ** 2, int(training), int(grad)],
-                        dtype=torch.int64)
+    """What each rank adds up: the digest's pieces and their squares, the two flags, the carrying flag (0 here),
+    room for a carried all-reduce."""
+    pieces = [(digest >> (15 * i)) & 0x7FFF for i in range(4)]
+    values = [v for x in pieces for v in (x, x * x)] + [int(training), int(grad), 0] + [0] * _CARRY
+    return torch.tensor(values, dtype=torch.float64)
 
 
 #: each call's values to add up, made once per (digest, mode, grad mode): the exchange reads them, never writes
@@ -106,18 +115,73 @@ _PIECES: dict[tuple, torch.Tensor] = {}
 
 
 def _sums_agree(s: list, n: int) -> bool:
-    return n * s[1] == s[0] ** 2 and n * s[3] == s[2] ** 2 and s[4] in (0, n) and s[5] in (0, n)
+    s = [int(x) for x in s[:_AT]]
+    return all(n * s[i + 1] == s[i] ** 2 for i in range(0, _FLAGS, 2)) and all(f in (0, n) for f in s[_FLAGS:])
 
 
 def _all_equal(comm: Communicator, digest: int, training: bool, grad: bool) -> bool:
     """Whether every rank passed the same values, by one small sum over the world (the price of every call, the
     same for any world size): a flag is the same on every rank exactly when its sum is 0 or the world size, and a
-    number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as two 20-bit pieces (their squares summed
-    over 2^22 ranks stay within int64): two plans pass as one only if both pieces agree, 1 in 2^40."""
-    return _sums_agree(comm.all_reduce_host(_pieces(digest, training, grad)).tolist(), comm.mesh.size)
+    number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as four 15-bit pieces (float64 sums of
+    their squares stay exact over 2^23 ranks): two plans pass as one only if every piece agrees, 1 in 2^60."""
+    with _unrecorded(comm):
+        return _sums_agree(comm.all_reduce_host(_pieces(digest, training, grad)).tolist(), comm.mesh.size)
 
 
-def check_call(comm: Communicator, digest: str | int, training: bool, describe=None, overlap: bool = False) -> None:
+class _Check:
+    """One call's check, held by the communicator until settled (:meth:`Communicator.expect`): started at once
+    (``handle``: overlapped with the forward) or not yet (deferred: the program's first collective carries it)."""
+
+    __slots__ = ("comm", "describe", "grad", "handle", "mine", "number", "training")
+
+    def __init__(self, comm, number, training, grad, mine, describe, handle):
+        self.comm, self.number, self.training, self.grad = comm, number, training, grad
+        self.mine, self.describe, self.handle = mine, describe, handle
+
+    def settle(self) -> None:
+        comm = self.comm
+        if self.handle is not None:
+            sums = self.handle.wait().tolist()
+        else:
+            with _unrecorded(comm):
+                sums = comm.all_reduce_host(self.mine).tolist()
+        self._verdict(sums)
+
+    def carry(self, t: torch.Tensor, axis: str) -> torch.Tensor | None:
+        """The program's all-reduce of ``t`` over ``axis``, done by this check's exchange where it was deferred for
+        it and can carry it exactly; else None, the check settled on its own."""
+        comm = self.comm
+        if self.handle is not None or not _carries(comm, t, axis):
+            self.settle()
+            return None
+        mine = self.mine.clone()
+        mine[_AT - 1] = 1  # carrying: every rank must (a rank that does not would add zeros and run it again)
+        mine[_AT:_AT + t.numel()] = t.reshape(-1)
+        with _unrecorded(comm):
+            sums = comm.all_reduce_host(mine)
+        self._verdict(sums.tolist())  # raises before anything reads the carried sum where the ranks differ
+        return sums[_AT:_AT + t.numel()].to(t.dtype).view(t.shape)
+
+    def _verdict(self, sums: list) -> None:
+        if not _sums_agree(sums, self.comm.mesh.size):
+            _name_the_difference(self.comm, self.number, self.training, self.grad, self.describe)
+
+
+def can_carry(comm: Communicator) -> bool:
+    """Whether ``comm``'s checks may carry a small all-reduce at all (two ranks, collectives on the host)."""
+    return comm.mesh.size == 2 and comm.device.type == "cpu"
+
+
+def _carries(comm: Communicator, t: torch.Tensor, axis: str) -> bool:
+    """Whether the check's exchange can carry the all-reduce of ``t`` over ``axis`` with the very result the
+    collective gives: an all-reduce over the whole world of two ranks (its sum of two values, float32 or float64, is
+    the float64 sum rounded once: the same number), of at most ``_CARRY`` values, on the host."""
+    return (comm.mesh.size == 2 and comm.mesh.axis_size(axis) == 2 and t.dtype in (torch.float32, torch.float64)
+            and t.numel() <= _CARRY and t.device.type == "cpu" and comm.device.type == "cpu")
+
+
+def check_call(comm: Communicator, digest: str | int, training: bool, describe=None, overlap: bool = False,
+               carry: bool = False) -> None:
     """Before a call of a sharded module's program: every rank must be in the same mode, with gradients on or off
     alike (a forward under ``no_grad`` runs no backward), with the same plan (``digest`` of the plan the program was
     made from, or :func:`digest_number` of it). Otherwise raise on every rank, naming what differs; ``describe()``
@@ -127,7 +191,9 @@ def check_call(comm: Communicator, digest: str | int, training: bool, describe=N
 
     ``overlap=True``: start the exchange and return; ``comm`` settles it (raising the same errors) before its next
     collective, or when :meth:`Communicator.settle` is called — which the caller must do before its call returns, and
-    on any error of the call (see the module docstring)."""
+    on any error of the call (see the module docstring). ``carry=True`` (with ``overlap``): start nothing yet; the
+    program's first collective, a small all-reduce the exchange can carry (:func:`first_collective_carries`), is done
+    by the check's own exchange — one exchange where there were two — or the check runs on its own before it."""
     if comm.mesh.size == 1:
         return
     number = digest if isinstance(digest, int) else digest_number(digest)
@@ -138,16 +204,64 @@ def check_call(comm: Communicator, digest: str | int, training: bool, describe=N
         if len(_PIECES) > 64:
             _PIECES.clear()
         mine = _PIECES[key] = _pieces(number, training, grad)
-    handle = comm.all_reduce_host_async(mine)  # (not in the communicator's log: not a collective of the plan)
-
-    def settle():
-        if not _sums_agree(handle.wait().tolist(), comm.mesh.size):
-            _name_the_difference(comm, number, training, grad, describe)
-
+    # (the exchange is not in the communicator's log: it is no collective of the plan)
+    handle = None if overlap and carry else comm.all_reduce_host_async(mine)
+    check = _Check(comm, number, training, grad, mine, describe, handle)
     if overlap:
-        comm.expect(settle)
+        comm.expect(check)
     else:
-        settle()
+        check.settle()
+
+
+_CARRY_KEY = "autoshard.first_collective_carries"
+
+
+def _numel_of(node) -> int | None:
+    """How many values ``node`` holds (its global shape, an upper bound of any rank's), where its meta says."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel()
+    shape = getattr(node.meta.get("tensor_meta"), "shape", None)
+    return None if shape is None else int(torch.Size(shape).numel())
+
+
+def first_collective_carries(program: torch.fx.GraphModule) -> bool:
+    """Whether the first collective ``program``'s forward runs is a small all-reduce the check's exchange may carry
+    (:meth:`_Check.carry`): the first node that communicates is an ``all_reduce`` of at most ``_CARRY`` values (a
+    data-parallel loss), or a partial cross-entropy mean (whose first exchange is its one-value target count). Other
+    nodes that communicate first (a gather, a dropout's draw, ...) leave the check overlapped instead. Looked up once
+    per program; the communicator decides again at the collective (:func:`_carries`)."""
+    found = program.meta.get(_CARRY_KEY)
+    if found is not None:
+        return found
+    from autoshard.runtime import ops
+
+    silent = {"grad_all_reduce", "linears_grad_all_reduce", "local_slice", "_chunk"}  # nothing sent in forward
+    carries = False
+    for n in program.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if isinstance(t, torch._ops.OpOverload) and t.namespace == "autoshard":
+            name = t._schema.name.split("::")[-1]
+            if name in silent:
+                continue
+            if name == "all_reduce":
+                numel = _numel_of(n.args[0])
+                # small, or (no shape noted on a node a pass made) what the program returns: its loss
+                carries = numel <= _CARRY if numel is not None else any(u.op == "output" for u in n.users)
+            break
+        if t is ops.cross_entropy_partial_mean:
+            axes = n.args[5] if len(n.args) > 5 else n.kwargs.get("axes", ())
+            if axes:
+                carries = True
+                break
+        elif t in (ops.dropout, ops.vocab_parallel_cross_entropy):
+            break
+    program.meta[_CARRY_KEY] = carries
+    return carries
 
 
 #: the ops of autoshard's runtime whose only effect beyond their output is through the communicator (collectives,
@@ -246,6 +360,10 @@ def _name_the_difference(comm: Communicator, number: int, training: bool, grad: 
     digests: dict = {}
     for r, row in enumerate(rows):
         digests.setdefault(row[0], []).append(r)
+    if len(digests) == 1 and not differs:
+        raise AutoshardError("the ranks made the same call, but not all of them carried its first all-reduce in the "
+                             "agreement check's exchange (autoshard's runtime disagrees with itself; please report "
+                             "it): the call was stopped before its collectives.")
     groups = "; ".join(f"ranks {_ranks(rs)}" for rs in digests.values())
     raise PlanError(
         f"ranks planned differently ({groups} each run one plan){differs}: ranks running different programs hang or "

@@ -98,19 +98,20 @@ class Communicator(abc.ABC):
         self._pending = None
 
     # ---- the agreement check of a call, overlapped with its forward (autoshard.runtime.agreement) ---------
-    def expect(self, settle) -> None:
-        """Hold ``settle`` (the agreement check of the call starting now: it waits for the check's exchange and
-        raises where the ranks differ) until :meth:`settle`, which every collective of this communicator calls
-        first: no collective runs before the check has passed."""
+    def expect(self, check) -> None:
+        """Hold ``check`` (the agreement check of the call starting now: its ``settle()`` waits for the check's
+        exchange and raises where the ranks differ; its ``carry(t, axis)`` may do the call's first all-reduce in that
+        exchange) until :meth:`settle`, which every collective of this communicator calls first (an all-reduce
+        :meth:`carry`): no collective runs before the check has passed."""
         if self._pending is not None:
             self.settle()
-        self._pending = settle
+        self._pending = check
 
     def settle(self) -> None:
         """Finish the check held by :meth:`expect`, if any (raising its error); a no-op otherwise."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending()
+            pending.settle()
 
     def forget_pending(self) -> None:
         """Drop the held check without waiting for it (a call interrupted by KeyboardInterrupt or the like: its
@@ -168,9 +169,13 @@ class Communicator(abc.ABC):
     # ---- raw collectives (no autograd) ------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, phase: str = "forward") -> torch.Tensor:
         """Sum of ``t`` over the group along ``axis`` (every rank gets the same new tensor)."""
-        if self._pending is not None:
-            self.settle()
         axis, t = self._axis(axis), self._input(t, "all_reduce")
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            out = pending.carry(t, axis)  # the call's check settled first, or this all-reduce done in its exchange
+            if out is not None:
+                self._record("all_reduce", axis, t, phase)
+                return out
         out = self._all_reduce(t, axis)
         self._record("all_reduce", axis, t, phase)
         return out
