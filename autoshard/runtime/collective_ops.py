@@ -58,8 +58,8 @@ import torch
 from autoshard.errors import AutoshardError
 from autoshard.runtime.communicator import PHASES, CollectiveRecord, current
 from autoshard.runtime.grad_sync import note_site, unsynced
-from autoshard.runtime.primitives import (AUTOCAST_LOWER, all_to_all_shape, chunk, comm_of, define_op,
-                                          gathered_shape, keep_comm, raw_all_gather, raw_all_reduce, raw_all_to_all,
+from autoshard.runtime.primitives import (AUTOCAST_LOWER, all_to_all_shape, chunk, comm_of, define_op, fresh,
+                                          gathered_shape, keep_comm, raw_all_gather, raw_all_to_all,
                                           raw_reduce_scatter, scattered_shape, sum_over)
 from autoshard.runtime.zero import remember_gathered
 
@@ -79,7 +79,7 @@ __all__ = [
 # ---- graph collectives ------------------------------------------------------------------------------------
 @define_op("all_reduce", "(Tensor x, str axis) -> Tensor")
 def _all_reduce_op(x, axis):
-    return raw_all_reduce(x, axis, "forward")
+    return fresh(current().all_reduce(x, axis, phase="forward"), x)  # (raw_all_reduce's body: no second op call)
 
 
 _all_reduce_op.register_fake(lambda x, axis: torch.empty_like(x, memory_format=torch.contiguous_format))
@@ -118,7 +118,7 @@ def _setup_dims(ctx, inputs, output):
 
 @define_op("all_gather", "(Tensor x, str axis, int dim, int size) -> Tensor")
 def _all_gather_op(x, axis, dim, size):
-    return raw_all_gather(x, axis, dim, size, "forward")
+    return current().all_gather(x, axis, dim, phase="forward")
 
 
 def _all_gather_backward(ctx, grad):
@@ -133,7 +133,7 @@ _all_gather_op.register_autograd(_all_gather_backward, setup_context=_setup_dims
 
 @define_op("reduce_scatter", "(Tensor x, str axis, int dim, int size) -> Tensor")
 def _reduce_scatter_op(x, axis, dim, size):
-    return raw_reduce_scatter(x, axis, dim, size, "forward")
+    return current().reduce_scatter(x, axis, dim, phase="forward")
 
 
 def _gather_the_gradient(ctx, grad):
@@ -149,7 +149,7 @@ _reduce_scatter_op.register_autograd(_gather_the_gradient, setup_context=_setup_
 
 @define_op("all_to_all", "(Tensor x, str axis, int split_dim, int cat_dim, int size) -> Tensor")
 def _all_to_all_op(x, axis, split_dim, cat_dim, size):
-    return raw_all_to_all(x, axis, split_dim, cat_dim, size, "forward")
+    return fresh(current().all_to_all(x, axis, split_dim, cat_dim, phase="forward"), x)
 
 
 def _all_to_all_backward(ctx, grad):
@@ -177,7 +177,7 @@ _local_slice_op.register_autograd(_gather_the_gradient, setup_context=_setup_dim
 
 @define_op("all_gather_sync", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
 def _all_gather_sync_op(x, axis, dim, size, axes):
-    return raw_all_gather(x, axis, dim, size, "forward")
+    return current().all_gather(x, axis, dim, phase="forward")
 
 
 def _setup_gather_sync(ctx, inputs, output):
@@ -209,7 +209,7 @@ _all_gather_sync_op.register_autograd(_all_gather_sync_backward, setup_context=_
 
 @define_op("all_gather_reshard", "(Tensor x, str axis, int dim, int size, str[] axes) -> Tensor")
 def _all_gather_reshard_op(x, axis, dim, size, axes):
-    return remember_gathered(raw_all_gather(x, axis, dim, size, "forward"), x, axis, dim, size)
+    return remember_gathered(current().all_gather(x, axis, dim, phase="forward"), x, axis, dim, size)
 
 
 def _all_gather_reshard_backward(ctx, grad):
