@@ -176,3 +176,7 @@ class ContextLayout:
 #: collective, so the per-call agreement check may run during that compute (a bool, cached by
 #: :func:`autoshard.runtime.agreement.quiet_until_collective`).
 QUIET_UNTIL_COLLECTIVE = "autoshard.quiet_until_collective"
+
+#: On a rank program's ``GraphModule.meta``: whether the per-call agreement check is carried by the program's first
+#: collective (a small host all-reduce), cached by :mod:`autoshard.runtime.agreement`.
+FIRST_COLLECTIVE_CARRIES = "autoshard.first_collective_carries"

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 
 from autoshard.errors import AutoshardError, PlanError
-from autoshard.meta import QUIET_UNTIL_COLLECTIVE
+from autoshard.meta import FIRST_COLLECTIVE_CARRIES, QUIET_UNTIL_COLLECTIVE
 from autoshard.runtime.communicator import Communicator
 
 __all__ = ["can_carry", "check_call", "decide_once", "first_collective_carries", "gather_objects",
@@ -213,7 +213,7 @@ def check_call(comm: Communicator, digest: str | int, training: bool, describe=N
         check.settle()
 
 
-_CARRY_KEY = "autoshard.first_collective_carries"
+_CARRY_KEY = FIRST_COLLECTIVE_CARRIES
 
 
 def _numel_of(node) -> int | None:
