@@ -95,13 +95,14 @@ def test_an_overlapped_check_is_settled_by_the_next_collective(digests, refused)
 
 @pytest.mark.parametrize("digests", [(7, 7), (7, 8)])
 def test_the_check_carries_a_small_all_reduce_with_the_very_sum_the_collective_gives(digests):
-    """check_call(overlap=True, carry=True) sends nothing; the first all-reduce (of at most 4 values, two ranks)
+    """check_call(overlap=True, carry=True) sends nothing; the first all-reduce (of at most 2 values, two ranks)
     then goes in the check's own exchange: the same float32 sums as the collective (float64 sums of two float32
     values rounded once), one record in the log, nothing where the ranks differ."""
     world = SimWorld(autoshard.Mesh(data=2), timeout=30)
     g = torch.Generator().manual_seed(5)
-    values = [torch.randn(4, generator=g) * torch.tensor([1.0, 1e-9, 1e7, 3.0]) for _ in range(2)]
-    values[1][3] = -values[0][3]  # an exact cancellation
+    values = [torch.randn(2, generator=g) * torch.tensor([1e7, 3.0]) for _ in range(2)]
+    values[1][0] *= 1e-12  # operands far apart in magnitude
+    values[1][1] = -values[0][1]  # an exact cancellation
 
     def rank(r):
         comm = current()

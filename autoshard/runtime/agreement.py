@@ -95,35 +95,47 @@ def digest_number(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
-#: the exchange of every check, the same size on every rank whatever each carries (float64, every value exact):
-#: the digest as four 15-bit pieces and their squares, the two flags, then ``_CARRY`` values of the program's first
-#: all-reduce where it carries one (zeros otherwise)
-_FLAGS, _CARRY = 8, 4
-_AT = _FLAGS + 3  # where the carried values start (after the mode, grad-mode and carrying flags)
+#: the exchange of every check, the same size on every rank whatever it carries (float64, every value exact): the
+#: digest as two 20-bit pieces and their squares, the flags (mode, grad mode, carrying) as one number and its square,
+#: then ``_CARRY`` values of the program's first all-reduce where the exchange carries it (zeros otherwise)
+_CARRY = 2
+_AT = 6  # where the carried values start
 
 
-def _pieces(digest: int, training: bool, grad: bool) -> torch.Tensor:
-    """What each rank adds up: the digest's pieces and their squares, the two flags, the carrying flag (0 here),
-    room for a carried all-reduce."""
-    pieces = [(digest >> (15 * i)) & 0x7FFF for i in range(4)]
-    values = [v for x in pieces for v in (x, x * x)] + [int(training), int(grad), 0] + [0] * _CARRY
-    return torch.tensor(values, dtype=torch.float64)
+def _pieces(digest: int, training: bool, grad: bool, carrying: bool = False) -> torch.Tensor:
+    """What each rank adds up: the digest's two pieces, the flags, and their squares; room for a carried
+    all-reduce."""
+    p0, p1 = digest & 0xFFFFF, (digest >> 20) & 0xFFFFF
+    flags = int(training) + 2 * int(grad) + 4 * int(carrying)
+    return torch.tensor([p0, p0 * p0, p1, p1 * p1, flags, flags * flags] + [0] * _CARRY, dtype=torch.float64)
 
 
-#: each call's values to add up, made once per (digest, mode, grad mode): the exchange reads them, never writes
+#: each call's values to add up, made once per (digest, mode, grad mode, carrying): read, never written
 _PIECES: dict[tuple, torch.Tensor] = {}
 
 
+def _mine(number: int, training: bool, grad: bool, carrying: bool) -> torch.Tensor:
+    key = (number, training, grad, carrying)
+    found = _PIECES.get(key)
+    if found is None:
+        if len(_PIECES) > 64:
+            _PIECES.clear()
+        found = _PIECES[key] = _pieces(number, training, grad, carrying)
+    return found
+
+
 def _sums_agree(s: list, n: int) -> bool:
+    """Every rank sent the same digest pieces and flags: for each number x, n·Σx² = (Σx)² (Cauchy-Schwarz),
+    exactly (float64 sums of integers below 2^53: squares of 20-bit pieces over fewer than 2^13 ranks)."""
     s = [int(x) for x in s[:_AT]]
-    return all(n * s[i + 1] == s[i] ** 2 for i in range(0, _FLAGS, 2)) and all(f in (0, n) for f in s[_FLAGS:])
+    return all(n * s[i + 1] == s[i] ** 2 for i in range(0, _AT, 2))
 
 
 def _all_equal(comm: Communicator, digest: int, training: bool, grad: bool) -> bool:
     """Whether every rank passed the same values, by one small sum over the world (the price of every call, the
     same for any world size): a flag is the same on every rank exactly when its sum is 0 or the world size, and a
-    number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as four 15-bit pieces (float64 sums of
-    their squares stay exact over 2^23 ranks): two plans pass as one only if every piece agrees, 1 in 2^60."""
+    number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as two 20-bit pieces (float64 sums of
+    their squares stay exact over 2^13 ranks): two plans pass as one only if both pieces agree, 1 in 2^40."""
     with _unrecorded(comm):
         return _sums_agree(comm.all_reduce_host(_pieces(digest, training, grad)).tolist(), comm.mesh.size)
 
@@ -154,8 +166,8 @@ class _Check:
         if self.handle is not None or not _carries(comm, t, axis):
             self.settle()
             return None
-        mine = self.mine.clone()
-        mine[_AT - 1] = 1  # carrying: every rank must (a rank that does not would add zeros and run it again)
+        # carrying is in the flags: every rank must carry (a rank that did not would add zeros, then run it again)
+        mine = _mine(self.number, self.training, self.grad, True).clone()
         mine[_AT:_AT + t.numel()] = t.reshape(-1)
         with _unrecorded(comm):
             sums = comm.all_reduce_host(mine)
@@ -198,12 +210,7 @@ def check_call(comm: Communicator, digest: str | int, training: bool, describe=N
         return
     number = digest if isinstance(digest, int) else digest_number(digest)
     grad = torch.is_grad_enabled()
-    key = (number, training, grad)
-    mine = _PIECES.get(key)
-    if mine is None:
-        if len(_PIECES) > 64:
-            _PIECES.clear()
-        mine = _PIECES[key] = _pieces(number, training, grad)
+    mine = _mine(number, training, grad, False)
     # (the exchange is not in the communicator's log: it is no collective of the plan)
     handle = None if overlap and carry else comm.all_reduce_host_async(mine)
     check = _Check(comm, number, training, grad, mine, describe, handle)
