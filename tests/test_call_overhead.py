@@ -93,41 +93,49 @@ def test_an_overlapped_check_is_settled_by_the_next_collective(digests, refused)
             assert text == "no error" and logged == 1
 
 
+#: (rank 0's value, rank 1's): far apart in magnitude, an exact cancellation, a sum that rounds, float64
+_CARRIED = [(torch.tensor(3.0e7), torch.tensor(1.5e-5)), (torch.tensor(0.1), torch.tensor(-0.1)),
+            (torch.tensor([0.3]), torch.tensor([0.7000001])), (torch.tensor(1 / 3, dtype=torch.float64),
+                                                                torch.tensor(2 / 7, dtype=torch.float64))]
+
+
 @pytest.mark.parametrize("digests", [(7, 7), (7, 8)])
 def test_the_check_carries_a_small_all_reduce_with_the_very_sum_the_collective_gives(digests):
-    """check_call(overlap=True, carry=True) sends nothing; the first all-reduce (of at most 2 values, two ranks)
-    then goes in the check's own exchange: the same float32 sums as the collective (float64 sums of two float32
-    values rounded once), one record in the log, nothing where the ranks differ."""
+    """check_call(overlap=True, carry=True) sends nothing; the first all-reduce (one value, two ranks) then goes in
+    the check's own exchange: the same sum as the collective's, one record in the log, one exchange; nothing where
+    the ranks differ."""
     world = SimWorld(autoshard.Mesh(data=2), timeout=30)
-    g = torch.Generator().manual_seed(5)
-    values = [torch.randn(2, generator=g) * torch.tensor([1e7, 3.0]) for _ in range(2)]
-    values[1][0] *= 1e-12  # operands far apart in magnitude
-    values[1][1] = -values[0][1]  # an exact cancellation
 
     def rank(r):
         comm = current()
-        want = comm.all_reduce(values[r], "data")
-        logged = len(comm.log)
-        exchanges, inner = [], comm._all_reduce
+        out = []
+        for pair in _CARRIED:
+            want = comm.all_reduce(pair[r], "data")
+            logged = len(comm.log)
+            exchanges, inner = [], comm._all_reduce
 
-        def counted(t, axis):
-            exchanges.append(t.numel())
-            return inner(t, axis)
+            def counted(t, axis, inner=inner, exchanges=exchanges):
+                exchanges.append(t.numel())
+                return inner(t, axis)
 
-        comm._all_reduce = counted
-        check_call(comm, digests[r], True, overlap=True, carry=True)
-        sent_at_once = list(exchanges)
-        got = []
-        text = _errors(lambda: got.append(comm.all_reduce(values[r], "data")))
-        return want, got, text, len(comm.log) - logged, sent_at_once, exchanges
+            comm._all_reduce = counted
+            check_call(comm, digests[r], True, overlap=True, carry=True)
+            sent_at_once = list(exchanges)
+            got = []
+            text = _errors(lambda: got.append(comm.all_reduce(pair[r], "data")))
+            del comm._all_reduce
+            out.append((want, got, text, len(comm.log) - logged, sent_at_once, exchanges))
+        return out
 
-    for want, got, text, logged, sent_at_once, exchanges in world.run(rank):
-        assert sent_at_once == []  # deferred: nothing sent before the collective
-        if digests[0] == digests[1]:
-            assert text == "no error" and logged == 1 and torch.equal(got[0], want)
-            assert len(exchanges) == 1  # the check's exchange did the all-reduce: one exchange, not two
-        else:
-            assert text.startswith("PlanError: ranks planned differently") and logged == 0 and got == []
+    for results in world.run(rank):
+        for want, got, text, logged, sent_at_once, exchanges in results:
+            assert sent_at_once == []  # deferred: nothing sent before the collective
+            if digests[0] == digests[1]:
+                assert text == "no error" and logged == 1, text
+                assert got[0].dtype == want.dtype and got[0].shape == want.shape and torch.equal(got[0], want)
+                assert len(exchanges) == 1  # the check's exchange did the all-reduce: one exchange, not two
+            else:
+                assert text.startswith("PlanError: ranks planned differently") and logged == 0 and got == []
 
 
 def test_which_programs_let_the_check_carry_their_first_collective():

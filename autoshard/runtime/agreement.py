@@ -95,56 +95,69 @@ def digest_number(digest: str) -> int:
     return int(hashlib.sha256(digest.encode()).hexdigest()[:15], 16)
 
 
-#: the exchange of every check, the same size on every rank whatever it carries (float64, every value exact): the
-#: digest as two 20-bit pieces and their squares, the flags (mode, grad mode, carrying) as one number and its square,
-#: then ``_CARRY`` values of the program's first all-reduce where the exchange carries it (zeros otherwise)
-_CARRY = 2
-_AT = 6  # where the carried values start
+#: What every check exchanges: a sum over the world, the same size on every rank whatever it carries (a rank
+#: that carries and one that does not still pair up, and differ).
+#:
+#: * two ranks: int64 ``[digest << 3 | flags, carried]`` — each rank learns the other's values from the sum (sum
+#:   minus its own, modulo 2^64), so the digest (60 bits) and the flags (mode, grad mode, carrying) compare exactly,
+#:   and the carried value (one value of the program's first all-reduce, as its bits) comes back as the other
+#:   rank's, added to this rank's in its own dtype: the very sum the collective computes. Two values: gloo sums a
+#:   few values in one step where more take its ring's two.
+#: * more ranks: float64 ``[p0, p0², p1, p1², flags, flags²]`` (the digest as two 20-bit pieces), compared by
+#:   Cauchy-Schwarz (:func:`_sums_agree`); nothing carried.
+_CARRY = 1
 
 
-def _pieces(digest: int, training: bool, grad: bool, carrying: bool = False) -> torch.Tensor:
-    """What each rank adds up: the digest's two pieces, the flags, and their squares; room for a carried
-    all-reduce."""
-    p0, p1 = digest & 0xFFFFF, (digest >> 20) & 0xFFFFF
+def _pieces(digest: int, training: bool, grad: bool, carrying: bool = False, ranks: int = 3) -> torch.Tensor:
+    """What each rank adds up (see above)."""
     flags = int(training) + 2 * int(grad) + 4 * int(carrying)
-    return torch.tensor([p0, p0 * p0, p1, p1 * p1, flags, flags * flags] + [0] * _CARRY, dtype=torch.float64)
+    if ranks == 2:
+        return torch.tensor([(digest << 3) | flags, 0], dtype=torch.int64)
+    p0, p1 = digest & 0xFFFFF, (digest >> 20) & 0xFFFFF
+    return torch.tensor([p0, p0 * p0, p1, p1 * p1, flags, flags * flags], dtype=torch.float64)
 
 
-#: each call's values to add up, made once per (digest, mode, grad mode, carrying): read, never written
+#: each call's values to add up, made once per (digest, mode, grad mode, carrying, ranks): read, never written
 _PIECES: dict[tuple, torch.Tensor] = {}
 
 
-def _mine(number: int, training: bool, grad: bool, carrying: bool) -> torch.Tensor:
-    key = (number, training, grad, carrying)
+def _mine(number: int, training: bool, grad: bool, carrying: bool, ranks: int) -> torch.Tensor:
+    key = (number, training, grad, carrying, ranks == 2)
     found = _PIECES.get(key)
     if found is None:
         if len(_PIECES) > 64:
             _PIECES.clear()
-        found = _PIECES[key] = _pieces(number, training, grad, carrying)
+        found = _PIECES[key] = _pieces(number, training, grad, carrying, ranks)
     return found
 
 
-def _sums_agree(s: list, n: int) -> bool:
-    """Every rank sent the same digest pieces and flags: for each number x, n·Σx² = (Σx)² (Cauchy-Schwarz),
-    exactly (float64 sums of integers below 2^53: squares of 20-bit pieces over fewer than 2^13 ranks)."""
-    s = [int(x) for x in s[:_AT]]
-    return all(n * s[i + 1] == s[i] ** 2 for i in range(0, _AT, 2))
+def _sums_agree(s: list, n: int, mine: int | None = None) -> bool:
+    """Every rank sent the same values: two ranks, the sum is twice ``mine`` (the first value this rank sent),
+    modulo 2^64; more, for each number x, n·Σx² = (Σx)² (Cauchy-Schwarz), exactly (float64 sums of integers below
+    2^53: squares of 20-bit pieces over fewer than 2^13 ranks)."""
+    if n == 2:
+        return (int(s[0]) - 2 * mine) % 2**64 == 0
+    s = [int(x) for x in s[:6]]
+    return all(n * s[i + 1] == s[i] ** 2 for i in range(0, 6, 2))
 
 
 def _all_equal(comm: Communicator, digest: int, training: bool, grad: bool) -> bool:
     """Whether every rank passed the same values, by one small sum over the world (the price of every call, the
-    same for any world size): a flag is the same on every rank exactly when its sum is 0 or the world size, and a
-    number x exactly when n·Σx² = (Σx)² (Cauchy-Schwarz). The digest goes as two 20-bit pieces (float64 sums of
-    their squares stay exact over 2^13 ranks): two plans pass as one only if both pieces agree, 1 in 2^40."""
+    same for any world size). Two ranks compare exactly (each learns the other's values from the sum); more ranks:
+    a number x is the same on every rank exactly when n·Σx² = (Σx)² (Cauchy-Schwarz), the digest as two 20-bit
+    pieces (float64 sums of their squares stay exact over 2^13 ranks): two plans pass as one only if both pieces
+    agree, 1 in 2^40."""
+    n = comm.mesh.size
+    mine = _pieces(digest, training, grad, ranks=n)
     with _unrecorded(comm):
-        return _sums_agree(comm.all_reduce_host(_pieces(digest, training, grad)).tolist(), comm.mesh.size)
+        return _sums_agree(comm.all_reduce_host(mine).tolist(), n, int(mine[0]))
 
 
 class _Check:
     """One call's check, held by the communicator until settled (:meth:`Communicator.expect`): started at once
     (``handle``: overlapped with the forward) or not yet (deferred: the program's first collective carries it)."""
 
-    __slots__ = ("comm", "describe", "grad", "handle", "mine", "number", "training")
+    __slots__ = ("comm", "describe", "grad", "handle", "mine", "number", "training")  # mine: what it sends
 
     def __init__(self, comm, number, training, grad, mine, describe, handle):
         self.comm, self.number, self.training, self.grad = comm, number, training, grad
@@ -157,7 +170,7 @@ class _Check:
         else:
             with _unrecorded(comm):
                 sums = comm.all_reduce_host(self.mine).tolist()
-        self._verdict(sums)
+        self._verdict(sums, self.mine)
 
     def carry(self, t: torch.Tensor, axis: str) -> torch.Tensor | None:
         """The program's all-reduce of ``t`` over ``axis``, done by this check's exchange where it was deferred for
@@ -167,15 +180,19 @@ class _Check:
             self.settle()
             return None
         # carrying is in the flags: every rank must carry (a rank that did not would add zeros, then run it again)
-        mine = _mine(self.number, self.training, self.grad, True).clone()
-        mine[_AT:_AT + t.numel()] = t.reshape(-1)
+        sent = _mine(self.number, self.training, self.grad, True, 2)
+        bits = t.reshape(1).view(torch.int64) if t.dtype == torch.float64 else \
+            t.reshape(1).view(torch.int32).to(torch.int64)
+        exchange = torch.cat([sent[:1], bits])
         with _unrecorded(comm):
-            sums = comm.all_reduce_host(mine)
-        self._verdict(sums.tolist())  # raises before anything reads the carried sum where the ranks differ
-        return sums[_AT:_AT + t.numel()].to(t.dtype).view(t.shape)
+            comm.all_reduce_host_(exchange)
+        self._verdict(exchange.tolist(), sent)  # raises before the carried value is read where the ranks differ
+        theirs = exchange[1:] - bits  # the other rank's bits (modulo 2^64)
+        theirs = theirs.view(torch.float64) if t.dtype == torch.float64 else theirs.to(torch.int32).view(torch.float32)
+        return (t.reshape(1) + theirs).view(t.shape)  # the collective's own sum of the two values
 
-    def _verdict(self, sums: list) -> None:
-        if not _sums_agree(sums, self.comm.mesh.size):
+    def _verdict(self, sums: list, sent: torch.Tensor) -> None:
+        if not _sums_agree(sums, self.comm.mesh.size, int(sent[0]) if self.comm.mesh.size == 2 else None):
             _name_the_difference(self.comm, self.number, self.training, self.grad, self.describe)
 
 
@@ -186,10 +203,13 @@ def can_carry(comm: Communicator) -> bool:
 
 def _carries(comm: Communicator, t: torch.Tensor, axis: str) -> bool:
     """Whether the check's exchange can carry the all-reduce of ``t`` over ``axis`` with the very result the
-    collective gives: an all-reduce over the whole world of two ranks (its sum of two values, float32 or float64, is
-    the float64 sum rounded once: the same number), of at most ``_CARRY`` values, on the host."""
-    return (comm.mesh.size == 2 and comm.mesh.axis_size(axis) == 2 and t.dtype in (torch.float32, torch.float64)
-            and t.numel() <= _CARRY and t.device.type == "cpu" and comm.device.type == "cpu")
+    collective gives: an all-reduce over the whole world of two ranks (each then adds the other's value to its own,
+    the one addition the collective makes), of one float32 or float64 value, on the host."""
+    return (t.dtype in _FLOATS and t.numel() <= _CARRY and t.device.type == "cpu" and comm.mesh.size == 2
+            and comm.mesh.axis_size(axis) == 2 and comm.device.type == "cpu")
+
+
+_FLOATS = (torch.float32, torch.float64)
 
 
 def check_call(comm: Communicator, digest: str | int, training: bool, describe=None, overlap: bool = False,
@@ -210,7 +230,7 @@ def check_call(comm: Communicator, digest: str | int, training: bool, describe=N
         return
     number = digest if isinstance(digest, int) else digest_number(digest)
     grad = torch.is_grad_enabled()
-    mine = _mine(number, training, grad, False)
+    mine = _mine(number, training, grad, False, comm.mesh.size)
     # (the exchange is not in the communicator's log: it is no collective of the plan)
     handle = None if overlap and carry else comm.all_reduce_host_async(mine)
     check = _Check(comm, number, training, grad, mine, describe, handle)

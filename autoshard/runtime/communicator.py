@@ -157,6 +157,10 @@ class Communicator(abc.ABC):
             out = self.all_reduce(out, axis)
         return out.cpu()
 
+    def all_reduce_host_(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`all_reduce_host` written into ``t`` (a contiguous CPU tensor); returns ``t``."""
+        return t.copy_(self.all_reduce_host(t))
+
     def all_reduce_host_async(self, t: torch.Tensor) -> Handle:
         """:meth:`all_reduce_host` started, its :class:`Handle` waited on for the sum (here computed at once, left
         out of :attr:`log`; a communicator of real processes overlaps it with what the caller does meanwhile)."""

@@ -336,6 +336,14 @@ class DistCommunicator(Communicator):
             dist.all_reduce(out, group=self._host_group)
         return out
 
+    def all_reduce_host_(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            self.settle()
+        self._check_open("all_reduce_host")
+        with self._guard("all_reduce_host", None):
+            self._host_group.allreduce([t], _SUM).wait()  # (the process group's own call, as all_reduce_host_async)
+        return t
+
     def all_reduce_host_async(self, t: torch.Tensor) -> Handle:
         """:meth:`all_reduce_host` started on the host group (``async_op``): the call's agreement check runs while
         its forward computes."""
