@@ -150,6 +150,7 @@ class Analysis:
     mesh: Mesh
     also: list[list[str]]  # per order position: units of the recomputed nodes it is the first to read
     once: list[float] | None = None  # per order position: seconds once per step (gradient syncs, optimizer steps)
+    reads_param: list[bool] | None = None  # per order position: it (or a recomputed node it runs) reads a parameter
 
     @property
     def n(self) -> int:
@@ -163,6 +164,10 @@ class Analysis:
 
     def stage_cost(self, prefix: list[float], a: int, b: int) -> float:
         return prefix[b] - prefix[a] + self.transfer[a] + self.transfer[b]
+
+    def holds_params(self, a: int, b: int) -> bool:
+        """Whether a stage over order positions ``[a, b)`` reads a parameter (holds one to train)."""
+        return self.reads_param is None or any(self.reads_param[a:b])
 
     def costs_of(self, cuts) -> list[float]:
         """Per-stage cost of a split given by its cut positions (what the search minimises the max of)."""
@@ -259,12 +264,16 @@ def analyse(gm: torch.fx.GraphModule, mesh: Mesh, profile, pipe_link=None, optim
         if n:
             node_cost[min(first[r], n - 1)] += times[r][0]
             once[min(first[r], n - 1)] += times[r][1]
+    reads_param = [False] * n
     for p in gm.graph.nodes:  # each parameter's optimizer step, with its first reader's stage
         if p.op == "get_attr" and n:
             readers = [pos[u] if u in pos else first.get(u, n) for u in p.users]
             once[min(min(readers, default=n), n - 1)] += parameter_optimizer_time(p, mesh, profile, optimizer)
+            for r in readers:
+                reads_param[min(r, n - 1)] = True
     candidates = [i for i in range(1, n) if units[i] != units[i - 1] and _cuttable(crossing[i])]
-    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh, also, once)
+    return Analysis(order, recomputable, node_cost, candidates, crossing, transfer, units, mesh, also, once,
+                    reads_param)
 
 
 def _cuttable(cross: list[torch.fx.Node]) -> bool:
@@ -279,13 +288,16 @@ def _cuttable(cross: list[torch.fx.Node]) -> bool:
 
 # ---- search -----------------------------------------------------------------------------------------------
 def _best_cuts(a: Analysis, stages: int) -> list[int]:
-    """Exact DP over the candidate cuts minimising (max stage cost, total transfer)."""
+    """Exact DP over the candidate cuts minimising (max stage cost, total transfer), every stage holding a parameter
+    (a stage of parameter-free ops alone, such as the loss after a head, idles its ranks' optimizer: torch's
+    optimizers refuse an empty parameter list)."""
     prefix = a.prefix()
     points = [0, *a.candidates, a.n]
     m = len(points)
     inf = (math.inf, math.inf)
     # best[j] for k stages covering [0, points[j]); back[k][j] the previous point index
-    best = [(a.stage_cost(prefix, 0, points[j]), a.transfer[points[j]]) if j > 0 else inf for j in range(m)]
+    best = [(a.stage_cost(prefix, 0, points[j]), a.transfer[points[j]]) if j > 0 and a.holds_params(0, points[j])
+            else inf for j in range(m)]
     back: list[list[int]] = [[0] * m]
     for _k in range(1, stages):
         new = [inf] * m
@@ -293,7 +305,7 @@ def _best_cuts(a: Analysis, stages: int) -> list[int]:
         for j in range(1, m):
             for i in range(1, j):
                 prev = best[i]
-                if prev[0] == math.inf:
+                if prev[0] == math.inf or not a.holds_params(points[i], points[j]):
                     continue
                 c = a.stage_cost(prefix, points[i], points[j])
                 cand = (max(prev[0], c), prev[1] + a.transfer[points[j]])
@@ -301,6 +313,9 @@ def _best_cuts(a: Analysis, stages: int) -> list[int]:
                     new[j], arg[j] = cand, i
         best = new
         back.append(arg)
+    if best[m - 1][0] == math.inf:
+        raise PlanError(f"the model cannot be cut into {stages} pipeline stages that each hold a parameter: use a "
+                        "smaller pipe axis or a model with more layers.")
     cuts = []
     j = m - 1
     for k in range(stages - 1, 0, -1):
@@ -345,6 +360,12 @@ def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto",
         raise PlanError(f"pipeline has {stages} stages, but needs at least 1.")
     if split != "auto":
         cuts = _manual_cuts(a, tuple([split] if isinstance(split, str) else split), stages)
+        edges = [0, *cuts, a.n]
+        for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
+            if not a.holds_params(lo, hi):
+                raise PlanError(f"pipeline split {split!r}: stage {k} holds no parameter (torch's optimizers refuse "
+                                "an empty parameter list, and its ranks would only pass activations on): cut so "
+                                "that every stage holds a layer.")
     else:
         if len(a.candidates) < stages - 1:
             raise PlanError(f"the model has {len(a.candidates)} points where it can be cut into pipeline stages, "

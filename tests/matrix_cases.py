@@ -40,7 +40,8 @@ RTOL, ATOL = 1e-5, 1e-4  # fp32
 U = 2.0 ** -8  # bf16 unit roundoff
 MP_GRAD_TOL = 6e-2  # tests/test_mixed_precision.py's _check_grads tolerance
 SEED = 7  # the meta-init case's seed (tests/test_materialize.py)
-FRACTION = 0.6  # the memory-limit case: of the unconstrained searched plan's peak
+FRACTION = 0.5  # the memory-limit case: of the unconstrained searched plan's peak (at 0.6 ZeRO alone fits since
+# the memory model stopped counting saved operands no gradient needs; 0.5 needs recomputation too)
 TIMEOUT = 60.0  # per collective: a case that hangs fails in a minute and the next case runs
 
 BF16_MP = autoshard.MixedPrecision(torch.bfloat16)

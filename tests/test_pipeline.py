@@ -70,6 +70,21 @@ def test_manual_split_by_module_path():
     assert "blocks.0" in pplan.split.modules[0]
 
 
+def test_every_stage_of_an_auto_split_holds_a_parameter():
+    # On a model this small the data-parallel loss all-reduce (one latency per microbatch) outweighs the layers, and
+    # the cheapest split by time alone puts the loss in a stage of its own: a stage with nothing to train.
+    model, args, kwargs = models.gpt(layers=2, hidden=32, heads=4, seq=8, batch=8)
+    pplan = _pplan(model, args, kwargs, {"pipe": 2, "data": 2}, microbatches=4)
+    assert all(stage.params for stage in pplan.stages), [stage.params for stage in pplan.stages]
+    assert pplan.split.modules[1] == ("ln_f", "head")
+
+
+def test_error_manual_split_leaves_a_stage_without_parameters():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU(), nn.Tanh())
+    with pytest.raises(PlanError, match=r"stage 1 holds no parameter .* cut so that every stage holds a layer"):
+        _pplan(model, (torch.randn(4, 8),), {}, {"pipe": 2}, microbatches=2, split=["2"])
+
+
 def test_skip_connection_across_stages_passes_through():
     class Skip(nn.Module):
         def __init__(self):
