@@ -20,7 +20,8 @@ size, when
 - plus dropout's boolean mask (one byte per element) on top;
 - plus what an op keeps besides its arguments and outputs, and what it holds only while it runs, from the op
   registry's ``workspace`` facet (:mod:`.workspace`): attention's float copy of a boolean mask among the
-  activations (once per mask), ring attention's score blocks at the liveness point where the op's backward runs.
+  activations (once per mask and layout read), ring attention's score blocks at the liveness point where the
+  op's backward runs.
 
 Outputs read only by ops that save nothing (add, sub, views, reductions) are freed during the forward and do not
 count. Parameters (``get_attr`` nodes, nodes carrying ``autoshard.param``) and views of them count as parameters,
@@ -40,6 +41,7 @@ from torch.fx import Node
 
 from autoshard import meta as M
 from autoshard.errors import PlanError
+from autoshard.graph_utils import tensor_inputs
 from autoshard.ops import MASK, OUTPUT, entry
 
 from .compute import output_tensors
@@ -921,25 +923,74 @@ class GraphMemory:
 
     def workspace(self, nodes: list[Node], strategy) -> np.ndarray:
         """Bytes per point of what the ops ``nodes`` (tied copies of one decision) allocate besides their outputs
-        under ``strategy`` (:mod:`.workspace`), as :func:`plan_memory` counts them: a kept storage at the first op
-        of the graph that keeps it (:meth:`kept_owner`), alive until that op's segment runs backward; a transient
-        at :func:`transient_point` — whole: :func:`plan_memory` credits what the segment's later ops saved and have
+        under ``strategy`` (:mod:`.workspace`), as one linear term of the program: a kept storage
+        (:meth:`kept_storage`) at the first op asked about it (:meth:`kept_owner`), alive until that op's segment
+        runs backward — no more than a plan keeps, since the storage exists wherever its owner keeps it, from a
+        segment no later (:func:`autoshard.passes.plan_search.objective.memory_points` counts a plan's exactly:
+        :meth:`kept`, :meth:`kept_points`); and :meth:`transient`."""
+        out = self.transient(nodes, strategy)
+        for n in nodes:
+            w = op_workspace(n, self.mesh, strategy)
+            if w.kept and self.kept_owner(n, w, strategy) is n:
+                out += w.kept * self.timeline.activation_alive(self.timeline.segment(n))
+        return out
+
+    def transient(self, nodes: list[Node], strategy) -> np.ndarray:
+        """Bytes per point of what the ops ``nodes`` hold only while they run under ``strategy``: at
+        :func:`transient_point` — whole: :func:`plan_memory` credits what the segment's later ops saved and have
         freed by then, which depends on their layouts, so the search's transient is an upper bound of it."""
         out = np.zeros(self.timeline.points)
         for n in nodes:
             w = op_workspace(n, self.mesh, strategy)
-            if w.kept and self.kept_owner(n, w) is n:
-                out += w.kept * self.timeline.activation_alive(self.timeline.segment(n))
             if w.transient:
                 out += w.transient * transient_point(self.timeline, n)
         return out
 
-    def kept_owner(self, node: Node, w) -> Node:
-        """The op that carries the storage ``w.kept_key`` (``node`` itself without a key): the first op asked
-        about that key, the first in graph order as the search asks (``_op_decisions`` walks the graph)."""
+    def kept(self, nodes: list[Node], strategy) -> tuple:
+        """``(storage, bytes, segment)`` of what each op of ``nodes`` keeps for backward besides its outputs under
+        ``strategy`` (:meth:`kept_storage`): a plan's are counted by :meth:`kept_points`."""
+        out = []
+        for n in nodes:
+            w = op_workspace(n, self.mesh, strategy)
+            if w.kept:
+                out.append((self.kept_storage(n, w, strategy), w.kept, self.timeline.segment(n)))
+        return tuple(out)
+
+    def kept_points(self, kept) -> np.ndarray:
+        """Bytes per point of the storages ``kept`` (:meth:`kept` of a plan's options), as :func:`plan_memory` counts
+        them (:func:`.workspace.kept_workspace`): each storage once, at its largest, alive until the backward of the
+        earliest segment keeping it."""
+        found: dict = {}
+        for key, size, segment in kept:
+            b, s = found.get(key, (0, segment))
+            found[key] = (max(b, size), min(s, segment))
+        out = np.zeros(self.timeline.points)
+        for b, s in found.values():
+            out += b * self.timeline.activation_alive(s)
+        return out
+
+    @staticmethod
+    def kept_storage(node: Node, w, strategy):
+        """The storage ``w.kept`` lives in, as the plan's graph has it: ``node`` itself without a ``kept_key``; else
+        one per key and layout ``node`` reads the key's nodes in. Collective insertion gives every layout a reader
+        takes of a value but the one it is made in a node of its own (shared by the readers of that layout), and
+        :func:`.workspace.kept_workspace` keys a storage by the op's argument: HF Llama's attentions reading one
+        boolean mask whole and sharded keep two float copies (``sdpa_workspace``'s ``("additive_mask", mask)``)."""
         if w.kept_key is None:
             return node
-        return self._kept_owners.setdefault(w.kept_key, node)
+        key = w.kept_key if isinstance(w.kept_key, tuple) else (w.kept_key,)
+        named = [x for x in key if isinstance(x, Node)]
+        specs = getattr(strategy, "input_specs", None) or ()
+        layouts = tuple(s for x, s in zip(tensor_inputs(node), specs) if any(x is y for y in named))
+        return (w.kept_key, layouts)
+
+    def kept_owner(self, node: Node, w, strategy=None) -> Node:
+        """The op that carries the storage of ``w.kept`` (:meth:`kept_storage`; ``node`` itself without a key) in
+        the program's linear term: the first op asked about that storage, the first in graph order as the search
+        asks (``_op_decisions`` walks the graph)."""
+        if w.kept_key is None:
+            return node
+        return self._kept_owners.setdefault(self.kept_storage(node, w, strategy), node)
 
     def gradient(self, node: Node, output_spec) -> int:
         """Bytes of the gradient of ``node``'s output in backward (single-output values; 0 otherwise)."""

@@ -275,10 +275,15 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     for u, vec in recomputation_change(problem, choice).items():
         if unit_share.get(u, 0.0):
             acts = acts + unit_share[u] * vec
-    # what the chosen ops allocate besides their outputs (GraphMemory.workspace), as plan_memory counts it
+    # what the chosen ops allocate besides their outputs, as plan_memory counts it: the transients, and each kept
+    # storage once (an attention's float mask per mask and layout read: GraphMemory.kept_storage)
+    kept = []
     for d, k in zip(problem.decisions, choice):
         if d.workspace is not None:
-            acts = acts + d.workspace[k]
+            acts = acts + d.transient[k]
+            kept.extend(d.kept[k])
+    if kept:
+        acts = acts + problem.memory_model.kept_points(kept)
     return point_totals(0.0, varying + acts, 2 * gathered,
                         max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
 

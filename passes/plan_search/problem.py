@@ -65,8 +65,14 @@ class DecisionVar:
     gradient: list[int] | None = None  # ops: bytes of the gradient of each option's output (backward's temporaries)
     alive: object = None  # ops: the liveness of their outputs as activations (tied copies added up)
     #: ops: bytes per point each option allocates besides its outputs, over every copy (GraphMemory.workspace:
-    #: attention's kept float mask, ring attention's score blocks); None where no option has any
+    #: attention's kept float mask, ring attention's score blocks; the program's linear term); None where no option
+    #: has any
     workspace: list | None = None
+    #: ops with a ``workspace``: per option the bytes it holds only while it runs (GraphMemory.transient) and the
+    #: storages it keeps (GraphMemory.kept: one per mask and layout, counted once per plan by
+    #: :func:`.objective.memory_points`)
+    transient: list | None = None
+    kept: list | None = None
     stored: list[int] | None = None  # parameters: bytes of each option's stored tensor (the optimizer's temporaries)
     #: ops whose output is kept only by readers that keep it (:meth:`GraphMemory.kept_only_by_readers`): ``points``
     #: leave it out, and the program counts it where a keeping reader reads the layout it is produced in
@@ -404,6 +410,8 @@ def _op_decisions(gm, ctx: Context, profile: HardwareProfile, problem: Problem, 
         workspace = [memory.workspace(members[n], s) for s in strats]
         if any(w.any() for w in workspace):
             dv.workspace = workspace
+            dv.transient = [memory.transient(members[n], s) for s in strats]
+            dv.kept = [memory.kept(members[n], s) for s in strats]
             dv.points = [p + w for p, w in zip(dv.points, workspace)]
         if u is None and memory.kept_only_by_readers(n):
             dv.own_output = True

@@ -297,3 +297,31 @@ def test_existing_hf_moe_search_equals_plan_cost_and_report():
     plan = _search(models.hf_mixtral(layers=1), mesh={"data": 2},
                    moe=autoshard.MoE(existing=True, expert_axis="data", capacity_factor=None))
     assert_one_estimate(plan)
+
+
+# ---- what ops keep besides their outputs ------------------------------------------------------------------------
+def test_attentions_reading_one_mask_in_two_layouts_keep_two_float_masks(monkeypatch):
+    """HF Llama's two attentions read one boolean mask, one whole and one sharded on the batch: the rank program
+    gives each layout its own node, so each sdpa converts and keeps its own float copy (4096 + 2048 bytes; plan.cost()
+    counts one per mask argument). The search counted one copy per mask whatever the layouts: 2048 bytes below
+    plan.cost() (the 2-layer data=2 x model=2 plan at memory_limit 460000: 456784 against 458832)."""
+    from autoshard.passes.plan_search import problem
+    from autoshard.placements import Replicate, Shard
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    strategies = problem.node_strategies
+    wanted = {"model.layers.0": (Replicate(), Replicate()), "model.layers.1": (Shard(0), Replicate())}
+
+    def mask_layout_per_layer(n, ctx):
+        found = strategies(n, ctx)
+        if n.target != sdpa:
+            return found
+        layer = next(p for p in wanted if M.module_path(n).startswith(p))
+        return [s for s in found if tuple(s.input_specs[3]) == wanted[layer]]
+
+    monkeypatch.setattr(problem, "node_strategies", mask_layout_per_layer)
+    plan = _search(models.hf_llama(layers=2), mesh={"data": 2, "model": 2})
+    attentions = [n for n in plan.graph_module.graph.nodes if n.target == sdpa]
+    masks = {n.args[3] if len(n.args) > 3 else n.kwargs["attn_mask"] for n in attentions}
+    assert len(attentions) == 2 and len(masks) == 2  # two layouts: two mask arguments, two float copies
+    assert_one_estimate(plan)
