@@ -23,10 +23,12 @@ microbatches.
 Printed: one row per (model, plan) with predicted and measured step time and memory and their errors
 (``predicted / measured - 1``), then the Spearman rank correlation of step times over all plans and the median and
 largest absolute errors. These are benchmark numbers, not asserts; ``--quick`` (a smoke run in the test suite)
-uses small shapes, each plan once on one of the models in turn, one warm-up and one timed step.
+uses small shapes (one layer), each plan once on one of the models in turn, one warm-up and one timed step, its 4
+processes forked from a forkserver that has imported torch, autoshard and transformers once (the full run starts 4
+fresh interpreters).
 
     python bench/fidelity.py                 # calibrate, then 3 models x 9 plans (about 10 minutes on 2 cores)
-    python bench/fidelity.py --quick         # small shapes, 1 timed step
+    python bench/fidelity.py --quick         # small shapes, 1 layer, 1 timed step
     python bench/fidelity.py --models gpt --plans dp,tp
 """
 
@@ -47,7 +49,7 @@ WORLD = 4
 PLANS = ("dp", "zero3", "tp", "tp_sp", "recompute", "bf16", "moe_ep", "cp_ring", "pipeline")
 MODELS = ("gpt", "hf_llama", "hf_gpt2")
 #: (batch, seq, layers, hidden) of the full run and of --quick
-SHAPES = {"full": dict(batch=16, seq=128, layers=4, hidden=256), "quick": dict(batch=8, seq=32, layers=2, hidden=64)}
+SHAPES = {"full": dict(batch=16, seq=128, layers=4, hidden=256), "quick": dict(batch=8, seq=32, layers=1, hidden=64)}
 #: module globs of each model's decoder layers and FFNs
 LAYERS = {"gpt": "blocks.*", "hf_llama": "model.layers.*", "hf_gpt2": "transformer.h.*"}
 FFNS = {"gpt": "blocks.*.mlp", "hf_llama": "model.layers.*.mlp", "hf_gpt2": "transformer.h.*.mlp"}
@@ -288,12 +290,14 @@ def spearman(xs, ys) -> float:
     return float(spearmanr(xs, ys).statistic)
 
 
-def run(pairs, shape, profile_path, warmup, steps, timeout=3600) -> list[dict]:
+def run(pairs, shape, profile_path, warmup, steps, timeout=3600, start_method="spawn") -> list[dict]:
     """Every (model, plan) pair measured and predicted: one row per (model, plan, stage) with the largest memory
-    over the ranks of that stage."""
+    over the ranks of that stage. ``start_method="forkserver"`` (``--quick``) forks the 4 processes from a server
+    that has imported torch, autoshard and transformers once, not 4 fresh interpreters importing them each."""
     from autoshard.runtime import spawn
 
-    results = spawn(_worker, WORLD, list(pairs), shape, profile_path, warmup, steps, timeout=timeout)
+    results = spawn(_worker, WORLD, list(pairs), shape, profile_path, warmup, steps, timeout=timeout,
+                    start_method=start_method)
     rows = []
     for key in results[0]:
         per_rank = [r[key] for r in results]
@@ -384,7 +388,7 @@ def main(argv=None) -> dict:
         print(format_calibration(cal))
         profile_path = str(save_profile(cal.profile("fidelity"), os.path.join(tempfile.mkdtemp(), "fidelity.toml")))
     started = time.monotonic()
-    rows = run(pairs, shape, profile_path, warmup, steps)
+    rows = run(pairs, shape, profile_path, warmup, steps, start_method="forkserver" if opts.quick else "spawn")
     print(f"{len(pairs)} (model, plan) pairs on {WORLD} gloo ranks, shape {shape}, profile "
           f"{profile_path}, {time.monotonic() - started:.0f} s")
     print(format_rows(rows))
