@@ -37,7 +37,7 @@ reduce-scatter's the full gradient), by kind: autoshard's own communicator log; 
 FSDP2 only).
 
     python bench/zero_vs_fsdp2.py               # N = 2 and 4 (about 2-3 minutes on 2 busy cores)
-    python bench/zero_vs_fsdp2.py --quick       # small model, few repetitions: a smoke run
+    python bench/zero_vs_fsdp2.py --quick       # small model, few repetitions, forked processes: a smoke run
 """
 
 from __future__ import annotations
@@ -333,7 +333,9 @@ def main(argv=None) -> dict[int, dict]:
     size_name = "quick" if a.quick else "full"
     reps = a.reps or SIZES[size_name]["reps"]
     t0 = time.time()
-    by_world = {n: summarize(spawn(_worker, n, size_name, reps, timeout=600)) for n in a.ranks}
+    # --quick forks the processes from a forkserver that has imported torch and autoshard once (a smoke run)
+    start = "forkserver" if a.quick else "spawn"
+    by_world = {n: summarize(spawn(_worker, n, size_name, reps, timeout=600, start_method=start)) for n in a.ranks}
     print(f"GPT {({k: v for k, v in SIZES[size_name].items() if k != 'reps'})}, "
           f"{by_world[a.ranks[0]]['params'] / 1e6:.2f}M parameters; gloo on 127.0.0.1, 1 thread per process; "
           f"forward + backward; step = median over {reps} reps x {TIMED} timed steps (slower rank); ratio = median "
