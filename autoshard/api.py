@@ -442,9 +442,11 @@ class ShardedModule(torch.nn.Module):
         them (checkpoints save them)."""
         from autoshard import meta as M
 
-        read = {a for n in self.plan.graph_module.graph.nodes if n.op == "get_attr"
-                for a in n.meta.get(M.ALIASES, (n.target,))}
-        return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in read}
+        gm = self.plan.graph_module
+        read = {a for n in gm.graph.nodes if n.op == "get_attr" for a in n.meta.get(M.ALIASES, (n.target,))}
+        rewrite = gm.meta.get(M.MOE_REWRITE)  # a dense FFN's weights that an MoE layer replaced: gone, not unread
+        replaced = {name for layer in rewrite.layers for name in layer.replaced} if rewrite is not None else set()
+        return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in read and k not in replaced}
 
     def _need_plan(self) -> Plan:
         if self.plan is None:
@@ -607,7 +609,9 @@ class ShardedModule(torch.nn.Module):
                           "and the state_dict helpers would see local values. Initialise torch.distributed "
                           "(torchrun), or run ranks with autoshard.runtime.SimWorld.run.", stacklevel=3)
         if self._in_place is not None:  # autoshard.shard: the model's own modules hold the DTensors
-            public = fill_tree(self._in_place, held, dm)
+            rewrite = self.plan.graph_module.meta.get(M.MOE_REWRITE)
+            replaced = frozenset(n for layer in rewrite.layers for n in layer.replaced) if rewrite else frozenset()
+            public = fill_tree(self._in_place, held, dm, replaced)
             children = dict(self._in_place._modules)
             top = {**self._in_place._parameters, **self._in_place._buffers}
         else:

@@ -153,15 +153,36 @@ def build_tree(skeleton: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tu
             holder._buffers[name] = _public_of(entry, dm, public, None)
             if name in module._non_persistent_buffers_set:
                 holder._non_persistent_buffers_set.add(name)
+    placed = {f"{path}.{name}" if path else name
+              for path, holder in root_holder.named_modules(remove_duplicate=False)
+              for name in (*holder._parameters, *holder._buffers)}
+    _place_new(root_holder, {k: v for k, v in held.items() if k not in placed}, dm, public)
     return dict(root_holder._modules), {**root_holder._parameters, **root_holder._buffers}, public
 
 
+def _place_new(root: torch.nn.Module, new: dict[str, tuple[torch.Tensor, tuple, tuple]], dm,
+               public: dict[int, torch.Tensor]) -> None:
+    """Parameters the compiler created that the model does not have (an MoE layer's experts and router, under the
+    dense FFN's path): registered under their names in new holder modules, trainable, so that
+    ``named_parameters()``, optimizers, ``clip_grad_norm_`` and state dicts see them as they see the model's."""
+    for name, entry in new.items():
+        parent = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, torch.nn.Module())
+            parent = parent._modules[part]
+        parent._parameters[leaf] = _public_of(entry, dm, public, True)
+
+
 def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple, tuple]],
-              dm) -> dict[int, torch.Tensor]:
+              dm, replaced: frozenset[str] = frozenset()) -> dict[int, torch.Tensor]:
     """:func:`build_tree` into the model itself (``autoshard.shard``, in place): each parameter and buffer of
     ``model`` named in ``held`` is replaced by its public tensor (a DTensor over ``dm``, or this rank's tensor as an
     ``nn.Parameter`` without one), keeping its ``requires_grad``; tied tensors stay one object. The model's own
-    tensors are dropped. Returns {id(local tensor): its public tensor}."""
+    tensors are dropped; those named in ``replaced`` (a dense FFN an MoE layer replaced) are removed, and tensors
+    the compiler created (the MoE layer's) are added under their names. Returns {id(local tensor): its public
+    tensor}."""
     public: dict[int, torch.Tensor] = {}
     done: set[int] = set()
     for path, module in model.named_modules(remove_duplicate=False):
@@ -174,6 +195,11 @@ def fill_tree(model: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple,
                 entry = held.get(prefix + name)
                 if t is not None and entry is not None:
                     table[name] = _public_of(entry, dm, public, t.requires_grad if is_param else None)
+                elif t is not None and entry is None and prefix + name in replaced:
+                    del table[name]  # replaced by a layer the compiler made (an MoE layer's experts)
+    placed = {f"{path}.{name}" if path else name for path, module in model.named_modules(remove_duplicate=False)
+              for name in (*module._parameters, *module._buffers)}
+    _place_new(model, {k: v for k, v in held.items() if k not in placed}, dm, public)
     return public
 
 

@@ -275,7 +275,10 @@ def _stack_for(ffn: FFN):
 
 
 def _expert_weight(dense: torch.Tensor, experts: int, opts, gen: torch.Generator, fan_in: int) -> torch.Tensor:
-    """``dense`` (already ``[in, out]`` or ``[out]``) broadcast to every expert: upcycled (+ noise) or fresh."""
+    """``dense`` (already ``[in, out]`` or ``[out]``) broadcast to every expert: upcycled (+ noise) or fresh; on the
+    meta device (a meta-built model, a plan traced from the meta skeleton) its shape alone."""
+    if dense.is_meta:
+        return torch.empty((experts, *dense.shape), dtype=dense.dtype, device="meta")
     with torch.no_grad():
         if opts.init == "upcycle":
             w = dense.detach().unsqueeze(0).repeat(experts, *([1] * dense.dim())).clone()
@@ -340,7 +343,8 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     if dense_b2 is not None:
         b2 = b.param(f"{path}.experts.b2", _expert_weight(dense_b2, E, opts, gen, ffn_dim))
         expert_params.append(f"{path}.experts.b2")
-    router = b.param(f"{path}.router.weight", torch.randn(E, hidden, generator=gen) * opts.router_std)
+    router = b.param(f"{path}.router.weight", torch.empty(E, hidden, device="meta") if dense_w2.is_meta
+                     else torch.randn(E, hidden, generator=gen) * opts.router_std)
     router.meta[M.KEEP_DTYPE] = True
     for w in (*w_in, *b_in, w2, b2):
         if w is not None:
@@ -388,14 +392,15 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     dense_attrs = {a for n in ffn.nodes for a in n.all_input_nodes if a.op == "get_attr"}
     for node in reversed(ffn.nodes):
         gm.graph.erase_node(node)
+    dense_attrs = {a for a in dense_attrs if not a.users}
     for a in dense_attrs:
-        if not a.users:
-            gm.graph.erase_node(a)
+        gm.graph.erase_node(a)
     itemsize = xval.element_size()
     return MoELayer(path=path, experts=E, top_k=k, groups=groups, tokens_per_group=per_group, capacity=cap,
                     capacity_factor=opts.capacity_factor, gated=len(ffn.in_projs) == 2, hidden=hidden, ffn=ffn_dim,
                     buffer_bytes=E * groups * cap * hidden * itemsize, expert_params=tuple(expert_params),
-                    router=f"{path}.router.weight", init=opts.init)
+                    router=f"{path}.router.weight", init=opts.init,
+                    replaced=tuple(sorted(str(a.target) for a in dense_attrs)))
 
 
 __all__ = ["ExpertRewrite", "emit_moe", "match_ffn", "module_paths", "projection_weights"]

@@ -430,3 +430,39 @@ def test_two_models_in_one_process_keep_their_own_records():
     assert autoshard.moe_stats(drops.rank_module(0), rank=0) == autoshard.moe_stats(drops, rank=0)
     autoshard.moe.clear_records(drops)
     assert autoshard.moe_stats(drops, rank=0) == {} and autoshard.moe_stats(roomy, rank=0)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["compile", "shard"])
+def test_the_moe_layers_parameters_are_the_modules_and_an_optimizer_trains_them(in_place):
+    """The experts and router the rewrite creates are the module's parameters (named under the FFN's path, in its
+    state dict) and the dense FFN's weights they replaced are gone: a user's optimizer built from ``parameters()``
+    steps the experts (before, it was given the unused dense weights and the experts never trained)."""
+    from autoshard.runtime import SimWorld
+
+    model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=16)
+    mesh = autoshard.Mesh(data=2)
+    world = SimWorld(mesh, timeout=60)
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    moe = autoshard.MoE(layers="blocks.*.mlp", num_experts=2, top_k=1, expert_axis="data")
+
+    def body(rank):
+        comm = world.communicator(rank)
+        local = tuple(a.chunk(2)[rank] for a in args)
+        if in_place:
+            sm = autoshard.shard(copies[rank], mesh, example_inputs=local, moe=moe, comm=comm)
+        else:
+            sm = autoshard.compile(copies[rank], mesh, args, moe=moe, comm=comm)
+        names = [n for n, _ in sm.named_parameters()]
+        opt = torch.optim.AdamW(sm.parameters(), lr=1e-2)
+        before = {n: p.to_local().detach().clone() for n, p in sm.named_parameters()}
+        loss_of(sm(*local)).backward()
+        opt.step()
+        moved = {n for n, p in sm.named_parameters() if not torch.equal(p.to_local(), before[n])}
+        return names, sorted(sm.state_dict()), moved
+
+    for names, keys, moved in world.run(body):
+        experts = [n for n in names if ".mlp.experts." in n or ".mlp.router." in n]
+        assert "blocks.0.mlp.experts.w1" in experts and "blocks.1.mlp.router.weight" in experts
+        assert not [n for n in names + keys if n.startswith("blocks.0.mlp.0.")]  # the replaced dense weights
+        assert set(experts) <= set(keys)
+        assert set(experts) <= moved, set(experts) - moved

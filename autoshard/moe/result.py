@@ -32,6 +32,7 @@ class MoELayer:
     expert_params: tuple[str, ...]  # <path>.experts.{w1,b1,w3,b3,w2,b2} that exist, in creation order
     router: str  # <path>.router.weight
     init: str  # upcycle | random
+    replaced: tuple[str, ...] = ()  # the dense FFN's parameters the layer replaced (no longer read by the program)
 
 
 @dataclass(frozen=True)
