@@ -445,7 +445,7 @@ class ShardedModule(torch.nn.Module):
         gm = self.plan.graph_module
         read = {a for n in gm.graph.nodes if n.op == "get_attr" for a in n.meta.get(M.ALIASES, (n.target,))}
         rewrite = gm.meta.get(M.MOE_REWRITE)  # a dense FFN's weights that an MoE layer replaced: gone, not unread
-        replaced = {name for layer in rewrite.layers for name in layer.replaced} if rewrite is not None else set()
+        replaced = rewrite.replaced() if rewrite is not None else frozenset()
         return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in read and k not in replaced}
 
     def _need_plan(self) -> Plan:
@@ -610,7 +610,7 @@ class ShardedModule(torch.nn.Module):
                           "(torchrun), or run ranks with autoshard.runtime.SimWorld.run.", stacklevel=3)
         if self._in_place is not None:  # autoshard.shard: the model's own modules hold the DTensors
             rewrite = self.plan.graph_module.meta.get(M.MOE_REWRITE)
-            replaced = frozenset(n for layer in rewrite.layers for n in layer.replaced) if rewrite else frozenset()
+            replaced = rewrite.replaced() if rewrite is not None else frozenset()
             public = fill_tree(self._in_place, held, dm, replaced)
             children = dict(self._in_place._modules)
             top = {**self._in_place._parameters, **self._in_place._buffers}

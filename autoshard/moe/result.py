@@ -45,6 +45,10 @@ class MoERewrite:
     expert_axis: str
     key: str
 
+    def replaced(self) -> frozenset[str]:
+        """The dense FFN parameters every layer replaced (no longer read by the program)."""
+        return frozenset(name for layer in self.layers for name in layer.replaced)
+
     def report(self) -> dict:
         """Plain data for the plan report: ``{"layers": [{field: value}...], "groups", "expert_axis"}``."""
         layers = [{**dataclasses.asdict(layer), "expert_params": list(layer.expert_params)} for layer in self.layers]
