@@ -21,7 +21,7 @@ and the caller exports the whole model the ordinary way: this is a speed-up, nev
 check that the result is the same graph as a full export (same code, op for op).
 
 :func:`find_groups` is autoshard's one detector of repeated layers. The trace calls it on the model (which layers
-to trace once and copy); the plan search (``passes/plan_search.py``, ``find_layers``) calls it on the traced
+to trace once and copy); the plan search (``passes/plan_search/layers.py``, ``find_layers``) calls it on the traced
 graph module, whose attribute tree mirrors the model's (``blocks.3.attn.q.weight``; a ``ModuleList`` becomes a
 plain module with children ``0``, ``1``, ...), and then only checks, op by op, that the graph of each copy it
 ties is the same. One rule for "these are copies of one layer" — the same container, the same submodules and

@@ -1,5 +1,5 @@
 """Costs of a plan in seconds and bytes: one op under a strategy, one redistribution, one gradient sync, and the
-whole annotated graph (:func:`plan_cost`). The exact search (``passes/plan_search.py``) minimises the same
+whole annotated graph (:func:`plan_cost`). The exact search (``passes/plan_search/``) minimises the same
 quantities, so ``plan_cost`` of a searched plan equals the search's objective.
 """
 

@@ -20,7 +20,7 @@ the parameter and the op. A free parameter already laid out by an earlier consum
 redistributed, as a last resort. The chosen :class:`~autoshard.meta.Strategy` and a
 :class:`~autoshard.meta.Decision` (with the best rejected alternative) go into ``node.meta``.
 
-A strategy decided before this pass — by the exact search (``passes/plan_search.py``), or by a test — is read from
+A strategy decided before this pass — by the exact search (``passes/plan_search/``), or by a test — is read from
 ``node.meta[autoshard.meta.PLANNED]`` and applied instead of the walk's choice (checked against the node's rule
 unless ``node.meta[autoshard.meta.PLANNED_BY]`` says the search drew it from those very options).
 

@@ -1,7 +1,8 @@
 """The graph ops the expert rewrite (``passes/expert_rewrite.py``) emits for each MoE layer.
 
-Every op takes the routing group as its leading dim (``[G, T_g, ...]``; the rule table in ``autoshard/rules.py``
-shards it) and never reads tensor values for a shape, so each traces with fake tensors:
+Every op takes the routing group as its leading dim (``[G, T_g, ...]``; their rules in
+``autoshard/ops/moe.py`` shard it) and never reads tensor values for a shape, so each traces with fake
+tensors:
 
 * :func:`route_groups`, :func:`gate_groups`: :func:`autoshard.moe.routing.route` per group; the gate weights.
 * :func:`dispatch_groups`, :func:`combine_groups`: tokens ``[G, T, h]`` to the expert buffer ``[E, G, C, h]``

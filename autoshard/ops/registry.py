@@ -89,7 +89,7 @@ class Workspace:
       output of the node (those are the ``saves`` facet): attention's float copy of a boolean mask;
     - ``kept_key``: when not None, ops with the same key keep one storage between them (count ``kept`` once per
       key): every attention reading one boolean mask saves the same float copy (the rank program converts it once,
-      :func:`autoshard.runtime.context.float_mask`);
+      :func:`autoshard.runtime.ops.additive_mask`);
     - ``transient``: the most the op holds at once while it runs, forward or backward, freed when it returns
       (ring attention's score blocks); the memory model adds it where the op runs, not to the whole step.
     """
