@@ -25,13 +25,13 @@ from autoshard.errors import (
 )
 from autoshard.mesh import Mesh
 
-_LAZY = {"compile": "autoshard.api", "shard": "autoshard.in_place", "ShardedModule": "autoshard.api", "data_shard": "autoshard.api",
+_LAZY = {"compile": "autoshard.api.sharded_module", "shard": "autoshard.api.in_place", "ShardedModule": "autoshard.api.sharded_module", "data_shard": "autoshard.api.sharded_module",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
-         "Pipeline": "autoshard.pipeline", "MixedPrecision": "autoshard.precision",
-         "ContextParallel": "autoshard.context_parallel",
-         "MoE": "autoshard.moe", "moe_losses": "autoshard.moe", "moe_stats": "autoshard.moe",
-         "save": "autoshard.checkpoint", "load": "autoshard.checkpoint", "full_state_dict": "autoshard.checkpoint",
-         "clip_grad_norm_": "autoshard.parameters"}
+         "Pipeline": "autoshard.compiler.pipeline", "MixedPrecision": "autoshard.frontend.precision",
+         "ContextParallel": "autoshard.compiler.context_parallel",
+         "MoE": "autoshard.compiler.moe", "moe_losses": "autoshard.compiler.moe", "moe_stats": "autoshard.compiler.moe",
+         "save": "autoshard.api.checkpoint", "load": "autoshard.api.checkpoint", "full_state_dict": "autoshard.api.checkpoint",
+         "clip_grad_norm_": "autoshard.runtime.parameters"}
 
 __all__ = ["compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
@@ -39,9 +39,8 @@ __all__ = ["compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "
            "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]
 
 
-_SUBMODULES = {"runtime", "placements", "meta", "mesh", "errors", "plan", "api", "rank_programs", "ops", "strategies",
-               "trace", "report", "cli", "passes", "cost_models", "moe", "pipeline", "checkpoint",
-               "parameters", "in_place", "notices"}
+_SUBMODULES = {"api", "frontend", "compiler", "runtime", "passes", "cost_models", "errors", "mesh", "placements",
+               "meta", "progress"}
 
 
 def __getattr__(name: str):

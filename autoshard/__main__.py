@@ -2,7 +2,7 @@
 
 import sys
 
-from autoshard.cli import main
+from autoshard.api.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

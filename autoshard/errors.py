@@ -2,7 +2,7 @@
 
 Every error a user can cause is raised as a subclass of :class:`AutoshardError` with a message of the form
 "<subject> has <actual>, but <expected>. <what to do>", naming the node, module path or option involved
-(:func:`autoshard.graph_utils.node_location` words a node's place). A leaf: it imports nothing from autoshard.
+(:func:`autoshard.frontend.graph_utils.node_location` words a node's place). A leaf: it imports nothing from autoshard.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ STAGE_SPLIT = "autoshard.stage_split"
 #: On ``gm.meta``: one global GraphModule per pipeline stage, a tuple of ``StageGraph`` (passes/pipeline_split.py,
 #: the ``build_stages`` pass); each stage's rank programs are made from it by the rank phase.
 STAGE_GRAPHS = "autoshard.stage_graphs"
-#: On ``gm.meta``: the expert rewrite's result, an :class:`autoshard.moe.MoERewrite` (passes/expert_rewrite.py).
+#: On ``gm.meta``: the expert rewrite's result, an :class:`autoshard.compiler.moe.MoERewrite` (passes/expert_rewrite.py).
 MOE_REWRITE = "autoshard.moe_rewrite"
 #: On ``gm.meta``: annotations implied by a pass for parameters it created, a tuple of ``(pattern, Spec)`` (the
 #: expert rewrite's ``Shard(0)`` on the expert axis). Propagation seeds them before the user's annotations, which
@@ -68,13 +68,13 @@ KEEP_DTYPE = "autoshard.keep_dtype"
 
 # ---- graph-module keys (``gm.meta``) and annotation keys of the trace and the runtime --------------------------
 #: ``gm.meta`` of a traced graph: container path -> [traced layer index, copied layer indices...]
-#: (autoshard/layer_reuse.py; absent when every layer was exported).
+#: (autoshard/frontend/layer_reuse.py; absent when every layer was exported).
 REUSED_LAYERS = "autoshard.reused_layers"
 #: Key in a node's ``meta["custom"]`` (``torch.fx.traceback.annotate``) while tracing: the number of the model's
 #: ``torch.utils.checkpoint`` call that made the op; the trace turns it into :data:`RECOMPUTE`.
 CHECKPOINT_CALL = "autoshard.checkpoint_call"
 #: ``gm.meta`` of a traced graph: the Hugging Face sparse-MoE blocks found while tracing, and why other candidates
-#: were not taken (an :class:`autoshard.moe.hf_blocks.Found`).
+#: were not taken (an :class:`autoshard.frontend.hf_blocks.Found`).
 HF_MOE_BLOCKS = "autoshard.hf_moe_blocks"
 #: ``gm.meta`` of a rank program: ``((parameter attribute name, axes), ...)`` whose gradient sync codegen left out
 #: of the graph, for the runtime's bucketed all-reduce (autoshard/runtime/buckets.py).
@@ -159,7 +159,7 @@ def clean_path(path: str) -> str:
 CHECKPOINT_MARKER = "autoshard.json"
 
 #: On ``gm.meta``: the context-parallel layout of the sequence (passes/context_parallel.py), a :class:`ContextLayout`.
-CONTEXT = "autoshard.context"
+CONTEXT = "autoshard.compiler.context"
 
 
 @dataclass(frozen=True)

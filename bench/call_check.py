@@ -28,7 +28,7 @@ if str(_ROOT) not in sys.path:  # run as a script (and in spawned workers): make
 
 def _work(rank, world_size, layers, reps, steps):
     import autoshard
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
     from autoshard.runtime import agreement
     from examples import models
 

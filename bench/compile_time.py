@@ -4,7 +4,7 @@ Each case is ``autoshard.compile(model, mesh, example, planner="search", profile
 ``.code(rank=0)``, with the model and its inputs on the meta device (no weights are allocated, so any size fits).
 Phases, all from the same compile:
 
-* trace: the ``trace`` call that :func:`autoshard.plan.build_plan` makes, timed by a wrapper around it;
+* trace: the ``trace`` call that :func:`autoshard.compiler.plan.build_plan` makes, timed by a wrapper around it;
 * search build / solve: ``plan.context.report["plan_search"]["build_seconds" / "solve_seconds"]``;
 * rest: everything else inside ``compile`` (propagation, collective insertion, the search's own bookkeeping);
 * codegen: ``plan.code(0)``;
@@ -113,7 +113,7 @@ def build(case: Case):
 def measure(case: Case) -> dict:
     """Compile ``case`` once and time its phases (see the module docstring)."""
     import autoshard
-    import autoshard.plan as plan_module
+    import autoshard.compiler.plan as plan_module
     from autoshard import Mesh
 
     model, args, kwargs = build(case)

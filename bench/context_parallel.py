@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, seq: int, batch: int, steps: int, cases=CASES
     from torch.profiler import ProfilerActivity, profile
 
     import autoshard
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
     from autoshard.runtime import DistCommunicator, use
     from tests.test_context_parallel import _saved_by_attention
 

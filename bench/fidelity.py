@@ -176,7 +176,7 @@ def _stage_buffers(pipelined_module) -> list:
 
 
 def _step_fn(sharded, pipelined: bool, args, kwargs, optimizer):
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
 
     def step(marks=None):
         optimizer.zero_grad(set_to_none=True)
@@ -195,7 +195,7 @@ def _step_fn(sharded, pipelined: bool, args, kwargs, optimizer):
 
 def _predict(sharded, pipelined: bool, rank: int, profile) -> dict:
     if pipelined:
-        from autoshard.report import stages_json
+        from autoshard.compiler.report import stages_json
 
         pplan = sharded.plan
         stages = stages_json(pplan)

@@ -43,10 +43,10 @@ CASES = (
 def attempt(factory: str, kwargs: dict, mesh_axes: dict, profile: str, limit: float,
             time_limit: float | None = None) -> dict:
     """One planning run at ``limit`` bytes per rank: outcome, wall seconds, and the refusal's figures."""
-    from autoshard.api import make_options
+    from autoshard.api.sharded_module import make_options
     from autoshard.errors import PlanError
     from autoshard.mesh import Mesh
-    from autoshard.plan import build_plan
+    from autoshard.compiler.plan import build_plan
     from examples import models
 
     model, args, kw = getattr(models, factory)(**kwargs)

@@ -19,7 +19,7 @@ def main() -> None:
     import torch
 
     import autoshard
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
     from examples import models
 
     warnings.simplefilter("ignore")

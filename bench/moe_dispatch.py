@@ -1,4 +1,4 @@
-"""MoE dispatch+combine: index scatter/gather (autoshard.moe.routing) vs GShard's dense one-hot einsum.
+"""MoE dispatch+combine: index scatter/gather (autoshard.runtime.moe.routing) vs GShard's dense one-hot einsum.
 
 Both paths start from the same routing and run forward + backward (gradients to the tokens and to the gates, as
 in training) with an identity expert in between, so only dispatch and combine are measured. They run side by
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.moe import routing as M
+from autoshard.runtime.moe import routing as M
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def _worker(rank, world, reps):
     from torch.distributed.fsdp import fully_shard
 
     import autoshard
-    from autoshard.parameters import local_of
+    from autoshard.runtime.parameters import local_of
     from examples import models
 
     model, _, kwargs = models.hf_llama(layers=2, hidden=128)

@@ -49,8 +49,9 @@ def _worker(rank, world_size, hidden, layers, batch, microbatches, schedule, rep
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.api import make_options
-    from autoshard.pipeline import Pipeline, PipelineRunner, build_pipeline_plan
+    from autoshard.api.sharded_module import make_options
+    from autoshard.api.pipelined_module import PipelineRunner
+    from autoshard.compiler.pipeline import Pipeline, build_pipeline_plan
     from autoshard.runtime import DistCommunicator
 
     model, args = _model(hidden, layers, batch)
@@ -91,7 +92,7 @@ def single_process(hidden: int, layers: int, batch: int, microbatches: int, repe
 
 def run(stages=(1, 2), microbatches=(1, 2, 4, 8), hidden=512, layers=8, batch=64, repeats=5,
         schedule="gpipe") -> list[dict]:
-    from autoshard.pipeline import bubble_fraction
+    from autoshard.compiler.pipeline import bubble_fraction
     from autoshard.runtime import spawn
 
     rows = []

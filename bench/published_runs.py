@@ -16,7 +16,7 @@ and the tensor/pipeline-parallel degree) or model TFLOP/s per GPU (the Llama 3 p
 same quantity from the predicted step time.
 
 The Llama 3 405B rows run a pipeline (TP 8 × PP 16 × DP): the step is that of :meth:`PipelinePlan.cost
-<autoshard.pipeline.plan.PipelinePlan.cost>` — each rank runs ``microbatches × its layers' seconds per
+<autoshard.compiler.pipeline.plan.PipelinePlan.cost>` — each rank runs ``microbatches × its layers' seconds per
 microbatch / (1 − bubble)``, then once per step its data-parallel collectives and optimizer step — with a rank's
 layers priced from the same 1- and 2-layer plans of one microbatch (one sequence per data-parallel rank) on
 ``data × model``: compute and the ``model`` axis's collectives per microbatch, the ``data`` axis's (ZeRO-2: the
@@ -159,10 +159,10 @@ def plan_run(model: str, mesh: tuple, batch: int, seq: int, recompute: str | Non
     Plans depend on the layout only, not on the profile: :func:`predict` prices one plan with any profile."""
     import torch
 
-    from autoshard.api import make_options
+    from autoshard.api.sharded_module import make_options
     from autoshard.mesh import Mesh
-    from autoshard.plan import build_plan
-    from autoshard.precision import MixedPrecision
+    from autoshard.compiler.plan import build_plan
+    from autoshard.frontend.precision import MixedPrecision
     from examples import models
 
     module, kwargs = llama_meta(model, layers, batch, seq)
@@ -238,7 +238,7 @@ def layer_parts(run: Run, profile, layers: int | None = None) -> Parts:
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
-    from autoshard.pipeline.options import bubble_fraction as bubble
+    from autoshard.compiler.pipeline.options import bubble_fraction as bubble
 
     return bubble(stages, microbatches, virtual)
 

@@ -9,7 +9,7 @@ None before each; no optimizer) of:
   output projections; embeddings and LM head replicated):
   - **autoshard** (headline): the ``ShardedModule`` a user runs — ``autoshard.compile(model, mesh, args,
     plan=..., comm=..., bucket_cap_mb=25)`` called as a module: its DTensor parameters bound to the rank program
-    per call (``autoshard.parameters.bound``), the agreement check of every call (started before the forward,
+    per call (``autoshard.runtime.parameters.bound``), the agreement check of every call (started before the forward,
     settled before the program's first collective), gradients as DTensors;
     ``autoshard-SP`` (the block) the same with sequence parallelism;
   - **autoshard rank module** (secondary): the bare program the ShardedModule runs,
@@ -196,7 +196,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
     from torch.nn.parallel import DistributedDataParallel
 
     import autoshard
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
     from autoshard.runtime import DistCommunicator, use
     from autoshard.runtime.buckets import GradBucketer
 

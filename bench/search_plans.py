@@ -52,9 +52,9 @@ CASES = (
 
 def plan_of(name: str, mesh_axes: dict, batch: int, seq: int, **options):
     """(plan, planning wall seconds) of factory ``name`` under ``options`` (autoshard.compile's keywords)."""
-    from autoshard.api import make_options
+    from autoshard.api.sharded_module import make_options
     from autoshard.mesh import Mesh
-    from autoshard.plan import build_plan
+    from autoshard.compiler.plan import build_plan
     from examples import models
 
     model, args, kwargs = getattr(models, name)(batch=batch, seq=seq)
@@ -91,7 +91,7 @@ def lp_bound(problem, multiplier):
 
 
 def run_case(name, mesh_axes, limit, batch, seq, repeat: int = 1) -> dict:
-    from autoshard.api import parse_bytes
+    from autoshard.api.sharded_module import parse_bytes
 
     rows = {}
     for label, options in (("hand", {"megatron": True, "zero": 3}),
@@ -163,7 +163,7 @@ def mixed_precision_rows(name, mesh_axes, limit, batch, seq) -> str:
     reduction, and torchtitan's fp32 reduction): the search's estimate of its plan against ``Plan.cost``'s."""
     import torch
 
-    from autoshard.precision import MixedPrecision
+    from autoshard.frontend.precision import MixedPrecision
 
     lines = [f"{name}  mixed precision (bf16 compute, fp32 masters), same mesh and limit: search's estimate / "
              "Plan.cost", "  reduce_dtype   step ms (search / cost)   GiB/rank (search / cost)   fits"]

@@ -57,7 +57,7 @@ def _worker(rank, world, cases, reps):
 
     import autoshard
     import autoshard.runtime.agreement as agreement
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
     from autoshard.runtime import DistCommunicator, use
     from autoshard.runtime.buckets import GradBucketer
     from examples import models

@@ -105,7 +105,7 @@ def _worker(rank, world, size_name, reps):
     from torch.distributed.fsdp import fully_shard
 
     import autoshard
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
     from autoshard.runtime import DistCommunicator, use
     from examples.models import GPT
 

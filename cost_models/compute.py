@@ -2,7 +2,7 @@
 
 Shapes come from ``node.meta["val"]`` (FakeTensors from ``torch.export``) of the node and of the nodes it reads.
 FLOPs count a multiply-add as 2. The formulas are facets of each op's entry in the op registry
-(:mod:`autoshard.ops`: ``flops``, ``backward``, ``backward_flops``, ``bytes``, stated once per op next to its
+(:mod:`autoshard.compiler.ops`: ``flops``, ``backward``, ``backward_flops``, ``bytes``, stated once per op next to its
 sharding rule, usually on the ``OpOverloadPacket`` so every overload shares them); they say:
 
 ==================================================  ==============================================  ========
@@ -51,8 +51,8 @@ import torch
 from torch.fx import Node
 
 from autoshard.errors import PlanError
-from autoshard.graph_utils import node_location
-from autoshard.ops import OpEntry, entry
+from autoshard.frontend.graph_utils import node_location
+from autoshard.compiler.ops import OpEntry, entry
 
 from .profile import HardwareProfile
 
@@ -130,7 +130,7 @@ class _Op:
 
 # ---- the registry's cost facets --------------------------------------------------------------------------
 def _entry_of(node: Node) -> OpEntry | None:
-    """The op's entry (FLOPs, backward ratio, bytes mode) from :mod:`autoshard.ops`; None for non-ops."""
+    """The op's entry (FLOPs, backward ratio, bytes mode) from :mod:`autoshard.compiler.ops`; None for non-ops."""
     if node.op != "call_function":
         return None
     return entry(node.target)

@@ -8,7 +8,7 @@ Training state of ``p`` local parameter elements of ``dtype`` (:func:`training_s
                 adam / adamw: 2 · p · 4 (exp_avg and exp_avg_sq, fp32 whatever the parameter dtype)
 
 Activations (:func:`activation_bytes`) are a heuristic of what autograd saves between forward and backward, read
-from each op's ``saves`` facet in the op registry (:mod:`autoshard.ops`): a node's output counts, at its local
+from each op's ``saves`` facet in the op registry (:mod:`autoshard.compiler.ops`): a node's output counts, at its local
 size, when
 
 - some user of it saves that input for its backward: contractions (mm, bmm, matmul, linear, einsum, conv, sdpa
@@ -41,8 +41,8 @@ from torch.fx import Node
 
 from autoshard import meta as M
 from autoshard.errors import PlanError
-from autoshard.graph_utils import tensor_inputs
-from autoshard.ops import MASK, OUTPUT, entry
+from autoshard.frontend.graph_utils import tensor_inputs
+from autoshard.compiler.ops import MASK, OUTPUT, entry
 
 from .compute import output_tensors
 from .workspace import kept_workspace, op_workspace, transient_workspace
@@ -134,7 +134,7 @@ def zero_state_bytes(local_numel: int, stage: int, data_size: int, dtype: torch.
 
 
 def _saves(node: Node) -> tuple:
-    """The ``saves`` facet of ``node``'s op (:mod:`autoshard.ops`); () for placeholders, get_attr and output."""
+    """The ``saves`` facet of ``node``'s op (:mod:`autoshard.compiler.ops`); () for placeholders, get_attr and output."""
     return entry(node.target).saves if node.op == "call_function" else ()
 
 
@@ -597,7 +597,7 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     storage read from :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None:
     the parameters' own dtype). Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of.
 
-    How a pipeline schedule runs the graph of one stage (:meth:`autoshard.pipeline.plan.PipelinePlan.stage_memory`):
+    How a pipeline schedule runs the graph of one stage (:meth:`autoshard.compiler.pipeline.plan.PipelinePlan.stage_memory`):
 
     - ``in_flight``: microbatches whose activations are alive at once; while one runs its backward, the others
       hold everything their forward saved (their gradients accumulate in one set);

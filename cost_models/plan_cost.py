@@ -16,11 +16,11 @@ from autoshard.cost_models.memory import MemoryBreakdown, plan_memory
 from autoshard.cost_models.profile import HardwareProfile
 
 from autoshard import meta as M
-from autoshard import redistribute
-from autoshard.collective_kinds import time as kind_time
-from autoshard.graph_utils import is_getitem, itemsize, out_vals, rerun_in_backward, shape, tensor_inputs
+from autoshard.compiler import redistribute
+from autoshard.compiler.collective_kinds import time as kind_time
+from autoshard.frontend.graph_utils import is_getitem, itemsize, out_vals, rerun_in_backward, shape, tensor_inputs
 from autoshard.mesh import Mesh
-from autoshard.ops import entry
+from autoshard.compiler.ops import entry
 from autoshard.placements import Spec, local_shape
 
 
@@ -76,7 +76,7 @@ def trains(gm: torch.fx.GraphModule) -> bool:
 
 def rerun_nodes(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """{node: region id} of the nodes of an annotated graph that backward runs again
-    (:func:`autoshard.graph_utils.rerun_in_backward`: each recomputation region's ops and the nodes between them,
+    (:func:`autoshard.frontend.graph_utils.rerun_in_backward`: each recomputation region's ops and the nodes between them,
     collectives included); none when the graph has no backward (:func:`trains`)."""
     return rerun_in_backward(gm.graph) if trains(gm) else {}
 

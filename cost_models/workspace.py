@@ -1,5 +1,5 @@
 """What ops allocate besides their outputs, per rank, read from the op registry's ``workspace`` facet
-(:class:`autoshard.ops.Workspace`), for the memory model (:mod:`.memory`):
+(:class:`autoshard.compiler.ops.Workspace`), for the memory model (:mod:`.memory`):
 
 - **kept** bytes live like an activation, from the op's forward to its backward: one storage per ``kept_key``
   (every attention reading one boolean mask keeps the same float copy), alive until the backward of the earliest
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from torch.fx import Node
 
 from autoshard import meta as M
-from autoshard.ops import Workspace, entry
+from autoshard.compiler.ops import Workspace, entry
 
 __all__ = ["kept_workspace", "op_workspace", "transient_workspace"]
 

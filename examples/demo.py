@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoshard  # noqa: E402
 from autoshard.placements import assemble  # noqa: E402
-from autoshard.plan import loss_of  # noqa: E402
+from autoshard.compiler.plan import loss_of  # noqa: E402
 from examples import models  # noqa: E402
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoshard  # noqa: E402
 from autoshard import Replicate, Shard  # noqa: E402
-from autoshard.plan import loss_of  # noqa: E402
+from autoshard.compiler.plan import loss_of  # noqa: E402
 
 COLUMN, ROW = Shard(0), Shard(1)  # nn.Linear weights are [out, in]
 LAYERS = "model.layers.*."

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from autoshard.collective_kinds import is_kind
-from autoshard.context import Context
+from autoshard.compiler.collective_kinds import is_kind
+from autoshard.compiler.context import Context
 from autoshard.runtime.buckets import GRAD_SYNC
 
 _ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)

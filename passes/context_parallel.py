@@ -3,7 +3,7 @@
 Three passes of the one list (``passes/manager.py``):
 
 * :class:`CutSequence` (plan phase, before the planners): after every input whose dim 1 is the length of the
-  model's self-attention sequence, a ``sequence_cut`` node (:mod:`autoshard.ops.context`) planned to shard dim 1
+  model's self-attention sequence, a ``sequence_cut`` node (:mod:`autoshard.compiler.ops.context`) planned to shard dim 1
   on the context axis, so users pass whole sequences and every activation downstream starts sharded; records
   the layout in ``gm.meta[autoshard.meta.CONTEXT]``.
 * :class:`ContextAttention` (plan phase, after collective insertion): each attention whose strategy shards the sequence
@@ -26,12 +26,12 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.collective_kinds import kind_of
-from autoshard.context import Context
+from autoshard.compiler.collective_kinds import kind_of
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError
-from autoshard.graph_utils import node_location
-from autoshard.ops.attention import context_axis_of, context_form
-from autoshard.ops.context import sequence_cut
+from autoshard.frontend.graph_utils import node_location
+from autoshard.compiler.ops.attention import context_axis_of, context_form
+from autoshard.compiler.ops.context import sequence_cut
 from autoshard.placements import Replicate, Shard
 
 __all__ = ["BalanceContext", "ContextAttention", "CutSequence"]
@@ -121,7 +121,7 @@ class ContextAttention:
     phase: str = "plan"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        from autoshard.ops.attention import ulysses_valid
+        from autoshard.compiler.ops.attention import ulysses_valid
 
         layout = gm.meta.get(M.CONTEXT)
         mesh = ctx.mesh

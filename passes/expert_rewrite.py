@@ -1,7 +1,7 @@
 """Expert rewrite: chosen dense FFNs become capacity-bounded Mixture-of-Experts layers (GShard/Switch semantics).
 
 Runs first, on the traced graph, when ``autoshard.compile(..., moe=autoshard.MoE(...))`` is given. For each module
-path that :meth:`autoshard.moe.MoE.select` picks, :func:`match_ffn` checks that the nodes under that path form a
+path that :meth:`autoshard.compiler.moe.MoE.select` picks, :func:`match_ffn` checks that the nodes under that path form a
 dense FFN — one input ``x``; one or two projections of ``x`` (two: gated, e.g. Llama's SwiGLU); only pointwise
 ops between them and the output projection (any activation written with them: GELU, tanh-GELU formulas, SiLU·up);
 one projection producing the only value used outside. Projections are ``aten.linear`` or, for GPT-2's Conv1D,
@@ -36,7 +36,7 @@ sharded on experts where the tokens were sharded on groups: one all-to-all befor
 
 The rewrite builds new nodes in place with FakeTensor ``val``s from the graph's own fake mode and the FFN's
 ``nn_module_stack``; it erases the dense FFN and its weight ``get_attr`` nodes. It reads the user's options and
-never changes them: its result is a :class:`~autoshard.moe.MoERewrite` on ``gm.meta[autoshard.meta.MOE_REWRITE]``
+never changes them: its result is a :class:`~autoshard.compiler.moe.MoERewrite` on ``gm.meta[autoshard.meta.MOE_REWRITE]``
 (layers, groups, and the record key ``key`` that every ``attach`` node carries, so two models compiled in one
 process keep separate records), mirrored as plain data in ``ctx.report["expert_rewrite"]`` for the plan report.
 """
@@ -51,13 +51,14 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.context import Context
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError
-from autoshard.graph_utils import NodeBuilder, fetch_attr
-from autoshard.moe import graph_ops
-from autoshard.moe.options import capacity_of
-from autoshard.moe.records import new_key
-from autoshard.moe.result import MoELayer, MoERewrite
+from autoshard.frontend import hf_blocks
+from autoshard.frontend.graph_utils import NodeBuilder, fetch_attr
+from autoshard.runtime.moe import graph_ops
+from autoshard.compiler.moe.options import capacity_of
+from autoshard.runtime.moe.records import new_key
+from autoshard.compiler.moe.result import MoELayer, MoERewrite
 from autoshard.placements import Replicate, Shard
 
 aten = torch.ops.aten
@@ -102,7 +103,7 @@ def _projection_input(node: torch.fx.Node) -> torch.fx.Node:
 @contextlib.contextmanager
 def _compute_dtype_values(gm: torch.fx.GraphModule, ctx: Context):
     """Under ``precision=MixedPrecision(param_dtype)`` the graph is the trace of the ``param_dtype`` compute copy
-    (:func:`autoshard.precision.trace_with_precision`), but its parameter ``get_attr`` nodes (and floating inputs)
+    (:func:`autoshard.frontend.precision.trace_with_precision`), but its parameter ``get_attr`` nodes (and floating inputs)
     hold the masters' dtype until the ``mixed_precision`` pass, after propagation, casts each where it is read. The
     nodes built here compute their values from their inputs' (fake) values: while building, those read as the
     ``param_dtype`` values they are in the compute copy (the experts' bmm of bf16 tokens and bf16 weights, as one
@@ -112,7 +113,7 @@ def _compute_dtype_values(gm: torch.fx.GraphModule, ctx: Context):
     from torch._guards import detect_fake_mode
 
     from autoshard.passes.mixed_precision import casts
-    from autoshard.precision import fake_like
+    from autoshard.frontend.precision import fake_like
 
     policy = getattr(ctx.options, "precision", None)
     if policy is None:
@@ -143,8 +144,7 @@ class ExpertRewrite:
         opts = getattr(ctx.options, "moe", None)
         if opts is None:
             return gm
-        if opts.existing:  # the model's own sparse-MoE blocks (Hugging Face): autoshard/moe/hf_blocks.py
-            from autoshard.moe.hf_blocks import rewrite_existing
+        if opts.existing:  # the model's own sparse-MoE blocks (Hugging Face): autoshard/frontend/hf_blocks.py
 
             with _compute_dtype_values(gm, ctx):
                 return rewrite_existing(gm, ctx, opts, self.name)
@@ -404,3 +404,149 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
 
 
 __all__ = ["ExpertRewrite", "emit_moe", "match_ffn", "module_paths", "projection_weights"]
+
+
+# ---- MoE(existing=True): the model's own Hugging Face sparse-MoE blocks ------------------------------------
+def _is_experts(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target == torch.ops.autoshard.hf_experts.default
+
+
+_LAYOUT_OPS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+               torch.ops.aten.cat.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+               torch.ops.aten.t.default, torch.ops.aten.alias.default}
+
+
+def _weights(t) -> list[torch.fx.Node]:
+    """The parameters (``get_attr``) an experts weight argument is, or is viewed, concatenated or transposed from
+    (DBRX's flat weights reach the op as ``cat([w1.view(...), v1.view(...)])`` and ``w2.view(...).transpose``)."""
+    out, stack, seen = [], [t], set()
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, torch.fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if x.op == "get_attr":
+            out.append(x)
+        elif x.op == "call_function" and x.target in _LAYOUT_OPS:
+            stack.extend(reversed(x.all_input_nodes))
+    return out
+
+
+def _block_of(gm: torch.fx.GraphModule, node: torch.fx.Node, found: hf_blocks.Found | None) -> hf_blocks.Block:
+    up = node.args[3]
+    sources = _weights(up)
+    path = str(sources[0].target).rsplit(".experts.", 1)[0] if sources else M.module_path(node)
+    for block in (found.blocks if found else ()):
+        if block.path == path:
+            return block
+    act, has_gate, transposed, concatenated = node.args[7:11]
+    e = up.meta["val"].shape[0]
+    return hf_blocks.Block(path, "gate", e, int(node.args[1].meta["val"].shape[-1]), act, has_gate, transposed, concatenated,
+                 node.args[5] is not None)
+
+
+def _project(b, inp: torch.fx.Node, w: torch.fx.Node, bias, transposed: bool) -> torch.fx.Node:
+    """``inp[E, n, in] @ w[e]ᵀ (+ bias)`` for HF's stacked ``w[E, out, in]`` (``[E, in, out]`` when transposed)."""
+    aten = torch.ops.aten
+    wt = w if transposed else b.call(aten.transpose.int, w, 1, 2)
+    if bias is None:
+        return b.call(aten.bmm.default, inp, wt)
+    return b.call(aten.baddbmm.default, b.call(aten.unsqueeze.default, bias, 1), inp, wt)
+
+
+def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
+    """``MoE(existing=True)``: expand every ``hf_experts`` node (see the module docstring). Returns the
+    :class:`~autoshard.compiler.moe.MoERewrite`."""
+    from autoshard.runtime.moe.routing import capacity
+    from autoshard.placements import Replicate, Shard
+
+    found: hf_blocks.Found | None = gm.meta.get(hf_blocks.FOUND)
+    nodes = [n for n in gm.graph.nodes if _is_experts(n)]
+    if not nodes:
+        model = found.model if found else "the model"
+        why = "".join(f"; `{p}`: {r}" for p, r in (found.rejected if found else ()))
+        raise PlanError(f"MoE(existing=True) was given, but {model} has no sparse-MoE block autoshard recognises "
+                        "(looked for a module with a router child `gate`/`router` holding weight [E, hidden] and "
+                        "top_k, and an `experts` child with stacked 3-D `gate_up_proj`/`up_proj` and `down_proj` "
+                        f"parameters: transformers' experts interface, as Mixtral and Qwen2-MoE{why}). Use "
+                        "MoE(layers=..., num_experts=...) to turn dense FFNs into MoE layers instead.")
+    mesh = ctx.mesh
+    n = mesh.axis_size(opts.expert_axis) if opts.expert_axis in mesh.names else 1
+    groups = opts.groups if opts.groups is not None else n
+    if groups % n:
+        raise PlanError(f"MoE groups has {groups}, but it must be a multiple of the size {n} of expert axis "
+                        f"`{opts.expert_axis}` (each rank routes whole groups).")
+    blocks = [(node, _block_of(gm, node, found)) for node in nodes]
+    if opts.layers != "*.mlp" or opts.every != 1:  # the defaults take every recognised block
+        chosen = set(opts.select([b.path for _, b in blocks]))
+        blocks = [(node, b) for node, b in blocks if b.path in chosen]
+    key = new_key()
+    layers, annotations = [], []
+    aten = torch.ops.aten
+    for node, block in blocks:
+        hidden, index, weights, up, down, up_bias, down_bias = node.args[:7]
+        E, k = block.experts, block.top_k
+        if E % n:
+            raise PlanError(f"MoE block `{block.path}` has {E} experts, but they must be divisible by the size {n} of "
+                            f"expert axis `{opts.expert_axis}`. Use a mesh whose `{opts.expert_axis}` size "
+                            f"divides {E}.")
+        xval = hidden.meta["val"]
+        tokens, h = (int(s) for s in xval.shape)
+        if tokens % groups:
+            raise PlanError(f"MoE block `{block.path}` routes {tokens} tokens, but they must be divisible by the "
+                            f"{groups} routing groups (one per rank of expert axis `{opts.expert_axis}`). Use a "
+                            f"batch that is a multiple of {groups}.")
+        per_group = tokens // groups
+        cf = opts.capacity_factor
+        cap = per_group if cf is None else min(per_group, capacity(per_group, E, k, cf))
+        b = NodeBuilder(gm, node, xval.fake_mode, node.meta.get("nn_module_stack"), node.meta.get("stack_trace"))
+        xg = b.call(aten.reshape.default, hidden, [groups, per_group, h])
+        ei = b.call(aten.reshape.default, index, [groups, per_group, k])
+        wg = b.call(aten.reshape.default, weights, [groups, per_group, k])
+        pos, keep = b.items(b.call(graph_ops.slot_groups, ei, E, cap), 2)
+        buf = b.call(graph_ops.dispatch_groups, xg, ei, pos, keep, E, cap)
+        flat = b.call(aten.reshape.default, buf, [E, groups * cap, h])
+
+        gu = _project(b, flat, up, up_bias, block.transposed)
+        width = int(gu.meta["val"].shape[-1])
+        act = {"silu": (aten.silu.default, {}), "gelu": (aten.gelu.default, {}), "relu": (aten.relu.default, {}),
+               "gelu_tanh": (aten.gelu.default, {"approximate": "tanh"})}[block.activation]
+        if block.has_gate:
+            f = width // 2
+            if block.concatenated:
+                g_part = b.call(aten.slice.Tensor, gu, 2, 0, f)
+                u_part = b.call(aten.slice.Tensor, gu, 2, f, width)
+            else:
+                g_part = b.call(aten.slice.Tensor, gu, 2, 0, width, 2)
+                u_part = b.call(aten.slice.Tensor, gu, 2, 1, width, 2)
+            hid = b.call(aten.mul.Tensor, b.call(act[0], g_part, **act[1]), u_part)
+        else:
+            f = width
+            hid = b.call(act[0], gu, **act[1])
+        y = b.call(aten.reshape.default, _project(b, hid, down, down_bias, block.transposed), [E, groups, cap, h])
+        out = b.call(graph_ops.combine_groups, y, ei, pos, wg, keep)
+        terms = b.call(aten.zeros.default, [groups, 2], dtype=torch.float32, device=xval.device)
+        stats = b.call(graph_ops.routing_stats, ei, keep, terms, E)
+        out = b.call(graph_ops.attach, out, terms, stats, key, block.path, 0.0, 0.0, k)
+        result = b.call(aten.reshape.default, out, [tokens, h])
+        if result.meta["val"].dtype != xval.dtype:
+            result = b.call(aten._to_copy.default, result, dtype=xval.dtype)
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        params = tuple(str(w.target) for t in (up, up_bias, down, down_bias) for w in _weights(t))
+        if n > 1:
+            spec = tuple(Shard(0) if a == opts.expert_axis else Replicate() for a in mesh.names)
+            annotations += [(p, spec) for p in params]
+        router = f"{block.path}.{block.router}.weight" if block.path else f"{block.router}.weight"
+        layers.append(MoELayer(path=block.path, experts=E, top_k=k, groups=groups, tokens_per_group=per_group,
+                               capacity=cap, capacity_factor=opts.capacity_factor, gated=block.has_gate, hidden=h,
+                               ffn=f, buffer_bytes=E * groups * cap * h * xval.element_size(), expert_params=params,
+                               router=router, init="existing"))
+    gm.graph.lint()
+    gm.recompile()
+    result = MoERewrite(tuple(layers), groups, opts.expert_axis, key)
+    gm.meta[M.MOE_REWRITE] = result
+    gm.meta[M.IMPLIED_ANNOTATIONS] = tuple(annotations) + gm.meta.get(M.IMPLIED_ANNOTATIONS, ())
+    ctx.report[name] = result.report()
+    return gm
+

@@ -19,8 +19,8 @@ import torch.fx
 from autoshard.passes.shard_storage import stage_of
 
 from autoshard import meta as M
-from autoshard.collective_kinds import KINDS, is_kind
-from autoshard.context import Context
+from autoshard.compiler.collective_kinds import KINDS, is_kind
+from autoshard.compiler.context import Context
 
 
 @dataclass(frozen=True)

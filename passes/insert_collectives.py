@@ -1,8 +1,8 @@
 """Collective insertion: make every redistribution an explicit graph node.
 
 For each op input whose producer's spec differs from the spec the op's strategy needs, the steps of
-:func:`autoshard.redistribute.steps_between` become ``call_function`` nodes calling the collective operators of the
-table in :mod:`autoshard.collective_kinds` (``torch.ops.autoshard.*``, each with an autograd formula that is its
+:func:`autoshard.compiler.redistribute.steps_between` become ``call_function`` nodes calling the collective operators of the
+table in :mod:`autoshard.compiler.collective_kinds` (``torch.ops.autoshard.*``, each with an autograd formula that is its
 conjugate). Then every replicated input that feeds sharded or partial work (``Strategy.grad_sync``) and requires grad
 goes through ``grad_all_reduce`` — identity forward, all-reduce backward (Megatron's *f*), which is also how
 data-parallel gradient all-reduce of parameters arises.
@@ -23,12 +23,12 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard import redistribute
-from autoshard.context import Context
+from autoshard.compiler import redistribute
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError
-from autoshard.graph_utils import is_tensor_node, itemsize, node_location, shape
+from autoshard.frontend.graph_utils import is_tensor_node, itemsize, node_location, shape
 from autoshard.placements import format_spec
-from autoshard.collective_kinds import emit
+from autoshard.compiler.collective_kinds import emit
 from autoshard.passes.propagate import written_inputs
 
 

@@ -5,7 +5,7 @@ spec. Localising it for rank ``r`` means:
 
 * shapes written into the code (``view``/``reshape``/``expand`` targets) become the local shapes of their outputs;
 * ops whose local form differs from their global one are rewritten by the op's local form (the ``localize``
-  facet of its entry in the op registry, :mod:`autoshard.ops`): a mean over a sharded dim divides by the *global*
+  facet of its entry in the op registry, :mod:`autoshard.compiler.ops`): a mean over a sharded dim divides by the *global*
   count; a bias added to a Partial output is added once; a mean cross-entropy over a sharded batch divides by the
   global count of targets; dropout draws one global mask;
 * every ``get_attr`` holds rank ``r``'s shard of the original weight, copied (no full copy is kept).
@@ -23,11 +23,11 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.context import Context
+from autoshard.compiler.context import Context
 from autoshard.mesh import Mesh
-from autoshard.ops import entry
+from autoshard.compiler.ops import entry
 from autoshard.placements import Spec, shard_tensor
-from autoshard.trace import fetch_attr
+from autoshard.frontend.trace import fetch_attr
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ another pass's state or the user's options. After every pass :func:`verify` chec
 (beyond ``graph.lint()``): once propagation has run every tensor node has a spec; once collectives are inserted
 every consumer receives exactly the spec its strategy needs (in a rank program too, and in every stage graph of a
 pipeline); and the rank programs of one plan (of one stage) issue the same collectives in the same order
-(:func:`collective_signature`, compared across ranks by :class:`~autoshard.plan.Plan`). A failure names the pass that
+(:func:`collective_signature`, compared across ranks by :class:`~autoshard.compiler.plan.Plan`). A failure names the pass that
 broke it and the passes that ran before.
 """
 
@@ -58,10 +58,10 @@ from autoshard.passes.shard_storage import ShardStorage
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard.collective_kinds import kind_of
-from autoshard.context import Context, Options
+from autoshard.compiler.collective_kinds import kind_of
+from autoshard.compiler.context import Context, Options
 from autoshard.errors import AutoshardError
-from autoshard.graph_utils import is_tensor_node
+from autoshard.frontend.graph_utils import is_tensor_node
 from autoshard.placements import Placement
 
 __all__ = ["Pass", "PipelineOptions", "ProgramOptions", "RankContext", "collective_signature", "pass_list", "run_passes",
@@ -88,7 +88,7 @@ class RankContext(Context):
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """What the pipeline split needs (from :class:`autoshard.pipeline.Pipeline`)."""
+    """What the pipeline split needs (from :class:`autoshard.compiler.pipeline.Pipeline`)."""
 
     stages: int
     split: Any = "auto"

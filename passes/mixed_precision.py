@@ -1,7 +1,7 @@
 """Mixed precision passes: compute in ``param_dtype`` from masters kept in the model's dtype, reduce gradients in
 ``reduce_dtype``, and make the model's own ``torch.autocast`` regions plain, shardable code.
 
-The policy and why the graph is traced from a ``param_dtype`` compute copy are in :mod:`autoshard.precision`. Three
+The policy and why the graph is traced from a ``param_dtype`` compute copy are in :mod:`autoshard.frontend.precision`. Three
 plan-phase passes:
 
 - :class:`InlineAutocast` (``inline_autocast``, first; a no-op on graphs without autocast). ``torch.export`` keeps
@@ -42,10 +42,10 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
-from autoshard.collective_kinds import is_kind
-from autoshard.context import Context
+from autoshard.compiler.collective_kinds import is_kind
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError
-from autoshard.precision import fake_like
+from autoshard.frontend.precision import fake_like
 
 __all__ = ["AutocastParamCasts", "InlineAutocast", "MixedPrecisionCasts", "ReducePrecision",
            "autocast_input_dtypes", "casts"]

@@ -48,7 +48,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.context import Context
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.placements import local_shape

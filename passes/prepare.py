@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from autoshard.passes.propagate import functionalize, mark_requires_grad, seed_specs
 
-from autoshard.context import Context
+from autoshard.compiler.context import Context
 
 __all__ = ["Functionalize", "MarkRequiresGrad", "SeedSpecs"]
 

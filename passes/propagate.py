@@ -5,9 +5,9 @@ batch dim (dim 0) of every input is sharded on the data axis. Parameters without
 first op that consumes one fixes its layout to whatever that op's chosen strategy wants.
 
 The walk is greedy in topological order: for each op, every strategy the rule table allows
-(:func:`autoshard.strategies.strategies_for`) is priced by the communication bytes it causes — redistributing
+(:func:`autoshard.compiler.strategies.strategies_for`) is priced by the communication bytes it causes — redistributing
 each input from its current spec to the spec the strategy needs (forward and backward,
-:mod:`autoshard.redistribute`), plus the backward all-reduce of replicated inputs feeding sharded work — and the
+:mod:`autoshard.compiler.redistribute`), plus the backward all-reduce of replicated inputs feeding sharded work — and the
 cheapest wins (ties: rule order, which lists the all-replicated strategy first, so nothing is sharded
 without a reason). The backward all-reduce of *parameters* (data-parallel gradient sync) is not priced here: it
 is the price of data parallelism itself, and trading it against activation traffic op by op would undo the
@@ -36,13 +36,13 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard import redistribute
-from autoshard.context import Context
+from autoshard.compiler import redistribute
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError, UnsupportedOpError
-from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, node_location, out_vals, shape, tensor_inputs
-from autoshard.ops import OpInfo, replicate_only, rule_for
+from autoshard.frontend.graph_utils import is_getitem, is_tensor_node, itemsize, node_location, out_vals, shape, tensor_inputs
+from autoshard.compiler.ops import OpInfo, replicate_only, rule_for
 from autoshard.placements import Partial, Replicate, Shard, check_spec, format_spec
-from autoshard.strategies import strategies_for
+from autoshard.compiler.strategies import strategies_for
 
 _MOVE_PARAMETER = 1e18  # bytes-equivalent price of redistributing a parameter: a last resort
 
@@ -261,7 +261,7 @@ def warn_axis_use(gm: torch.fx.GraphModule, ctx: Context) -> None:
                          f"{size} ranks")
     ctx.report["axis_use"] = axis_use(gm, ctx.mesh)
     if notes:
-        from autoshard.report import axis_advice
+        from autoshard.compiler.report import axis_advice
 
         ctx.warn("plan: " + "; ".join(notes) + ". " + axis_advice(gm, ctx, named))
 
@@ -503,14 +503,14 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
                 f"{node_location(node)} writes its input in place, and autoshard could not rewrite it as a "
                 "functional op (no out-of-place form, or a view of the written tensor is read after the write), "
                 "so no plan can guarantee the write reaches every reader. Write it out of place (y = x.op(...) "
-                "instead of x.op_(...)), or register a rule for it in autoshard/ops.")
+                "instead of x.op_(...)), or register a rule for it in autoshard/compiler/ops.")
         if rule is None and functional_twin(node.target) is not None:
             rule = rule_for(functional_twin(node.target))  # a buffer written in place: its layout is kept
     if rule is None:
         if ctx.options.on_unsupported != "replicate":
             raise UnsupportedOpError(
                 f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Register a "
-                "rule for this op in autoshard/ops (op(..., rule=...)), or pass on_unsupported='replicate' to run it "
+                "rule for this op in autoshard/compiler/ops (op(..., rule=...)), or pass on_unsupported='replicate' to run it "
                 "unsharded.")
         unsupported = ctx.report.setdefault("unsupported", {})
         unsupported.setdefault(node.name, node_location(node))

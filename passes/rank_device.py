@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.context import Context
+from autoshard.compiler.context import Context
 
 
 @dataclass(frozen=True)

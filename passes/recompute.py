@@ -2,7 +2,7 @@
 
 A *region* is the set of call_function nodes carrying one :data:`autoshard.meta.RECOMPUTE` id. Three writers:
 
-- the trace (:mod:`autoshard.trace`): every ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``
+- the trace (:mod:`autoshard.frontend.trace`): every ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``
   call of the model, id = the module path of its ops (``blocks.0``; ``#2`` for a module's second call);
 - :class:`MarkRecompute` (plan phase, ``recompute="<glob>"``): every module instance whose path matches the glob
   (the outermost match of a node's module stack), id = its path (``model.layers.3``);
@@ -44,9 +44,9 @@ from autoshard.cost_models.compute import compute_time, flops
 from autoshard.cost_models.memory import activation_bytes
 
 from autoshard import meta as M
-from autoshard.context import Context
+from autoshard.compiler.context import Context
 from autoshard.errors import PlanError
-from autoshard.graph_utils import node_location, region_hull
+from autoshard.frontend.graph_utils import node_location, region_hull
 from autoshard.runtime.recompute import checkpoint
 
 __all__ = ["MarkRecompute", "Recompute", "RegionCost", "module_regions", "recompute_regions", "region_cost"]

@@ -39,8 +39,8 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.context import Context
-from autoshard.graph_utils import shape
+from autoshard.compiler.context import Context
+from autoshard.frontend.graph_utils import shape
 from autoshard.placements import Shard
 
 __all__ = ["ShardStorage", "stage_of", "stored_spec"]

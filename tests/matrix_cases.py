@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from examples import models
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 0.1, 0.5

@@ -9,8 +9,8 @@ import torch
 import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
-from autoshard.graph_utils import tensor_inputs
-from autoshard.plan import loss_of
+from autoshard.frontend.graph_utils import tensor_inputs
+from autoshard.compiler.plan import loss_of
 from examples import models
 
 ANNOTATED = "fc2.weight"

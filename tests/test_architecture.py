@@ -1,7 +1,9 @@
 """The architecture as tests: layering rules a refactor must keep.
 
 * every module imports; ``autoshard/errors.py`` is a leaf (imports nothing of autoshard);
-* the runtime never imports the compiler (passes, codegen, plan, rules, cost models);
+* every module sits in its layer's folder (core vocabulary at the package root, ``autoshard/runtime``,
+  ``autoshard/frontend``, the compiler in ``autoshard/compiler`` + ``passes/`` + ``cost_models/``, ``autoshard/api``)
+  and imports only its own layer and those below (core < runtime < frontend < compiler < api);
 * no import cycles among autoshard's modules, neither at module level nor counting the imports inside functions
   (:data:`ACCEPTED_CYCLES` names the one cycle still waiting to be broken);
 * no module imports another module's private (``_name``) names, nor reads them as ``module._name``;
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import autoshard
-from autoshard.context import Options
+from autoshard.compiler.context import Options
 
 ROOT = Path(__file__).resolve().parent.parent
 #: package directory -> import name (passes/ and cost_models/ install as autoshard.passes, autoshard.cost_models)
@@ -72,13 +74,50 @@ def test_errors_is_a_leaf():
     assert _imports(MODULES["autoshard.errors"], "autoshard.errors", top_level_only=False) == set()
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("autoshard.runtime")))
-def test_runtime_never_imports_the_compiler(module):
-    compiler = ("autoshard.passes", "autoshard.rank_programs", "autoshard.plan", "autoshard.rules",
-                "autoshard.strategies", "autoshard.cost_models", "autoshard.api", "autoshard.report", "autoshard.ops",
-                "autoshard.collective_kinds")
+#: the layers, lowest first; a module may import its own layer and the layers below it, never one above
+LAYERS = ("core", "runtime", "frontend", "compiler", "api")
+#: the root vocabulary every layer shares (a module at the package root that is not listed here is misplaced)
+CORE = {"autoshard", "autoshard.errors", "autoshard.mesh", "autoshard.placements", "autoshard.meta",
+        "autoshard.progress"}
+
+
+def layer_of(module: str) -> str:
+    """The layer ``module`` belongs to, from the folder it sits in (``autoshard/<layer>/``; ``passes/`` and
+    ``cost_models/`` are the compiler's, installed as ``autoshard.passes`` and ``autoshard.cost_models``)."""
+    if module.startswith(("autoshard.compiler", "autoshard.passes", "autoshard.cost_models")):
+        return "compiler"
+    for layer in ("runtime", "frontend", "api"):
+        if module == f"autoshard.{layer}" or module.startswith(f"autoshard.{layer}."):
+            return layer
+    if module == "autoshard.__main__":
+        return "api"
+    if module in CORE:
+        return "core"
+    raise AssertionError(f"{module} sits at the package root but is not root vocabulary ({sorted(CORE)}): move it "
+                         f"into the folder of its layer (autoshard/runtime, frontend, compiler or api)")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_each_module_imports_only_its_layer_and_those_below(module):
+    """core < runtime < frontend < compiler < api: the runtime never imports the compiler (a worker process loads no
+    pass), the frontend never the compiler, nothing below the user API imports it."""
+    rank = LAYERS.index(layer_of(module))
     imported = _imports(MODULES[module], module, top_level_only=False)
-    assert not [m for m in imported if m.startswith(compiler)], f"{module} imports the compiler: {sorted(imported)}"
+    wrong = sorted(m for m in imported if LAYERS.index(layer_of(m)) > rank)
+    assert not wrong, f"{module} ({layer_of(module)}) imports a layer above its own: " + ", ".join(
+        f"{m} ({layer_of(m)})" for m in wrong)
+
+
+def test_the_layer_check_fails_on_a_wrong_way_import(tmp_path):
+    """The check above is not vacuous: a runtime module importing the compiler, or the frontend the user API, is
+    caught, and so is a module left at the package root."""
+    fake = tmp_path / "m.py"
+    fake.write_text("from autoshard.compiler import plan\nimport autoshard.api.sharded_module\n")
+    imported = _imports(fake, "autoshard.runtime.m", top_level_only=False)
+    assert {"autoshard.compiler.plan", "autoshard.api.sharded_module"} <= imported
+    assert all(LAYERS.index(layer_of(m)) > LAYERS.index("runtime") for m in imported)
+    with pytest.raises(AssertionError, match="package root"):
+        layer_of("autoshard.somewhere")
 
 
 def test_no_import_cycles_at_module_level():
@@ -106,7 +145,7 @@ def test_no_import_cycles_at_module_level():
 
 
 def test_every_pass_is_in_the_one_pass_list():
-    from autoshard.moe import MoE
+    from autoshard.compiler.moe import MoE
     from autoshard.passes import manager
 
     classes = set()
@@ -118,8 +157,8 @@ def test_every_pass_is_in_the_one_pass_list():
             if (inspect.isclass(obj) and obj.__module__ == name and dataclasses.is_dataclass(obj)
                     and callable(getattr(obj, "run", None)) and any(f.name == "name" for f in dataclasses.fields(obj))):
                 classes.add(obj)
-    from autoshard.context_parallel import ContextParallel
-    from autoshard.precision import MixedPrecision
+    from autoshard.compiler.context_parallel import ContextParallel
+    from autoshard.frontend.precision import MixedPrecision
 
     everything = manager.pass_list(Options(planner="search", moe=MoE(layers="*", num_experts=2), zero=3,
                                            recompute="blocks.*", precision=MixedPrecision(),
@@ -265,7 +304,7 @@ def test_no_private_names_across_modules():
 
 # ---- meta keys -------------------------------------------------------------------------------------------------
 #: Module-level "autoshard.*" strings outside autoshard/meta.py that are not metadata keys.
-NOT_META_KEYS = {("autoshard.checkpoint", "MARKER")}  # the checkpoint's commit-marker file name, autoshard.json
+NOT_META_KEYS = {("autoshard.api.checkpoint", "MARKER")}  # the checkpoint's commit-marker file name, autoshard.json
 
 
 def test_meta_keys_are_defined_in_meta():
@@ -333,7 +372,7 @@ def test_a_plan_records_exactly_the_listed_passes():
     """The passes a compiled plan and a rank program record as run are the pass list's, in its order."""
     from autoshard import meta as M
     from autoshard.passes import manager
-    from autoshard.precision import MixedPrecision
+    from autoshard.frontend.precision import MixedPrecision
     from examples import models
 
     model, args, kwargs = models.gpt(layers=1)
@@ -351,8 +390,8 @@ def test_a_plan_records_exactly_the_listed_passes():
 
 #: function -> the only modules that may import it: the drivers of the pass list and what passes do inside
 DRIVERS = {
-    ("autoshard.passes.manager", "run_passes"): {"autoshard.plan", "autoshard.rank_programs"},
-    ("autoshard.rank_programs", "rank_program"): {"autoshard.plan"},  # Plan.rank_program: signatures compared
+    ("autoshard.passes.manager", "run_passes"): {"autoshard.compiler.plan", "autoshard.compiler.rank_programs"},
+    ("autoshard.compiler.rank_programs", "rank_program"): {"autoshard.compiler.plan"},  # Plan.rank_program: signatures compared
     ("autoshard.passes.pipeline_split", "build_stage_graphs"): set(),  # the build_stages pass
     ("autoshard.passes.pipeline_split", "split_graph"): set(),  # the pipeline_split pass
 }
@@ -391,9 +430,9 @@ def test_a_pipelined_plan_builds_its_stages_in_the_list():
     """The stage graphs are the build_stages pass's result, verified by the driver; each stage's program is made by
     ``Plan.rank_program`` and records the plan's passes then the rank phase's."""
     from autoshard import meta as M
-    from autoshard.api import make_options
+    from autoshard.api.sharded_module import make_options
     from autoshard.passes import manager
-    from autoshard.pipeline import Pipeline, build_pipeline_plan
+    from autoshard.compiler.pipeline import Pipeline, build_pipeline_plan
     from examples import models
 
     model, args, kwargs = models.gpt(layers=2, hidden=32, heads=4, seq=8, batch=4)

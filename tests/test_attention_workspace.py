@@ -1,5 +1,5 @@
 """Attention's workspace: the float copy of a boolean mask that sdpa keeps for backward, made once per mask in the
-rank program (``autoshard/ops/attention.py`` ``_share_additive_mask``, ``autoshard/runtime/ops.py``
+rank program (``autoshard/compiler/ops/attention.py`` ``_share_additive_mask``, ``autoshard/runtime/ops.py``
 ``additive_mask``), and the ``workspace`` facet that tells the memory model about it and about the score blocks
 of context-parallel attention (``sdpa_workspace``)."""
 
@@ -11,8 +11,8 @@ import torch
 
 import autoshard
 from autoshard import meta as M
-from autoshard.ops import Workspace, entry, op, unregister
-from autoshard.plan import loss_of
+from autoshard.compiler.ops import Workspace, entry, op, unregister
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime.ops import additive_mask
 from examples import models
@@ -114,7 +114,7 @@ def test_workspace_of_whole_attention_is_the_float_mask_at_local_size():
 
 
 def test_workspace_of_ring_attention_is_its_score_blocks_and_kv_in_flight():
-    from autoshard.ops.attention import SCORE_BLOCKS
+    from autoshard.compiler.ops.attention import SCORE_BLOCKS
 
     batch, n = 8, 4
     model, args, kwargs = models.hf_llama(batch=batch, seq=SEQ, layers=1, hidden=64, heads=4, kv_heads=2,

@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
 from autoshard import Replicate, Shard
-from autoshard.moe.hf_blocks import experts_reference
+from autoshard.frontend.hf_blocks import experts_reference
 from autoshard.placements import assemble
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, spawn
 from autoshard.runtime.collective_ops import linears_grad_all_reduce
 from autoshard.runtime.context import context_attention

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.parameters import local_of
+from autoshard.runtime.parameters import local_of
 from autoshard.errors import AutoshardError
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, SimWorld, collective_counts, current, spawn
 from autoshard.runtime.buckets import GRAD_SYNC, GradBucketer
 from examples import models

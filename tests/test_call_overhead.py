@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import autoshard
 from autoshard.errors import AutoshardError, PlanError
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, current
 from autoshard.runtime.agreement import check_call, quiet_until_collective
 from examples import models
@@ -314,7 +314,7 @@ def test_sharded_module_gradients_equal_the_bare_program_bit_for_bit(layout):
 def _grad_paths(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.parameters import _LocalView
+    from autoshard.runtime.parameters import _LocalView
 
     dm = init_device_mesh("cpu", (world_size,))
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.checkpoint import MARKER
+from autoshard.api.checkpoint import MARKER
 from autoshard.errors import CheckpointError
 from autoshard.runtime import SimWorld, spawn
 from examples import models

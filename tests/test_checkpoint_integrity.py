@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import checkpoint
-from autoshard.checkpoint import MARKER
+from autoshard.api import checkpoint
+from autoshard.api.checkpoint import MARKER
 from autoshard.errors import CheckpointError
 from autoshard.runtime import SimWorld
 from examples import models

@@ -1,6 +1,6 @@
 """The ``autoshard`` command line: ``show`` output in each mode, plan files, and one-line user errors (exit 2).
 
-Most tests call :func:`autoshard.cli.main` in-process and read its output with ``capsys``; one runs the installed
+Most tests call :func:`autoshard.api.cli.main` in-process and read its output with ``capsys``; one runs the installed
 console script end to end.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.cli import main
+from autoshard.api.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,7 +214,7 @@ def test_node_table_fits_columns_and_keeps_whole_names(capsys, monkeypatch, colu
 
 
 def test_wrapped_cells_lose_nothing():
-    from autoshard.report import _wrap_cell
+    from autoshard.compiler.report import _wrap_cell
 
     for text in ("model_layers_0_self_attn_q_proj_weight", "  self_attn.q_proj.weight", "x" * 30, "a.b",
                  "    model.layers.0-31 x32"):
@@ -259,7 +259,7 @@ def _display_strings(value, path="$"):
 
 
 def test_json_numbers_are_numbers_and_counts_agree(capsys):
-    from autoshard.report import JSON_SCHEMA
+    from autoshard.compiler.report import JSON_SCHEMA
 
     code, out, err = run(capsys, *LLAMA, "--json")
     assert code == 0, err
@@ -281,7 +281,7 @@ def test_cli_defaults_are_compiles_defaults():
     import inspect
 
     import autoshard
-    from autoshard.cli import build_parser
+    from autoshard.api.cli import build_parser
 
     defaults = {k: p.default for k, p in inspect.signature(autoshard.compile).parameters.items()}
     args = build_parser().parse_args(["show", "examples.models:mlp", "--mesh", "data=2"])

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import meta as M
-from autoshard.ops import entry
+from autoshard.compiler.ops import entry
 from autoshard.placements import local_shape
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime.context import context_attention, head_tail
 from examples import models
@@ -268,7 +268,7 @@ def test_search_picks_context_parallel_attention_for_a_long_sequence(monkeypatch
     least memory above it (measured: 4.26 GiB with the forms, 4.51 GiB without)."""
     import functools
 
-    import autoshard.ops.attention as attention
+    import autoshard.compiler.ops.attention as attention
     from autoshard.passes import plan_search
 
     # the plan found at the limit is what is checked, not whether HiGHS proves it optimal (its exact ILP would run

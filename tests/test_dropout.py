@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 
 
 class DropMLP(nn.Module):

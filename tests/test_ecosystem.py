@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import autoshard
-from autoshard.parameters import local_of
-from autoshard.plan import loss_of
+from autoshard.runtime.parameters import local_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, spawn
 from examples import models
 
@@ -449,7 +449,7 @@ def test_placements_are_the_stored_layout():
 
 
 def _gloo_pipeline(rank, world_size):
-    from autoshard.pipeline import Pipeline
+    from autoshard.compiler.pipeline import Pipeline
 
     model, args, kwargs = models.gpt(layers=4, hidden=32, heads=4, seq=8, batch=8)
     mesh = autoshard.Mesh(pipe=2, data=2)

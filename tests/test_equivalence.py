@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from examples import models
 
 MESHES = {"data2": dict(data=2), "model2": dict(model=2), "data2xmodel2": dict(data=2, model=2)}

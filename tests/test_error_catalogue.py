@@ -263,7 +263,7 @@ def _ckpt_foreign_param(d):
 
 def _moe(**kw):
     def run():
-        importlib.import_module("autoshard.moe")
+        importlib.import_module("autoshard.compiler.moe")
         autoshard.MoE(**kw)
     return run
 
@@ -380,7 +380,7 @@ def test_row(row):
         assert f'"{rid}"' in inspect.getsource(test), f"{trigger} does not check its messages against row {rid!r}"
         return
     if rid.startswith("moe-"):
-        pytest.importorskip("autoshard.moe")
+        pytest.importorskip("autoshard.compiler.moe")
     with pytest.raises(cls) as info:
         trigger()
     assert_row(rid, cls_name, str(info.value))

@@ -23,14 +23,14 @@ from autoshard.passes.propagate import Propagate
 from torch import nn
 
 import autoshard
-from autoshard.context import Context, Options
+from autoshard.compiler.context import Context, Options
 from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError, UnsupportedOpError
 from autoshard.mesh import Mesh, as_mesh
-from autoshard.ops import rule_for
+from autoshard.compiler.ops import rule_for
 from autoshard.placements import Partial, Replicate, Shard, parse_placement
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, spawn, use
-from autoshard.trace import trace
+from autoshard.frontend.trace import trace
 
 aten = torch.ops.aten
 
@@ -130,7 +130,7 @@ def test_unsupported_op_names_op_node_module_and_source_line():
     assert "in module `block`" in msg  # where in the model
     assert re.search(rf'test_errors\.py", line {line}\b', msg), msg  # the user's source line
     assert "has no sharding rule" in msg  # cause
-    assert "autoshard/ops (op(..., rule=...))" in msg and "on_unsupported='replicate'" in msg  # the two ways out
+    assert "autoshard/compiler/ops (op(..., rule=...))" in msg and "on_unsupported='replicate'" in msg  # the two ways out
 
 
 @pytest.mark.parametrize("planner", ["greedy", "search"])
@@ -437,7 +437,7 @@ def test_the_verifier_keeps_checking_rank_programs():
     """After localize a rank program still carries specs and strategies: a rank pass that leaves a consumer reading
     an input in another spec than its strategy needs is caught and named."""
     from autoshard import meta as M
-    from autoshard.collective_kinds import kind_of
+    from autoshard.compiler.collective_kinds import kind_of
     from autoshard.passes.manager import verify
 
     program = autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),)).plan.rank_program(1)

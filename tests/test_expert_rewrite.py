@@ -24,9 +24,9 @@ from torch import nn
 import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime.collective_ops import collective_counts
-from autoshard.trace import fetch_attr
+from autoshard.frontend.trace import fetch_attr
 from examples import models
 
 
@@ -269,7 +269,7 @@ def test_bad_input_gives_clear_errors(kwargs, message):
 
 
 def test_cli_show_marks_moe_layers(capsys):
-    from autoshard.cli import main
+    from autoshard.api.cli import main
 
     code = main(["show", "examples.models:gpt", "--mesh", "data=2", "--factory-arg", "layers=2",
                  "--factory-arg", "hidden=32", "--moe", "layers=blocks.*.mlp,every=2,num_experts=4,top_k=2"])
@@ -332,7 +332,7 @@ def test_no_tokens_by_experts_by_capacity_tensor():
 
 
 def _moe_op_cases():
-    from autoshard.moe import graph_ops as ops
+    from autoshard.runtime.moe import graph_ops as ops
 
     g = torch.Generator().manual_seed(3)
     G, T, E, k, C, h = 2, 6, 4, 2, 3, 5
@@ -354,9 +354,9 @@ def _moe_op_cases():
 @pytest.mark.parametrize("mesh_axes", [{"data": 2}, {"data": 2, "model": 2}], ids=["data2", "data2xmodel2"])
 def test_moe_rules_every_strategy_equals_the_global_op(mesh_axes):
     # the rule table's ground-truth check for the MoE ops: run each strategy on shards, reassemble, compare
-    from autoshard.ops import OpInfo, rule_for
+    from autoshard.compiler.ops import OpInfo, rule_for
     from autoshard.placements import assemble, shard_tensor
-    from autoshard.strategies import strategies_for
+    from autoshard.compiler.strategies import strategies_for
 
     mesh = autoshard.Mesh(**mesh_axes)
     checked = 0
@@ -408,7 +408,7 @@ def test_rewrite_reports_on_graph_meta_and_leaves_the_options_alone():
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, moe=autoshard.MoE(**OPTS)).plan
     assert plan.context.options.annotations == ()  # the expert annotations are implied on the graph, not added here
     rewrite = plan.graph_module.meta[M.MOE_REWRITE]
-    assert isinstance(rewrite, autoshard.moe.MoERewrite) and [la.path for la in rewrite.layers] == ["blocks.1.mlp"]
+    assert isinstance(rewrite, autoshard.compiler.moe.MoERewrite) and [la.path for la in rewrite.layers] == ["blocks.1.mlp"]
     assert rewrite.report() == plan.context.report["expert_rewrite"]
     implied = dict(plan.graph_module.meta[M.IMPLIED_ANNOTATIONS])
     assert set(implied) == set(rewrite.layers[0].expert_params)
@@ -428,7 +428,7 @@ def test_two_models_in_one_process_keep_their_own_records():
     assert autoshard.moe_stats(roomy, rank=0)["blocks.1.mlp"]["dropped"] == 0
     assert autoshard.moe_stats(rank=1) == autoshard.moe_stats(roomy, rank=1)  # no module: the last one that ran
     assert autoshard.moe_stats(drops.rank_module(0), rank=0) == autoshard.moe_stats(drops, rank=0)
-    autoshard.moe.clear_records(drops)
+    autoshard.compiler.moe.clear_records(drops)
     assert autoshard.moe_stats(drops, rank=0) == {} and autoshard.moe_stats(roomy, rank=0)
 
 

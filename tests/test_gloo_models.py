@@ -7,7 +7,7 @@ import torch
 
 import autoshard
 from autoshard.placements import assemble
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, spawn, use
 from examples import models
 from tests.test_equivalence import reference

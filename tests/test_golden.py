@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import autoshard
-from autoshard.plan import Plan
+from autoshard.compiler.plan import Plan
 from examples import models
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -84,7 +84,7 @@ FORMAT_CASES: dict[str, Case] = {
 }
 
 
-#: The MoE layers' record key (``autoshard.moe.records.new_key``: "moe0", "moe1", ...) is unique per expert
+#: The MoE layers' record key (``autoshard.runtime.moe.records.new_key``: "moe0", "moe1", ...) is unique per expert
 #: rewrite in the process, so two models compiled in one process never share records. It is the one value of
 #: generated code that depends on what the process compiled before; the comparisons read it as ``'moe<key>'``.
 _MOE_KEY = re.compile(r"'moe\d+'")

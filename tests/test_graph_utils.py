@@ -7,8 +7,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from autoshard.graph_utils import is_tensor_node, tensor_inputs
-from autoshard.trace import trace
+from autoshard.frontend.graph_utils import is_tensor_node, tensor_inputs
+from autoshard.frontend.trace import trace
 from examples import models
 
 

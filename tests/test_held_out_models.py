@@ -27,7 +27,7 @@ from torch import nn
 import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
-from autoshard.moe import hf_blocks
+from autoshard.frontend import hf_blocks
 from examples import models
 from examples.models import _ids
 from tests import opcases, test_rules

@@ -1,4 +1,4 @@
-"""Hugging Face sparse-MoE blocks with ``MoE(existing=True)`` (autoshard/moe/hf_blocks.py) against the Hugging Face
+"""Hugging Face sparse-MoE blocks with ``MoE(existing=True)`` (autoshard/frontend/hf_blocks.py) against the Hugging Face
 model itself: loss (LM loss + HF's router load-balancing loss) and every gradient, in the simulator and on gloo.
 
 Dropless (``capacity_factor=None``) the oracle is the unmodified HF model. With a capacity factor the oracle is the
@@ -16,9 +16,9 @@ import torch
 
 import autoshard
 from autoshard.errors import PlanError
-from autoshard.moe import hf_blocks
+from autoshard.frontend import hf_blocks
 from autoshard.placements import assemble
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, spawn, use
 from autoshard.runtime.collective_ops import collective_counts
 from examples import models

@@ -113,7 +113,7 @@ def test_unknown_profile_is_a_plan_error_at_compile():
 
 
 def test_cli_unknown_profile_is_one_error_line(capsys, monkeypatch):
-    from autoshard.cli import main
+    from autoshard.api.cli import main
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     code = main(["show", "examples.models:mlp", "--mesh", "data=2", "--profile", "h100"])

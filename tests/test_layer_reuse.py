@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from autoshard.meta import module_path
-from autoshard.trace import REUSED_LAYERS, trace
+from autoshard.frontend.trace import REUSED_LAYERS, trace
 from examples.models import gpt, hf_gpt2, hf_llama
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.parameters import local_of
+from autoshard.runtime.parameters import local_of
 from autoshard.placements import assemble
 from autoshard.runtime import spawn
 from examples import models

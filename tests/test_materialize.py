@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.parameters import local_of
+from autoshard.runtime.parameters import local_of
 from autoshard.errors import AutoshardError, CheckpointError
-from autoshard.materialize import init_local, load_local
+from autoshard.api.materialize import init_local, load_local
 from autoshard.placements import assemble
 from autoshard.runtime import SimWorld
-from autoshard.trace import fetch_attr
+from autoshard.frontend.trace import fetch_attr
 from examples import models
 
 MESH = {"data": 2, "model": 2}

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import autoshard
-from autoshard.api import memory_defaults
+from autoshard.api.sharded_module import memory_defaults
 from autoshard.placements import Shard
 from tests.test_equivalence import assert_simulated_equals_one_device
 from tests.test_op_coverage import check_running_stats
@@ -114,7 +114,7 @@ def test_hf_experts_split_on_the_expert_dim_sum_to_the_whole_op(gated):
     the choices routed to those experts; the shares (and their gradients) sum to the whole op's."""
     import torch
 
-    from autoshard.moe.hf_blocks import hf_experts
+    from autoshard.frontend.hf_blocks import hf_experts
 
     g = torch.Generator().manual_seed(0)
     tokens, hidden, ffn, experts, k = 6, 8, 12, 4, 2
@@ -147,7 +147,7 @@ def test_hf_experts_split_on_the_expert_dim_sum_to_the_whole_op(gated):
 
 
 def test_cli_leaves_zero_and_recompute_to_compile_unless_given():
-    from autoshard.cli import _recompute, _zero, build_parser
+    from autoshard.api.cli import _recompute, _zero, build_parser
 
     args = build_parser().parse_args(["plan", "examples.models:mlp", "--mesh", "data=2", "--memory-limit", "1MiB"])
     assert (args.zero, args.recompute) == (None, None)  # compile's defaults: "auto" under the limit
@@ -168,7 +168,7 @@ def test_unused_axis_advice_under_the_search_gives_the_reason_not_the_search():
     assert "planner='search'" not in text
     assert "replication is cheapest under profile `gpu-8x-nvlink`" in text
     assert "saves at most" in text and "of latency alone" in text and "a mesh without `model`" in text
-    from autoshard.report import format_symbolic
+    from autoshard.compiler.report import format_symbolic
 
     symbolic = format_symbolic(plan)  # `autoshard plan --symbolic`: says plainly that there is no formula
     assert "none: this plan inserts no collective (every rank runs the whole step on the same data)" in symbolic

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, spawn, use
 from examples import models
 
@@ -148,7 +148,7 @@ class _GlobalOnly:
 
 
 def _measure_more(rank, world_size):
-    from autoshard.pipeline import Pipeline
+    from autoshard.compiler.pipeline import Pipeline
 
     from tests.test_expert_rewrite import OPTS
 

@@ -9,7 +9,7 @@ import torch
 import autoshard
 from autoshard import meta as M
 from autoshard.cost_models import workspace
-from autoshard.ops import Workspace, entry
+from autoshard.compiler.ops import Workspace, entry
 from examples import models
 
 aten = torch.ops.aten

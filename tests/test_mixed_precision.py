@@ -27,9 +27,9 @@ from torch import nn
 import autoshard
 from autoshard import Partial, Shard
 from autoshard import meta as M
-from autoshard.collective_kinds import is_kind
+from autoshard.compiler.collective_kinds import is_kind
 from autoshard.errors import PlanError
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld
 from examples import models
 
@@ -245,8 +245,8 @@ def test_floating_inputs_are_cast_and_get_fp32_gradients():
 
 
 def test_pipeline_stages_compute_in_bf16_and_send_bf16_activations():
-    from autoshard.api import make_options
-    from autoshard.pipeline import Pipeline, build_pipeline_plan
+    from autoshard.api.sharded_module import make_options
+    from autoshard.compiler.pipeline import Pipeline, build_pipeline_plan
     from tests.test_pipeline import SMALL, _run_stages
 
     model, args, kwargs = models.FACTORIES["gpt"](**{**SMALL, "layers": 2})

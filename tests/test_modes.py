@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.parameters import local_of
+from autoshard.runtime.parameters import local_of
 from autoshard.runtime import SimWorld, spawn
 from examples import models
 
@@ -276,7 +276,7 @@ def test_eval_of_a_searched_plan_that_gathers_parameters_for_compute_equals_eage
     output weights sharded on both axes and gathers them for compute. The eval program shares those tensors: its
     parameters keep the plan's layouts but may be gathered too (pinned as annotations, they could not be: the first
     eval() was a PlanError)."""
-    from autoshard.plan import loss_of
+    from autoshard.compiler.plan import loss_of
 
     mesh = autoshard.Mesh(data=2, model=2)
     model, args, _ = models.gpt(layers=2)

@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard.placements import assemble
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, spawn, use
 from autoshard.runtime.collective_ops import collective_counts
 from examples import models

@@ -17,7 +17,7 @@ from autoshard import Mesh
 from autoshard import meta as M
 from autoshard.errors import UnsupportedOpError
 from autoshard.placements import Shard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from examples import models
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -100,7 +100,7 @@ def test_batch_norm_writes_its_running_statistics_in_training_mode_only():
     """aten.batch_norm's schema marks no argument written, yet in training mode it updates running_mean and
     running_var in place: both must be read in the layout they are stored in (a redistributed copy would take the
     write; found by the memory-limited search storing them replicated while BatchNorm ran channel-sharded)."""
-    from autoshard.trace import trace
+    from autoshard.frontend.trace import trace
 
     for training, written in ((True, ["bn1_running_mean", "bn1_running_var"]), (False, [])):
         model, args, _ = models.conv_bn()
@@ -117,7 +117,7 @@ def test_in_place_writes_are_functionalised():
     no in-place op on activations; BatchNorm's num_batches_tracked.add_ stays (a buffer, updated in place)."""
     from autoshard.passes.propagate import mutates_first_arg
 
-    from autoshard.trace import trace
+    from autoshard.frontend.trace import trace
 
     model, args, kwargs = models.hf_t5()
     gm = trace(model, args, kwargs)

@@ -1,4 +1,4 @@
-"""The op registry (``autoshard/ops``): no entry lacks a facet it needs, lookups fall back as documented, and an op
+"""The op registry (``autoshard/compiler/ops``): no entry lacks a facet it needs, lookups fall back as documented, and an op
 registered in one place (a toy ``torch.library`` op, here) is sharded end to end.
 
 Facets an entry needs:
@@ -22,13 +22,13 @@ from autoshard.cost_models.memory import activation_bytes
 from torch import nn
 
 import autoshard
-from autoshard.graph_utils import out_vals, shape, tensor_inputs
-from autoshard.ops import DEFAULTS, OpEntry, entry, op, registered, rule_for, stated, unregister
-from autoshard.ops.dimmap import OpInfo, factory, pointwise, reduce_rule, replicate_only
-from autoshard.ops.local import input_spec, scale_by
-from autoshard.ops.registry import elementwise, zero
+from autoshard.frontend.graph_utils import out_vals, shape, tensor_inputs
+from autoshard.compiler.ops import DEFAULTS, OpEntry, entry, op, registered, rule_for, stated, unregister
+from autoshard.compiler.ops.dimmap import OpInfo, factory, pointwise, reduce_rule, replicate_only
+from autoshard.compiler.ops.local import input_spec, scale_by
+from autoshard.compiler.ops.registry import elementwise, zero
 from autoshard.placements import local_shape
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from tests import opcases
 
 aten = torch.ops.aten

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, spawn
 from autoshard.runtime.buckets import GradBucketer
 from autoshard.runtime.collective_ops import grad_all_reduce, linears_grad_all_reduce

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard.api import make_options
+from autoshard.api.sharded_module import make_options
 from autoshard.errors import MeshError, PlanError
-from autoshard.pipeline import Pipeline, bubble_fraction, build_pipeline_plan
-from autoshard.plan import loss_of
+from autoshard.compiler.pipeline import Pipeline, bubble_fraction, build_pipeline_plan
+from autoshard.compiler.plan import loss_of
 from examples import models
 
 SMALL = {"layers": 4, "hidden": 32, "heads": 4, "seq": 8, "batch": 8}
@@ -216,7 +216,7 @@ def test_error_annotation_sharded_on_pipe_axis():
 
 
 def test_compile_with_pipeline_returns_a_pipelined_module():
-    from autoshard.pipeline import PipelinedModule
+    from autoshard.api.pipelined_module import PipelinedModule
 
     model, args, kwargs = models.gpt(**SMALL)
     sm = autoshard.compile(model, autoshard.Mesh(pipe=2), args, kwargs,
@@ -237,7 +237,7 @@ def test_pipeline_parse():
 
 
 def test_cli_show_pipeline_prints_the_stages(capsys):
-    from autoshard.cli import main
+    from autoshard.api.cli import main
 
     argv = ["show", "examples.models:gpt", "--mesh", "pipe=2,model=2", "--megatron", "--factory-arg", "layers=4",
             "--pipeline", "microbatches=4,schedule=gpipe,split=blocks.2"]
@@ -251,7 +251,7 @@ def test_cli_show_pipeline_prints_the_stages(capsys):
 def test_stage_programs_go_through_the_plans_collective_check(monkeypatch):
     """A stage's program is made by ``Plan.rank_program``: the stage's programs on different ranks are compared
     (here made to differ), each stage against its own first program."""
-    import autoshard.plan as plan_module
+    import autoshard.compiler.plan as plan_module
     from autoshard.errors import AutoshardError
 
     model, args, kwargs = models.gpt(**SMALL)
@@ -270,7 +270,7 @@ def test_the_verifier_checks_every_stage_graph():
     """After build_stages the driver verifies each stage graph like the whole one: a stage whose consumer reads an
     input in another spec than its strategy needs is caught."""
     from autoshard import meta as M
-    from autoshard.collective_kinds import kind_of
+    from autoshard.compiler.collective_kinds import kind_of
     from autoshard.errors import AutoshardError
     from autoshard.passes.manager import verify
     from autoshard.placements import Partial

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard.api import make_options
-from autoshard.pipeline import Pipeline, PipelineRunner, build_pipeline_plan
+from autoshard.api.sharded_module import make_options
+from autoshard.api.pipelined_module import PipelineRunner
+from autoshard.compiler.pipeline import Pipeline, build_pipeline_plan
 from autoshard.runtime import DistCommunicator, spawn
 from examples import models
 from tests.test_equivalence import reference

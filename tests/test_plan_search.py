@@ -12,12 +12,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.context import Context, Options
+from autoshard.compiler.context import Context, Options
 from autoshard.cost_models.profile import load_profile
 from autoshard.meta import module_path
 from autoshard.passes.plan_search import build_problem, evaluate, solve
 from autoshard.passes.propagate import mark_requires_grad, seed_specs
-from autoshard.trace import trace
+from autoshard.frontend.trace import trace
 from examples import models
 
 
@@ -158,7 +158,7 @@ def test_plan_cost_of_a_searched_plan_equals_the_search_objective_and_explains()
 
 
 def test_cli_plan_symbolic(capsys):
-    from autoshard.cli import main
+    from autoshard.api.cli import main
 
     assert main(["plan", "examples.models:gpt", "--mesh", "model=2", "--factory-arg", "layers=1", "--megatron",
                  "--symbolic"]) == 0

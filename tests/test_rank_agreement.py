@@ -12,7 +12,7 @@ import torch
 
 import autoshard
 from autoshard.errors import AutoshardError
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, spawn
 from examples import models
 
@@ -203,7 +203,7 @@ def test_aliased_example_inputs_train_as_distinct_inputs_in_the_simulator():
 
 def test_example_inputs_that_share_memory_are_traced_as_distinct_inputs():
     """The same object twice, and a view of another input: each placeholder is read where the model reads it."""
-    from autoshard.trace import unaliased
+    from autoshard.frontend.trace import unaliased
 
     x = torch.ones(4, 3)
     args, kwargs = unaliased((x, x, x[1:]), {"y": x.view(12)})

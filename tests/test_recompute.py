@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import autoshard
 from autoshard import meta as M
 from autoshard.errors import PlanError
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, current, use
 from examples import models
 

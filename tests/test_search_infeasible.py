@@ -11,10 +11,10 @@ import warnings
 import pytest
 
 import autoshard
-from autoshard.api import make_options
+from autoshard.api.sharded_module import make_options
 from autoshard.errors import PlanError
 from autoshard.passes import plan_search
-from autoshard.plan import build_plan
+from autoshard.compiler.plan import build_plan
 from examples import models
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
@@ -130,7 +130,7 @@ def test_search_time_limit_reaches_the_search():
 
 
 def test_cli_search_time_limit_flag():
-    from autoshard.cli import _search_options, build_parser
+    from autoshard.api.cli import _search_options, build_parser
 
     args = build_parser().parse_args(["plan", "examples.models:gpt", "--mesh", "data=2", "--planner", "search",
                                       "--search-time-limit", "7.5"])

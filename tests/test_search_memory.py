@@ -134,8 +134,8 @@ def _problem(model, args, mesh, memory_limit, **options):
     from autoshard.passes.plan_search import build_problem
     from autoshard.passes.propagate import mark_requires_grad, seed_specs
 
-    from autoshard.context import Context, Options
-    from autoshard.trace import trace
+    from autoshard.compiler.context import Context, Options
+    from autoshard.frontend.trace import trace
 
     gm = trace(model, args)
     ctx = Context(mesh, Options(**options))
@@ -201,8 +201,8 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
 
     from autoshard.passes import plan_search
 
-    from autoshard.api import make_options
-    from autoshard.plan import build_plan
+    from autoshard.api.sharded_module import make_options
+    from autoshard.compiler.plan import build_plan
 
     model, args, kwargs = models.FACTORIES["gpt"](layers=2)
     mesh = autoshard.Mesh(**MESH)
@@ -260,8 +260,8 @@ def _mamba_plan(monkeypatch, memory_limit=None, time_limit=None):
 
     from autoshard.passes import plan_search
 
-    from autoshard.api import make_options
-    from autoshard.plan import build_plan
+    from autoshard.api.sharded_module import make_options
+    from autoshard.compiler.plan import build_plan
 
     model, args, kwargs = models.hf_mamba()
     mesh = autoshard.Mesh(**MESH)

@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from autoshard.api import make_options
+from autoshard.api.sharded_module import make_options
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
-from autoshard.plan import build_plan
+from autoshard.compiler.plan import build_plan
 from examples import models
 from tests.opcases import CASES
 from tests.test_hf_moe import DROPLESS
@@ -30,7 +30,7 @@ TOLERANCE = 0.01
 
 
 def _plan(model, args, kwargs=None, moe=None, **options):
-    from autoshard.api import _with_moe
+    from autoshard.api.sharded_module import _with_moe
 
     opts = make_options(None, "data", "replicate", MESH, planner="search", **options)
     opts = _with_moe(opts, moe) if moe is not None else opts
@@ -108,7 +108,7 @@ def test_search_prices_mixed_precision_as_plan_cost(name, zero):
     ``plan.cost()``'s, unconstrained and under a limit. (The search priced the fp32 masters and no casts: GPT's
     unconstrained plan 1133 µs by the search against 1264 µs by ``plan.cost()``; ViT's limited plan 119460 B against
     115444 B.)"""
-    from autoshard.precision import MixedPrecision
+    from autoshard.frontend.precision import MixedPrecision
 
     factory = models.FACTORIES[name] if name in models.FACTORIES else getattr(models, name)
     model, args, kwargs = factory(layers=2) if name in models.FACTORIES else factory()
@@ -132,7 +132,7 @@ def test_search_prices_the_gradient_syncs_reduce_precision_makes(reduce_dtype, z
     (no reduce-scatter saving); with a ``reduce_dtype`` that is neither, its two casts are priced. Exact but for
     ``reduce_dtype`` = the masters' dtype, where the casts around a sync not on the master itself are left out
     (measured 0.03-0.2% of the step)."""
-    from autoshard.precision import MixedPrecision
+    from autoshard.frontend.precision import MixedPrecision
 
     model, args, kwargs = models.hf_llama(batch=64, seq=64, layers=2)
     plan = _plan(model, args, kwargs, zero=zero,

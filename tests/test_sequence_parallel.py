@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, collective_counts
 from examples import models
 from tests.test_equivalence import reference

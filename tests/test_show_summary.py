@@ -1,7 +1,7 @@
 """``autoshard show`` on real-model sizes: the summary of a Llama-3-8B-shaped model (built on meta) fits an
 80-column terminal in under 80 lines, and ``--json`` of every subcommand and mode parses.
 
-The summary is :func:`autoshard.report.plan_overview` (data) and :func:`~autoshard.report.format_overview` (text),
+The summary is :func:`autoshard.compiler.report.plan_overview` (data) and :func:`~autoshard.compiler.report.format_overview` (text),
 computed from the plan's node meta; the CLI only picks it for graphs over ``SUMMARY_NODES`` nodes.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import autoshard
-from autoshard.cli import main
-from autoshard.report import format_overview, plan_overview
+from autoshard.api.cli import main
+from autoshard.compiler.report import format_overview, plan_overview
 
 REPO = Path(__file__).resolve().parents[1]
 

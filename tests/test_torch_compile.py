@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, current, use
 from autoshard.runtime.buckets import GradBucketer
 from examples import models

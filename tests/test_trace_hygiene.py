@@ -1,5 +1,5 @@
 """The trace's side effects: why it did not copy layers is logged (never swallowed), and torch is patched only
-while a trace runs (the checkpoint wrappers of :class:`autoshard.trace._checkpoint_regions` are gone after it,
+while a trace runs (the checkpoint wrappers of :class:`autoshard.frontend.trace._checkpoint_regions` are gone after it,
 whether the trace succeeded or failed)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
-from autoshard import layer_reuse
+from autoshard.frontend import layer_reuse
 from autoshard.errors import TraceError
-from autoshard.trace import REUSED_LAYERS, trace
+from autoshard.frontend.trace import REUSED_LAYERS, trace
 
 ORIGINAL = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
 SEEN: list[bool] = []  # per forward run by a trace: whether torch's checkpoint functions were the originals
@@ -33,7 +33,7 @@ class Layers(nn.Module):
 
 
 def _reasons(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name in ("autoshard.trace", "autoshard.layer_reuse")]
+    return [r.getMessage() for r in caplog.records if r.name in ("autoshard.frontend.trace", "autoshard.frontend.layer_reuse")]
 
 
 def test_copied_layers_log_nothing(caplog):
@@ -63,7 +63,7 @@ def test_a_fault_of_the_copying_is_a_warning_and_the_trace_still_succeeds(caplog
     caplog.set_level(logging.INFO, logger="autoshard")
     gm = trace(Layers(), (torch.randn(2, 8),))
     assert REUSED_LAYERS not in gm.meta
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "autoshard.trace"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "autoshard.frontend.trace"]
     assert warnings and "KeyError" in warnings[0].getMessage() and warnings[0].exc_info is not None
 
 

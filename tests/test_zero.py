@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.collective_kinds import kind_of
-from autoshard.plan import loss_of
+from autoshard.compiler.collective_kinds import kind_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, SimWorld, spawn, use
 from autoshard.runtime import zero as zero_runtime
 from examples import models
@@ -203,8 +203,9 @@ def test_three_adamw_steps_on_four_gloo_processes_equal_one_device():
 
 
 def _pipeline_worker(rank, world_size, stage):
-    from autoshard.api import make_options
-    from autoshard.pipeline import Pipeline, PipelineRunner, build_pipeline_plan
+    from autoshard.api.sharded_module import make_options
+    from autoshard.api.pipelined_module import PipelineRunner
+    from autoshard.compiler.pipeline import Pipeline, build_pipeline_plan
 
     mesh = autoshard.Mesh(pipe=2, data=2)
     comm = DistCommunicator(mesh, timeout=60)
@@ -219,8 +220,8 @@ def _pipeline_worker(rank, world_size, stage):
 def test_zero_3_composes_with_pipeline_stages_on_gloo():
     """pipe=2 x data=2 (4 processes), 1F1B over 4 microbatches, ZeRO-3 on the data axis: loss and every gradient
     equal one device; parameters are stored sharded over the data axis inside each stage."""
-    from autoshard.api import make_options
-    from autoshard.pipeline import Pipeline, build_pipeline_plan
+    from autoshard.api.sharded_module import make_options
+    from autoshard.compiler.pipeline import Pipeline, build_pipeline_plan
 
     model, args, kwargs = models.gpt(layers=4, hidden=32, heads=4, seq=8, batch=8)
     mesh = autoshard.Mesh(pipe=2, data=2)

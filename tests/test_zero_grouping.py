@@ -16,7 +16,7 @@ import torch
 from autoshard.passes.group_gathers import GroupGathers, layer_of
 
 import autoshard
-from autoshard.collective_kinds import kind_of
+from autoshard.compiler.collective_kinds import kind_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime import zero as zero_runtime
 from autoshard.runtime.communicator import current

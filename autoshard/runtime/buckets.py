@@ -46,7 +46,7 @@ import torch
 
 from autoshard import meta as M
 from autoshard.errors import AutoshardError
-from autoshard.parameters import like, local_of
+from autoshard.runtime.parameters import like, local_of
 from autoshard.runtime.communicator import Communicator, Handle, current
 from autoshard.runtime.grad_sync import Unsynced
 
@@ -86,7 +86,7 @@ class GradBucketer:
     (default 25); ``first_bucket_mb``: size of the first bucket of each axis set (default as DDP's: 1 MiB when
     ``bucket_cap_mb`` is left at its default, else ``bucket_cap_mb``).
     ``public``: {parameter name: the tensor that stands for it outside the program} — a ShardedModule's DTensor
-    parameters, whose ``to_local()`` the program reads (:mod:`autoshard.parameters`): the hooks go on those, and
+    parameters, whose ``to_local()`` the program reads (:mod:`autoshard.runtime.parameters`): the hooks go on those, and
     gradients are handed back as DTensors of the parameter's layout. Default: the module's own parameters.
     Call :meth:`remove` to take the hooks off again.
 

@@ -386,7 +386,7 @@ def shutdown() -> None:
     ``destroy_process_group()`` is not enough). It does not wait for the other ranks: each rank calls it when it
     is done. Safe to call when nothing was initialised, and more than once.
     """
-    from autoshard.parameters import forget_meshes
+    from autoshard.runtime.parameters import forget_meshes
 
     for comm in list(_LIVE):
         comm.close()

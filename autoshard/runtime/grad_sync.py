@@ -65,7 +65,7 @@ __all__ = ["STATIC_MAPS", "Unsynced", "note_site", "parameter_of", "syncing", "u
 #: may be held on their output side and pushed through them later. Anything else between a reduction and its
 #: parameter (a lookup, a product with an activation) makes the op no site.
 STATIC_MAPS = frozenset({
-    "_LocalViewBackward",  # autoshard.parameters.bound: the program's view of a DTensor parameter
+    "_LocalViewBackward",  # autoshard.runtime.parameters.bound: the program's view of a DTensor parameter
     "ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "TBackward0", "CloneBackward0",
     "ToCopyBackward0",  # a cast (mixed precision) or a device move
     "GeneratedBackwardFor_autoshard_all_gather_defaultBackward",  # ZeRO-1's gather of a shard: backward a slice
@@ -144,7 +144,7 @@ def syncing(enabled: bool, bucketer=None):
 
     ``bucketer``: the module's :class:`~autoshard.runtime.buckets.GradBucketer`, which holds the unsynced sums;
     sync can only be turned off with one (a module with ``bucket_cap_mb=0`` reduces each gradient inside
-    backward, and :class:`~autoshard.api.ShardedModule` refuses the flag there). Re-entrant per thread: an inner
+    backward, and :class:`~autoshard.api.sharded_module.ShardedModule` refuses the flag there). Re-entrant per thread: an inner
     call runs under its own flag and restores the outer one."""
     if bucketer is None:
         if not enabled:

@@ -61,7 +61,7 @@ def free_port() -> int:
 
 # Imported by the forkserver before it forks the first child: the compiler and the model libraries the children
 # of a test suite import; multiprocessing skips a name that fails to import.
-_PRELOAD = ("autoshard.api", "autoshard.passes", "transformers", "transformers.models.llama.modeling_llama")
+_PRELOAD = ("autoshard.api.sharded_module", "autoshard.passes", "transformers", "transformers.models.llama.modeling_llama")
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",

@@ -60,8 +60,8 @@ from autoshard.passes.plan_search.repair import (fallback_plan, improve_layouts,
 from autoshard.passes.plan_search.solver import WarmLP
 
 from autoshard import meta as M
-from autoshard.context import Context
-from autoshard.graph_utils import is_getitem, is_tensor_node
+from autoshard.compiler.context import Context
+from autoshard.frontend.graph_utils import is_getitem, is_tensor_node
 from autoshard.progress import slow_step
 
 __all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS", "TIE_BREAK", "Candidate",

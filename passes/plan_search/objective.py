@@ -34,7 +34,7 @@ def _no_region(node) -> None:
 from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, canonical, output_spec_for
 
 from autoshard import meta as M
-from autoshard.graph_utils import is_getitem
+from autoshard.frontend.graph_utils import is_getitem
 from autoshard.placements import Shard
 
 INFEASIBLE = float("inf")

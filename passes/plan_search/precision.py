@@ -33,7 +33,7 @@ class ComputeCopies:
     ``reduce_precision`` puts around a sync that is not on the master itself (a pair of choices)."""
 
     values: dict  # cast value -> its param_dtype value
-    precision: object  # autoshard.precision.MixedPrecision, or None
+    precision: object  # autoshard.frontend.precision.MixedPrecision, or None
     profile: HardwareProfile
     mesh: Mesh
     _seconds: dict = field(default_factory=dict, repr=False)
@@ -45,7 +45,7 @@ class ComputeCopies:
         from torch._guards import detect_fake_mode
 
         from autoshard.passes.mixed_precision import casts
-        from autoshard.precision import fake_like
+        from autoshard.frontend.precision import fake_like
 
         nodes = [n for n in gm.graph.nodes if casts(gm, n, precision.param_dtype)]
         mode = detect_fake_mode([n.meta["val"] for n in nodes])
@@ -82,7 +82,7 @@ class ComputeCopies:
         low, reduce = self.values[u], self.precision.grad_reduce_dtype
         if reduce in (low.dtype, u.meta["val"].dtype):
             return 0.0
-        from autoshard.precision import fake_like
+        from autoshard.frontend.precision import fake_like
 
         wide = fake_like(low, reduce)
         return self.cast_time(low, wide, True, spec) + self.cast_time(wide, low, True, spec)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx
-from autoshard.collective_kinds import time as kind_time
+from autoshard.compiler.collective_kinds import time as kind_time
 from autoshard.cost_models.memory import GraphMemory, keeps, recompute_region
 from autoshard.cost_models.plan_cost import (forward_times, grad_sync_time, link, local_numel, op_times,
                                              optimizer_time, redistribution_forward_time_of, redistribution_time_of,
@@ -37,8 +37,8 @@ from autoshard.passes.propagate import (annotation_error, keeps_layout, node_str
                                         written_inputs)
 
 from autoshard import meta as M
-from autoshard.context import Context
-from autoshard.graph_utils import is_getitem, is_tensor_node, itemsize, rerun_in_backward, shape, tensor_inputs
+from autoshard.compiler.context import Context
+from autoshard.frontend.graph_utils import is_getitem, is_tensor_node, itemsize, rerun_in_backward, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Replicate, Shard, Spec, format_spec
 
@@ -123,7 +123,7 @@ class ValueTerm:
     kept_plain: dict = field(default_factory=dict, repr=False)
     same_region: dict = field(default_factory=dict, repr=False)
     #: consumer decision -> the redistributions to it that backward runs again (they lie between the ops of a
-    #: recomputed region: :func:`autoshard.graph_utils.rerun_in_backward`), as (member index, unit) pairs: unit
+    #: recomputed region: :func:`autoshard.frontend.graph_utils.rerun_in_backward`), as (member index, unit) pairs: unit
     #: None where the region was marked before the search, else the unit whose layer copy holds both ends (run
     #: again when that copy is recomputed)
     rerun: dict = field(default_factory=dict, repr=False)
@@ -281,7 +281,7 @@ def _cast_seconds(gm, problem: Problem, copies: ComputeCopies) -> None:
     dtype = copies.precision.output_dtype
     if dtype is None:
         return
-    from autoshard.precision import fake_like
+    from autoshard.frontend.precision import fake_like
 
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     with copies.read():
@@ -345,7 +345,7 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
 class _Rerun:
     """What backward runs again, on the graph the search plans (before collectives are inserted): ``marked``
     ({node: region id}) the nodes of the regions marked before the search (the ``recompute=`` glob, the model's
-    own checkpoint) and those between their ops (:func:`autoshard.graph_utils.rerun_in_backward`, as
+    own checkpoint) and those between their ops (:func:`autoshard.frontend.graph_utils.rerun_in_backward`, as
     ``plan.cost()`` prices the compiled graph); ``copies`` ({node: (unit, copy path)}) the same of every copy of a
     recomputation unit, were it recomputed. Empty for a graph without a backward."""
 

@@ -18,7 +18,7 @@ from autoshard.cost_models.profile import HardwareProfile, LinkCost
 from torch import nn
 
 from autoshard.errors import PlanError
-from autoshard.ops import entry
+from autoshard.compiler.ops import entry
 
 aten = torch.ops.aten
 B, S, H, N = 4, 8, 64, 32  # linear: [B, S, H] -> [B, S, N]

@@ -178,7 +178,7 @@ def test_bad_calibrated_fields_name_the_field(kw, expected):
 
 
 def test_link_overlap_hides_gradient_reductions_only():
-    from autoshard.collective_kinds import time as kind_time
+    from autoshard.compiler.collective_kinds import time as kind_time
 
     plain, hidden = LinkCost(1e-4, 1e-9), LinkCost(1e-4, 1e-9, overlap=0.75)
     b, n = 1 << 20, 4

@@ -9,7 +9,7 @@ Tolerances, each for one documented reason:
   and value term over tied copies, ``plan.cost()`` node by node: only the order of the float additions differs.
 * the JSON (``plan_document``, ``autoshard show --json``) carries ``plan.cost()``'s and the search's floats: exact.
 * the text (``format_summary``, ``format_overview``, ``format_stages``) prints milliseconds to 4 significant digits
-  (``autoshard/report.py`` ``_ms``): within ``5e-4`` relative.
+  (``autoshard/compiler/report.py`` ``_ms``): within ``5e-4`` relative.
 * a pipeline's stages sum to ``plan.cost()`` of its microbatch plan to ``rel=1e-12`` (summation order).
 
 Every model is tiny (GPT of 2-4 layers of width 64, HF Llama/Mixtral of 1-2 layers): each test takes seconds.
@@ -28,8 +28,8 @@ import torch
 
 import autoshard
 from autoshard import meta as M
-from autoshard.cli import main
-from autoshard.report import format_overview, format_summary, plan_document
+from autoshard.api.cli import main
+from autoshard.compiler.report import format_overview, format_summary, plan_document
 from examples import models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def _run_again(plan) -> set[str]:
     """The collectives with a forward the rank program runs again in backward: those inside its checkpoint regions
     (``passes/recompute.py`` outlines each region, collectives between its ops included; ``early_stop=False``
     recomputes it whole)."""
-    from autoshard.collective_kinds import kind_of
+    from autoshard.compiler.collective_kinds import kind_of
 
     rank = plan.rank_program(0)
     return {n.name for name, child in rank.named_children() if name.startswith("recompute_")
@@ -171,7 +171,7 @@ def test_collectives_inside_recomputed_regions_are_priced_again():
     local buffers. (Before, neither plan.cost() nor the search did: GPT 2 layers, batch 16, seq 32, data=2 x model=2,
     cpu-gloo, the greedy Megatron plan: 2 all-reduces, 0.4655 ms of 10.51 ms; Llama-3-8B on data=8 x model=8,
     gpu-8x-nvlink, batch 8, seq 1024: 64 all-reduces, 5.968 ms of 294.2 ms.)"""
-    from autoshard.collective_kinds import time as kind_time
+    from autoshard.compiler.collective_kinds import time as kind_time
     from autoshard.cost_models.profile import load_profile
     from autoshard.placements import local_shape
 
@@ -226,7 +226,7 @@ def test_pipeline_stages_are_priced_as_plan_cost_and_printed_alike(cli):
     gpu-8x-nvlink, 24.87 us with and without). The stages' seconds per microbatch and once per step sum to
     plan.cost() of the microbatch plan, whose search agrees with it; the step the report, the CLI's JSON and
     ``PipelinePlan.cost()`` give is one number."""
-    from autoshard.pipeline.options import bubble_fraction
+    from autoshard.compiler.pipeline.options import bubble_fraction
 
     steps = {}
     for recompute in ("none", "blocks.*"):
@@ -266,7 +266,7 @@ def test_context_parallel_search_equals_plan_cost_and_report(monkeypatch):
     priced alike by the search and plan.cost(), recomputed layers included. On models this small the search
     prefers other layouts (head or batch sharding, q alone sharded along the sequence), so its attention options are
     narrowed to the context-parallel forms here. (The CLI has no context-parallel option.)"""
-    from autoshard.ops.attention import CONTEXT_FORMS
+    from autoshard.compiler.ops.attention import CONTEXT_FORMS
     from autoshard.passes.plan_search import problem
 
     sdpa = torch.ops.aten.scaled_dot_product_attention.default

@@ -60,12 +60,12 @@ def forward(self, ids, labels):
     grad_all_reduce_14 = torch.ops.autoshard.grad_all_reduce.default(blocks_0_mlp_router_weight, ['data']);  blocks_0_mlp_router_weight = None
     linear_default = torch.ops.aten.linear.default(reshape_default, grad_all_reduce_14);  grad_all_reduce_14 = None
     softmax_int = torch.ops.aten.softmax.int(linear_default, -1)
-    route_groups = autoshard_moe_graph_ops_route_groups(linear_default, 2, 20)
+    route_groups = autoshard_runtime_moe_graph_ops_route_groups(linear_default, 2, 20)
     getitem = route_groups[0]
     getitem_1 = route_groups[1]
     getitem_2 = route_groups[2];  route_groups = None
-    gate_groups = autoshard_moe_graph_ops_gate_groups(softmax_int, getitem)
-    dispatch_groups = autoshard_moe_graph_ops_dispatch_groups(reshape_default, getitem, getitem_1, getitem_2, 4, 20);  reshape_default = None
+    gate_groups = autoshard_runtime_moe_graph_ops_gate_groups(softmax_int, getitem)
+    dispatch_groups = autoshard_runtime_moe_graph_ops_dispatch_groups(reshape_default, getitem, getitem_1, getitem_2, 4, 20);  reshape_default = None
     reshape_default_1 = torch.ops.aten.reshape.default(dispatch_groups, [4, 20, 64]);  dispatch_groups = None
     unsqueeze_default = torch.ops.aten.unsqueeze.default(blocks_0_mlp_experts_b1, 1);  blocks_0_mlp_experts_b1 = None
     all_to_all = torch.ops.autoshard.all_to_all.default(reshape_default_1, 'data', 0, 1, 2);  reshape_default_1 = None
@@ -75,14 +75,14 @@ def forward(self, ids, labels):
     baddbmm_default_1 = torch.ops.aten.baddbmm.default(unsqueeze_default_1, gelu_1, blocks_0_mlp_experts_w2);  unsqueeze_default_1 = gelu_1 = blocks_0_mlp_experts_w2 = None
     reshape_default_2 = torch.ops.aten.reshape.default(baddbmm_default_1, [2, 2, 20, 64]);  baddbmm_default_1 = None
     all_to_all_1 = torch.ops.autoshard.all_to_all.default(reshape_default_2, 'data', 1, 0, 2);  reshape_default_2 = None
-    combine_groups = autoshard_moe_graph_ops_combine_groups(all_to_all_1, getitem, getitem_1, gate_groups, getitem_2);  all_to_all_1 = getitem_1 = gate_groups = None
-    first_fraction = autoshard_moe_graph_ops_first_fraction(getitem, 4, 64)
+    combine_groups = autoshard_runtime_moe_graph_ops_combine_groups(all_to_all_1, getitem, getitem_1, gate_groups, getitem_2);  all_to_all_1 = getitem_1 = gate_groups = None
+    first_fraction = autoshard_runtime_moe_graph_ops_first_fraction(getitem, 4, 64)
     all_reduce = torch.ops.autoshard.all_reduce.default(first_fraction, 'data');  first_fraction = None
-    aux_terms = autoshard_moe_graph_ops_aux_terms(softmax_int, linear_default, all_reduce, 4, 64);  softmax_int = linear_default = all_reduce = None
-    routing_stats = autoshard_moe_graph_ops_routing_stats(getitem, getitem_2, aux_terms, 4);  getitem = getitem_2 = None
+    aux_terms = autoshard_runtime_moe_graph_ops_aux_terms(softmax_int, linear_default, all_reduce, 4, 64);  softmax_int = linear_default = all_reduce = None
+    routing_stats = autoshard_runtime_moe_graph_ops_routing_stats(getitem, getitem_2, aux_terms, 4);  getitem = getitem_2 = None
     all_reduce_1 = torch.ops.autoshard.all_reduce.default(routing_stats, 'data');  routing_stats = None
     grad_all_reduce_15 = torch.ops.autoshard.grad_all_reduce.default(all_reduce_1, ['data']);  all_reduce_1 = None
-    attach = autoshard_moe_graph_ops_attach(combine_groups, aux_terms, grad_all_reduce_15, 'moe<key>', 'blocks.0.mlp', 0.01, 0.001, 2);  combine_groups = aux_terms = grad_all_reduce_15 = None
+    attach = autoshard_runtime_moe_graph_ops_attach(combine_groups, aux_terms, grad_all_reduce_15, 'moe<key>', 'blocks.0.mlp', 0.01, 0.001, 2);  combine_groups = aux_terms = grad_all_reduce_15 = None
     reshape_default_3 = torch.ops.aten.reshape.default(attach, [2, 16, 64]);  attach = None
     add_2 = torch.ops.aten.add.Tensor(add_1, reshape_default_3);  add_1 = reshape_default_3 = None
     grad_all_reduce_16 = torch.ops.autoshard.grad_all_reduce.default(ln_f_weight, ['data']);  ln_f_weight = None

@@ -15,9 +15,9 @@ import torch
 
 import autoshard
 from autoshard import meta as M
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import spawn
-from autoshard.trace import fetch_attr
+from autoshard.frontend.trace import fetch_attr
 from examples import models
 from tests.test_mixed_precision import _check_grads, _fp32, _rel, _under_policy
 

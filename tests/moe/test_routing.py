@@ -1,4 +1,4 @@
-"""autoshard.moe.routing against the independent eager oracle in tests/moe/reference.py, plus MoE properties.
+"""autoshard.runtime.moe.routing against the independent eager oracle in tests/moe/reference.py, plus MoE properties.
 
 Covered: outputs, aux losses and gradients (x, router, expert weights) for top-1/top-2 with and without drops;
 capacity arithmetic and GShard drop counts; sparse-upcycling identities; index vs one-hot dispatch; uniform
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.errors import PlanError
-from autoshard.moe import routing as M
+from autoshard.runtime.moe import routing as M
 
 
 def _load(name: str, path: Path):
@@ -67,7 +67,7 @@ def clone_params(params):
 
 
 def ops_moe(x, p, *, top_k, capacity_factor, activation):
-    """The MoE layer composed from autoshard.moe.routing, as the expert rewrite will emit it."""
+    """The MoE layer composed from autoshard.runtime.moe.routing, as the expert rewrite will emit it."""
     num_tokens, num_experts = x.shape[0], p["router"].shape[0]
     logits = x.float() @ p["router"].t()
     cap = M.capacity(num_tokens, num_experts, top_k, capacity_factor)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.plan import loss_of
+from autoshard.compiler.plan import loss_of
 from autoshard.runtime import DistCommunicator, SimWorld, spawn, use
 from examples import models
 

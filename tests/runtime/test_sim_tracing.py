@@ -7,9 +7,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import Mesh
-from autoshard.parameters import device_mesh
+from autoshard.runtime.parameters import device_mesh
 from autoshard.runtime.sim import SimWorld
-from autoshard.trace import trace
+from autoshard.frontend.trace import trace
 
 
 class _TwoLayers(torch.nn.Module):

@@ -1,0 +1,80 @@
+"""What every pass receives besides the graph: the mesh, the user's options, and the report of decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoshard.mesh import Mesh
+from autoshard.placements import Spec
+
+
+@dataclass(frozen=True)
+class Options:
+    """User options of ``autoshard.compile`` that the passes read.
+
+    ``annotations`` maps glob patterns over parameter FQNs (or exact input names) to specs; later patterns
+    override earlier ones. ``data_axis`` is the axis the batch dim of inputs is sharded on by default.
+    """
+
+    annotations: tuple[tuple[str, Spec], ...] = ()
+    #: (exact parameter name, spec): parameters laid out as given, as an annotation lays them out, but gathered or
+    #: sliced for compute where the plan's ops need another layout (an annotated parameter never is). The program
+    #: of a ShardedModule's other training mode shares the plan's tensors through these.
+    layouts: tuple[tuple[str, Spec], ...] = ()
+    data_axis: str = "data"
+    on_unsupported: str = "replicate"  # replicate (default: unsupported ops run replicated, one warning) | error
+    on_indivisible: str = "error"  # error | replicate
+    output_keep_data_shard: bool = True
+    planner: str = "greedy"  # greedy (fewest bytes, op by op) | search (exact, cost model)
+    profile: Any = "cpu-gloo"  # hardware profile name, path or HardwareProfile
+    memory_limit: float | None = None  # bytes per rank
+    optimizer: str = "adam"  # for the optimizer-state term of the memory model
+    #: planner="search": seconds for the whole search (None: 120, passes/plan_search DEFAULT_TIME_LIMIT); when it
+    #: runs out the best plan found is used, with its gap warned about. A memory_limit no plan meets is refused
+    #: before the search's walk, in seconds (passes/plan_search/lagrangian.py PROOF_SECONDS), whatever this is.
+    search_time_limit: float | None = None
+    #: greedy planner: among strategies of equal communication, prefer the output with fewer replicated axes
+    #: (norms, residuals, dropout sharded along the sequence: Megatron's sequence parallelism)
+    sequence_parallel: bool = False
+    moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
+    #: ZeRO/FSDP storage of parameters over the data axis (passes/shard_storage.py): 0 | 1 | 2 | 3 for every
+    #: parameter, or "auto" (planner="search" picks a stage per parameter under memory_limit; compile's default
+    #: when the search has a memory_limit: autoshard.api.sharded_module.memory_defaults)
+    zero: int | str = 0
+    #: activation recomputation (passes/recompute.py): None (only the model's own torch.utils.checkpoint regions),
+    #: a glob over module paths ("model.layers.*"), or "auto" (planner="search" picks the layers; compile's default
+    #: when the search has a memory_limit)
+    recompute: str | None = None
+    #: autoshard.MixedPrecision(param_dtype, reduce_dtype, output_dtype) or None (the model's own dtypes)
+    precision: Any = None
+    #: autoshard.ContextParallel (compile's ``context_axis``): the sequence sharded on that axis, attention
+    #: context-parallel (passes/context_parallel.py); None: only where annotations or the search shard it
+    context: Any = None
+
+
+@dataclass
+class Context:
+    """The mesh, the options, the report and the warnings. Passes hand decisions to each other only through
+    ``node.meta`` keys (:mod:`autoshard.meta`), never through fields here."""
+
+    mesh: Mesh
+    options: Options = field(default_factory=Options)
+    report: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    #: ``once(decide)``: the value of ``decide()`` as the whole job sees it — computed on rank 0 and received by every
+    #: rank when this plan is made by every rank of a job at once (:func:`autoshard.runtime.agreement.decide_once`),
+    #: else ``decide()`` here. Passes whose result may depend on time or load (the time-limited search) decide
+    #: through it, so every rank runs one plan.
+    once: Any = None
+
+    def decide_once(self, decide):
+        return decide() if self.once is None else self.once(decide)
+
+    def warn(self, message: str) -> None:
+        """Note ``message`` in the report, and warn about it on rank 0 (:func:`autoshard.runtime.notices.notice`): every
+        rank of a job makes the same plan."""
+        from autoshard.runtime.notices import notice
+
+        self.warnings.append(message)
+        notice(message, stacklevel=4)

@@ -1,0 +1,346 @@
+"""The compiled artifact: the annotated global graph plus what it takes to make each rank's program.
+
+A :class:`Plan` is produced ahead of time in one process by :func:`build_plan` (trace → passes) and answers
+questions about itself without any process group: ``show()``, ``format()``, ``code(rank)``,
+``rank_module(rank)``, ``collectives()``, ``param_specs()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from autoshard import meta as M
+from autoshard.compiler.rank_programs import local_param_specs, rank_program
+from autoshard.compiler.context import Context, Options
+from autoshard.errors import AutoshardError, PlanError
+from autoshard.mesh import Mesh
+from autoshard.passes.manager import PipelineOptions, collective_signature, pass_list, run_passes
+from autoshard.placements import Spec, assemble, shard_tensor
+from autoshard.frontend.precision import trace_with_precision
+from autoshard.frontend.trace import GRAPH_LOCK, trace
+
+
+@dataclass
+class Plan:
+    graph_module: torch.fx.GraphModule
+    mesh: Mesh
+    context: Context
+    model_name: str = "model"
+    #: (stage, bucket_grads) -> (rank, collective signature) of the first rank program made (see _check_signature)
+    _signatures: dict = field(default_factory=dict, repr=False, compare=False)
+    #: the mode (``model.training``) the graph was traced in: dropout and batch-norm statistics follow it
+    training: bool = True
+    #: a weak reference to the ShardedModule that owns this plan: simulate() follows its mode, and asks it for the
+    #: program of the other mode
+    _mode_owner: object = field(default=None, repr=False, compare=False)
+
+    # ---- per-rank programs ------------------------------------------------------------------------------
+    def rank_module(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False
+                    ) -> torch.fx.GraphModule:
+        """A plain GraphModule holding only ``rank``'s parameter shards (copied from the traced weights).
+
+        ``bucket_grads=True`` leaves the parameters' gradient all-reduces out of the program and lists them in
+        ``module.meta[autoshard.runtime.buckets.GRAD_SYNC]``: attach a
+        :class:`~autoshard.runtime.buckets.GradBucketer` to run them bucketed and overlapped with backward."""
+        from autoshard.frontend.inputs import install_check
+
+        module = self.rank_program(rank, weights, bucket_grads)
+        return install_check(module, self.expected_inputs(), rank)  # wrong shapes: RuntimeShapeError, not raw
+
+    def rank_program(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False,
+                     local_weights: torch.nn.Module | None = None, stage: int | None = None) -> torch.fx.GraphModule:
+        """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
+        rank program this plan made (``local_weights``: share that program's tensors, see
+        :func:`autoshard.compiler.rank_programs.rank_program`; ``stage``: the program of that pipeline stage, checked against the
+        stage's first one). The only way to a rank program of a plan."""
+        module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads,
+                              local_weights, stage)
+        self._check_signature(module, rank, bucket_grads, stage)
+        return module
+
+    def expected_inputs(self) -> list:
+        """The tensor inputs the plan was compiled for: name, global and local shape, dtype
+        (:class:`autoshard.frontend.inputs.ExpectedInput`)."""
+        from autoshard.frontend.inputs import expected_inputs
+
+        return expected_inputs(self.graph_module, self.mesh)
+
+    def release_weights(self) -> None:
+        """Replace every tensor the global program holds by a meta tensor of the same shape and dtype: the plan
+        then keeps nothing of the model alive (a rank that made its program needs no full weight again; later
+        ``rank_module`` calls give meta tensors, to be filled by init or a checkpoint)."""
+        gm = self.graph_module
+        metas: dict[int, torch.Tensor] = {}  # one meta tensor per tensor: tied names stay tied
+        for module in gm.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None or t.is_meta:
+                        continue
+                    if id(t) not in metas:
+                        meta = torch.empty_like(t, device="meta")
+                        metas[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                            t, torch.nn.Parameter) else meta
+                    table[name] = metas[id(t)]
+            for name, t in list(vars(module).items()):  # plain tensor attributes (constants)
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    setattr(module, name, torch.empty_like(t, device="meta"))
+
+    def _check_signature(self, module: torch.fx.GraphModule, rank: int, bucket_grads: bool,
+                         stage: int | None = None) -> None:
+        """Every rank's program (of one stage) must issue the same collectives in the same order as the first one
+        made."""
+        signature = collective_signature(module)
+        first = self._signatures.setdefault((stage, bucket_grads), (rank, signature))
+        if first[1] != signature:
+            which = "" if stage is None else f" of stage {stage}"
+            raise AutoshardError(f"the rank passes made rank {rank}'s program{which} issue collectives {signature}, "
+                                 f"but rank {first[0]}'s issues {first[1]}: ranks would wait on each other forever. "
+                                 "This is a bug in autoshard's rank passes (passes/manager.py); please report it.")
+
+    def code(self, rank: int = 0) -> str:
+        """The generated Python source of ``rank``'s module."""
+        return self.rank_module(rank).code.strip() + "\n"
+
+    def shard_inputs(self, rank: int, args=(), kwargs=None) -> tuple[tuple, dict]:
+        """Cut global example inputs into ``rank``'s local inputs (by the specs of the graph's placeholders)."""
+        from torch.fx._pytree import tree_flatten_spec
+        from torch.utils import _pytree as pytree
+
+        gm = self.graph_module
+        kwargs = dict(kwargs or {})
+        leaves = tree_flatten_spec((tuple(args), kwargs), gm._in_spec)
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        local = [shard_tensor(x, h.meta[M.SPEC], self.mesh, rank) if isinstance(x, torch.Tensor) else x
+                 for x, h in zip(leaves, holders)]
+        a, k = pytree.tree_unflatten(local, gm._in_spec)
+        return tuple(a), dict(k)
+
+    def simulate(self, args=(), kwargs=None, backward: bool = True, timeout: float = 120.0,
+                 train: bool | None = None) -> Simulation:
+        """Run every rank in this process (one thread each): outputs per rank, assembled gradients, collective logs.
+
+        ``args``/``kwargs`` are the global inputs (each rank's share is cut here). ``train``: which mode's program
+        runs — by default the mode of the ShardedModule the plan belongs to (``sharded.eval()`` then
+        ``sharded.plan.simulate(...)`` runs the eval program: no dropout, running statistics), else the mode the
+        model was traced in. The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first
+        element.
+        """
+        owner = self._mode_owner() if self._mode_owner is not None else None
+        mode = train if train is not None else (owner.training if owner is not None else self.training)
+        if not isinstance(mode, bool):
+            raise AutoshardError(f"Plan.simulate got train={train!r}, but train is True, False or None (the "
+                                 "module's mode).")
+        if mode != self.training:
+            if owner is None:
+                raise PlanError(f"Plan.simulate(train={mode}) needs the {_mode_name(mode)}-mode program, but this "
+                                f"plan was traced in {_mode_name(self.training)} mode and belongs to no "
+                                "ShardedModule that could trace the other one: call it as sharded.plan.simulate("
+                                f"...) on the ShardedModule, or compile the model in {_mode_name(mode)} mode.")
+            return owner._plan_in_mode(mode).simulate(args, kwargs, backward, timeout, train=mode)
+        from autoshard.frontend.inputs import check_inputs, tensor_leaves
+        from autoshard.runtime.communicator import current
+        from autoshard.runtime.sim import SimWorld
+        from autoshard.runtime.zero import running
+
+        check_inputs(self.expected_inputs(), tensor_leaves(args, kwargs), local=False, where="Plan.simulate")
+        world = SimWorld(self.mesh, timeout=timeout)
+
+        def body(rank):
+            module = self.rank_module(rank).train(mode)
+            a, k = self.shard_inputs(rank, args, kwargs)
+            with running(module):
+                out = module(*a, **k)
+            if backward:
+                loss_of(out).backward()
+            grads = {n: p.grad for n, p in module.named_parameters()}
+            return out, grads, list(current().log)
+
+        results = world.run(body)
+        specs = self.param_specs()
+        grads = {}
+        if backward:
+            for name in results[0][1]:
+                per_rank = [r[1][name] for r in results]
+                if all(g is not None for g in per_rank):
+                    grads[name] = assemble(per_rank, specs[name], self.mesh)
+        return Simulation([r[0] for r in results], grads, [r[2] for r in results])
+
+    def with_weights_of(self, other: Plan) -> Plan:
+        """Give this plan's graph the tensors of ``other``'s under the same attribute names (the plan of the other
+        mode, traced from a skeleton, gets the real weights); returns self."""
+        from torch.fx.graph_module import _assign_attr
+
+        from autoshard.frontend.trace import fetch_attr
+
+        for n in self.graph_module.graph.nodes:
+            if n.op == "get_attr":
+                try:
+                    t = fetch_attr(other.graph_module, n.target)
+                except AttributeError:
+                    continue
+                if isinstance(t, torch.Tensor):
+                    _assign_attr(t, self.graph_module, n.target)
+        return self
+
+    # ---- questions --------------------------------------------------------------------------------------
+    def public_names(self) -> dict[str, str]:
+        """{program attribute: the model's first name of that tensor} (a tied weight is known by the name
+        ``model.named_parameters()`` gives it)."""
+        return {str(n.target): n.meta.get(M.ALIASES, (str(n.target),))[0] for n in self.graph_module.graph.nodes
+                if n.op == "get_attr"}
+
+    def param_specs(self) -> dict[str, Spec]:
+        """{parameter FQN, as the rank programs name it: the spec it is stored in} (a tied weight under the name the
+        trace kept; :meth:`public_names` maps it to the model's first name)."""
+        return local_param_specs(self.graph_module)
+
+    def param_storage(self) -> dict[str, M.Storage]:
+        """{parameter FQN: its :class:`~autoshard.meta.Storage`} of every parameter stored apart from its compute
+        layout (ZeRO stage > 0)."""
+        return {n.meta.get(M.PARAM, n.target): n.meta[M.STORAGE] for n in self.graph_module.graph.nodes
+                if n.op == "get_attr" and M.STORAGE in n.meta}
+
+    def layout(self) -> dict[str, str]:
+        """{node: its placements, stored placements and recomputed region}, for every node of the plan's graph in
+        graph order: what every rank's program is made from, as text (``digest`` hashes it; ranks compare it)."""
+        out = {}
+        for n in self.graph_module.graph.nodes:
+            target = n.target if isinstance(n.target, str) else torch.fx.node._get_qualified_name(n.target)
+            parts = [n.op, target, str(n.meta.get(M.SPEC))]
+            if M.STORAGE in n.meta:
+                parts.append(str(n.meta[M.STORAGE]))
+            if M.RECOMPUTE in n.meta:
+                parts.append(f"recompute {n.meta[M.RECOMPUTE]}")
+            if M.COLLECTIVE in n.meta:
+                parts.append(str(n.meta[M.COLLECTIVE]))
+            out[n.meta.get(M.PARAM, n.name) if n.op == "get_attr" else n.name] = " ".join(parts)
+        return out
+
+    def digest(self) -> str:
+        """A hash of :meth:`layout` and the mesh: equal on two ranks exactly when they run programs of one plan."""
+        import hashlib
+
+        text = repr((str(self.mesh), self.training, sorted(self.layout().items())))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def cost(self, profile=None, optimizer: str | None = None):
+        """Estimated step time (compute + communication), memory per rank (``.memory``: by kind — parameters,
+        gradients, optimizer state, buffers, activations, gathered copies — and the step's peak) and bytes per axis
+        of this plan, for ``profile`` (default: the one the plan was made for)."""
+        from autoshard.cost_models.plan_cost import plan_cost
+        from autoshard.cost_models.profile import HardwareProfile, load_profile
+
+        profile = profile or self.context.options.profile
+        profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+        precision = self.context.options.precision
+        return plan_cost(self.graph_module, self.mesh, profile, optimizer or self.context.options.optimizer,
+                         precision.param_dtype if precision is not None else None)
+
+    def collectives(self) -> list[tuple[str, M.CollectiveInfo]]:
+        """(node name, info) of every inserted collective, in graph order."""
+        return [(n.name, n.meta[M.COLLECTIVE]) for n in self.graph_module.graph.nodes if M.COLLECTIVE in n.meta]
+
+    def format(self, rank: int | None = None) -> str:
+        from autoshard.compiler.report import format_plan
+
+        return format_plan(self)
+
+    def show(self, console=None, nodes: bool | None = None) -> None:
+        """Print the summary for a model with repeated layers, else every node (``nodes`` forces either), at the
+        console's width."""
+        from autoshard.compiler.report import show_plan
+
+        show_plan(self, console, nodes)
+
+
+@dataclass
+class Simulation:
+    outputs: list  # per rank, as its module returned them
+    grads: dict[str, torch.Tensor]  # parameter FQN -> global gradient reassembled from every rank's shard
+    logs: list  # per rank: the CollectiveRecords it executed
+
+
+def _mode_name(training: bool) -> str:
+    return "training" if training else "eval"
+
+
+def loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise AutoshardError(f"output of type {type(out).__name__} has no loss: return a scalar tensor, a tuple whose "
+                         "first element is the loss, or an object with a .loss attribute.")
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off while planning: tracing and the plan search allocate millions of
+    small objects next to an FX graph full of fake tensors, and the collections this triggers cost the Llama-3-8B
+    search half of its problem-building time (bench/search_plans.py). Restored as it was afterwards; garbage made
+    meanwhile is collected at the next collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
+               pipeline: PipelineOptions | None = None, once=None) -> Plan:
+    """The plan of ``model`` on ``mesh``: trace, then the plan phase of the one pass list. The one way to a plan:
+    ``compile``, the other mode's plan of a ShardedModule and the pipelined plan (``pipeline``: the split and
+    stage-building passes enabled, the stage graphs left on ``gm.meta``; :mod:`autoshard.compiler.pipeline.plan`) all
+    come here. ``once``: how a decision that may differ between processes is made once for the job
+    (:attr:`autoshard.compiler.context.Context.once`)."""
+    with GRAPH_LOCK, _gc_paused():  # one trace and its passes at a time per process
+        target = options.memory_limit
+        for attempt in range(1 + SEARCH_REPLANS):
+            gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
+                model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/frontend/precision.py)
+            ctx = Context(mesh, options, once=once)
+            planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
+            gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline)["plan"])
+            peak = _searched_peak(gm, mesh, options, pipeline)
+            if peak is None or peak <= options.memory_limit:
+                break
+            if attempt == SEARCH_REPLANS:
+                ctx.warn(f"plan search: the plan needs {peak / 2**20:.4g} MiB per rank by plan.cost(), over "
+                         f"memory_limit={options.memory_limit / 2**20:.4g} MiB after {SEARCH_REPLANS} re-plans (the "
+                         "search's memory of recomputed layers is a little below plan.cost()'s): lower memory_limit "
+                         "by the difference, or pass recompute=False.")
+                break
+            # the search priced its plan below what plan.cost() counts (e.g. recomputed regions' inputs): plan
+            # again for a limit that many bytes below what the search counted for this plan, so the plan fits by
+            # the model the user reads
+            searched = ctx.report["plan_search"]["memory_per_rank"]
+            target = min(target, searched) - (peak - options.memory_limit) * (1 + 1e-3) - 1
+        if target != options.memory_limit:
+            ctx.report["plan_search"].update(memory_limit=options.memory_limit, searched_limit=target,
+                                             replans=attempt)
+    return Plan(gm, mesh, ctx, type(model).__name__, training=model.training)
+
+
+#: how often build_plan plans again when the searched plan's peak by plan.cost() exceeds the memory limit
+SEARCH_REPLANS = 2
+
+
+def _searched_peak(gm: torch.fx.GraphModule, mesh: Mesh, options: Options, pipeline) -> float | None:
+    """The per-rank peak of a searched plan under a memory limit by :meth:`Plan.cost`'s model (None: nothing to
+    check — no search, no limit, or a pipeline, whose stages are priced per stage)."""
+    if options.planner != "search" or options.memory_limit is None or pipeline is not None:
+        return None
+    from autoshard.cost_models.memory import plan_memory
+
+    precision = options.precision
+    return plan_memory(gm, mesh, options.optimizer, precision.param_dtype if precision is not None else None).peak
