@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -50,15 +51,35 @@ def _child(fn, rank, world, port, out, args):
     try:
         fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - the parent reports every failure
-        _report(out, rank, (type(e).__name__, str(e), traceback.format_exc()))
+        _report(out, rank, (type(e).__name__, str(e), traceback.format_exc()), store)
         os._exit(1)  # like an uncaught exception under torchrun: non-zero, and no teardown that could block
-    _report(out, rank, ("ok", "", ""))
+    _report(out, rank, ("ok", "", ""), store)
     os._exit(0)
 
 
-def _report(out: str, rank: int, report: tuple) -> None:
+def _report(out: str, rank: int, report: tuple, store) -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    store.set(_reported(rank), "")  # for a rank that waits until another has ended (hangs_mid_step)
+
+
+def _reported(rank: int) -> str:
+    return f"rank {rank} reported"
+
+
+def _wait_for_a_report(ranks) -> None:
+    """Block until one of ``ranks`` has reported: one thread per rank waits for its key in the store
+    :func:`launch` hosts (its address is in this child's environment)."""
+    first = threading.Event()
+
+    def wait(rank):
+        TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                 timeout=timedelta(seconds=PG_TIMEOUT)).wait([_reported(rank)])
+        first.set()
+
+    for rank in ranks:
+        threading.Thread(target=wait, args=(rank,), daemon=True).start()
+    first.wait()
 
 
 def launch(fn, world: int, out: str, *args, deadline: float = DEADLINE) -> tuple[dict, dict]:
@@ -141,9 +162,10 @@ def dies_mid_step(rank: int, world: int):
 def hangs_mid_step(rank: int, world: int):
     def fault(step, sharded, opt):
         if rank == 3 and step == 1:
-            # alive, sockets open, but never joins the backward; it outlives the others' 6 s timeout (exiting
-            # earlier would close its sockets: its peers would report a closed connection, not a timeout)
-            time.sleep(2 * TIMEOUT + 3)
+            # alive, sockets open, but never joins the backward, until one of its direct peers (rank 1 on data,
+            # rank 2 on model) has failed and reported: exiting earlier would close its sockets, and its peers
+            # would report a closed connection, not a timeout. Its exit then ends the waits that only end with it.
+            _wait_for_a_report((1, 2))
             os._exit(18)
 
     _steps(rank, 3, fault)

@@ -7,13 +7,14 @@ Inputs are integer-valued floats, so sums are exact and comparisons can be bit-e
 from __future__ import annotations
 
 import threading
-import time
+import types
 
 import pytest
 import torch
 
 from autoshard.errors import AutoshardError, CollectiveTimeoutError, MeshError, RuntimeShapeError
 from autoshard.mesh import Mesh
+from autoshard.runtime import sim
 from autoshard.runtime import (
     CollectiveRecord,
     SimWorld,
@@ -570,18 +571,28 @@ def test_use_rejects_non_communicators():
 
 
 # ---- failures -------------------------------------------------------------------------------------------
-def test_error_on_one_rank_aborts_the_others_quickly():
+def test_error_on_one_rank_aborts_the_others_at_once():
+    ended = {}
+
     def fn(r):
         if r == 2:
             raise ValueError("bad input on this rank")
-        current().all_reduce(torch.ones(1), "a")  # ranks 0, 1, 3 would wait forever for rank 2
+        try:
+            current().all_reduce(torch.ones(1), "a")  # ranks 0, 1, 3 would wait for rank 2 until their timeout
+        except AutoshardError as e:
+            ended[r] = e
+            raise
         return r
 
-    start = time.monotonic()
     with pytest.raises(ValueError, match="rank 2: bad input on this rank") as info:
         SimWorld(Mesh(a=4), timeout=30).run(fn)
-    assert time.monotonic() - start < 5
     assert isinstance(info.value.__cause__, ValueError)
+    # The others were stopped by rank 2's failure, not by their own timeout (which would have raised a
+    # CollectiveTimeoutError naming rank 2 as missing).
+    assert sorted(ended) == [0, 1, 3]
+    for r, e in ended.items():
+        assert not isinstance(e, CollectiveTimeoutError), (r, e)
+        assert f"all_reduce on axis `a` on rank {r} was aborted because rank 2 failed (ValueError: bad input" in str(e)
 
 
 def test_world_is_reusable_after_an_error():
@@ -602,20 +613,50 @@ def test_skipped_collective_times_out_naming_the_collective_axis_and_missing_ran
         if r != 1:
             current().all_reduce(torch.ones(1), "model")
 
-    start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError) as info:
         SimWorld(Mesh(data=2, model=2), timeout=1).run(fn)
-    assert time.monotonic() - start < 5
     msg = str(info.value)
-    assert "all_reduce on axis `model`" in msg and "ranks [1] did not arrive" in msg
+    assert msg.startswith("rank 0: all_reduce on axis `model` (group of ranks [0, 1]) waited 1 s on rank 0"), msg
+    assert "ranks [1] did not arrive" in msg
     assert "rank 1 has returned from its function" in msg
 
 
-def test_rank_waiting_in_another_collective_is_named():
+class _ScriptedClock:
+    """The simulator's clock in a test (``monkeypatch.setattr(sim, "time", clock)``): rank ``r``'s readings follow
+    ``script[r]``, steps of (event to wait for first or None, the reading, event to set then or None), the last
+    step repeating; any other thread reads ``rest``. Which wait times out first is then set by the script, not by
+    the machine's load."""
+
+    def __init__(self, script: dict[int, list[tuple]], rest: float):
+        self.script, self.rest, self.count = script, rest, dict.fromkeys(script, 0)
+
+    def monotonic(self) -> float:
+        try:
+            rank = current().rank
+        except AutoshardError:  # not a rank's thread
+            return self.rest
+        steps = self.script[rank]
+        wait_for, reading, then = steps[min(self.count[rank], len(steps) - 1)]
+        self.count[rank] += 1
+        if wait_for is not None:
+            assert wait_for.wait(timeout=60), f"rank {rank}'s clock waited for an event that never came"
+        if then is not None:
+            then.set()
+        return reading
+
+
+def test_rank_waiting_in_another_collective_is_named(monkeypatch):
+    # Rank 1 starts waiting at t=0 (its deadline: 1); rank 0 enters its all_gather only after that, at t=0.5
+    # (deadline 1.5); rank 1's next reading, taken once rank 0 waits in the all_gather, is t=1.2: rank 1 times out
+    # first, while rank 0 still waits.
+    rank1_waits, rank0_waits = threading.Event(), threading.Event()
+    clock = _ScriptedClock({1: [(None, 0.0, rank1_waits), (rank0_waits, 1.2, None)],
+                            0: [(rank1_waits, 0.5, rank0_waits), (None, 1.2, None)]}, rest=1.2)
+    monkeypatch.setattr(sim, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+
     def fn(r):
         comm = current()
         if r == 0:
-            time.sleep(0.3)  # so that rank 1 times out first
             comm.all_gather(torch.ones(1), "data", 0)  # rank 2 never joins
         elif r == 1:
             comm.all_reduce(torch.ones(1), "model")    # rank 0 is elsewhere
@@ -671,7 +712,12 @@ def test_serial_world_runs_one_rank_at_a_time_and_hands_the_turn_over_in_collect
     world = SimWorld(Mesh(x=4), timeout=20, serial=True)
     inside = []
     overlap = []
+    met = []
     lock = threading.Lock()
+    # Ranks running side by side would all meet here: each reaches its first computation before any collective.
+    # In a serial world the rank holding the turn waits alone until the bound breaks the barrier (once: every
+    # later wait raises at once), so nobody ever passes it.
+    everyone = threading.Barrier(4, timeout=0.5)
 
     def fn(r):
         for _ in range(3):
@@ -679,14 +725,19 @@ def test_serial_world_runs_one_rank_at_a_time_and_hands_the_turn_over_in_collect
                 inside.append(r)
                 if len(inside) > 1:
                     overlap.append(list(inside))
-            time.sleep(0.002)  # computing: no other rank may run meanwhile
+            try:  # computing: no other rank may run meanwhile
+                everyone.wait()
+                met.append(r)
+            except threading.BrokenBarrierError:
+                pass
             with lock:
                 inside.remove(r)
             x = all_reduce(torch.full((2,), float(r)), "x")  # waits: the turn passes on
         return x
 
     out = world.run(fn)
-    assert not overlap
+    assert not overlap and not met
+    assert everyone.broken
     assert all(torch.equal(x, torch.full((2,), 6.0)) for x in out)
 
 

@@ -10,7 +10,9 @@ which saves seconds of import per child on a small machine.
 from __future__ import annotations
 
 import multiprocessing
-import time
+import os
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -185,17 +187,32 @@ def wrong_mesh_on_rank_1(rank: int, world_size: int):
     dist.barrier()  # rank 0 would wait forever: spawn must kill it
 
 
+def _store() -> dist.TCPStore:
+    """A client of the store spawn hosts (its address is in this child's environment)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=300))
+
+
 def skips_a_collective(rank: int, world_size: int):
     dist.barrier()  # arrive together: creating the groups is bounded by the same 1 s timeout
     comm = DistCommunicator(Mesh(x=2), timeout=1)
+    store = _store()
     if rank == 0:
-        comm.all_reduce(torch.ones(1), "x")
+        try:
+            comm.all_reduce(torch.ones(1), "x")
+        finally:
+            store.set("rank 0 left its all_reduce", "")
     else:
-        time.sleep(30)
+        # alive, sockets open, never in the all_reduce, until rank 0 has left it (had rank 1 exited first, rank 0
+        # would see a closed connection, not a timeout)
+        store.wait(["rank 0 left its all_reduce"])
 
 
-def sleeps(rank: int, world_size: int):
-    time.sleep(60)
+def hangs(rank: int, world_size: int):
+    """Never returns, as a hung rank does: waits for an event nobody sets until spawn kills the process. (The bound
+    only turns a spawn that never kills it into this error, which fails the test, instead of a hang.)"""
+    threading.Event().wait(timeout=300)
+    raise AssertionError("spawn never killed this rank")
 
 
 @pytest.mark.gloo
@@ -218,9 +235,9 @@ def test_gloo_collective_timeout_becomes_collective_timeout_error():
 
 @pytest.mark.gloo
 def test_spawn_kills_everything_past_its_deadline():
-    # the child sleeps 60 s and then returns: had spawn waited for it, there would be a result and no error
+    # the child never returns by itself: only spawn's deadline ends it, with this error
     with pytest.raises(CollectiveTimeoutError, match=r"ranks \[0\] had not returned"):
-        spawn(sleeps, 1, timeout=1, startup_slack=1, start_method="forkserver")
+        spawn(hangs, 1, timeout=1, startup_slack=1, start_method="forkserver")
     assert multiprocessing.active_children() == []
 
 
