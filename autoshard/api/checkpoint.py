@@ -10,6 +10,12 @@ A checkpoint is a DCP directory plus one file of ours, ``autoshard.json``, writt
 * :func:`load` — the reverse, into any target: a ShardedModule on the same or another mesh (DCP reads the
   overlap of every saved chunk with this rank's shard: data=2×model=2 → model=4 reshards on load), a ShardedModule
   in the simulator, or the original ``nn.Module`` in one process (back to plain PyTorch).
+* A PipelinedModule saves and loads the same format: each rank its stage(s)' tensors under their model names,
+  laid out on the whole mesh with ``Replicate()`` on the pipe axis (a tensor of a stage is whole along it), so a
+  pipeline's checkpoint loads into any target above and any of them into a pipeline. The marker lists every
+  tensor of the model (every rank knows the plan), and the optimizer entries of every stage (exchanged over the
+  pipe axis); in the simulator and for :func:`full_state_dict` each stage's full tensors are broadcast over the
+  pipe axis.
 * :func:`full_state_dict` — the original model's ``state_dict()``: every key (tied weights under each of their
   names), global shapes, in the original order; ready for ``model.load_state_dict`` or Hugging Face
   ``save_pretrained``.
@@ -75,8 +81,12 @@ class _View:
     def __init__(self, target):
         if getattr(type(target), "AUTOSHARD_IN_PLACE", False):  # autoshard.shard's model: its ShardedModule
             target = target.autoshard
+        self.pipe = None  # a pipelined module's layout (every tensor of the model, which pipe coordinate holds it)
         self.sharded = getattr(type(target), "AUTOSHARD_SHARDED", False)
-        if self.sharded:
+        if getattr(type(target), "AUTOSHARD_PIPELINED", False):
+            self.sharded = True
+            self._init_pipelined(target)
+        elif self.sharded:
             self._init_sharded(target)
         elif isinstance(target, torch.nn.Module):
             self._init_plain(target)
@@ -88,13 +98,14 @@ class _View:
         self.comm, self.mesh, self.source = None, None, model
         self.groups = _alias_groups(model)
         state = model.state_dict(keep_vars=True)
-        self.local, self.specs, self.shapes, self.params = {}, {}, {}, {}
+        self.local, self.specs, self.shapes, self.dtypes, self.params = {}, {}, {}, {}, {}
         for names in self.groups:
             t = state[names[0]]
             canon = names[-1]
             self.local[canon] = t
             self.specs[canon] = ()
             self.shapes[canon] = tuple(t.shape)
+            self.dtypes[canon] = t.dtype
         for name, p in model.named_parameters(remove_duplicate=False):
             self.params.setdefault(id(p), (self._canon(name), p))
 
@@ -107,16 +118,32 @@ class _View:
         self.comm = sharded.communicator()  # refuses a communicator of another mesh
         self.mesh, self.source = plan.mesh, sharded.skeleton  # names only: the skeleton holds meta tensors
         state = sharded.state_dict(keep_vars=True)
-        self.local, self.specs, self.shapes, self.groups, self.params = {}, {}, {}, [], {}
+        self.local, self.specs, self.shapes, self.dtypes, self.groups, self.params = {}, {}, {}, {}, [], {}
         for names in _alias_groups(sharded):
             canon = names[-1]
             t = state[names[0]]
             self.local[canon] = local_of(t)
             self.specs[canon] = tuple(t.placements) if isinstance(t, DTensor) else None
             self.shapes[canon] = tuple(t.shape)
+            self.dtypes[canon] = t.dtype
             self.groups.append(names)
             if isinstance(t, torch.nn.Parameter):
                 self.params[id(t)] = (canon, t)
+
+    def _init_pipelined(self, module) -> None:
+        """From a PipelinedModule's :meth:`~autoshard.api.pipelined_module.PipelinedModule.checkpoint_layout`: every
+        tensor of the model (the same on every rank: names, global shapes, dtypes, layouts on the whole mesh with
+        ``Replicate()`` on the pipe axis), and this rank's local tensors, those of its stage(s). DCP then writes each
+        stage's shards at their global offsets, as from any plan."""
+        layout = module.checkpoint_layout()
+        self.comm = module.communicator()
+        self.mesh, self.source = module.plan.mesh, module.skeleton
+        self.groups, self.local, self.params = layout.groups, layout.local, layout.params
+        self.specs, self.shapes, self.dtypes = layout.specs, layout.shapes, layout.dtypes
+        self.pipe = layout
+
+    def device(self) -> torch.device:
+        return next((t.device for t in self.local.values() if not t.is_meta), torch.device("cpu"))
 
     def _canon(self, name: str) -> str:
         for g in self.groups:
@@ -175,10 +202,59 @@ def _gather_all(view: _View) -> dict[str, torch.Tensor]:
     if comm is not None:
         comm.recording = False  # checkpoint traffic is not part of the plan's collective counts
     try:
-        return {canon: view.full(canon, t) for canon, t in view.local.items()}
+        values = {canon: view.full(canon, t) for canon, t in view.local.items()}
+        return _across_pipe(view, values) if view.pipe is not None else values
     finally:
         if comm is not None:
             comm.recording = recording
+
+
+def _across_pipe(view: _View, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A pipelined module's full tensors on every rank: each from the pipe coordinate of its first stage (a
+    broadcast over the pipe axis per tensor, in the model's order, the same on every rank)."""
+    axis, coord = view.pipe.axis, view.mesh.coords(view.rank)[view.pipe.axis]
+    device = view.device()
+    out = {}
+    for names in view.groups:
+        canon = names[-1]
+        src = view.pipe.owner[canon]
+        t = values[canon] if coord == src else torch.empty(view.shapes[canon], dtype=view.dtypes[canon],
+                                                           device=device)
+        out[canon] = view.comm.broadcast(t.to(device), axis, src)
+    return out
+
+
+def _pipe_objects(view: _View, obj) -> list:
+    """``obj`` of every pipe coordinate through this rank, in coordinate order (pickled, two all-gathers over the
+    pipe axis)."""
+    import pickle
+
+    comm, axis, device = view.comm, view.pipe.axis, view.device()
+    recording, comm.recording = comm.recording, False
+    try:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), axis, 0).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data.to(device)
+        every = comm.all_gather(padded, axis, 0).cpu()
+    finally:
+        comm.recording = recording
+    top = max(sizes)
+    return [pickle.loads(every[i * top: i * top + n].numpy().tobytes()) for i, n in enumerate(sizes)]
+
+
+def _optimizer_entries(view: _View, optim: dict) -> dict[str, tuple[dict, int]]:
+    """{``optim.<fqn>.<key>``: (its marker entry, the pipe coordinate that holds it)} of the whole model: this
+    rank's, and for a pipelined module every stage's (collective over the pipe axis)."""
+    mine = {k: {"param": canon, "shaped": shaped, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            for k, (canon, t, shaped) in optim.items()}
+    if view.pipe is None:
+        return {k: (v, 0) for k, v in mine.items()}
+    out: dict[str, tuple[dict, int]] = {}
+    for coord, entries in enumerate(_pipe_objects(view, mine)):
+        for k, v in entries.items():
+            out.setdefault(k, (v, coord))
+    return out
 
 
 # ---- save ---------------------------------------------------------------------------------------------------
@@ -193,7 +269,8 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     path = os.fspath(path)
     view = _View(target)
     optim = _optimizer_state(view, optimizer) if optimizer is not None else {}
-    marker = _marker(view, optimizer, optim)
+    entries = _optimizer_entries(view, optim) if optimizer is not None else {}
+    marker = _marker(view, optimizer, entries)
     if view.is_dist():
         import torch.distributed as dist
 
@@ -221,6 +298,8 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     full = _gather_all(view)
     full_optim = {k: (canon, view.full(canon, t) if shaped else t.detach().clone())
                   for k, (canon, t, shaped) in optim.items()}
+    if view.pipe is not None:
+        full_optim = _optimizer_across_pipe(view, full_optim, entries)
     if view.rank == 0:
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         state = {f"model.{k}": v for k, v in full.items()}
@@ -237,6 +316,25 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     if view.comm is not None:
         view.comm.barrier()
     return path
+
+
+def _optimizer_across_pipe(view: _View, full_optim: dict, entries: dict) -> dict:
+    """A pipelined module's full optimizer tensors on every rank, each from the pipe coordinate holding it."""
+    comm, axis = view.comm, view.pipe.axis
+    coord, device = view.mesh.coords(view.rank)[axis], view.device()
+    recording, comm.recording = comm.recording, False
+    out = {}
+    try:
+        for key in sorted(entries):
+            entry, src = entries[key]
+            canon = entry["param"]
+            shape = view.shapes[canon] if entry["shaped"] else tuple(entry["shape"])
+            t = full_optim[key][1] if coord == src else torch.empty(shape, dtype=getattr(torch, entry["dtype"]),
+                                                                    device=device)
+            out[key] = (canon, comm.broadcast(t.to(device), axis, src))
+    finally:
+        comm.recording = recording
+    return out
 
 
 def _dcp_errors() -> tuple:
@@ -301,13 +399,15 @@ def _jsonable(value):
     return repr(value)
 
 
-def _marker(view: _View, optimizer, optim: dict) -> dict:
+def _marker(view: _View, optimizer, entries: dict) -> dict:
+    """The commit marker's contents: every tensor of the model (a pipelined module's of every stage) and, with an
+    optimizer, every state entry (``entries``: :func:`_optimizer_entries`)."""
     tensors = {}
-    for canon, t in view.local.items():
+    for names in view.groups:
+        canon = names[-1]
         spec = view.specs[canon]
-        tensors[canon] = {"shape": list(view.shapes[canon]), "dtype": str(t.dtype).replace("torch.", ""),
-                          "aliases": list(next(g for g in view.groups if g[-1] == canon)),
-                          "spec": format_spec(spec) if spec else None}
+        tensors[canon] = {"shape": list(view.shapes[canon]), "dtype": str(view.dtypes[canon]).replace("torch.", ""),
+                          "aliases": list(names), "spec": format_spec(spec) if spec else None}
     out = {"format": FORMAT, "torch": torch.__version__,
            "mesh": [list(a) for a in view.mesh.axes] if view.mesh is not None else None,
            "tensors": tensors}
@@ -315,8 +415,7 @@ def _marker(view: _View, optimizer, optim: dict) -> dict:
         out["optimizer"] = {
             "type": type(optimizer).__name__,
             "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "state": {k: {"param": canon, "shaped": shaped, "shape": list(t.shape),
-                          "dtype": str(t.dtype).replace("torch.", "")} for k, (canon, t, shaped) in optim.items()},
+            "state": {k: entry for k, (entry, _) in entries.items()},
         }
     return out
 
@@ -686,8 +785,22 @@ def load(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
     ``{"bytes_read": ..., "tensors": ...}``."""
     marker = _load_checkpoint(target, path, optimizer)
     if getattr(target, "initialised", True) is False:
-        _compute_unsaved(target, path)
+        if getattr(type(target), "AUTOSHARD_PIPELINED", False):
+            _compute_unsaved_pipelined(target, path)
+        else:
+            _compute_unsaved(target, path)
     return marker
+
+
+def _compute_unsaved_pipelined(module, path) -> None:
+    """:func:`_compute_unsaved` of a PipelinedModule: each stage's non-persistent buffers, by their modules' init."""
+    from autoshard.errors import AutoshardError
+
+    try:
+        module.compute_unsaved()
+    except AutoshardError as e:
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r} loaded, but the tensors it never holds "
+                              f"(non-persistent buffers) could not be computed by their modules' init: {e}") from e
 
 
 def _compute_unsaved(sharded, path) -> None:
@@ -721,6 +834,8 @@ def _load_checkpoint(target, path, optimizer) -> dict:
         if optimizer is not None:
             raise CheckpointError(f"{path!r} is a Hugging Face directory, which holds no optimizer state, but load "
                                   "was given optimizer=: load without it (or from an autoshard.save checkpoint).")
+        if getattr(type(target), "AUTOSHARD_PIPELINED", False):
+            return target.load_pretrained(path)
         return load_pretrained(target, path)
     used, marker = _resolve(path)
     view = _View(target)

@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
 
-__all__ = ["SCHEDULES", "StageModule", "broadcast_loss", "build_schedule", "make_stage", "sum_shared_grads", "sync_grads_once"]
+__all__ = ["SCHEDULES", "StageModule", "broadcast_loss", "broadcast_losses", "build_schedule", "make_stage",
+           "sum_shared_grads", "sync_grads_once"]
 
 
 def _schedules() -> dict[str, tuple[type, type]]:
@@ -88,14 +89,12 @@ def build_schedule(stages: list, schedule: str, microbatches: int, loss_fn: Call
 def sum_shared_grads(modules: Sequence[StageModule], shared: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
                      group) -> None:
     """Sum the gradients of parameters held by several stages over the pipe ``group`` (every rank of the group
-    calls this with the same ``shared`` list; ranks without a copy contribute zeros)."""
+    calls this with the same ``shared`` list; ranks without a copy contribute zeros). Two stages of one rank that
+    hold the same parameter share one tensor (:class:`autoshard.api.pipelined_module.PipelineRunner` ties them): its
+    gradient, already the sum of both stages', is counted once."""
     for fqn, shape, dtype in shared:
-        copies = []
-        for m in modules:
-            p = _param(m.inner, fqn)
-            if p is not None:
-                copies.append(p)
-        total = torch.zeros(shape, dtype=dtype)
+        copies = _unique(p for m in modules if (p := _param(m.inner, fqn)) is not None)
+        total = torch.zeros(shape, dtype=dtype, device=copies[0].device if copies else None)
         for p in copies:
             if p.grad is not None:
                 total += p.grad
@@ -107,35 +106,66 @@ def sum_shared_grads(modules: Sequence[StageModule], shared: Sequence[tuple[str,
                 p.grad.copy_(total)
 
 
-def sync_grads_once(modules: Sequence[StageModule], comm) -> None:
+def _unique(params) -> list:
+    out, seen = [], set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def sync_grads_once(modules: Sequence[StageModule], comm, bucket_bytes: int | None = None) -> None:
     """The data-parallel gradient sync, once per step instead of once per microbatch.
 
     Stage programs generated with ``bucket_grads=True`` leave out the ``grad_all_reduce`` of each parameter and
     list it in ``module.meta[GRAD_SYNC]`` as ``(name, axes)``. After the schedule has run every microbatch's
     backward, the accumulated gradients of those parameters are all-reduced here over their axes, flattened into
-    one buffer per (axes, dtype): the same sums as per-microbatch syncs (summation is linear), with ``m`` times
-    fewer collectives. Every rank of a group lists the same parameters in the same order (same stage program).
+    one buffer per (axes, dtype) — or, with ``bucket_bytes``, into buckets of at most that many bytes each (a
+    parameter larger than that is a bucket of its own), in the programs' order: the same sums as per-microbatch
+    syncs (summation is linear), with ``m`` times fewer collectives. Every rank of a group lists the same
+    parameters in the same order (same stage program); a parameter two stages of this rank share is synced once.
     """
     from autoshard.runtime.buckets import GRAD_SYNC
 
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    seen: set[int] = set()
     for m in modules:
         for name, axes in getattr(m.inner, "meta", {}).get(GRAD_SYNC, ()):
             p = _param(m.inner, name)
-            if p is not None:
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
                 groups.setdefault((tuple(axes), p.dtype), []).append(p)
     for (axes, _), params in groups.items():
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        for axis in axes:
-            flat = comm.all_reduce(flat, axis, phase="backward")
-        offset = 0
-        for p in params:
-            g = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        for bucket in _buckets(params, bucket_bytes):
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+            for axis in axes:
+                flat = comm.all_reduce(flat, axis, phase="backward")
+            offset = 0
+            for p in bucket:
+                g = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+
+
+def _buckets(params: list, cap: int | None) -> list[list]:
+    """``params`` cut, in order, into runs of at most ``cap`` bytes each (one run: no cap)."""
+    if cap is None:
+        return [params]
+    out, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
 
 
 def _param(module: torch.nn.Module, fqn: str):
@@ -150,10 +180,17 @@ def _param(module: torch.nn.Module, fqn: str):
 def broadcast_loss(losses: list, is_last: bool, last_group_rank: int, group) -> torch.Tensor:
     """The step's loss (mean of the microbatch losses) from the rank holding the last stage, on every rank of the
     pipe group."""
+    return broadcast_losses(losses, is_last, last_group_rank, group, len(losses) or 1).mean()
+
+
+def broadcast_losses(losses: list, is_last: bool, last_group_rank: int, group, microbatches: int,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The ``microbatches`` losses of one step (the schedule fills ``losses`` on the rank of the last stage), as a
+    float32 vector on ``device`` (default: the CPU) on every rank of the pipe group."""
     if is_last:
-        value = torch.stack([x.detach().reshape(()) for x in losses]).mean()
+        value = torch.stack([x.detach().reshape(()).float() for x in losses]).to(device or "cpu")
     else:
-        value = torch.zeros(())
+        value = torch.zeros(microbatches, device=device)
     dist.broadcast(value, src=dist.get_global_rank(group, last_group_rank), group=group)
     return value
 

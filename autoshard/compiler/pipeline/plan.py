@@ -34,6 +34,18 @@ class PipelineCost:
     overhead: float  # the profile's fixed seconds per step
 
 
+@dataclass(frozen=True)
+class StageTensor:
+    """One tensor of a stage's program (:meth:`PipelinePlan.stage_tensors`)."""
+
+    target: str  # the program's attribute
+    aliases: tuple[str, ...]  # every name it has in the model (a tied weight has several), the first its own
+    spec: tuple  # stored spec on the submesh (the non-pipe axes)
+    shape: tuple[int, ...]  # global shape
+    dtype: torch.dtype
+    is_param: bool
+
+
 @dataclass
 class PipelinePlan:
     """The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages."""
@@ -111,6 +123,86 @@ class PipelinePlan:
         from autoshard.compiler.rank_programs import local_param_specs
 
         return local_param_specs(self.microbatch_plan.graph_module)
+
+    # ---- the model's tensors by stage ------------------------------------------------------------------------
+    def stage_tensors(self, stage: int) -> list[StageTensor]:
+        """Every tensor stage ``stage``'s program holds (its parameters and the buffers it reads), in graph order:
+        program attribute, every name the tensor has in the model, stored spec on ``submesh``, global shape, dtype."""
+        out = []
+        for n in self.stages[stage].gm.graph.nodes:
+            val = n.meta.get("val")
+            if n.op != "get_attr" or not isinstance(val, torch.Tensor):
+                continue
+            held = _attr(self.stages[stage].gm, str(n.target))
+            out.append(StageTensor(str(n.target), tuple(n.meta.get(M.ALIASES, (str(n.target),))), n.meta[M.SPEC],
+                                   tuple(val.shape), held.dtype if isinstance(held, torch.Tensor) else val.dtype,
+                                   isinstance(held, torch.nn.Parameter)))
+        return out
+
+    def pipe_coordinate(self, stage: int) -> int:
+        """The coordinate on the pipe axis of the ranks that hold stage ``stage``."""
+        return stage % self.pipe
+
+    def mesh_spec(self, spec) -> tuple:
+        """A spec on ``submesh`` as one on the whole mesh: ``Replicate()`` on the pipe axis (a stage's tensor is
+        whole along it: every pipe coordinate holding that stage has it all)."""
+        by_axis = dict(zip(self.submesh.names, spec or ()))
+        return tuple(Replicate() if name == self.pipeline.axis else by_axis.get(name, Replicate())
+                     for name in self.mesh.names)
+
+    def mode_dependent(self) -> list[str]:
+        """Where the traced program computes something else in the other training mode: dropout with ``p > 0`` and
+        batch norms (statistics of the batch in training, running statistics in eval), as node locations."""
+        from autoshard.frontend.graph_utils import node_location
+
+        aten = torch.ops.aten
+        dropouts = {aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout}
+        norms = {aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
+                 aten._native_batch_norm_legit_functional, aten.cudnn_batch_norm,
+                 aten._native_batch_norm_legit_no_training}
+        out = []
+        for n in self.microbatch_plan.graph_module.graph.nodes:
+            packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
+            if packet in dropouts and len(n.args) > 1 and n.args[1]:
+                out.append(node_location(n))
+            elif packet in norms:
+                out.append(node_location(n))
+        return out
+
+    def bind_weights(self, model: torch.nn.Module) -> None:
+        """Give the plan's graphs (the microbatch plan's and every stage's) ``model``'s own tensors, by the names
+        the model gives them: stage programs made afterwards take their slices of ``model``."""
+        from torch.fx.graph_module import _assign_attr
+
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(model.named_buffers(remove_duplicate=False))
+        for gm in (self.microbatch_plan.graph_module, *(sg.gm for sg in self.stages)):
+            for n in gm.graph.nodes:
+                if n.op != "get_attr":
+                    continue
+                name = next((a for a in n.meta.get(M.ALIASES, (str(n.target),)) if a in state), None)
+                if name is not None:
+                    _assign_attr(state[name], gm, str(n.target))
+
+    def release_weights(self) -> None:
+        """Replace every tensor the plan's graphs hold (the microbatch plan's and every stage's) by a meta tensor
+        of the same shape and dtype, tied tensors still one: the plan keeps nothing of the model alive (a rank
+        whose stage programs are made needs no full weight again; programs made later hold meta tensors)."""
+        metas: dict[int, torch.Tensor] = {}
+        for gm in (self.microbatch_plan.graph_module, *(sg.gm for sg in self.stages)):
+            for module in gm.modules():
+                for table in (module._parameters, module._buffers):
+                    for name, t in list(table.items()):
+                        if t is None or t.is_meta:
+                            continue
+                        if id(t) not in metas:
+                            meta = torch.empty_like(t, device="meta")
+                            metas[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                                t, torch.nn.Parameter) else meta
+                        table[name] = metas[id(t)]
+                for name, t in list(vars(module).items()):  # plain tensor attributes (constants)
+                    if isinstance(t, torch.Tensor) and not t.is_meta:
+                        setattr(module, name, torch.empty_like(t, device="meta"))
 
     # ---- inputs and gradients -----------------------------------------------------------------------------
     def input_names(self) -> list[str]:
@@ -247,6 +339,15 @@ class PipelinePlan:
                           if d.is_floating_point)
         return replace(worst, buffers=worst.buffers + m * nbytes,
                        between=tuple(x + m * nbytes for x in worst.between))
+
+
+def _attr(module: torch.nn.Module, target: str):
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def _submesh(mesh: Mesh, axis: str) -> Mesh:
