@@ -6,7 +6,8 @@ Real processes (gloo, 4): a GPT (tied embedding and LM head) trains 4 Adam steps
 compared with the one-device model (every loss, the first step's gradients, the weights after); a second run saves
 after 2 steps, and the checkpoint loads into (a) the same pipelined mesh from a meta-built model, (b) pipe=2 x
 model=2, (c) a ShardedModule on data=2 x model=2 with ZeRO-3 storage, (d) the plain model (autoshard.load and
-DCP's own reader): every loaded value equals the saved one exactly, and 2 more steps continue the 4-step run.
+DCP's own reader): every loaded value equals the saved one exactly, and 2 more steps continue the 4-step run. The
+stage state dicts saved with torch's ``dcp.save`` load with ``dcp.load`` into the pipeline on pipe=2 x model=2 too.
 The simulator runs the same paths without the schedule (the simulator has no point-to-point process group).
 """
 
@@ -16,6 +17,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import autoshard
@@ -132,6 +134,7 @@ def _worker(rank: int, world: int, path: str):
     out["names"] = [n for n, _ in first.named_parameters()]
     out["keys"] = list(first.state_dict())
     autoshard.save(first, path, optimizer=opt)
+    dcp.save(first.state_dict(), checkpoint_id=path + "-dcp")  # torch's own: each stage's DTensors
 
     # (a) the same mesh, from a model built on the meta device: nothing but the checkpoint gives it values
     same = pipelined(meta_model(), PIPE_DATA, timeout=120)
@@ -162,6 +165,12 @@ def _worker(rank: int, world: int, path: str):
     opt_c = torch.optim.Adam(flat.parameters(), lr=LR)
     autoshard.load(flat, path, optimizer=opt_c)
     out["c_losses"] = train(flat, data[2:], opt_c, mesh=mesh_c, rank=rank)[0]
+
+    # torch's own DCP: the state dict of the pipeline on pipe=2 x data=2 into one on pipe=2 x model=2
+    into = pipelined(new_model(seed=9), PIPE_MODEL, timeout=120)
+    state = into.state_dict()
+    dcp.load(state, checkpoint_id=path + "-dcp")
+    out["dcp"] = autoshard.full_state_dict(into)
     return out
 
 
@@ -207,7 +216,7 @@ def test_pipeline_saved_on_pipe_data_loads_anywhere_and_resumes(tmp_path):
     # every target holds exactly what was saved, and continues the 4-step run
     saved = r0["saved"]
     assert list(saved) == list(new_model().state_dict())
-    for what in ("a", "b", "c"):
+    for what in ("a", "b", "c", "dcp"):
         for rank, r in enumerate(results):
             assert_equal_state(r[what], saved, f"({what}) on rank {rank}")
     ref_after = ref_losses[2:]

@@ -6,6 +6,7 @@ machines). Models are tiny (hidden 32, seq 8, 4 layers); GPT ties its embedding 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -76,37 +77,60 @@ def _with_schedule(pplan, schedule: str):
     return replace(pplan, pipeline=replace(pplan.pipeline, schedule=schedule))
 
 
+def _cases(cases):
+    """(name, schedule, bucket_cap_mb) of each case (a case without a third entry: None, the default)."""
+    return [(*c, None) if len(c) == 2 else tuple(c) for c in cases]
+
+
 def _worker(rank, world_size, mesh_axes, cases, stages_per_rank):
     comm = DistCommunicator(autoshard.Mesh(**mesh_axes), timeout=120)
     out = {}
-    for name in dict.fromkeys(n for n, _ in cases):
+    cases = _cases(cases)
+    for name in dict.fromkeys(n for n, _, _ in cases):
         _, args, kwargs, target, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
-        for schedule in [s for n, s in cases if n == name]:
-            runner = PipelineRunner(_with_schedule(pplan, schedule), comm=comm)
+        for case in [c for c in cases if c[0] == name]:
+            cap = case[2]
+            runner = PipelineRunner(_with_schedule(pplan, case[1]), comm=comm, sync_once=cap != 0,
+                                    bucket_cap_mb=cap or None)
             comm.log.clear()
-            loss = runner.step(*args, target=target, **kwargs)
+            losses: list = []
+            loss = runner.step(*args, target=target, losses=losses, **kwargs)
             syncs = sum(1 for r in comm.log if (r.kind, r.axis, r.phase) == ("all_reduce", "data", "backward"))
-            out[(name, schedule)] = (loss, runner.grads(), syncs)
+            nbytes = sum(p.numel() * p.element_size() for m in runner.modules for p in m.inner.parameters())
+            out[case] = (loss, runner.grads(), syncs, losses, nbytes)
     return out
 
 
 def _check(mesh_axes: dict, cases, stages_per_rank: int = 1):
     mesh = autoshard.Mesh(**mesh_axes)
     results = spawn(_worker, mesh.size, mesh_axes, cases, stages_per_rank, timeout=400, start_method="forkserver")
-    for name in dict.fromkeys(n for n, _ in cases):
+    cases = _cases(cases)
+    for name in dict.fromkeys(n for n, _, _ in cases):
         model, args, kwargs, target, pplan = _plan(name, mesh_axes, stages_per_rank=stages_per_rank)
         ref_loss, ref_grads = _reference(model, args, kwargs, target)
-        for schedule in [s for n, s in cases if n == name]:
+        for case in [c for c in cases if c[0] == name]:
             for rank in range(mesh.size):
-                torch.testing.assert_close(results[rank][(name, schedule)][0], ref_loss, rtol=1e-5, atol=1e-6)
-            # the data-parallel gradient sync runs once per step (one flat all-reduce), not once per microbatch
-            assert all(results[r][(name, schedule)][2] <= 1 for r in range(mesh.size))
-            grads = pplan.assemble_grads([results[r][(name, schedule)][1] for r in range(mesh.size)])
+                loss, _, _, losses, _ = results[rank][case]
+                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+                # the microbatch losses, on every rank: their mean is the step's loss
+                assert len(losses) == pplan.pipeline.microbatches
+                torch.testing.assert_close(torch.stack(losses).mean(), loss)
+            syncs = [results[r][case][2] for r in range(mesh.size)]
+            if case[2] is None:
+                # the data-parallel gradient sync runs once per step (one flat all-reduce), not once per microbatch
+                assert all(n <= 1 for n in syncs), syncs
+            elif case[2] == 0:  # bucket_cap_mb=0: each parameter's all-reduce inside every microbatch's backward
+                assert max(syncs) >= 2 * pplan.pipeline.microbatches, syncs
+            else:  # once per step, in buckets of at most bucket_cap_mb: about the stage's bytes / the cap
+                assert max(syncs) > 1, syncs
+                for r in range(mesh.size):
+                    assert syncs[r] <= math.ceil(results[r][case][4] / (case[2] * 2 ** 20)) + 1, (syncs, r)
+            grads = pplan.assemble_grads([results[r][case][1] for r in range(mesh.size)])
             missing = sorted(set(pplan.param_specs()) - set(grads))
             assert not [m for m in missing if m in ref_grads], missing
             for fqn, g in grads.items():
                 torch.testing.assert_close(g, ref_grads[fqn], rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, w=f"{name} {schedule} {fqn}": f"{w}: {m}")
+                                           msg=lambda m, w=f"{case} {fqn}": f"{w}: {m}")
 
 
 ALL = [(n, s) for n in NAMES for s in SCHEDULES]
@@ -124,8 +148,9 @@ def test_pipe2_model2_gloo_matches_single_device():
 
 @pytest.mark.gloo
 def test_pipe2_data2_gloo_matches_single_device():
-    # the regressor returns its output; the user's loss_fn runs on the last stage over batch-sharded outputs
-    _check({"pipe": 2, "data": 2}, [*ALL, ("regressor", "1f1b")])
+    # the regressor returns its output; the user's loss_fn runs on the last stage over batch-sharded outputs;
+    # bucket_cap_mb: the once-per-step sync in buckets of at most 64 KiB, or (0) each parameter's sync per microbatch
+    _check({"pipe": 2, "data": 2}, [*ALL, ("regressor", "1f1b"), ("gpt", "1f1b", 1 / 16), ("gpt", "gpipe", 0)])
 
 
 @pytest.mark.gloo
