@@ -407,8 +407,6 @@ class PipelinedModule(torch.nn.Module):
                                  "parameter's gradient all-reduce inside every microbatch's backward).")
         if not isinstance(model, torch.nn.Module):
             raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
-        from autoshard.api.sharded_module import meta_skeleton
-
         if planned is None:
             if example_inputs is None and example_kwargs is None:
                 raise PlanError("a pipelined compile needs example_inputs= (the global batch): the split and the "
@@ -422,7 +420,7 @@ class PipelinedModule(torch.nn.Module):
         self._timeout = timeout
         self._device = device
         self._runner: PipelineRunner | None = None
-        self._skeleton_box = (meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
+        self._skeleton_box = (_meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
         self._unread = self._unread_of(model)
         # a model built on the meta device: its stage shards are uninitialised memory until init_weights or a load
         self._initialised = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
@@ -587,8 +585,6 @@ class PipelinedModule(torch.nn.Module):
         (redistributed) or whole tensors (this rank takes its slices). Entries of the model that other stages hold
         are skipped (a whole model's state dict loads on every rank); ``strict`` checks this rank's entries and
         names the model does not have."""
-        from autoshard.api.sharded_module import prepared_state
-
         self._ready()
         if assign:
             raise AutoshardError("load_state_dict(assign=True) would replace the tensors this rank's stage programs "
@@ -596,7 +592,7 @@ class PipelinedModule(torch.nn.Module):
         mine = dict(super().state_dict(keep_vars=True))
         model = self._model_names()
         kept = {k: v for k, v in state_dict.items() if k in mine or k not in model}
-        result = super().load_state_dict(prepared_state(mine, kept), strict=strict)
+        result = super().load_state_dict(_prepared_state(mine, kept), strict=strict)
         if all(k in kept for k in mine):
             self._initialised = True
         return result
@@ -785,6 +781,44 @@ class PipelinedModule(torch.nn.Module):
         """``module(...)`` is :meth:`step` (a pipeline has no forward of its own: the schedule runs forward and
         backward of the microbatches interleaved)."""
         return self.step(*args, target=target, losses=losses, **kwargs)
+
+
+def _trace_lock():
+    """The lock autoshard's traces hold (torch.export swaps a model's tensors for FakeTensors while it traces it, in
+    another rank thread when ranks are simulated)."""
+    from autoshard.runtime import torch_state
+
+    ranks = getattr(torch_state, "RANK_THREADS", None)
+    return ranks.exclusive() if ranks is not None else torch_state.GRAPH_LOCK
+
+
+def _meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s module tree with every parameter and buffer on the meta device (same classes, same names, tied
+    tensors still one object): what ``init_weights`` runs the model's own init on. A model on meta is its own."""
+    import copy
+
+    with _trace_lock():
+        tensors = [*model.parameters(), *model.buffers()]
+        if all(t.is_meta for t in tensors):
+            return model
+        memo: dict[int, object] = {}
+        for t in tensors:
+            if id(t) not in memo:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                    t, torch.nn.Parameter) else meta
+        return copy.deepcopy(model, memo)
+
+
+def _prepared_state(mine: dict, state_dict: dict) -> dict:
+    """``state_dict`` made loadable into this module's tensors ``mine``: a whole tensor for a DTensor entry becomes
+    this rank's slices of it (no collective); DTensors of any layout are left to ``DTensor.copy_``."""
+    from torch.distributed.tensor import DTensor
+
+    from autoshard.runtime.parameters import local_slice
+
+    return {key: local_slice(value, mine[key]) if isinstance(mine.get(key), DTensor) and isinstance(
+        value, torch.Tensor) and not isinstance(value, DTensor) else value for key, value in state_dict.items()}
 
 
 def _model_tree(skeleton: torch.nn.Module, held: dict[str, torch.Tensor]) -> torch.nn.Module:

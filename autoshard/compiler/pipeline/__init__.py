@@ -4,7 +4,7 @@
     >>> sm = autoshard.compile(model, mesh, example_inputs=(ids, labels),
     ...                        pipeline=autoshard.Pipeline(microbatches=8, schedule="1f1b", split="auto"))
     >>> sm.show()                   # stages, modules, time, memory, boundary tensors, imbalance, bubble
-    >>> loss = sm(ids, labels)      # on each of the 8 processes: one training step (forward and backward)
+    >>> loss = sm.step(ids, labels) # on each of the 8 processes: one training step (forward and backward)
 
 How it is built (:func:`build_pipeline_plan`):
 
@@ -38,9 +38,15 @@ data axis: it is divided by the data axis size, so that the data-axis gradient s
 over the data axis, give the global mean. A loss with ``reduction="sum"`` or ignored labels
 (``ignore_index``) unevenly spread over microbatches does not have this property.
 
+The module ``compile`` returns (:class:`autoshard.api.pipelined_module.PipelinedModule`) is this rank's stages as a
+module of the model's names: ``named_parameters()`` and ``state_dict()`` list its stages' tensors (DTensors on the
+stage's DeviceMesh), ``load_state_dict``, ``init_weights`` and ``autoshard.save``/``load`` work as on a
+ShardedModule, and ``step(*args, target=..., losses=..., **kwargs)`` is ``torch.distributed.pipelining``'s
+``Schedule.step`` (forward only in ``eval()`` mode).
+
 The package keeps the pieces apart: :mod:`.options` (what the user asks for), :mod:`.plan` (the pipelined plan,
-built by the one pass list with the split enabled), :mod:`.module` (this process's runner and the module
-``compile`` returns; the schedules themselves are :mod:`autoshard.runtime.pipeline`).
+built by the one pass list with the split enabled); this process's runner and the module ``compile`` returns are
+:mod:`autoshard.api.pipelined_module`, the schedules themselves :mod:`autoshard.runtime.pipeline`.
 """
 
 from autoshard.compiler.pipeline.options import Pipeline, bubble_fraction
