@@ -24,7 +24,6 @@ import autoshard
 from autoshard.api.pipelined_module import PipelinedModule
 from autoshard.errors import AutoshardError
 from autoshard.runtime import SimWorld, spawn
-from autoshard.runtime.parameters import local_of
 from examples import models
 
 SMALL = {"layers": 2, "hidden": 32, "heads": 4, "seq": 8, "batch": 8}
@@ -398,6 +397,28 @@ def test_simulated_meta_built_pipeline_init_weights_equals_one_device_init():
     model.head.weight = model.wte.weight  # to_empty untied it; the first name's init is the one kept
     for r, got in enumerate(out):
         assert_equal_state(got, model.state_dict(), f"init_weights, rank {r}")
+
+
+def test_simulated_meta_built_pipeline_takes_a_whole_state_dict_and_a_plan_takes_another_models_tensors():
+    from autoshard.api.sharded_module import make_options
+    from autoshard.compiler.pipeline import build_pipeline_plan
+
+    base, other = new_model(), new_model(seed=6)
+
+    def run(rank, comm):
+        module = pipelined(meta_model(), PIPE_DATA, comm=comm)
+        module.load_state_dict(base.state_dict())  # every entry of this rank's stages: ready to run
+        assert module.initialised
+        # a plan made from one model, applied to another with the same tensors: the other's values
+        mesh = autoshard.Mesh(**PIPE_DATA)
+        pplan = build_pipeline_plan(new_model(seed=8), mesh, batches(1)[0], {},
+                                    make_options(None, "data", "replicate", mesh), PIPE)
+        applied = PipelinedModule.of_plan(copy.deepcopy(other), pplan, comm=comm)
+        return autoshard.full_state_dict(module), autoshard.full_state_dict(applied)
+
+    for r, (loaded, applied) in enumerate(_sim(PIPE_DATA, run)):
+        assert_equal_state(loaded, base.state_dict(), f"load_state_dict into a meta-built module, rank {r}")
+        assert_equal_state(applied, other.state_dict(), f"of_plan, rank {r}")
 
 
 def test_simulated_pipeline_step_runs_on_real_processes_only():

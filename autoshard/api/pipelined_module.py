@@ -342,9 +342,7 @@ def _scaled(fn: Callable, n: int) -> Callable:
 
 
 def _val(pplan: PipelinePlan, fqn: str) -> torch.Tensor:
-    from autoshard.frontend.trace import fetch_attr
-
-    return fetch_attr(pplan.microbatch_plan.graph_module, fqn)
+    return _attr(pplan.microbatch_plan.graph_module, fqn)
 
 
 def _attr(module: torch.nn.Module, target: str):
@@ -421,7 +419,13 @@ class PipelinedModule(torch.nn.Module):
         self._device = device
         self._runner: PipelineRunner | None = None
         self._skeleton_box = (_meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
-        self._unread = self._unread_of(model)
+        #: every name of every tensor some stage reads
+        self._read = {a for sg in planned.stages for n in sg.gm.graph.nodes if n.op == "get_attr"
+                      for a in n.meta.get(M.ALIASES, (str(n.target),))}
+        # state entries no stage reads (unused parameters and buffers), kept whole: by the ranks of the first pipe
+        # coordinate once the stages are made
+        self._unread = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if k not in self._read}
+        self._unread_meta = {k: torch.empty_like(v, device="meta") for k, v in self._unread.items()}
         # a model built on the meta device: its stage shards are uninitialised memory until init_weights or a load
         self._initialised = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         self.training = model.training
@@ -434,13 +438,6 @@ class PipelinedModule(torch.nn.Module):
         plan.bind_weights(model)
         return cls(model, plan.mesh, plan.microbatch_plan.context.options, pipeline=plan.pipeline, comm=comm,
                    timeout=timeout, device=device, bucket_cap_mb=bucket_cap_mb, planned=plan)
-
-    def _unread_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """State entries no stage reads (unused parameters and buffers), kept whole: by the ranks of the first pipe
-        coordinate once the stages are made."""
-        read = {a for sg in self.plan.stages for n in sg.gm.graph.nodes if n.op == "get_attr"
-                for a in n.meta.get(M.ALIASES, (str(n.target),))}
-        return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if k not in read}
 
     # ---- the plan -----------------------------------------------------------------------------------------
     @property
@@ -478,7 +475,12 @@ class PipelinedModule(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.runner().device
+        """Where this rank's shards live (``compile(device=...)``, default the current accelerator, else the CPU)."""
+        from autoshard.runtime.parameters import default_device
+
+        if self._runner is not None:
+            return self._runner.device
+        return torch.device(self._device) if self._device is not None else default_device()
 
     @property
     def initialised(self) -> bool:
@@ -590,18 +592,12 @@ class PipelinedModule(torch.nn.Module):
             raise AutoshardError("load_state_dict(assign=True) would replace the tensors this rank's stage programs "
                                  "read; load with assign=False (the values are copied into the shards).")
         mine = dict(super().state_dict(keep_vars=True))
-        model = self._model_names()
+        model = self._read | set(self.skeleton.state_dict().keys())
         kept = {k: v for k, v in state_dict.items() if k in mine or k not in model}
         result = super().load_state_dict(_prepared_state(mine, kept), strict=strict)
-        if all(k in kept for k in mine):
-            self._initialised = True
+        if not self._initialised and all(k in kept for k in mine):
+            self.compute_unsaved()  # a meta-built module given every entry: its non-persistent buffers too
         return result
-
-    def _model_names(self) -> set[str]:
-        names = set(self.skeleton.state_dict().keys())
-        names.update(a for sg in self.plan.stages for n in sg.gm.graph.nodes if n.op == "get_attr"
-                     for a in n.meta.get(M.ALIASES, (str(n.target),)))
-        return names
 
     def _apply(self, fn, recurse: bool = True):
         raise AutoshardError("a PipelinedModule's shards are placed by autoshard.compile: moving or casting them "
@@ -687,7 +683,7 @@ class PipelinedModule(torch.nn.Module):
         ``autoshard.save``/``load``/``full_state_dict`` read (:mod:`autoshard.api.checkpoint`)."""
         from autoshard.runtime.parameters import local_of
 
-        runner = self._ready()
+        self._ready()
         plan = self.plan
         by_alias: dict[str, tuple] = {}
         for sg in plan.stages:
@@ -716,22 +712,7 @@ class PipelinedModule(torch.nn.Module):
                 layout.local[canon] = local_of(t)
                 if isinstance(t, torch.nn.Parameter):
                     layout.params[id(t)] = (canon, t)
-        del runner
         return layout
-
-    @property
-    def _unread_meta(self) -> dict[str, torch.Tensor]:
-        """{name: meta tensor} of every entry no stage reads (the same on every rank)."""
-        found = getattr(self, "_unread_shapes", None)
-        if found is None:
-            skeleton_state = self.skeleton.state_dict(keep_vars=True)
-            found = self._unread_shapes = {k: torch.empty_like(v, device="meta") for k, v in skeleton_state.items()
-                                           if k not in self._model_read()}
-        return found
-
-    def _model_read(self) -> set[str]:
-        return {a for sg in self.plan.stages for n in sg.gm.graph.nodes if n.op == "get_attr"
-                for a in n.meta.get(M.ALIASES, (str(n.target),))}
 
     # ---- running ------------------------------------------------------------------------------------------
     def train(self, mode: bool = True):
