@@ -144,6 +144,7 @@ def _worker(rank: int, world: int, path: str):
     autoshard.load(same, path, optimizer=opt_a)
     assert opt_a.param_groups[0]["lr"] == LR
     out["a_losses"] = train(same, data[2:], opt_a)[0]
+    out["a_after"] = autoshard.full_state_dict(same)
 
     # (b) another pipelined mesh, other initial weights
     other = pipelined(new_model(seed=9), PIPE_MODEL, timeout=120)
@@ -152,6 +153,7 @@ def _worker(rank: int, world: int, path: str):
     opt_b = torch.optim.Adam(other.parameters(), lr=LR)
     autoshard.load(other, path, optimizer=opt_b)
     out["b_losses"] = train(other, data[2:], opt_b)[0]
+    out["b_after"] = autoshard.full_state_dict(other)
 
     # (c) no pipeline: a ShardedModule on data=2 x model=2, parameters stored ZeRO-3 sharded over data
     mesh_c = autoshard.Mesh(data=2, model=2)
@@ -164,6 +166,7 @@ def _worker(rank: int, world: int, path: str):
     opt_c = torch.optim.Adam(flat.parameters(), lr=LR)
     autoshard.load(flat, path, optimizer=opt_c)
     out["c_losses"] = train(flat, data[2:], opt_c, mesh=mesh_c, rank=rank)[0]
+    out["c_after"] = autoshard.full_state_dict(flat)
 
     # torch's own DCP: the state dict of the pipeline on pipe=2 x data=2 into one on pipe=2 x model=2
     into = pipelined(new_model(seed=9), PIPE_MODEL, timeout=120)
@@ -224,6 +227,8 @@ def test_pipeline_saved_on_pipe_data_loads_anywhere_and_resumes(tmp_path):
         for what in ("b_losses", "c_losses"):
             torch.testing.assert_close(torch.tensor(r[what]), torch.tensor(ref_after), rtol=1e-5, atol=1e-5,
                                        msg=lambda m, w=what: f"{w}: {m}")
+    for what in ("a_after", "b_after", "c_after"):  # the weights after the 2 more steps: the one-device run's
+        assert_trained_close(r0[what], ref_model.state_dict(), steps=4)
 
     # (d) the plain model: autoshard.load, and DCP's own reader (the model's tensors under "model.<name>")
     plain = new_model(seed=5)
@@ -426,6 +431,12 @@ def test_simulated_pipeline_step_runs_on_real_processes_only():
         module = pipelined(new_model(), PIPE_DATA, comm=comm)
         with pytest.raises(AutoshardError, match="Run pipelines on real processes"):
             module.step(*batches(1)[0])
+        with pytest.raises(AutoshardError, match=r"step\(return_outputs=True\) would return the last stage's"):
+            module.step(*batches(1)[0], return_outputs=True)
+        with pytest.raises(AutoshardError, match=r"step got loss_kwargs=\['scale'\], but the loss is"):
+            module.step(*batches(1)[0], loss_kwargs={"scale": 2})
+        with pytest.raises(TypeError, match="losses must be a list"):
+            module.step(*batches(1)[0], losses=())
         return True
 
     assert all(_sim(PIPE_DATA, run))

@@ -724,16 +724,27 @@ class PipelinedModule(torch.nn.Module):
             raise TypeError("training mode is expected to be boolean")
         return super().train(mode)
 
-    def step(self, *args, target=None, losses: list | None = None, **kwargs) -> torch.Tensor:
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = False,
+             loss_kwargs: dict | None = None, **kwargs) -> torch.Tensor:
         """One schedule over the global batch, as ``torch.distributed.pipelining``'s ``Schedule*.step(*args,
-        target=None, losses=None, **kwargs)``: ``args``/``kwargs`` the model's inputs (every rank passes the whole
-        batch; the schedule cuts it into microbatches), ``target`` the target of ``Pipeline(loss_fn=...)`` (None:
-        the model computes its loss), ``losses`` a list extended with the microbatch losses. In training mode every
-        microbatch's forward and backward, gradients left in ``parameters()``; in eval mode the forward only.
-        Returns the loss over the batch (the mean of the microbatch losses) on every rank — torch's returns the
-        last stage's outputs there and fills ``losses`` only on the last stage."""
+        target=None, losses=None, return_outputs=..., loss_kwargs=None, **kwargs)``: ``args``/``kwargs`` the model's
+        inputs (every rank passes the whole batch; the schedule cuts it into microbatches), ``target`` the target of
+        ``Pipeline(loss_fn=...)`` (None: the model computes its loss), ``losses`` a list extended with the
+        microbatch losses. In training mode every microbatch's forward and backward, gradients left in
+        ``parameters()``; in eval mode the forward only. Returns the loss over the batch (the mean of the microbatch
+        losses) on every rank, and fills ``losses`` on every rank — torch's returns the last stage's outputs there
+        (``return_outputs=True``, its default) and fills ``losses`` only on the last stage. ``return_outputs=True``
+        and ``loss_kwargs`` are refused, saying why."""
         from autoshard.frontend.inputs import check_inputs, tensor_leaves
 
+        if return_outputs:
+            raise AutoshardError("step(return_outputs=True) would return the last stage's outputs, but a pipelined "
+                                 "module's step returns the batch's loss on every rank (the outputs are the last "
+                                 "stage's shards of each microbatch's): leave return_outputs out.")
+        if loss_kwargs:
+            raise AutoshardError(f"step got loss_kwargs={sorted(loss_kwargs)}, but the loss is "
+                                 "Pipeline(loss_fn=...)(output, target) or the model's own: bind extra arguments "
+                                 "into loss_fn (functools.partial) when compiling.")
         check_inputs(self.plan.expected_inputs(), tensor_leaves(args, kwargs), local=False,
                      where="the pipelined module (one step over the global batch)")
         if losses is not None and not isinstance(losses, list):
@@ -758,10 +769,10 @@ class PipelinedModule(torch.nn.Module):
             return runner.step(*args, target=target, losses=losses, **kwargs)
         return runner.eval_step(*args, target=target, losses=losses, **kwargs)
 
-    def forward(self, *args, target=None, losses: list | None = None, **kwargs):
+    def forward(self, *args, **kwargs):
         """``module(...)`` is :meth:`step` (a pipeline has no forward of its own: the schedule runs forward and
         backward of the microbatches interleaved)."""
-        return self.step(*args, target=target, losses=losses, **kwargs)
+        return self.step(*args, **kwargs)
 
 
 def _trace_lock():
