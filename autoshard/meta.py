@@ -1,7 +1,8 @@
 """Every ``node.meta`` key autoshard writes, and the frozen values stored under them.
 
-Passes communicate only through these keys (and the context object); no pass reads another pass's
-private state, and nothing is hung on nodes or modules as ad-hoc attributes.
+Passes communicate only through these keys: no pass reads another pass's private state or writes the context's
+report (what a pass records for the user goes to :data:`PLAN_REPORT`), and nothing is hung on nodes or modules as
+ad-hoc attributes.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ AUTOCAST_CASTS = "autoshard.autocast_casts"
 #: On a parameter node that mixed precision never casts (passes/mixed_precision.py ``casts``): True on the router
 #: weight of an MoE layer autoshard builds (passes/expert_rewrite.py), which computes in float32 under every policy.
 KEEP_DTYPE = "autoshard.keep_dtype"
+#: On call_function nodes with no sharding rule, under ``on_unsupported="replicate"``: where the op is (a str),
+#: written when its strategies are enumerated (``passes.propagate.node_strategies``, whichever pass does it first);
+#: such an op runs replicated, and propagation lists every one in one warning and in the report's ``"unsupported"``.
+NO_RULE = "autoshard.no_rule"
+#: On ``gm.meta`` of the plan: ``{section: plain data}``, what the plan phase's passes record for the user — each
+#: pass its own section (its name; propagation also ``"axis_use"`` and ``"unsupported"``), written, never read, by
+#: passes (:func:`plan_report`). ``build_plan`` makes the plan's report (``Plan.context.report``) from it.
+PLAN_REPORT = "autoshard.plan_report"
 
 # ---- graph-module keys (``gm.meta``) and annotation keys of the trace and the runtime --------------------------
 #: ``gm.meta`` of a traced graph: container path -> [traced layer index, copied layer indices...]
@@ -134,6 +143,11 @@ class CollectiveInfo:
     bytes_forward: int = 0
     bytes_backward: int = 0
     extra: tuple = field(default_factory=tuple)
+
+
+def plan_report(gm) -> dict:
+    """``gm.meta[PLAN_REPORT]``, made empty if absent: where a pass records its section of the plan report."""
+    return gm.meta.setdefault(PLAN_REPORT, {})
 
 
 def module_path(node) -> str:

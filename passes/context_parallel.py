@@ -66,7 +66,7 @@ class CutSequence:
         cp = ctx.options.context
         a = ctx.mesh.index(cp.axis)
         if ctx.mesh.shape[a] == 1:  # nothing to cut: a size-1 context axis plans as the mesh without it does
-            ctx.report[self.name] = {"inputs": [], "axis": cp.axis, "skipped": "the axis has size 1"}
+            M.plan_report(gm)[self.name] = {"inputs": [], "axis": cp.axis, "skipped": "the axis has size 1"}
             return gm
         attn = [n for n in _attention_nodes(gm) if n.args[0].meta["val"].shape[-2] == n.args[1].meta["val"].shape[-2]]
         if not attn:
@@ -111,7 +111,7 @@ class CutSequence:
         gm.graph.lint()
         gm.recompile()
         gm.meta[M.CONTEXT] = M.ContextLayout(cp.axis, bool(cp.balance), cp.attention, tuple(cut))
-        ctx.report[self.name] = {"inputs": cut, "sequence": length, "axis": cp.axis, "balance": cp.balance}
+        M.plan_report(gm)[self.name] = {"inputs": cut, "sequence": length, "axis": cp.axis, "balance": cp.balance}
         return gm
 
 
@@ -151,7 +151,7 @@ class ContextAttention:
         if gathered:
             ctx.warn(f"context_axis={layout.axis!r}: {len(gathered)} attention(s) run on the whole sequence "
                      f"(gathered), not context-parallel: {gathered[:3]}")
-        ctx.report[self.name] = {"attention": forms, "gathered": gathered}
+        M.plan_report(gm)[self.name] = {"attention": forms, "gathered": gathered}
         return gm
 
     @staticmethod

@@ -38,7 +38,8 @@ The rewrite builds new nodes in place with FakeTensor ``val``s from the graph's 
 ``nn_module_stack``; it erases the dense FFN and its weight ``get_attr`` nodes. It reads the user's options and
 never changes them: its result is a :class:`~autoshard.compiler.moe.MoERewrite` on ``gm.meta[autoshard.meta.MOE_REWRITE]``
 (layers, groups, and the record key ``key`` that every ``attach`` node carries, so two models compiled in one
-process keep separate records), mirrored as plain data in ``ctx.report["expert_rewrite"]`` for the plan report.
+process keep separate records), mirrored as plain data in the plan report's ``"expert_rewrite"``
+(``gm.meta[autoshard.meta.PLAN_REPORT]``).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class ExpertRewrite:
         result = MoERewrite(tuple(layers), groups, opts.expert_axis, key)
         gm.meta[M.MOE_REWRITE] = result
         gm.meta[M.IMPLIED_ANNOTATIONS] = tuple(annotations) + gm.meta.get(M.IMPLIED_ANNOTATIONS, ())
-        ctx.report[self.name] = result.report()
+        M.plan_report(gm)[self.name] = result.report()
         return gm
 
 
@@ -547,6 +548,6 @@ def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
     result = MoERewrite(tuple(layers), groups, opts.expert_axis, key)
     gm.meta[M.MOE_REWRITE] = result
     gm.meta[M.IMPLIED_ANNOTATIONS] = tuple(annotations) + gm.meta.get(M.IMPLIED_ANNOTATIONS, ())
-    ctx.report[name] = result.report()
+    M.plan_report(gm)[name] = result.report()
     return gm
 

@@ -82,7 +82,7 @@ class InsertCollectives:
             node.args, node.kwargs = tuple(args), dict(kwargs)
         graph.lint()
         gm.recompile()
-        ctx.report[self.name] = count
+        M.plan_report(gm)[self.name] = count
         return gm
 
     def _redistribute(self, graph, x, have, want, ctx: Context, consumer) -> torch.fx.Node:

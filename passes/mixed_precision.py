@@ -116,7 +116,7 @@ class MixedPrecisionCasts:
             out.args = pytree.tree_map_only(torch.fx.Node, to_output_dtype, out.args)
         graph.lint()
         gm.recompile()
-        ctx.report[self.name] = count
+        M.plan_report(gm)[self.name] = count
         return gm
 
 
@@ -200,7 +200,7 @@ class ReducePrecision:
             count["cast_around"] += 1
         graph.lint()
         gm.recompile()
-        ctx.report[self.name] = count
+        M.plan_report(gm)[self.name] = count
         self._warn_reduce_scatters(gm, ctx)
         return gm
 
@@ -262,7 +262,7 @@ class InlineAutocast:
                 delattr(gm, name)
         gm.graph.lint()
         gm.recompile()
-        ctx.report[self.name] = {"regions": regions}
+        M.plan_report(gm)[self.name] = {"regions": regions}
         return gm
 
 
@@ -384,7 +384,7 @@ class AutocastParamCasts:
             node.args, node.kwargs = tuple(args), dict(kwargs)
         gm.graph.lint()
         gm.recompile()
-        ctx.report[self.name] = {"casts": len(made)}
+        M.plan_report(gm)[self.name] = {"casts": len(made)}
         return gm
 
 

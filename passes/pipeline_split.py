@@ -5,7 +5,8 @@ Two passes of the plan phase, the last ones of the pass list when a pipeline is 
 pipeline axis (so every stage carries its own data/model sharding and collectives):
 
 * :class:`PipelineSplit` (``pipeline_split``) is an analysis: it leaves the graph unchanged and stores a
-  :class:`StageSplit` on ``gm.meta[autoshard.meta.STAGE_SPLIT]`` (and in ``ctx.report["pipeline_split"]``);
+  :class:`StageSplit` on ``gm.meta[autoshard.meta.STAGE_SPLIT]`` (and in the plan report's ``"pipeline_split"``,
+  ``gm.meta[autoshard.meta.PLAN_REPORT]``);
 * :class:`BuildStages` (``build_stages``) is the structural rewrite: one global GraphModule per stage
   (:func:`build_stage_graphs`, copying ``node.meta`` and the graph's own metadata), stored as a tuple of
   :class:`StageGraph` on ``gm.meta[autoshard.meta.STAGE_GRAPHS]``. The driver verifies every stage graph after it;
@@ -109,7 +110,7 @@ class PipelineSplit:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         split = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis, ctx.options.optimizer)
         gm.meta[M.STAGE_SPLIT] = split
-        ctx.report[REPORT_KEY] = split
+        M.plan_report(gm)[REPORT_KEY] = split
         return gm
 
 

@@ -76,9 +76,11 @@ class Propagate:
         for node in gm.graph.nodes:  # parameters nobody consumed stay replicated
             if node.op == "get_attr" and node.meta.get(M.SPEC) is None:
                 node.meta[M.SPEC] = (Replicate(),) * ctx.mesh.ndim
-        ctx.report[self.name] = {"ops": decisions}
-        unsupported = ctx.report.get("unsupported")
+        report = M.plan_report(gm)
+        report[self.name] = {"ops": decisions}
+        unsupported = {n.name: n.meta[M.NO_RULE] for n in gm.graph.nodes if M.NO_RULE in n.meta}
         if unsupported:
+            report["unsupported"] = unsupported
             lines = "\n".join(f"  - {where}" for where in unsupported.values())
             ctx.warn(f"{len(unsupported)} op(s) have no sharding rule and run replicated (inputs gathered, result "
                      f"replicated on every rank; on_unsupported='error' refuses them instead):\n{lines}")
@@ -246,7 +248,8 @@ def warn_axis_use(gm: torch.fx.GraphModule, ctx: Context) -> None:
     """One warning when the plan leaves a mesh axis unused, or runs more of the work whole than split on it:
     every rank of that axis then repeats that work (a plan that says what it does)."""
     notes, named = [], []
-    for name, (split, whole) in axis_use(gm, ctx.mesh).items():
+    use = M.plan_report(gm)["axis_use"] = axis_use(gm, ctx.mesh)
+    for name, (split, whole) in use.items():
         size = ctx.mesh.axis_size(name)
         if size == 1 or split + whole == 0:
             continue
@@ -259,11 +262,10 @@ def warn_axis_use(gm: torch.fx.GraphModule, ctx: Context) -> None:
             notes.append(f"axis `{name}` (size {size}) replicates more than it shards: "
                          f"{100 * whole / (split + whole):.0f}% of the forward FLOPs run whole on each of its "
                          f"{size} ranks")
-    ctx.report["axis_use"] = axis_use(gm, ctx.mesh)
     if notes:
-        from autoshard.compiler.report import axis_advice
+        from autoshard.compiler.advice import axis_advice
 
-        ctx.warn("plan: " + "; ".join(notes) + ". " + axis_advice(gm, ctx, named))
+        ctx.warn("plan: " + "; ".join(notes) + ". " + axis_advice(gm, ctx, named, use))
 
 
 def mark_requires_grad(gm: torch.fx.GraphModule) -> None:
@@ -449,7 +451,7 @@ def _choose(node: torch.fx.Node, ctx: Context, paid: set[tuple], pinned: dict[to
             x.meta[M.SPEC] = spec
         paid.add((x, spec))
         paid.add((x, spec, tuple(sync)))
-    if node.name in ctx.report.get("unsupported", {}):
+    if M.NO_RULE in node.meta:
         best = M.Strategy(best.input_specs, best.output_spec, best.grad_sync, f"{best.note} (no rule: replicated)")
     node.meta[M.STRATEGY] = best
     node.meta[M.SPEC] = best.output_spec
@@ -512,8 +514,7 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
                 f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Register a "
                 "rule for this op in autoshard/compiler/ops (op(..., rule=...)), or pass on_unsupported='replicate' to run it "
                 "unsharded.")
-        unsupported = ctx.report.setdefault("unsupported", {})
-        unsupported.setdefault(node.name, node_location(node))
+        node.meta.setdefault(M.NO_RULE, node_location(node))
         rule = replicate_only
     strategies = strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
     # A parameter is never Partial: every rank would compute its whole gradient while holding a share of it.

@@ -22,7 +22,7 @@ Stage 1 keeps no more memory than stage 2 in this runtime (a parameter's gradien
 and moves twice the gradient bytes; it exists to match DeepSpeed's stage and for comparison. The stage of the
 collectives is decided per rank program by ``fuse_gather_grad_sync`` (:func:`stage_of`).
 
-A parameter is left whole (stage 0, listed in ``ctx.report["shard_storage"]["kept_whole"]`` and in one warning when
+A parameter is left whole (stage 0, listed in the plan report's ``["shard_storage"]["kept_whole"]`` and in one warning when
 the user forced a stage) when the mesh has no data axis of size > 1, the parameter is already sharded over it
 (experts on the expert axis), or no free dim is divisible by the data axis. Buffers are never sharded (FSDP does
 not shard them either). A dtype cast marked ``meta["autoshard.precision_cast"]`` that is the parameter's only user
@@ -136,8 +136,8 @@ class ShardStorage:
                         f"(size {mesh.axis_size(axis)}) divides and no other axis shards")
             ctx.warn(f"zero={zero}: {len(kept)} parameter(s) stay stored whole ({', '.join(kept[:4])}"
                      f"{', ...' if len(kept) > 4 else ''}): {why}.")
-        ctx.report[self.name] = {"stage_1": stored[1], "stage_2": stored[2], "stage_3": stored[3],
-                                 "kept_whole": kept}
+        M.plan_report(gm)[self.name] = {"stage_1": stored[1], "stage_2": stored[2], "stage_3": stored[3],
+                                        "kept_whole": kept}
         return gm
 
 

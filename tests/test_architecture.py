@@ -12,7 +12,13 @@
   made and run only by ``passes/manager.py``, the list is driven only by ``build_plan`` and the rank phase's
   ``rank_programs.rank_program`` (reached only through ``Plan.rank_program``, which compares collective signatures), and
   a compiled plan, a rank program and a pipeline stage's program record exactly the list's passes, in order;
-* no home-made transport: the runtime names no ``/dev/shm`` and no shared-memory mapping.
+* no home-made transport: the runtime names no ``/dev/shm`` and no shared-memory mapping;
+* the simulator's needs stay in the simulator: no library module names ``torch.testing``, a private torch lock
+  (``_fake_mode_lock``) or the other switches of a threaded world, nor assigns to an attribute of a torch class —
+  except :data:`SIMULATOR_THREADS` (``autoshard/runtime/sim_threads.py``), which installs them for the length of a
+  simulated run, and which only the simulator imports;
+* passes talk only through ``node.meta``/``gm.meta``: no pass reads or writes the context's report
+  (``ctx.report``), nor imports the report formatter (``autoshard/compiler/report.py``).
 """
 
 from __future__ import annotations
@@ -449,3 +455,173 @@ def test_a_pipelined_plan_builds_its_stages_in_the_list():
         program = pplan.stage_module(stage, pplan.mesh.rank_of({"pipe": stage, "data": 1}), bucket_grads=True)
         assert program.meta[M.PASSES_RUN] == names + rank
         assert M.STAGE_GRAPHS not in program.meta  # a rank program keeps no stage graph (nor its weights) alive
+
+
+# ---- the simulator's needs stay in the simulator -----------------------------------------------------------------
+#: The one library module allowed to use torch's threaded process group (``torch.testing``) and to set torch's
+#: private multi-threading switches: torch.distributed has no public way to give threads of one process ranks of
+#: their own (the module's docstring says why). It installs them for the length of a simulated run only.
+SIMULATOR_THREADS = "autoshard.runtime.sim_threads"
+#: Names that patch torch for threads running ranks: torch's testing package and its threaded process group, the
+#: lock DTensor's sharding propagation takes, c10d's per-thread registry switch.
+TORCH_THREADING_NAMES = ("torch.testing", "multi_threaded_pg", "_fake_mode_lock", "_set_thread_isolation_mode")
+
+
+def _torch_bindings(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the torch object it is bound to (``import torch``, ``import torch.x as y``, ``from torch.x
+    import Y``), imports inside functions included."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    out[a.asname] = a.name if a.asname else None
+                    if not a.asname:
+                        out["torch"] = "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    out.pop(None, None)
+    return out
+
+
+def _resolve(dotted: str):
+    """The object at ``dotted`` (a module path, then attributes), or None where it does not import."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def _torch_class_assignments(tree: ast.AST) -> list[str]:
+    """``C.attr = ...``, ``C.attr += ...``, ``del C.attr`` and ``setattr(C, ...)`` where ``C`` is a torch class
+    (a patch of torch for the whole process; assigning to a torch *module*'s attribute is not counted here)."""
+    bound = _torch_bindings(tree)
+
+    def dotted(expr) -> str | None:
+        names = []
+        while isinstance(expr, ast.Attribute):
+            names.append(expr.attr)
+            expr = expr.value
+        if isinstance(expr, ast.Name) and expr.id in bound:
+            return ".".join([bound[expr.id], *reversed(names)])
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        owners = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            targets = []
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and isinstance(t.ctx, (ast.Store, ast.Del)):
+                    owners.append(t.value)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args):
+            owners.append(node.args[0])
+        for owner in owners:
+            path = dotted(owner)
+            if path is not None and inspect.isclass(_resolve(path)):
+                found.append(f"{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def _simulator_leaks(module: str, path: Path) -> list[str]:
+    if module == SIMULATOR_THREADS:
+        return []
+    text = path.read_text()
+    bad = [f"names {name}" for name in TORCH_THREADING_NAMES if name in text]
+    bad += [f"assigns to a torch class at line {where}" for where in _torch_class_assignments(ast.parse(text))]
+    return bad
+
+
+def test_no_torch_testing_nor_torch_patch_in_the_library():
+    """A compiler must not patch torch's private state for the whole process, nor ship torch's test utilities: the
+    simulator's threads need both, and only :data:`SIMULATOR_THREADS` has them, for the length of a run."""
+    bad = [f"{module}: {leak}" for module, path in sorted(MODULES.items()) for leak in _simulator_leaks(module, path)]
+    assert not bad, ("torch.testing, a private torch lock or a patched torch class outside "
+                     f"{SIMULATOR_THREADS}:\n" + "\n".join(bad))
+
+
+def test_only_the_simulator_imports_its_threading_module():
+    users = sorted(m for m, p in MODULES.items() if m != SIMULATOR_THREADS
+                   and SIMULATOR_THREADS in _imports(p, m, top_level_only=False))
+    assert users == ["autoshard.runtime.sim"], users
+
+
+def test_the_torch_patch_check_fails_on_a_patch(tmp_path):
+    """The checks above are not vacuous: the simulator's old process-wide patches are caught, a torch module's
+    attribute is not a class's."""
+    fake = tmp_path / "m.py"
+    fake.write_text(
+        "import threading\n"
+        "import torch\n"
+        "import torch.utils.checkpoint as ckpt\n"
+        "def f():\n"
+        "    from torch.distributed.tensor._sharding_prop import ShardingPropagator\n"
+        "    ShardingPropagator.lock_of_mine = threading.RLock()\n"
+        "    setattr(torch.Tensor, 'x', 1)\n"
+        "    torch.nn.Module.y += 1\n"
+        "    ckpt.something = 2\n"
+        "    from torch.testing._internal.distributed import multi_threaded_pg\n")
+    leaks = _simulator_leaks("autoshard.runtime.m", fake)
+    assert "names torch.testing" in leaks and "names multi_threaded_pg" in leaks, leaks
+    assert sorted(int(leak.split("line ")[1].split(":")[0]) for leak in leaks if "torch class" in leak) == [6, 7, 8]
+    assert _simulator_leaks(SIMULATOR_THREADS, fake) == []
+
+
+# ---- passes talk through node.meta -------------------------------------------------------------------------------
+REPORT_FORMATTER = "autoshard.compiler.report"
+
+
+def _report_uses(tree: ast.AST) -> list[int]:
+    """Lines that read or write an object's ``report`` attribute (``ctx.report``) — calling a method named
+    ``report()`` on a value is not that — or take it by ``getattr``."""
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    lines = [n.lineno for n in ast.walk(tree)
+             if isinstance(n, ast.Attribute) and n.attr == "report" and id(n) not in called]
+    lines += [n.lineno for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "setattr")
+              and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and n.args[1].value == "report"]
+    return sorted(lines)
+
+
+def _passes() -> dict[str, Path]:
+    return {m: p for m, p in MODULES.items() if m.startswith("autoshard.passes.")}
+
+
+def test_passes_never_touch_the_report():
+    """What a pass records for the user goes to ``gm.meta[autoshard.meta.PLAN_REPORT]`` (its own section), and
+    what one pass tells another goes to ``node.meta``: ``build_plan`` makes the plan's report from the graph."""
+    bad = [f"{m}:{line}" for m, p in sorted(_passes().items()) for line in _report_uses(ast.parse(p.read_text()))]
+    assert not bad, "passes reading or writing ctx.report:\n" + "\n".join(bad)
+
+
+def test_no_pass_imports_the_report_formatter():
+    bad = sorted(m for m, p in _passes().items() if REPORT_FORMATTER in _imports(p, m, top_level_only=False))
+    assert not bad, f"passes importing {REPORT_FORMATTER}: {bad}"
+
+
+def test_the_pass_checks_fail_on_a_pass_that_uses_the_report(tmp_path):
+    fake = tmp_path / "p.py"
+    fake.write_text("def run(gm, ctx, result):\n"
+                    "    ctx.report['x'] = 1\n"
+                    "    n = ctx.report.get('y')\n"
+                    "    r = getattr(ctx, 'report')\n"
+                    "    ok = result.report()\n"
+                    "    from autoshard.compiler.report import format_plan\n")
+    assert _report_uses(ast.parse(fake.read_text())) == [2, 3, 4]
+    assert REPORT_FORMATTER in _imports(fake, "autoshard.passes.p", top_level_only=False)
+

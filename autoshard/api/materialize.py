@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
@@ -45,16 +44,12 @@ from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError, CheckpointError
 from autoshard.placements import Partial, Shard, Spec
-from autoshard.frontend.trace import GRAPH_LOCK
+from autoshard.runtime.torch_state import RANK_THREADS
 
 __all__ = ["init_local", "init_weights", "is_pretrained_dir", "load_local", "load_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-# Simulated ranks (threads) initialise one at a time: transformers patches torch.nn.init process-wide while it
-# initialises, and the skeleton's tensors are swapped for temporaries during each step.
-_INIT_LOCK = threading.RLock()
 
 
 # ---- where each tensor lives in the rank program ------------------------------------------------------------
@@ -282,9 +277,10 @@ def init_local(skeleton: torch.nn.Module, local: torch.nn.Module, plan, rank: in
     flags = {id(m): (m, m.__dict__.get("_is_hf_initialized", _ABSENT)) for m in skeleton.modules()}
     count = 0
 
-    # the skeleton may be the user's meta model itself, shared by simulated ranks: never init it while another
-    # thread traces it (the trace lock), nor two inits at once
-    with GRAPH_LOCK, _INIT_LOCK, torch.no_grad(), _hf_guard(skeleton):
+    # where ranks are threads of one process (the simulator), one rank initialises at a time and never while
+    # another traces: the skeleton may be the user's meta model itself, shared by every rank, and transformers
+    # patches torch.nn.init process-wide while it initialises (a no-op where each rank is a process)
+    with RANK_THREADS.exclusive(), torch.no_grad(), _hf_guard(skeleton):
         try:
             for module, call in steps:
                 if getattr(module, "_is_hf_initialized", False) and init is None and _is_hf(skeleton):

@@ -113,14 +113,15 @@ def trace_with_precision(model: torch.nn.Module, args: tuple, kwargs: dict | Non
     dtypes. The ``mixed_precision`` pass then inserts the casts that make the graph consistent again."""
     from torch.fx._pytree import tree_flatten_spec
 
-    from autoshard.frontend.trace import GRAPH_LOCK, trace
+    from autoshard.frontend.trace import trace
+    from autoshard.runtime.torch_state import RANK_THREADS
 
     dtype = policy.param_dtype
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
     cast_in = pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                               else x, (args, kwargs))
-    with GRAPH_LOCK:
+    with RANK_THREADS.exclusive():  # the copy reads the model, which rank threads may be tracing
         gm = trace(compute_copy(model, dtype), *cast_in)
     masters = dict(model.named_parameters(remove_duplicate=False))
     for name, p in list(gm.named_parameters(remove_duplicate=False)):

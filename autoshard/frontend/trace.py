@@ -45,7 +45,7 @@ from autoshard.errors import AutoshardError, TraceError
 from autoshard.frontend.graph_utils import fetch_attr  # re-exported: autoshard.frontend.trace.fetch_attr
 from autoshard.frontend.layer_reuse import find_groups
 from autoshard.progress import slow_step
-from autoshard.runtime.torch_state import GRAPH_LOCK  # re-exported: autoshard.frontend.trace.GRAPH_LOCK
+from autoshard.runtime.torch_state import RANK_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     if on_meta(model):
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
-    with GRAPH_LOCK, slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
+    # one trace at a time where ranks are threads of one process (the simulator; a no-op otherwise)
+    with RANK_THREADS.exclusive(), slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
         if reuse_layers:
             try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
                 return _finish(_export_reusing_layers(model, args, kwargs), model)

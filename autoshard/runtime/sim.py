@@ -22,6 +22,13 @@ hands it over only while it waits in a collective, so no two ranks execute Pytho
 ``torch.compile``'d rank programs here: dynamo's compilation is not thread-safe (concurrent compiles in one
 process interfere), while each process of a real run compiles its one rank alone, as the turn makes every rank
 here do.
+
+For the length of a run, and only then, the process is set up for ranks that are threads
+(:mod:`autoshard.runtime.sim_threads`): the simulator's lock serialises the rank threads' tracing, planning,
+program building, initialisation and checkpoint I/O (the library's hook for it,
+:data:`autoshard.runtime.torch_state.RANK_THREADS`) and DTensor's sharding propagation on FakeTensors, and each
+rank thread gets its own ``torch.distributed`` world (torch's threaded process group). Everything is put back when
+the run ends; a process that never simulates (each process of a torchrun job) is never changed.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 from autoshard.errors import AutoshardError, CollectiveTimeoutError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.communicator import Communicator, rank_thread
-from autoshard.runtime.torch_state import serialize_dtensor_propagation
+from autoshard.runtime.sim_threads import simulated_run
 
 __all__ = ["SimCommunicator", "SimWorld"]
 
@@ -167,10 +174,14 @@ class SimWorld:
     def run(self, fn, *args) -> list:
         """Run ``fn(rank, *args)`` on one thread per rank, each under ``rank_thread(its communicator)``; return the
         results in rank order. The first error of any rank aborts the others and is re-raised (same type where
-        possible) with the rank in its message; the original is its ``__cause__``."""
+        possible) with the rank in its message; the original is its ``__cause__``. The process is set up for rank
+        threads for the run's length (:func:`autoshard.runtime.sim_threads.simulated_run`)."""
         self._restart()
+        with simulated_run(process_groups=not self.serial) as store:
+            return self._run(fn, args, store)
+
+    def _run(self, fn, args: tuple, store) -> list:
         n = self.mesh.size
-        store = _threaded_store(self.serial)
         results: list = [None] * n
         errors: list[tuple[int, BaseException]] = []
         caller_state = _caller_state()  # thread-local: a new thread would start without the caller's
@@ -211,8 +222,9 @@ class SimWorld:
     def _process_group(self, rank: int, store):
         """This rank thread's own ``torch.distributed`` world (torch's threaded process group over ``store``), so
         DTensor code — ``clip_grad_norm_``, DCP, the state-dict helpers on a ShardedModule's DTensor parameters —
-        runs on simulated ranks as on real ones. None (no process group) in serial mode, whose turn-taking the
-        threaded group's blocking collectives would deadlock, or when this process already runs a real one."""
+        runs on simulated ranks as on real ones. None (no process group; ``store`` None, see
+        :func:`~autoshard.runtime.sim_threads.simulated_run`) in serial mode, whose turn-taking the threaded group's
+        blocking collectives would deadlock, or when this process already runs a real one."""
         if store is None:
             yield
             return
@@ -420,32 +432,6 @@ class SimCommunicator(Communicator):
             raise RuntimeShapeError(f"{what} on rank {self.rank} expected shape {list(shape)} {dtype}, but rank "
                                     f"{src_rank} sent shape {list(t.shape)} {t.dtype}.")
         return t
-
-
-_THREADED = {"installed": False}
-_THREADED_LOCK = threading.Lock()
-
-
-def _threaded_store(serial: bool):
-    """A fresh store for one run's threaded process groups, installing torch's thread-local world once per process
-    (``torch.testing._internal.distributed.multi_threaded_pg``, what PyTorch's own DTensor tests run on: each thread
-    has its own default group, collectives meet in shared memory). None where it cannot be used: serial mode, or a
-    real process group already running in this thread (the install would hide it)."""
-    import torch.distributed as dist
-
-    if serial or not dist.is_available():
-        return None
-    with _THREADED_LOCK:
-        if not _THREADED["installed"]:
-            if dist.is_initialized():
-                return None
-            from torch.testing._internal.distributed import multi_threaded_pg
-
-            torch._C._distributed_c10d._set_thread_isolation_mode(True)
-            multi_threaded_pg._install_threaded_pg()
-            serialize_dtensor_propagation()  # rank threads run DTensor ops while another rank may trace
-            _THREADED["installed"] = True
-    return dist.HashStore()
 
 
 def _sum(vals: list[torch.Tensor]) -> torch.Tensor:

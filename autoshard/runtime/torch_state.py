@@ -1,30 +1,65 @@
-"""The one lock around torch's process-wide tracing state, for processes that run ranks as threads.
+"""The one hook through which a process that runs several ranks as threads (the simulator) serialises autoshard's
+work on torch's process-wide state.
 
-torch.export (strict=False) traces at the ``PreDispatch`` key, whose mode slots live in one process-global object
-(``torch._ops._mode_stack_state_for_pre_dispatch``), not per thread. DTensor's sharding propagation, on a cache miss,
-runs the op on FakeTensors under ``disable_proxy_modes_tracing()``, which empties and refills those slots. A simulated
-rank (a thread) that runs a DTensor op while another rank traces therefore takes the tracer's proxy mode away from
-it ("Trying to pop empty mode stack", "ProxyTorchDispatchMode slot already occupied", or a DTensor op traced into
-the other rank's graph). Every graph traced from one model also shares its fake mode.
+A process of a real job (torchrun, :func:`autoshard.runtime.spawn`) is one rank: nothing here does anything there.
+The simulator (:mod:`autoshard.runtime.sim`) runs every rank as a thread of one process, and some work must then not
+interleave between ranks:
 
-:data:`GRAPH_LOCK` serialises both: autoshard traces, runs its passes and builds rank programs under it, and
-:func:`serialize_dtensor_propagation` makes DTensor's meta propagation take it too (the hook torch provides for
-multi-threaded use, ``ShardingPropagator._fake_mode_lock``). Neither side communicates while holding it, so ranks
-cannot deadlock on it. One process per rank (torchrun) never contends for it.
+* tracing (torch.export, ``strict=False``): it traces at the ``PreDispatch`` key, whose mode slots live in one
+  process-global object, not per thread; a rank that traces while another runs a DTensor op (whose sharding
+  propagation empties and refills those slots) loses its proxy mode ("Trying to pop empty mode stack");
+* the passes and the rank programs of a plan: every graph traced from one model shares its fake mode, and a rank
+  program's copy shares the plan's FakeTensors;
+* initialising a meta-built model (:mod:`autoshard.api.materialize`): transformers patches ``torch.nn.init``
+  process-wide while it initialises, and the skeleton, which simulated ranks share, gets temporaries meanwhile;
+* reading and writing a checkpoint without a process group (DCP's ``no_dist`` path).
+
+The library wraps each in ``with RANK_THREADS.exclusive():``. Outside a simulated run that is a no-op (no lock is
+taken, as none is needed); :class:`~autoshard.runtime.sim.SimWorld` installs its lock for the duration of a run
+(:meth:`RankThreads.installed`) and restores what was there when the run ends. The lock must be re-entrant (a pass
+may trace again), and no work under it communicates, so ranks cannot deadlock on it.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import ContextManager, Iterator
 
-# Re-entrant: a pass may trace again, and a DTensor op inside a locked compile takes it again.
-GRAPH_LOCK = threading.RLock()
+__all__ = ["RANK_THREADS", "RankThreads"]
 
 
-def serialize_dtensor_propagation() -> None:
-    """Make DTensor's sharding propagation hold :data:`GRAPH_LOCK` while it runs an op on FakeTensors."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+class RankThreads:
+    """Where the library asks for exclusive use of torch's process-wide state (:meth:`exclusive`), and where a
+    process running ranks as threads supplies the lock that gives it (:meth:`installed`). One instance:
+    :data:`RANK_THREADS`."""
 
-    if not hasattr(ShardingPropagator, "_fake_mode_lock"):
-        raise RuntimeError("this torch has no ShardingPropagator._fake_mode_lock: simulated ranks cannot run DTensor "
-                           "ops beside a trace safely; use the torch version pyproject.toml pins.")
-    ShardingPropagator._fake_mode_lock = GRAPH_LOCK
+    def __init__(self) -> None:
+        self._lock: ContextManager | None = None
+        self._guard = threading.Lock()
+
+    @property
+    def lock(self) -> ContextManager | None:
+        """The lock installed now (None: ranks are processes; :meth:`exclusive` takes nothing)."""
+        return self._lock
+
+    def exclusive(self) -> ContextManager:
+        """The installed lock, held for the ``with`` block; a no-op context when none is installed."""
+        lock = self._lock
+        return lock if lock is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def installed(self, lock: ContextManager) -> Iterator[None]:
+        """Make ``lock`` (re-entrant: a ``threading.RLock``) what :meth:`exclusive` takes inside the ``with`` block;
+        the lock installed before is restored after it. For whoever owns the rank threads (the simulator), set once
+        around a run."""
+        with self._guard:
+            before, self._lock = self._lock, lock
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._lock = before
+
+
+#: The hook (see the module docstring).
+RANK_THREADS = RankThreads()

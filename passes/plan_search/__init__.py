@@ -114,7 +114,7 @@ class PlanSearch:
         stages = _record_stages(gm, problem, choice, zero == "auto")
         regions = _record_recompute(problem, units, recompute == "auto")
         self._record_choices(gm, problem, choice)
-        ctx.report[self.name] = {
+        M.plan_report(gm)[self.name] = {
             "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
