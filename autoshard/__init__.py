@@ -1,8 +1,9 @@
 """autoshard: trace a plain ``nn.Module``, pick a sharding plan, and generate one plain GraphModule per rank.
 
     >>> import autoshard
-    >>> plan = autoshard.compile(model, autoshard.Mesh(data=2, model=2), example_inputs=(ids,))
-    >>> plan.show(); print(plan.code(rank=1)); m1 = plan.rank_module(rank=1)
+    >>> plan = autoshard.plan(model, autoshard.Mesh(data=2, model=2), (ids,), search=autoshard.Search())
+    >>> plan.show(); print(plan.code(rank=1)); sim = plan.simulate((ids,))
+    >>> sharded = autoshard.apply(model, plan)     # this rank's module, under torchrun
 
 The compiler is imported on first use (module ``__getattr__``), so ``import autoshard.runtime`` in a worker
 process stays light and never loads the passes.
@@ -25,7 +26,8 @@ from autoshard.errors import (
 )
 from autoshard.mesh import Mesh
 
-_LAZY = {"compile": "autoshard.api.sharded_module", "shard": "autoshard.api.in_place", "ShardedModule": "autoshard.api.sharded_module", "data_shard": "autoshard.api.sharded_module",
+_LAZY = {"plan": "autoshard.api.planning", "apply": "autoshard.api.entry", "Search": "autoshard.api.planning",
+         "compile": "autoshard.api.entry", "shard": "autoshard.api.in_place", "ShardedModule": "autoshard.api.sharded_module", "data_shard": "autoshard.api.sharded_module",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
          "Pipeline": "autoshard.compiler.pipeline", "MixedPrecision": "autoshard.frontend.precision",
          "ContextParallel": "autoshard.compiler.context_parallel",
@@ -33,7 +35,7 @@ _LAZY = {"compile": "autoshard.api.sharded_module", "shard": "autoshard.api.in_p
          "save": "autoshard.api.checkpoint", "load": "autoshard.api.checkpoint", "full_state_dict": "autoshard.api.checkpoint",
          "clip_grad_norm_": "autoshard.runtime.parameters"}
 
-__all__ = ["compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
+__all__ = ["plan", "apply", "Search", "compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
            "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
            "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]

@@ -35,7 +35,7 @@ def _work(rank, world_size, layers, reps, steps):
     torch.manual_seed(0)
     model, args, _ = models.gpt(layers=layers, batch=8, seq=64, hidden=128)
     mesh = autoshard.Mesh(data=2, model=2)
-    sharded = autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"), device="cpu")
+    sharded = autoshard.compile(model, mesh, args, annotations=models.megatron(mesh, "gpt"), device="cpu")
     local = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
     real_check = agreement.check_call
 

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, seq: int, batch: int, steps: int, cases=CASES
         model, args, kwargs = _model(seq, batch)
         plan = autoshard.compile(model, autoshard.Mesh.parse(mesh_text), args, kwargs, context_axis=axis).plan
         comm = DistCommunicator(plan.mesh, timeout=600) if comm_of is None else comm_of(plan.mesh)
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         a, k = plan.shard_inputs(rank, args, kwargs)
         del model
         times = []

@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, size: str, path: str):
     else:
         model = LlamaForCausalLM(config)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    sharded = autoshard.compile(model, mesh, example_kwargs={"input_ids": ids, "labels": ids}, plan=plan,
+    sharded = autoshard.compile(model, mesh, example_kwargs={"input_ids": ids, "labels": ids}, annotations=plan,
                                 timeout=600, device="cpu")
     del model
     if path == "meta":

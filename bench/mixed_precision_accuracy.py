@@ -28,7 +28,7 @@ def main() -> None:
     for name in ("gpt", "hf_llama"):
         model, args, kwargs = models.FACTORIES[name]()
         fp32 = loss_of(model(*args, **kwargs)).item()
-        plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name),
+        plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name),
                                  precision=autoshard.MixedPrecision(torch.bfloat16, torch.float32)).plan
         sim = plan.simulate(args, kwargs)
         bf16 = loss_of(sim.outputs[0]).float().item()

@@ -46,7 +46,7 @@ def _worker(rank, world, reps):
 
     model, _, kwargs = models.hf_llama(layers=2, hidden=128)
     mesh = autoshard.Mesh(data=2, model=2)
-    sharded = autoshard.compile(model, mesh, example_kwargs=kwargs, plan=models.megatron(mesh, "hf_llama"),
+    sharded = autoshard.compile(model, mesh, example_kwargs=kwargs, annotations=models.megatron(mesh, "hf_llama"),
                                 device="cpu")
     _, local_kwargs = sharded.plan.shard_inputs(rank, (), kwargs)
     sharded(**local_kwargs).loss.backward()

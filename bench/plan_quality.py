@@ -108,8 +108,8 @@ def measure(spec: ModelSpec, axes: dict, profiles=PROFILES) -> list[dict]:
     model, example = build(spec)
     start = time.perf_counter()
     hand = {
-        "megatron": autoshard.compile(model, mesh, example, planner="greedy", plan=megatron(mesh, "gpt")).plan,
-        "dp": autoshard.compile(model, mesh, example, planner="greedy", plan=dp_annotations(mesh)).plan,
+        "megatron": autoshard.compile(model, mesh, example, planner="greedy", annotations=megatron(mesh, "gpt")).plan,
+        "dp": autoshard.compile(model, mesh, example, planner="greedy", annotations=dp_annotations(mesh)).plan,
     }
     check_dp(hand["dp"], mesh)
     rows = []

@@ -8,12 +8,12 @@ None before each; no optimizer) of:
 * tensor parallel, ``Mesh(model=2)``, Megatron plan (column-parallel q/k/v and first MLP linear, row-parallel
   output projections; embeddings and LM head replicated):
   - **autoshard** (headline): the ``ShardedModule`` a user runs — ``autoshard.compile(model, mesh, args,
-    plan=..., comm=..., bucket_cap_mb=25)`` called as a module: its DTensor parameters bound to the rank program
+    annotations=..., comm=..., bucket_cap_mb=25)`` called as a module: its DTensor parameters bound to the rank program
     per call (``autoshard.runtime.parameters.bound``), the agreement check of every call (started before the forward,
     settled before the program's first collective), gradients as DTensors;
     ``autoshard-SP`` (the block) the same with sequence parallelism;
   - **autoshard rank module** (secondary): the bare program the ShardedModule runs,
-    ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer`` (plain tensors, direct collectives; the
+    ``plan.rank_program(rank, bucket_grads=True)`` with a ``GradBucketer`` (plain tensors, direct collectives; the
     few parameter gradient syncs, here the row-parallel biases, bucketed): what the ShardedModule adds per call is
     the difference;
   - **DTensor**: ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` and ``PrepareModuleInput`` on
@@ -85,7 +85,7 @@ SIZES = {
 }
 
 
-#: the secondary rows: the bare rank programs (``plan.rank_module``) the ShardedModule binds its parameters to
+#: the secondary rows: the bare rank programs (``plan.rank_program``) the ShardedModule binds its parameters to
 TP_BARE, SP_BARE = "tp/autoshard rank module", "tp/autoshard-SP rank module"
 DP_BARE, DP_UNBUCKETED = "dp/autoshard rank module", "dp/autoshard-unbucketed rank module"
 #: row order: the reference, the headline ShardedModule rows, then the secondary ones
@@ -210,9 +210,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         model, args, ann, dt_plan, analytic = _case(name, sizes[name])
         systems = {}
         # ---- tensor parallel ----
-        tp_plan = autoshard.compile(model, tp_mesh, args, plan={k: (v,) for k, v in ann.items()}).plan
+        tp_plan = autoshard.compile(model, tp_mesh, args, annotations={k: (v,) for k, v in ann.items()}).plan
         # as ShardedModule runs it (bucket_cap_mb=25); the weights given again: compiling on a known rank released them
-        tp_mod = tp_plan.rank_module(rank, weights=model, bucket_grads=True)
+        tp_mod = tp_plan.rank_program(rank, weights=model, bucket_grads=True)
         GradBucketer(tp_mod, comm=tp_comm, bucket_cap_mb=25)
         tp_args, _ = tp_plan.shard_inputs(rank, args)
 
@@ -223,8 +223,8 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         systems[TP_BARE] = (as_tp, list(tp_mod.parameters()), [tp_mod], tp_comm)
         sp_ann = {**{k: (v,) for k, v in ann.items()}, "x": ("S(1)",)}
         if name == "block":  # sequence parallelism: the block's input and residual sharded along the sequence
-            sp_plan = autoshard.compile(model, tp_mesh, args, plan=sp_ann, sequence_parallel=True).plan
-            sp_mod = sp_plan.rank_module(rank, weights=model, bucket_grads=True)
+            sp_plan = autoshard.compile(model, tp_mesh, args, annotations=sp_ann, sequence_parallel=True).plan
+            sp_mod = sp_plan.rank_program(rank, weights=model, bucket_grads=True)
             GradBucketer(sp_mod, comm=tp_comm, bucket_cap_mb=25)
             sp_args, _ = sp_plan.shard_inputs(rank, args)
 
@@ -247,9 +247,9 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         # ---- data parallel ----
         dp_plan = autoshard.compile(model, dp_mesh, args).plan
         dp_args, _ = dp_plan.shard_inputs(rank, args)
-        dp_mod = dp_plan.rank_module(rank, weights=model, bucket_grads=True)
+        dp_mod = dp_plan.rank_program(rank, weights=model, bucket_grads=True)
         GradBucketer(dp_mod, comm=dp_comm, bucket_cap_mb=25)
-        dp_plain = dp_plan.rank_module(rank, weights=model)
+        dp_plain = dp_plan.rank_program(rank, weights=model)
 
         def as_dp(m=dp_mod, a=dp_args):
             with use(dp_comm):
@@ -287,7 +287,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         # the headline rows: what a user runs, the ShardedModule (``autoshard.compile(...)`` called as a module, its
         # DTensor parameters bound to the same rank programs per call, bucket_cap_mb=25), made last, on copies of
         # the model (compiling on a known rank lets go of the model's own weights)
-        sm_tp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, plan={k: (v,) for k, v in ann.items()},
+        sm_tp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, annotations={k: (v,) for k, v in ann.items()},
                                   comm=tp_comm, bucket_cap_mb=25)
         sm_dp = autoshard.compile(copy.deepcopy(model), dp_mesh, args, comm=dp_comm, bucket_cap_mb=25)
 
@@ -297,7 +297,7 @@ def _worker(rank, world_size, quick, cases=("mlp", "block", "gpt4"), reps=None):
         systems["tp/autoshard"] = (functools.partial(sm_step, sm_tp, tp_args), list(sm_tp.parameters()),
                                    [sm_tp], tp_comm)
         if name == "block":
-            sm_sp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, plan=sp_ann, sequence_parallel=True,
+            sm_sp = autoshard.compile(copy.deepcopy(model), tp_mesh, args, annotations=sp_ann, sequence_parallel=True,
                                       comm=tp_comm, bucket_cap_mb=25)
             systems["tp/autoshard-SP"] = (functools.partial(sm_step, sm_sp, sp_args), list(sm_sp.parameters()),
                                           [sm_sp], tp_comm)

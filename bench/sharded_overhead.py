@@ -3,7 +3,7 @@
 Two gloo processes, one model, side by side in one run (repetitions interleaved, the order rotating; per repetition
 1 untimed + 2 timed forward+backward steps, each after a barrier; a step's time is the slower rank's), per mesh:
 
-* ``bare``: ``plan.rank_module(rank, bucket_grads=True)`` with a ``GradBucketer`` (``bucket_cap_mb=25``): plain
+* ``bare``: ``plan.rank_program(rank, bucket_grads=True)`` with a ``GradBucketer`` (``bucket_cap_mb=25``): plain
   tensors, what the ShardedModule runs;
 * ``bare+check``: the same after ``autoshard.runtime.agreement.check_call`` waited on before the call (one host
   all-reduce over the world: the check as a ShardedModule made it before it overlapped it with the forward);
@@ -69,11 +69,11 @@ def _worker(rank, world, cases, reps):
         for kind, mesh in (("tp", autoshard.Mesh(model=2)), ("dp", autoshard.Mesh(data=2))):
             comm = DistCommunicator(mesh, timeout=300)
             ann = {k: (v,) for k, v in models.MEGATRON[megatron].items()} if kind == "tp" else {}
-            plan = autoshard.compile(model, mesh, args, plan=ann).plan
-            bare = plan.rank_module(rank, weights=model, bucket_grads=True)
+            plan = autoshard.compile(model, mesh, args, annotations=ann).plan
+            bare = plan.rank_program(rank, weights=model, bucket_grads=True)
             GradBucketer(bare, comm=comm, bucket_cap_mb=25)
             local, _ = plan.shard_inputs(rank, args)
-            sm = autoshard.compile(copy.deepcopy(model), mesh, args, plan=ann, comm=comm, bucket_cap_mb=25)
+            sm = autoshard.compile(copy.deepcopy(model), mesh, args, annotations=ann, comm=comm, bucket_cap_mb=25)
 
             def f_bare():
                 with use(comm):

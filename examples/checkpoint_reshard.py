@@ -51,8 +51,8 @@ def first_run(rank: int, path: str, model, comm=None):
     """The uninterrupted 10 steps, then 5 steps and a save, both on data=2 x model=2."""
     data, mesh = list(batches(10)), autoshard.Mesh(data=2, model=2)
     plan = models.megatron(mesh, "gpt")
-    ref, _ = train(autoshard.compile(copy.deepcopy(model), mesh, plan=plan, comm=comm), mesh, rank, data)
-    first = autoshard.compile(copy.deepcopy(model), mesh, plan=plan, comm=comm)
+    ref, _ = train(autoshard.compile(copy.deepcopy(model), mesh, annotations=plan, comm=comm), mesh, rank, data)
+    first = autoshard.compile(copy.deepcopy(model), mesh, annotations=plan, comm=comm)
     before, opt = train(first, mesh, rank, data[:5])
     autoshard.save(first, path, optimizer=opt)
     return ref, before
@@ -61,7 +61,7 @@ def first_run(rank: int, path: str, model, comm=None):
 def second_run(rank: int, path: str, model, comm=None):
     """Load into model=4 (other initial weights: everything comes from the checkpoint) and train 5 more steps."""
     data, mesh = list(batches(10)), autoshard.Mesh(model=4)
-    second = autoshard.compile(model, mesh, example_inputs=data[0], plan=models.megatron(mesh, "gpt"), comm=comm)
+    second = autoshard.compile(model, mesh, example_inputs=data[0], annotations=models.megatron(mesh, "gpt"), comm=comm)
     autoshard.load(second, path)  # gives `second` its parameters (this rank's shards) ...
     opt = torch.optim.Adam(second.parameters(), lr=LR)
     autoshard.load(second, path, optimizer=opt)  # ... and then the Adam moments, resharded

@@ -25,7 +25,7 @@ from examples import models  # noqa: E402
 def build():
     model, args, kwargs = models.gpt(batch=8, seq=16, layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"))
+    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"))
 
 
 def _gloo_rank(rank, world_size):
@@ -33,7 +33,7 @@ def _gloo_rank(rank, world_size):
 
     _, args, _, sharded = build()  # each process plans for itself: plans are deterministic
     plan = sharded.plan
-    module = plan.rank_module(rank)
+    module = plan.rank_program(rank)
     a, k = plan.shard_inputs(rank, args)
     with use(DistCommunicator(plan.mesh)):
         loss = loss_of(module(*a, **k))

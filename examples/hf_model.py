@@ -67,7 +67,7 @@ def eager(model: torch.nn.Module, kwargs: dict) -> tuple[float, dict[str, torch.
 def simulated(mesh: autoshard.Mesh) -> int:
     model, kwargs = build()
     ref_loss, ref_grads = eager(model, kwargs)
-    sharded = autoshard.compile(model, mesh, (), kwargs, plan=annotations_for(mesh))
+    sharded = autoshard.compile(model, mesh, (), kwargs, annotations=annotations_for(mesh))
     sharded.show()
     sim = sharded.plan.simulate((), kwargs)  # every rank in this process, forward and backward
     losses = [loss_of(out).item() for out in sim.outputs]
@@ -90,7 +90,7 @@ def distributed(mesh: autoshard.Mesh) -> int:
         rank = dist.get_rank()
         model, kwargs = build()
         ref_loss, _ = eager(model, kwargs)
-        sharded = autoshard.compile(model, mesh, plan=annotations_for(mesh))  # lazy: plans on the first call
+        sharded = autoshard.compile(model, mesh, annotations=annotations_for(mesh))  # lazy: plans on the first call
         local = {k: autoshard.data_shard(v, mesh, rank).to(sharded.device) for k, v in kwargs.items()}
         loss = loss_of(sharded(**local))
         loss.backward()

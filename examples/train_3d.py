@@ -37,7 +37,7 @@ def _worker(rank, world_size, steps, batch, microbatches, schedule, lr):
 
     model, args, _ = models.gpt(batch=batch, **SIZES)
     mesh = autoshard.Mesh(**MESH)
-    sm = autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"), planner="greedy", timeout=120,
+    sm = autoshard.compile(model, mesh, args, annotations=models.megatron(mesh, "gpt"), planner="greedy", timeout=120,
                            pipeline=autoshard.Pipeline(microbatches=microbatches, schedule=schedule))
     opt = torch.optim.SGD(list(sm.parameters()), lr=lr)
     losses = []

@@ -33,7 +33,7 @@ def batches(steps: int, batch: int, seq: int, vocab: int):
 def train(rank: int, mesh: autoshard.Mesh, steps: int, model, comm=None, reference: bool = False,
           lr: float = 3e-3, zero: int = 0, bucket_cap_mb: float | None = None):
     ref = copy.deepcopy(model) if reference else None
-    sharded = autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm, zero=zero,
+    sharded = autoshard.compile(model, mesh, annotations=models.megatron(mesh, "gpt"), comm=comm, zero=zero,
                                 bucket_cap_mb=bucket_cap_mb)
     opt = None
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr) if ref is not None else None

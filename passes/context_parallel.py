@@ -63,7 +63,7 @@ class CutSequence:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         from autoshard.passes.propagate import node_strategies
 
-        cp = ctx.options.context
+        cp = ctx.options.context_parallel
         a = ctx.mesh.index(cp.axis)
         if ctx.mesh.shape[a] == 1:  # nothing to cut: a size-1 context axis plans as the mesh without it does
             M.plan_report(gm)[self.name] = {"inputs": [], "axis": cp.axis, "skipped": "the axis has size 1"}

@@ -74,10 +74,4 @@ def _local_attr(full, spec: Spec | None, mesh: Mesh, rank: int):
     return local.clone()
 
 
-def local_param_specs(gm: torch.fx.GraphModule) -> dict[str, Spec]:
-    """{parameter FQN: spec} of every get_attr tensor of the annotated global graph."""
-    return {n.meta.get(M.PARAM, n.target): n.meta[M.SPEC] for n in gm.graph.nodes
-            if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)}
-
-
 

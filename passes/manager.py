@@ -59,7 +59,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
 from autoshard.compiler.collective_kinds import kind_of
-from autoshard.compiler.context import Context, Options
+from autoshard.compiler.context import Context, Options, Pinned
 from autoshard.errors import AutoshardError
 from autoshard.frontend.graph_utils import is_tensor_node
 from autoshard.placements import Placement
@@ -104,9 +104,10 @@ class ProgramOptions:
     bucket_grads: bool = False
 
 
-def pass_list(options: Options, pipeline: PipelineOptions | None = None, program: ProgramOptions | None = None
-              ) -> dict[str, list[Pass]]:
-    """The passes for these options, in order, by phase: ``{"plan": [...], "rank": [...]}``."""
+def pass_list(options: Options, pipeline: PipelineOptions | None = None, program: ProgramOptions | None = None,
+              pinned: Pinned | None = None) -> dict[str, list[Pass]]:
+    """The passes for these options, in order, by phase: ``{"plan": [...], "rank": [...]}`` (``pinned``: the
+    layouts of another plan this one keeps, :class:`autoshard.compiler.context.Pinned`)."""
     from autoshard.passes.expert_rewrite import ExpertRewrite
     from autoshard.passes.pipeline_split import BuildStages, PipelineSplit
     from autoshard.passes.plan_search import PlanSearch
@@ -119,7 +120,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         InlineAutocast(),
         Functionalize(),
         SeedSpecs(),
-        CutSequence() if getattr(options, "context", None) is not None else None,
+        CutSequence() if options.context_parallel is not None else None,
         MarkRequiresGrad(),
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer,
                    **_search_time(options))
@@ -127,7 +128,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         Propagate(),
         MixedPrecisionCasts(mp.param_dtype, mp.output_dtype) if mp else None,
         AutocastParamCasts(),
-        ShardStorage() if options.zero != 0 else None,
+        ShardStorage() if options.zero != 0 or (pinned is not None and pinned.storage) else None,
         InsertCollectives(),
         ContextAttention(),
         ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp else None,
@@ -148,9 +149,14 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
 
 
 def _search_time(options: Options) -> dict:
-    """PlanSearch's ``time_limit`` when the options give one (left out otherwise: the pass's own default)."""
-    limit = getattr(options, "search_time_limit", None)
-    return {} if limit is None else {"time_limit": float(limit)}
+    """PlanSearch's ``time_limit`` and ``accept_gap`` where the options give them (left out otherwise: the pass's
+    own defaults)."""
+    out = {}
+    if options.search_time_limit is not None:
+        out["time_limit"] = float(options.search_time_limit)
+    if options.search_accept_gap is not None:
+        out["accept_gap"] = float(options.search_accept_gap)
+    return out
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: Context, passes: list[Pass], ran: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ each input from its current spec to the spec the strategy needs (forward and bac
 cheapest wins (ties: rule order, which lists the all-replicated strategy first, so nothing is sharded
 without a reason). The backward all-reduce of *parameters* (data-parallel gradient sync) is not priced here: it
 is the price of data parallelism itself, and trading it against activation traffic op by op would undo the
-batch sharding the user asked for. The exact search of the cost models prices everything together.
+batch sharding the user asked for. The plan search over the cost models prices everything together.
 Annotated parameters are hard constraints (:func:`pinned_values`, shared with the plan search): a strategy that
 needs an annotated parameter in another layout is not a candidate, and neither is one that gathers (all-gather,
 all-to-all) a value computed only from annotated parameters (its transpose, say) — either would undo the memory
@@ -20,7 +20,7 @@ the parameter and the op. A free parameter already laid out by an earlier consum
 redistributed, as a last resort. The chosen :class:`~autoshard.meta.Strategy` and a
 :class:`~autoshard.meta.Decision` (with the best rejected alternative) go into ``node.meta``.
 
-A strategy decided before this pass — by the exact search (``passes/plan_search/``), or by a test — is read from
+A strategy decided before this pass — by the plan search (``passes/plan_search/``), or by a test — is read from
 ``node.meta[autoshard.meta.PLANNED]`` and applied instead of the walk's choice (checked against the node's rule
 unless ``node.meta[autoshard.meta.PLANNED_BY]`` says the search drew it from those very options).
 
@@ -309,7 +309,7 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
             n.meta[M.ANNOTATED] = pattern
             fixed.add(n)
     by_name = {a: n for n in params for a in n.meta.get(M.ALIASES, (str(n.target),))}
-    for name, spec in opts.layouts:  # fixed like an annotation, but not pinned for compute (no M.ANNOTATED)
+    for name, spec in (ctx.pinned.layouts if ctx.pinned is not None else ()):  # fixed like an annotation, but not pinned for compute (no M.ANNOTATED)
         n = by_name.get(name)
         if n is None:
             raise PlanError(f"layout given for `{name}`, but the model has no parameter of that name.")
@@ -416,7 +416,7 @@ def _choose(node: torch.fx.Node, ctx: Context, paid: set[tuple], pinned: dict[to
         if not kept:
             raise PlanError(f"{node_location(node)} writes `{written.name}` in place, laid out as "
                             f"{format_spec(have)}, but no strategy of its rule takes it so; a redistributed copy "
-                            "would take the write. Annotate it (plan=...) in a layout the op can write.")
+                            "would take the write. Annotate it (annotations=...) in a layout the op can write.")
         candidates = kept
     blocked = []  # (pinned input, layout a rejected strategy wanted)
     scored, forbidden = [], []  # forbidden: priced only to be named as the rejected alternative
@@ -563,7 +563,7 @@ KEEP_NONE, KEEP_SHARD, KEEP_BATCH = 0, 1, 2
 def output_keeps(node: torch.fx.Node, ctx: Context) -> list[tuple[int, ...]]:
     """Per tensor of the output node, per mesh axis, what the output keeps there (``KEEP_*``)."""
     mesh, opts = ctx.mesh, ctx.options
-    if not opts.output_keep_data_shard or opts.data_axis not in mesh.names:
+    if opts.data_axis not in mesh.names:
         return [(KEEP_NONE,) * mesh.ndim for _ in tensor_inputs(node)]
     axis = mesh.names.index(opts.data_axis)
     batches = batch_sizes(node.graph, ctx)

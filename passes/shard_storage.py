@@ -32,7 +32,6 @@ bytes.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +71,10 @@ def _stage_for(node: torch.fx.Node, zero) -> int:
         return int(node.meta[M.PLANNED_ZERO])
     if isinstance(zero, int):
         return zero
-    if isinstance(zero, tuple):  # ((pattern, stage), ...): pinned per parameter (the other mode's program)
-        names = node.meta.get(M.ALIASES, (str(node.target),))
-        for pattern, stage in reversed(zero):
-            if any(fnmatch.fnmatchcase(a, pattern) for a in names):
-                return int(stage)
+    if isinstance(zero, dict):  # {parameter name: stage}: pinned per parameter (Pinned.storage)
+        for name in (node.meta.get(M.PARAM), str(node.target), *node.meta.get(M.ALIASES, ())):
+            if name in zero:
+                return int(zero[name])
     return 0
 
 
@@ -101,7 +99,8 @@ class ShardStorage:
     phase: str = "plan"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        mesh, axis, zero = ctx.mesh, ctx.options.data_axis, ctx.options.zero
+        mesh, axis = ctx.mesh, ctx.options.data_axis
+        zero = dict(ctx.pinned.storage) if ctx.pinned is not None else ctx.options.zero
         stored: dict[int, list[str]] = {1: [], 2: [], 3: []}
         kept: list[str] = []
         for node in gm.graph.nodes:

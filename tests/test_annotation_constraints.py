@@ -21,7 +21,7 @@ GATHERS = ("all_gather", "all_to_all")
 def _compile(planner: str, plan=None, **kwargs):
     model, args, kw = models.mlp()
     compiled = autoshard.compile(model, autoshard.Mesh(model=2), args, kw,
-                                 plan=plan if plan is not None else {ANNOTATED: SPEC}, planner=planner, **kwargs)
+                                 annotations=plan if plan is not None else {ANNOTATED: SPEC}, planner=planner, **kwargs)
     return model, args, kw, compiled.plan
 
 
@@ -94,7 +94,7 @@ class _Transposed(torch.nn.Module):
 def test_value_computed_only_from_an_annotated_parameter_is_not_gathered(planner):
     torch.manual_seed(0)
     model, x = _Transposed(), torch.randn(4, 8)
-    plan = autoshard.compile(model, autoshard.Mesh(model=2), (x,), plan={"w": ("S(0)",)}, planner=planner).plan
+    plan = autoshard.compile(model, autoshard.Mesh(model=2), (x,), annotations={"w": ("S(0)",)}, planner=planner).plan
     gm = plan.graph_module
     pinned = _derived_only_from(gm, "w")
     for name, info in plan.collectives():
@@ -123,4 +123,4 @@ def test_impossible_annotation_names_the_parameter_and_the_op(planner):
     torch.manual_seed(0)
     model, x = _Cumsum(), torch.randn(4, 8)
     with pytest.raises(PlanError, match=r"cumsum.*parameter `w`.*annotation 'w'.*Annotate `w` with"):
-        autoshard.compile(model, autoshard.Mesh(model=2), (x,), plan={"w": ("S(1)",)}, planner=planner)
+        autoshard.compile(model, autoshard.Mesh(model=2), (x,), annotations={"w": ("S(1)",)}, planner=planner)

@@ -168,7 +168,7 @@ def test_every_pass_is_in_the_one_pass_list():
 
     everything = manager.pass_list(Options(planner="search", moe=MoE(layers="*", num_experts=2), zero=3,
                                            recompute="blocks.*", precision=MixedPrecision(),
-                                           context=ContextParallel()),
+                                           context_parallel=ContextParallel()),
                                    pipeline=manager.PipelineOptions(stages=2),
                                    program=manager.ProgramOptions(bucket_grads=True))
     listed = {type(p) for phase in everything.values() for p in phase}
@@ -191,7 +191,7 @@ def test_generated_code_names_operators_for_every_collective():
 
     model, args, kwargs = models.gpt(layers=1)
     mesh = autoshard.Mesh(data=2, model=2)
-    code = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan.code(0)
+    code = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan.code(0)
     assert "torch.ops.autoshard.all_reduce.default(" in code
     assert "autoshard_runtime_collective_ops" not in code
 
@@ -383,12 +383,12 @@ def test_a_plan_records_exactly_the_listed_passes():
 
     model, args, kwargs = models.gpt(layers=1)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), zero=3,
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"), zero=3,
                              recompute="blocks.*", precision=MixedPrecision(), planner="greedy").plan
     listed = manager.pass_list(plan.context.options)
     plan_names = tuple(p.name for p in listed["plan"])
     assert plan.graph_module.meta[M.PASSES_RUN] == plan_names
-    ran = tuple(plan.rank_module(1).meta[M.PASSES_RUN])
+    ran = tuple(plan.rank_program(1).meta[M.PASSES_RUN])
     options = [manager.pass_list(plan.context.options, program=manager.ProgramOptions(bucket_grads=b))["rank"]
                for b in (False, True)]
     assert ran in [plan_names + tuple(p.name for p in rank) for rank in options], ran

@@ -48,7 +48,7 @@ def _saved_masks(loss) -> dict[int, int]:
 
 def _run_rank0(plan, args, kwargs):
     def body(rank):
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         a, k = plan.shard_inputs(rank, args, kwargs)
         return module, _saved_masks(loss_of(module(*a, **k)))
 

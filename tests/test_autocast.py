@@ -147,7 +147,7 @@ def _step(rank, comm=None, case=None):
     from its one global generator at once)."""
     model, args, kwargs = _gpt() if case is None else copy.deepcopy(case)
     mesh = autoshard.Mesh(data=2, model=2)
-    sharded = autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm)
+    sharded = autoshard.compile(model, mesh, annotations=models.megatron(mesh, "gpt"), comm=comm)
     a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
     with _autocast():
         loss = loss_of(sharded(*a))
@@ -251,7 +251,7 @@ def test_simulate_under_autocast_runs_the_ranks_under_autocast():
     case = _gpt()
     model, args, kwargs = copy.deepcopy(case)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan
     with _autocast():
         sim = plan.simulate(args, kwargs)
     _check_bf16(sim, case)
@@ -348,7 +348,7 @@ def _forward_under_autocast(plan, args, kwargs):
     world = SimWorld(plan.mesh)
 
     def body(rank):
-        module = plan.rank_module(rank).train(plan.training)
+        module = plan.rank_program(rank).train(plan.training)
         a, k = plan.shard_inputs(rank, args, kwargs)
         with running(module), _autocast():
             out = module(*a, **k)
@@ -395,7 +395,7 @@ def test_hf_mixtral_experts_under_autocast_equal_eager_autocast():
     model, args, kwargs = copy.deepcopy(case)
     experts = {"model.layers.*.mlp.experts.gate_up_proj": (Replicate(), Shard(0)),
                "model.layers.*.mlp.experts.down_proj": (Replicate(), Shard(0))}
-    plan = autoshard.compile(model, autoshard.Mesh(data=2, model=2), args, kwargs, plan=experts).plan
+    plan = autoshard.compile(model, autoshard.Mesh(data=2, model=2), args, kwargs, annotations=experts).plan
     assert "hf_experts" in plan.code(0)
     losses, grads, dtypes = _forward_under_autocast(plan, args, kwargs)
     refs = []

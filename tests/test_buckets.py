@@ -16,14 +16,14 @@ from examples import models
 
 def _gpt_plan(mesh, layers=2):
     model, args, kwargs = models.gpt(layers=layers)
-    return autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan, args, kwargs
+    return autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan, args, kwargs
 
 
 def _run(plan, args, kwargs, cap, steps=2):
     """Every rank: ``steps`` backward passes without zero_grad (so accumulation is covered); grads and log."""
 
     def body(rank):
-        module = plan.rank_module(rank, bucket_grads=cap is not None)
+        module = plan.rank_program(rank, bucket_grads=cap is not None)
         bucketer = GradBucketer(module, bucket_cap_mb=cap) if cap is not None else None
         a, k = plan.shard_inputs(rank, args, kwargs)
         for _ in range(steps):
@@ -82,7 +82,7 @@ def test_buckets_are_cut_as_ddp_cuts_them(cap):
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
 
     def body(rank):
-        module = plan.rank_module(rank, bucket_grads=True)
+        module = plan.rank_program(rank, bucket_grads=True)
         bucketer = GradBucketer(module) if cap is None else GradBucketer(module, bucket_cap_mb=cap)
         return [b.names for b in bucketer.buckets], bucketer.params
 
@@ -96,23 +96,23 @@ def test_buckets_are_cut_as_ddp_cuts_them(cap):
 
 def test_codegen_lists_only_parameters_whose_sync_it_dropped():
     plan, _, _ = _gpt_plan(autoshard.Mesh(data=2, model=2), layers=1)
-    module = plan.rank_module(0, bucket_grads=True)
+    module = plan.rank_program(0, bucket_grads=True)
     syncs = dict(module.meta[GRAD_SYNC])
     assert syncs["blocks.0.attn.q.weight"] == ("data",)
     assert syncs["blocks.0.attn.out.bias"] == ("data",)  # no `model` sync: its gradient passes straight through
     code = module.code
     assert "grad_all_reduce.default(blocks_0_attn_q_weight" not in code
     assert "linears_grad_all_reduce.default(layer_norm" in code  # activation syncs (Megatron's f) stay
-    assert GRAD_SYNC not in plan.rank_module(0).meta
+    assert GRAD_SYNC not in plan.rank_program(0).meta
 
 
 def test_bucketer_needs_a_sync_list():
     plan, _, _ = _gpt_plan(autoshard.Mesh(model=2), layers=1)
     world = SimWorld(autoshard.Mesh(model=2))
     with pytest.raises(AutoshardError, match="bucket_grads=True"):
-        world.run(lambda r: GradBucketer(plan.rank_module(r)))
+        world.run(lambda r: GradBucketer(plan.rank_program(r)))
     with pytest.raises(AutoshardError, match="bucket_cap_mb is 0"):
-        world.run(lambda r: GradBucketer(plan.rank_module(r, bucket_grads=True), bucket_cap_mb=0))
+        world.run(lambda r: GradBucketer(plan.rank_program(r, bucket_grads=True), bucket_cap_mb=0))
 
 
 MESH = {"data": 2, "model": 2}
@@ -125,7 +125,7 @@ def _gloo_worker(rank, world_size):
         model, args, kwargs = models.gpt(layers=1)
         mesh = autoshard.Mesh(**MESH)
         sm = autoshard.compile(
-            model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), comm=comm, bucket_cap_mb=cap
+            model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"), comm=comm, bucket_cap_mb=cap
         )
         a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
         comm.log.clear()
@@ -160,7 +160,7 @@ def test_bucket_buffer_is_reused_only_when_nothing_else_holds_it():
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
 
     def body(rank):
-        module = plan.rank_module(rank, bucket_grads=True)
+        module = plan.rank_program(rank, bucket_grads=True)
         GradBucketer(module)
         a, k = plan.shard_inputs(rank, args, kwargs)
         p = next(module.parameters())
@@ -194,7 +194,7 @@ def test_autograd_stores_each_gradient_in_its_bucket_without_a_copy():
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs).plan
 
     def body(rank):
-        module = plan.rank_module(rank, bucket_grads=True)
+        module = plan.rank_program(rank, bucket_grads=True)
         bucketer = GradBucketer(module)
         stored = {}
         for name, p in bucketer.params.items():

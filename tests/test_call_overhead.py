@@ -151,8 +151,8 @@ def test_which_programs_let_the_check_carry_their_first_collective():
             (DropoutMLP(), (x, t), autoshard.Mesh(data=2), None, False),
             (gpt, args, autoshard.Mesh(data=2), None, True),
             (gpt, args, autoshard.Mesh(model=2), {k: (v,) for k, v in models.MEGATRON["gpt"].items()}, False)):
-        plan = autoshard.compile(copy.deepcopy(model), mesh, inputs, plan=ann).plan
-        assert first_collective_carries(plan.rank_module(0, bucket_grads=True)) is carries, (type(model), mesh)
+        plan = autoshard.compile(copy.deepcopy(model), mesh, inputs, annotations=ann).plan
+        assert first_collective_carries(plan.rank_program(0, bucket_grads=True)) is carries, (type(model), mesh)
 
 
 def test_rank_programs_are_quiet_until_their_first_collective_unless_they_change_state():
@@ -163,12 +163,12 @@ def test_rank_programs_are_quiet_until_their_first_collective_unless_they_change
                                     (models.MLP(16, 32), autoshard.Mesh(data=2), None, True),
                                     (DropoutMLP(), MODEL, MEGATRON_MLP, True),
                                     (NormMLP(), autoshard.Mesh(data=2), None, False)):
-        plan = autoshard.compile(model, mesh, (x, t), plan=ann).plan
-        assert quiet_until_collective(plan.rank_module(0, bucket_grads=True)) is quiet, type(model).__name__
+        plan = autoshard.compile(model, mesh, (x, t), annotations=ann).plan
+        assert quiet_until_collective(plan.rank_program(0, bucket_grads=True)) is quiet, type(model).__name__
     gpt, args, _ = models.gpt(layers=1)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(gpt, mesh, args, plan=models.megatron(mesh, "gpt")).plan
-    assert quiet_until_collective(plan.rank_module(0, bucket_grads=True))
+    plan = autoshard.compile(gpt, mesh, args, annotations=models.megatron(mesh, "gpt")).plan
+    assert quiet_until_collective(plan.rank_program(0, bucket_grads=True))
 
 
 def _refused_call(model, mesh, ann, how, rank, comm):
@@ -178,7 +178,7 @@ def _refused_call(model, mesh, ann, how, rank, comm):
     collectives the refused call recorded, random draws it made, buffers it changed)."""
     x, t = _inputs()
     local = tuple(autoshard.data_shard(v, mesh, rank) for v in (x, t))
-    sharded = autoshard.compile(model, mesh, (x, t), plan=ann, comm=comm)
+    sharded = autoshard.compile(model, mesh, (x, t), annotations=ann, comm=comm)
     loss_of(sharded(*local)).backward()
     if how == "eval":
         sharded.eval()
@@ -253,7 +253,7 @@ def test_ranks_that_planned_differently_are_refused_with_the_check_overlapped():
 
     def rank(r):
         comm = world.communicator(r)
-        sharded = autoshard.compile(models.MLP(16, 32), MODEL, (x, t), plan=MEGATRON_MLP if r == 0 else None,
+        sharded = autoshard.compile(models.MLP(16, 32), MODEL, (x, t), annotations=MEGATRON_MLP if r == 0 else None,
                                     comm=comm)
         return _errors(lambda: loss_of(sharded(x, t)).backward()), len(comm.log)
 
@@ -267,10 +267,10 @@ def _train(model, rank, comm, mesh, ann, steps=3):
     """Three AdamW steps of the ShardedModule and of its bare rank program from ``model``'s weights: every gradient
     (local tensors) and loss of each step, and the alias objects the ShardedModule's calls read."""
     x, t = _inputs()
-    sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=ann, comm=comm)
+    sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, t), annotations=ann, comm=comm)
     local = tuple(autoshard.data_shard(v, mesh, rank) for v in (x, t))
-    plan = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=ann).plan
-    bare = plan.rank_module(rank, weights=model, bucket_grads=True)
+    plan = autoshard.compile(copy.deepcopy(model), mesh, (x, t), annotations=ann).plan
+    bare = plan.rank_program(rank, weights=model, bucket_grads=True)
     from autoshard.runtime import use
     from autoshard.runtime.buckets import GradBucketer
 
@@ -397,8 +397,8 @@ def _gloo_calls(rank: int, world_size: int) -> dict:
         comm = DistCommunicator(mesh, timeout=60)
         torch.manual_seed(0)
         model = models.MLP(16, 32)
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=ann, comm=comm)
-        bare = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=ann).plan.rank_module(
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, t), annotations=ann, comm=comm)
+        bare = autoshard.compile(copy.deepcopy(model), mesh, (x, t), annotations=ann).plan.rank_program(
             rank, weights=model, bucket_grads=True)
         GradBucketer(bare, comm=comm)
         local = tuple(autoshard.data_shard(v, mesh, rank) for v in (x, t))

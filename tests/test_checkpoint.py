@@ -42,7 +42,7 @@ def new_model(seed: int = 0):
 
 
 def compile_gpt(model, mesh, comm=None, **kw):
-    return autoshard.compile(model, mesh, plan=models.megatron(mesh, "gpt"), comm=comm, planner="greedy", **kw)
+    return autoshard.compile(model, mesh, annotations=models.megatron(mesh, "gpt"), comm=comm, planner="greedy", **kw)
 
 
 def assert_state_close(got: dict, want: dict, steps: int) -> None:
@@ -194,7 +194,7 @@ def test_full_state_dict_of_hf_gpt2_goes_back_to_save_pretrained(tmp_path):
     ann = models.megatron(mesh, "hf_gpt2")
 
     def body(rank, comm):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, comm=comm, planner="greedy")
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, comm=comm, planner="greedy")
         a, k = sharded.plan.shard_inputs(rank, args, kwargs)
         out = sharded(*a, **k)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)

@@ -160,7 +160,7 @@ def test_a_simulated_sharded_load_refuses_a_damaged_checkpoint(tmp_path):
     _, (x, t), _ = models.mlp()
 
     def body(rank):
-        sharded = autoshard.compile(models.mlp()[0], mesh, (x, t), plan=models.megatron(mesh, "mlp"),
+        sharded = autoshard.compile(models.mlp()[0], mesh, (x, t), annotations=models.megatron(mesh, "mlp"),
                                     comm=world.communicator(rank), planner="greedy")
         autoshard.load(sharded, path)
         autoshard.load(sharded, path, optimizer=torch.optim.Adam(sharded.parameters()))
@@ -319,7 +319,7 @@ def test_a_simulated_sharded_save_that_crashes_between_its_renames_loads(tmp_pat
     autoshard.save(old, path)
 
     def body(rank, world, path):  # threads: each compiles a copy (no RNG use in threads)
-        sharded = autoshard.compile(copy.deepcopy(new), mesh, (x, t), plan=models.megatron(mesh, "mlp"),
+        sharded = autoshard.compile(copy.deepcopy(new), mesh, (x, t), annotations=models.megatron(mesh, "mlp"),
                                     comm=world.communicator(rank), planner="greedy")
         autoshard.save(sharded, path)
 
@@ -329,7 +329,7 @@ def test_a_simulated_sharded_save_that_crashes_between_its_renames_loads(tmp_pat
     world = SimWorld(mesh, timeout=60)
 
     def reload(rank):
-        sharded = autoshard.compile(models.mlp()[0], mesh, (x, t), plan=models.megatron(mesh, "mlp"),
+        sharded = autoshard.compile(models.mlp()[0], mesh, (x, t), annotations=models.megatron(mesh, "mlp"),
                                     comm=world.communicator(rank), planner="greedy")
         autoshard.load(sharded, path)
         return autoshard.full_state_dict(sharded)

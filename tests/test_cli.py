@@ -238,7 +238,7 @@ def test_code_wraps_long_lines_into_the_same_program(capsys, monkeypatch):
     assert _widths(out) <= 80, [ln for ln in out.splitlines() if len(ln) > 80]
     model, args, kwargs = models.gpt(layers=1)
     mesh = autoshard.Mesh(model=2)
-    original = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan.code(1)
+    original = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan.code(1)
     assert max(map(len, original.splitlines())) > 80  # there was something to wrap
     assert ast.dump(ast.parse(out)) == ast.dump(ast.parse(original))
 
@@ -303,7 +303,7 @@ def test_plan_show_prints_the_summary_for_repeated_layers():
 
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan
     for nodes, start in ((None, "plan for GPT"), (True, "autoshard plan: GPT")):
         buf = io.StringIO()
         plan.show(Console(file=buf, width=72), nodes=nodes)

@@ -174,7 +174,7 @@ def test_context4_saves_at_most_035_of_the_attention_activations():
 
     def measure(p):
         def body(rank):
-            module = p.rank_module(rank)
+            module = p.rank_program(rank)
             a, k = p.shard_inputs(rank, args, kwargs)
             return _saved_by_attention(loss_of(module(*a, **k)))
 
@@ -233,7 +233,7 @@ def _gloo_worker(rank, world_size):
     for mesh in GLOO_MESHES:
         _, args, kwargs, plan = _compiled(mesh, "ring")
         comm = DistCommunicator(plan.mesh, timeout=120)
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         a, k = plan.shard_inputs(rank, args, kwargs)
         with use(comm):
             loss = loss_of(module(*a, **k))

@@ -26,7 +26,6 @@ import autoshard
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "bench" / "README.md"]
-POSITIONAL = ("model", "mesh", "example_inputs", "example_kwargs")
 
 
 def test_readme_is_short():
@@ -35,8 +34,12 @@ def test_readme_is_short():
     assert not [i for i, ln in enumerate(lines, 1) if len(ln) > 120]
 
 
-def _options_table() -> dict[str, str]:
-    body = README.split("The options of `autoshard.compile", 1)[1]
+OPTIONS = (ROOT / "docs" / "options.md").read_text()
+
+
+def _options_table(heading: str) -> dict[str, str]:
+    """{option: default} of the table under the ``## heading...`` of docs/options.md."""
+    body = OPTIONS.split("## " + heading, 1)[1]
     rows = {}
     for line in body.splitlines()[1:]:
         if line.startswith("## "):
@@ -47,24 +50,44 @@ def _options_table() -> dict[str, str]:
     return rows
 
 
-def test_options_table_is_compiles_signature():
-    params = inspect.signature(autoshard.compile).parameters
-    table = _options_table()
-    assert list(table) == [p for p in params if p not in POSITIONAL]
+def _check_table(table: dict[str, str], params: dict) -> None:
+    assert list(table) == list(params), (list(table), list(params))
     for name, default in table.items():
-        assert default == repr(params[name].default).replace("'", '"'), (name, default, params[name].default)
+        assert default == repr(params[name]).replace("'", '"'), (name, default, params[name])
+
+
+def test_options_tables_are_the_signatures():
+    """docs/options.md's tables are plan's keywords, Search's fields and apply's keywords, in order, with their
+    defaults; compile takes both sets (and its shorthand, listed in the doc)."""
+    import dataclasses
+
+    plan = {n: p.default for n, p in inspect.signature(autoshard.plan).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    search = {f.name: f.default for f in dataclasses.fields(autoshard.Search)}
+    apply = {n: p.default for n, p in inspect.signature(autoshard.apply).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    _check_table(_options_table("What to shard, and explicit choices"), plan)
+    _check_table(_options_table("How the search chooses"), search)
+    _check_table(_options_table("How to run it here"), apply)
+    compile_ = {n for n, p in inspect.signature(autoshard.compile).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    shorthand = set(re.findall(r"`(\w+)(?:=|`)", OPTIONS.split("## `autoshard.compile`", 1)[1]))
+    assert compile_ <= set(plan) | set(apply) | shorthand, compile_ - set(plan) - set(apply) - shorthand
+    assert (set(plan) | set(apply)) - compile_ == set(), (set(plan) | set(apply)) - compile_
 
 
 def test_options_named_in_readme_code_exist():
-    params = set(inspect.signature(autoshard.compile).parameters)
+    known = set(inspect.signature(autoshard.compile).parameters) | set(inspect.signature(autoshard.plan).parameters)
+    known |= set(inspect.signature(autoshard.apply).parameters) | {f.name for f in __import__("dataclasses").fields(
+        autoshard.Search)}
     code = "\n".join(re.findall(r"```python\n(.*?)```", README, flags=re.S))
-    calls = re.findall(r"autoshard\.compile\((.*?)\)\n", code, flags=re.S)
+    calls = re.findall(r"autoshard\.(?:compile|plan|apply|Search)\((.*?)\)\n", code, flags=re.S)
     assert calls
     named = {k for call in calls for k in re.findall(r"\b(\w+)=", call)}
-    assert named and named <= params, named - params
-    prose = set(re.findall(r"`(\w+)=", README))  # `planner="search"`, `zero=1`, ... in the tables and text
+    assert named and named <= known, named - known
+    prose = set(re.findall(r"`(\w+)=", README))  # `zero=1`, ... in the tables and text
     others = {"microbatches", "schedule", "layers", "num_experts", "use_cache"}  # Pipeline, MoE, the HF config
-    assert prose <= params | others, prose - params
+    assert prose <= known | others, prose - known
 
 
 @pytest.mark.parametrize("path", [ROOT / "README.md", *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
@@ -241,7 +264,7 @@ def test_design_pass_diagram_is_the_pass_list():
 
     from autoshard.passes import manager
 
-    options = manager.Options(moe=object(), recompute="blocks.*", planner="search", zero=3, context=object(),
+    options = manager.Options(moe=object(), recompute="blocks.*", planner="search", zero=3, context_parallel=object(),
                               precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16))
     passes = manager.pass_list(options, manager.PipelineOptions(stages=2), manager.ProgramOptions(bucket_grads=True))
     diagram = (ROOT / "docs" / "design.md").read_text().split("plan phase — ", 1)[1].split("──runtime──", 1)[0]

@@ -26,7 +26,7 @@ def test_dropout_masks_agree_where_replicated_and_loss_is_the_global_mask_loss()
     model = DropMLP()
     x = torch.randn(8, 16)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, (x,), plan={"fc1.weight": ("R", "S(0)"), "fc1.bias": ("R", "S(0)"),
+    plan = autoshard.compile(model, mesh, (x,), annotations={"fc1.weight": ("R", "S(0)"), "fc1.bias": ("R", "S(0)"),
                                                        "fc2.weight": ("R", "S(1)")}).plan
     sim = plan.simulate((x,))
     losses = [loss_of(o).item() for o in sim.outputs]

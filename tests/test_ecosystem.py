@@ -42,7 +42,7 @@ def _ranks(layout: str, mesh_axes: dict | None = None, **extra):
     opts = {**opts, **extra}
     ann = models.megatron(mesh, name) if opts.pop("megatron", False) else None
     world = SimWorld(mesh, timeout=120)
-    ranks = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, comm=world.communicator(r), **opts)
+    ranks = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, comm=world.communicator(r), **opts)
              for r in range(mesh.size)]
     return model, args, kwargs, world, ranks
 
@@ -374,7 +374,7 @@ def _recipe_options(variant, limit):
     mesh = autoshard.Mesh(data=2, model=2)
     if variant == "search":
         return mesh, dict(planner="search", memory_limit=limit)
-    return mesh, dict(plan=models.megatron(mesh, "hf_llama"), zero=variant)
+    return mesh, dict(annotations=models.megatron(mesh, "hf_llama"), zero=variant)
 
 
 def _gloo_recipe(rank, world_size, variant, path, limit=None):

@@ -38,7 +38,7 @@ def check(name: str, mesh_axes: dict, megatron: bool, planner: str = "greedy", p
     model, args, kwargs = models.FACTORIES[name](**factory_kwargs)
     mesh = autoshard.Mesh(**mesh_axes)
     ann = models.megatron(mesh, name) if megatron else None
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=ann, planner=planner, profile=profile).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=ann, planner=planner, profile=profile).plan
     ref_loss, ref_grads = reference(model, args, kwargs)
     sim = plan.simulate(args, kwargs)
     for rank, out in enumerate(sim.outputs):
@@ -82,7 +82,7 @@ def test_gradient_through_getitem_of_a_multi_output_op():
     torch.manual_seed(0)
     model, x = _ChunkFeedsColumnParallel(), torch.randn(4, 8)
     mesh = autoshard.Mesh(model=2)
-    plan = autoshard.compile(model, mesh, (x,), plan={"b.weight": ("S(0)",), "b.bias": ("S(0)",)}).plan
+    plan = autoshard.compile(model, mesh, (x,), annotations={"b.weight": ("S(0)",), "b.bias": ("S(0)",)}).plan
     ref_loss, ref_grads = reference(model, (x,), {})
     sim = plan.simulate((x,))
     torch.testing.assert_close(loss_of(sim.outputs[0]).detach(), ref_loss, rtol=1e-5, atol=1e-6)

@@ -109,7 +109,7 @@ def _mlp():
 def _compile(mesh, plan=None, model=None, **kw):
     m, args, kwargs = _mlp()
     return autoshard.compile(model or m, autoshard.Mesh(**mesh) if isinstance(mesh, dict) else mesh, args, kwargs,
-                             plan=plan, **kw)
+                             annotations=plan, **kw)
 
 
 def _run_mlp_on_data2(call):
@@ -277,7 +277,7 @@ TRIGGERS = {
     "model-not-module": lambda: autoshard.compile(lambda x: x, autoshard.Mesh(x=2), (torch.ones(2),)),
     "untraceable-model": lambda: autoshard.compile(Branchy(), autoshard.Mesh(x=2), (torch.ones(4, 8),)),
     "unsupported-op": lambda: autoshard.compile(Det(), autoshard.Mesh(x=2), (torch.ones(4, 8),),
-                                                plan={"fc.weight": ("S(0)",)}, on_unsupported="error"),
+                                                annotations={"fc.weight": ("S(0)",)}, on_unsupported="error"),
     # meshes
     "mesh-no-axes": lambda: autoshard.Mesh(),
     "mesh-axis-name": lambda: autoshard.Mesh({"2d": 2}),
@@ -286,7 +286,7 @@ TRIGGERS = {
     "mesh-text": lambda: autoshard.Mesh.parse("data:2"),
     "mesh-type": lambda: _compile([2, 2]),
     "mesh-unknown-axis": lambda: autoshard.Mesh(data=2).index("model"),
-    "rank-outside-mesh": lambda: _compile({"data": 2}).rank_module(2),
+    "rank-outside-mesh": lambda: _compile({"data": 2}).rank_program(2),
     "world-size-mismatch": _world_size_mismatch,
     "no-process-group": _no_dist,
     # annotations and options
@@ -392,7 +392,7 @@ def test_running_on_a_communicator_of_another_mesh_is_detected():
     world = autoshard.runtime.SimWorld(autoshard.Mesh(data=2, model=2), timeout=30)
 
     def body(rank):
-        sharded = autoshard.compile(model, mesh4, (x, t), plan=models.megatron(mesh4, "mlp"),
+        sharded = autoshard.compile(model, mesh4, (x, t), annotations=models.megatron(mesh4, "mlp"),
                                     comm=world.communicator(rank))
         return sharded(x, t)
 

@@ -177,7 +177,7 @@ def test_invalid_memory_limit_option():
 # ---------------------------------------------------------------------------------------------------------
 def test_annotation_with_indivisible_dim():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Head(), Mesh(model=2), (_x(),), plan={"fc.weight": (Shard(0),)})
+        autoshard.compile(Head(), Mesh(model=2), (_x(),), annotations={"fc.weight": (Shard(0),)})
     msg = str(info.value)
     assert msg.startswith("annotation 'fc.weight' on `")  # subject
     assert "has dim 0 of size 3 sharded on axis `model` of size 2, but 3 is not divisible by 2" in msg  # cause
@@ -186,7 +186,7 @@ def test_annotation_with_indivisible_dim():
 
 def test_annotation_naming_no_parameter_lists_examples():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), plan={"up.wieght": (Shard(0),)})
+        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), annotations={"up.wieght": (Shard(0),)})
     msg = str(info.value)
     assert msg.startswith("annotation 'up.wieght' names no parameter or input of the model")
     assert "but every annotation must match at least one" in msg
@@ -196,7 +196,7 @@ def test_annotation_naming_no_parameter_lists_examples():
 
 def test_placement_dim_out_of_range():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Head(), Mesh(model=2), (_x(),), plan={"fc.weight": (Shard(5),)})
+        autoshard.compile(Head(), Mesh(model=2), (_x(),), annotations={"fc.weight": (Shard(5),)})
     msg = str(info.value)
     assert msg.startswith("annotation 'fc.weight' on `")
     assert "has Shard(5) on axis `model`, but the tensor has shape [3, 8] (2 dims)" in msg
@@ -205,7 +205,7 @@ def test_placement_dim_out_of_range():
 
 def test_placement_tuple_of_wrong_length():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),), plan={"up.weight": (Shard(0),)})
+        autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),), annotations={"up.weight": (Shard(0),)})
     msg = str(info.value)
     assert msg.startswith("annotation 'up.weight' on `")
     assert ("has a placement tuple of length 1, but mesh Mesh(data=2, model=2) has 2 axes ['data', 'model']"
@@ -217,12 +217,12 @@ def test_annotation_that_is_not_a_tuple():
     with pytest.raises(PlanError, match=r"^annotation 'up\.weight' has 'S\(0\)', but must be a tuple with one "
                                         r"placement per mesh axis \['data', 'model'\], e\.g\. \(Replicate\(\), "
                                         r"Shard\(0\)\)\.$"):
-        autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),), plan={"up.weight": "S(0)"})
+        autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),), annotations={"up.weight": "S(0)"})
 
 
 def test_same_dim_sharded_on_two_axes():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),), plan={"up.weight": (Shard(0), Shard(0))})
+        autoshard.compile(Mlp(), Mesh(data=2, model=2), (_x(),), annotations={"up.weight": (Shard(0), Shard(0))})
     msg = str(info.value)
     assert msg.startswith("annotation 'up.weight' on `")
     assert "shards dim 0 on both axes `data` and `model`" in msg
@@ -231,7 +231,7 @@ def test_same_dim_sharded_on_two_axes():
 
 def test_placement_that_is_not_a_placement():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), plan={"up.weight": (42,)})
+        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), annotations={"up.weight": (42,)})
     msg = str(info.value)
     assert msg.startswith("annotation 'up.weight' on `")
     assert msg.endswith("has placement 42 on axis `model`, but placements are Shard(d), Replicate() or Partial().")
@@ -239,7 +239,7 @@ def test_placement_that_is_not_a_placement():
 
 def test_partial_annotation_on_a_parameter_is_refused():
     with pytest.raises(PlanError) as info:
-        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), plan={"up.bias": (Partial(),)})
+        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), annotations={"up.bias": (Partial(),)})
     msg = str(info.value)
     assert msg.startswith("annotation 'up.bias' on `")
     assert "has Partial(), but a parameter cannot be Partial" in msg
@@ -249,7 +249,7 @@ def test_partial_annotation_on_a_parameter_is_refused():
 def test_placement_text_that_does_not_parse():
     with pytest.raises(PlanError, match=r"^placement text 'X\(1\)' is not one of R, P, S\(d\) \(or Replicate\(\), "
                                         r"Partial\(\), Shard\(d\)\)\.$"):
-        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), plan={"up.weight": ("X(1)",)})
+        autoshard.compile(Mlp(), Mesh(model=2), (_x(),), annotations={"up.weight": ("X(1)",)})
     assert parse_placement("S(1)") == Shard(1) and parse_placement("R") == Replicate()
     assert parse_placement("P") == Partial()
 

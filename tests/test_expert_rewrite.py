@@ -98,7 +98,7 @@ def reference_run(model, plan, path, opts, groups, args, activation="gelu"):
 def check_against_reference(mesh_axes, opts, batch=4, ann=None, factory="gpt", path="blocks.1.mlp", **kw):
     model, args, _ = models.FACTORIES[factory](batch=batch, seq=8, layers=2, hidden=32, **kw)
     mesh = autoshard.Mesh(**mesh_axes)
-    plan = autoshard.compile(model, mesh, args, moe=opts, plan=ann).plan
+    plan = autoshard.compile(model, mesh, args, moe=opts, annotations=ann).plan
     groups = plan.context.report["expert_rewrite"]["groups"]
     main, result, grads = reference_run(model, plan, path, opts, groups, args)
     sim = plan.simulate(args)
@@ -137,7 +137,7 @@ def test_expert_parallel_matches_reference_and_runs_four_all_to_alls(n):
         assert collective_counts(log, "backward")[("all_to_all", "data")] == 2
     specs = plan.param_specs()
     assert specs["blocks.1.mlp.experts.w1"] == (autoshard.Shard(0),)
-    assert plan.rank_module(1).get_submodule("blocks.1.mlp.experts").w1.shape == (4 // n, 32, 128)
+    assert plan.rank_program(1).get_submodule("blocks.1.mlp.experts").w1.shape == (4 // n, 32, 128)
 
 
 def test_expert_parallel_composes_with_model_axis():
@@ -146,7 +146,7 @@ def test_expert_parallel_composes_with_model_axis():
     ann = {"blocks.1.mlp.experts.w1": (S(0), S(2)), "blocks.1.mlp.experts.b1": (S(0), S(1)),
            "blocks.1.mlp.experts.w2": (S(0), S(1)), "blocks.1.mlp.experts.b2": (S(0), R())}
     plan, sim, _ = check_against_reference({"data": 2, "model": 2}, autoshard.MoE(**OPTS), ann=ann)
-    assert plan.rank_module(3).get_submodule("blocks.1.mlp.experts").w1.shape == (2, 32, 64)
+    assert plan.rank_program(3).get_submodule("blocks.1.mlp.experts").w1.shape == (2, 32, 64)
     assert collective_counts(sim.logs[0], "forward")[("all_to_all", "data")] == 2
 
 
@@ -427,7 +427,7 @@ def test_two_models_in_one_process_keep_their_own_records():
     assert autoshard.moe_stats(drops, rank=0)["blocks.1.mlp"]["dropped"] > 0
     assert autoshard.moe_stats(roomy, rank=0)["blocks.1.mlp"]["dropped"] == 0
     assert autoshard.moe_stats(rank=1) == autoshard.moe_stats(roomy, rank=1)  # no module: the last one that ran
-    assert autoshard.moe_stats(drops.rank_module(0), rank=0) == autoshard.moe_stats(drops, rank=0)
+    assert autoshard.moe_stats(drops.rank_program(0), rank=0) == autoshard.moe_stats(drops, rank=0)
     autoshard.compiler.moe.clear_records(drops)
     assert autoshard.moe_stats(drops, rank=0) == {} and autoshard.moe_stats(roomy, rank=0)
 

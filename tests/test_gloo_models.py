@@ -19,7 +19,7 @@ NAMES = ["mlp", "gpt", "hf_gpt2", "hf_llama"]
 def _plan(name):
     model, args, kwargs = models.FACTORIES[name](layers=1) if name != "mlp" else models.mlp()
     mesh = autoshard.Mesh(**MESH)
-    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name)).plan
+    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name)).plan
 
 
 def _worker(rank, world_size):
@@ -27,7 +27,7 @@ def _worker(rank, world_size):
     out = {}
     for name in NAMES:
         _, args, kwargs, plan = _plan(name)
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         a, k = plan.shard_inputs(rank, args, kwargs)
         comm.log.clear()
         with use(comm):

@@ -59,7 +59,7 @@ class Case:
             options["precision"] = autoshard.MixedPrecision(getattr(torch, options["precision"]))
         if "context_axis" in options:
             options["context_axis"] = autoshard.ContextParallel(*options["context_axis"].split(":"))
-        return autoshard.compile(model, mesh, args, kwargs, plan=plan, comm=comm, **options)
+        return autoshard.compile(model, mesh, args, kwargs, annotations=plan, comm=comm, **options)
 
     def compile(self) -> Plan:
         return self.sharded().plan
@@ -197,7 +197,7 @@ def _collectives(code: str, kind: str) -> int:
 def _params(plan: Plan, rank: int) -> dict:
     """Parameter name -> (local numel on ``rank``, global numel)."""
     global_ = dict(plan.graph_module.named_parameters())
-    return {n: (p.numel(), global_[n].numel()) for n, p in plan.rank_module(rank).named_parameters()}
+    return {n: (p.numel(), global_[n].numel()) for n, p in plan.rank_program(rank).named_parameters()}
 
 
 def _attention_collectives(case: Case, plan: Plan, rank: int):

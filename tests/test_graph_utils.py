@@ -37,3 +37,26 @@ def test_tensor_inputs_walks_nested_lists_tuples_and_dicts_in_pytree_order():
         x.meta["val"] = torch.empty(2)
     out = graph.call_function(torch.cat, ([a, (b, 3)],), {"z": {"k2": d, "k1": [c, None]}, "dim": 0})
     assert tensor_inputs(out) == _reference(out) == [a, b, d, c]
+
+
+def test_the_frontend_verifier_names_the_step_and_the_node():
+    """trace, layer reuse and precision tracing end with verify_traced, as each pass ends with the manager's
+    verifier: a node without its value, or a get_attr naming no tensor, is caught and blamed on the step."""
+    import pytest
+
+    from autoshard.errors import AutoshardError
+    from autoshard.frontend.graph_utils import verify_traced
+    from autoshard.frontend.trace import trace
+
+    gm = trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.ones(2, 4),))
+    assert verify_traced(gm, "trace") is gm
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    del node.meta["val"]
+    with pytest.raises(AutoshardError, match=rf"^frontend step 'layer_reuse' left node `{node.name}` .* without "):
+        verify_traced(gm, "layer_reuse")
+    gm = trace(torch.nn.Linear(4, 4), (torch.ones(2, 4),))
+    gm.number = 3
+    attr = next(n for n in gm.graph.nodes if n.op == "get_attr")
+    attr.target = "number"
+    with pytest.raises(AutoshardError, match=r"reading `number`, which is neither a tensor nor a submodule"):
+        verify_traced(gm, "precision")

@@ -63,7 +63,7 @@ def test_dropless_equals_hugging_face_with_experts_sharded_and_four_all_to_alls(
         for p in ("gate_up_proj", "down_proj"):
             fqn = f"model.layers.{i}.mlp.experts.{p}"
             assert specs[fqn] == (autoshard.Shard(0),)
-            assert plan.rank_module(1).get_parameter(fqn).shape[0] == 2  # each rank holds half the experts
+            assert plan.rank_program(1).get_parameter(fqn).shape[0] == 2  # each rank holds half the experts
     for log in sim.logs:  # per MoE layer: dispatch and combine forward, their inverses backward
         assert collective_counts(log, "forward")[("all_to_all", "data")] == 2 * layers
         assert collective_counts(log, "backward")[("all_to_all", "data")] == 2 * layers
@@ -158,7 +158,7 @@ def _worker(rank, world_size):
     comm = DistCommunicator(autoshard.Mesh(data=2), timeout=60)
     model, args, kwargs = models.hf_mixtral(layers=2)
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs, moe=DROPLESS).plan
-    module = plan.rank_module(rank)
+    module = plan.rank_program(rank)
     a, kw = plan.shard_inputs(rank, args, kwargs)
     with use(comm):
         loss = loss_of(module(*a, **kw))

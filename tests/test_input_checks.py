@@ -1,5 +1,5 @@
 """Every entry that runs a plan checks its inputs and raises autoshard's errors (issue 22): ``Plan.simulate`` (global
-inputs), ``Plan.rank_module(r)(...)`` and the ShardedModule (local inputs, with the ``data_shard`` hint when the
+inputs), ``Plan.rank_program(r)(...)`` and the ShardedModule (local inputs, with the ``data_shard`` hint when the
 global batch comes instead), the pipelined module (the global batch of a step); an unknown hardware profile is a
 ``PlanError`` at compile (and a one-line CLI error); ``Plan.simulate`` runs the program of the module's mode."""
 
@@ -60,7 +60,7 @@ def test_simulate_with_another_batch_or_dtype():
 
 def test_rank_module_called_with_the_global_batch_gets_the_data_shard_hint():
     _, sm = _compiled()
-    module = sm.plan.rank_module(1)
+    module = sm.plan.rank_program(1)
     with pytest.raises(RuntimeShapeError) as info:
         module(_x(8))
     msg = str(info.value)
@@ -123,29 +123,28 @@ def test_cli_unknown_profile_is_one_error_line(capsys, monkeypatch):
 
 
 # ---- modes ------------------------------------------------------------------------------------------------------
-def test_simulate_follows_the_module_mode_and_train_flag():
+def test_sharded_simulate_follows_the_module_mode():
     model, sm = _compiled()
     x = _x(8)
     reference = copy.deepcopy(model).eval()(x)
     sm.eval()
-    sim = sm.plan.simulate((x,), backward=False)
+    sim = sm.simulate((x,), backward=False)
     assert torch.allclose(sim.outputs[0], reference, atol=1e-6), (sim.outputs[0], reference)
     sm.train()
-    explicit = sm.plan.simulate((x,), backward=False, train=False)
-    assert torch.allclose(explicit.outputs[0], reference, atol=1e-6)
     torch.manual_seed(1)
-    trained = sm.plan.simulate((x,), backward=False)  # the training program: dropout on
+    trained = sm.simulate((x,), backward=False)  # the training program: dropout on
     assert not torch.allclose(trained.outputs[0], reference, atol=1e-3)
+    # the plan itself runs the mode it was traced in, whatever its module's mode (no callback to the module)
+    sm.eval()
+    torch.manual_seed(1)
+    assert torch.equal(sm.plan.simulate((x,), backward=False).outputs[0], trained.outputs[0])
 
 
-def test_simulate_in_the_other_mode_without_the_module_is_a_plan_error():
+def test_plan_simulate_in_the_other_mode_is_a_plan_error():
     _, sm = _compiled()
-    plan = sm.plan
-    del sm
-    gc.collect()
     with pytest.raises(PlanError) as info:
-        plan.simulate((_x(8),), train=False)
+        sm.plan.simulate((_x(8),), train=False)
     msg = str(info.value)
     assert msg.startswith("Plan.simulate(train=False) needs the eval-mode program, but this plan was traced in "
                           "training mode")
-    assert "compile the model in eval mode" in msg
+    assert "sharded.simulate(...)" in msg and "plan the model in eval mode" in msg

@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, path: str):
         model = LlamaForCausalLM(config)
     mesh = autoshard.Mesh(**MESH)
     data = batches()
-    sharded = autoshard.compile(model, mesh, example_kwargs=data[0], plan=models.megatron(mesh, "hf_llama"),
+    sharded = autoshard.compile(model, mesh, example_kwargs=data[0], annotations=models.megatron(mesh, "hf_llama"),
                                 timeout=120, device="cpu")
     stats = autoshard.load(sharded, path)
     held = sum(local_of(t).numel() * t.element_size() for t in sharded.parameters())

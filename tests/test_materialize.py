@@ -57,7 +57,7 @@ def rank_programs(plan):
     """Every rank's program of ``plan`` with uninitialised memory for its shards (as a meta-built model has)."""
     out = []
     for rank in range(plan.mesh.size):
-        local = plan.rank_module(rank)
+        local = plan.rank_program(rank)
         local.to_empty(device="cpu")
         out.append(local)
     return out
@@ -91,7 +91,7 @@ def compiled():
         if name not in cache:
             meta, build, args, kwargs = meta_model(name)
             mesh = autoshard.Mesh(**MESH)
-            sharded = autoshard.compile(meta, mesh, args, kwargs, plan=models.megatron(mesh, name))
+            sharded = autoshard.compile(meta, mesh, args, kwargs, annotations=models.megatron(mesh, name))
             cache[name] = (sharded, build, args, kwargs)
         return cache[name]
 
@@ -120,7 +120,7 @@ def test_init_weights_equals_single_device_init_bit_for_bit(compiled, name):
         assert any(len(a) == 2 for a in tied), tied
     # the skeleton stays on meta and as it was (init can run again: same seed, same result)
     assert all(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()])
-    local = plan.rank_module(3)
+    local = plan.rank_program(3)
     local.to_empty(device="cpu")
     torch.manual_seed(SEED)
     init_local(skeleton, local, plan, 3)
@@ -136,7 +136,7 @@ def test_sharded_module_init_weights_then_trains_like_one_device():
     world = SimWorld(mesh, timeout=60)
     ranks = []
     for rank in range(mesh.size):
-        sharded = autoshard.compile(meta, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+        sharded = autoshard.compile(meta, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                                     comm=world.communicator(rank), device="cpu")
         with pytest.raises(AutoshardError, match="uninitialised"):
             sharded(*sharded.plan.shard_inputs(rank, args, kwargs)[0])
@@ -170,7 +170,7 @@ def test_init_callable_runs_in_apply_order():
 
     meta, build, args, kwargs = meta_model("gpt", layers=1)
     mesh = autoshard.Mesh(**MESH)
-    sharded = autoshard.compile(meta, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"))
+    sharded = autoshard.compile(meta, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"))
     plan = sharded.plan
     locals_ = rank_programs(plan)
     for rank, local in enumerate(locals_):
@@ -210,7 +210,7 @@ class Normed(nn.Module):
 def _plan(model_cls, spec=("S(0)",)):
     with torch.device("meta"):
         meta = model_cls()
-    plan = autoshard.compile(meta, autoshard.Mesh(model=2), (torch.randn(4, 8),), plan={"lin.weight": spec}).plan
+    plan = autoshard.compile(meta, autoshard.Mesh(model=2), (torch.randn(4, 8),), annotations={"lin.weight": spec}).plan
     return meta, plan
 
 

@@ -28,13 +28,13 @@ def _params(model) -> dict[str, torch.Tensor]:
 def test_megatron_parameter_bytes_are_half_plus_replicated(name):
     model, args, kwargs = models.FACTORIES[name](layers=2)
     mesh = autoshard.Mesh(model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name)).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name)).plan
     params = _params(model)
     total = sum(p.numel() * p.element_size() for p in params.values())
     replicated = sum(p.numel() * p.element_size() for n, p in params.items() if re.search(REPLICATED[name], n))
     assert replicated > 0
     for rank in range(mesh.size):
-        local = sum(p.numel() * p.element_size() for p in plan.rank_module(rank).parameters())
+        local = sum(p.numel() * p.element_size() for p in plan.rank_program(rank).parameters())
         expected = replicated + (total - replicated) / 2
         assert abs(local - expected) <= 0.01 * expected, (local, expected)
         assert local == expected  # exact: every non-replicated parameter is split in two
@@ -45,7 +45,7 @@ def test_gpt_block_runs_two_all_reduces_forward_and_two_backward(n):
     model, (x,), _, ann = models.gpt_block()
     bsh = x.numel()
     mesh = autoshard.Mesh(model=n)
-    plan = autoshard.compile(model, mesh, (x,), plan=ann).plan
+    plan = autoshard.compile(model, mesh, (x,), annotations=ann).plan
     sim = plan.simulate((x,), {})
     for log in sim.logs:
         big = [r for r in log if r.numel == bsh]
@@ -62,7 +62,7 @@ def test_megatron_model_forward_all_reduces_per_layer(name):
     layers = 3
     model, args, kwargs = models.FACTORIES[name](layers=layers)
     mesh = autoshard.Mesh(model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name)).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name)).plan
     sim = plan.simulate(args, kwargs)
     ids = args[0] if args else kwargs["input_ids"]
     bsh = ids.numel() * 64

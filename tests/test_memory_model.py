@@ -58,7 +58,7 @@ def _measure(rank, world_size, name, tags):
             options["recompute"] = "blocks.*" if name == "gpt" else "model.layers.*"
         with use(comm):
             sharded = autoshard.compile(model, mesh, args, kwargs or None, comm=comm,
-                                        plan=models.megatron(mesh, name) if megatron else None, **options)
+                                        annotations=models.megatron(mesh, name) if megatron else None, **options)
             a, k = sharded.plan.shard_inputs(rank, args, kwargs or None)
             opt = torch.optim.Adam(sharded.parameters(), lr=1e-3, foreach=False)
             loss_of(sharded(*a, **k)).backward()
@@ -98,7 +98,7 @@ def test_breakdown_by_kind_follows_the_zero_stage_and_precision():
     model, args, _ = models.gpt()
     costs = {}
     for tag, options in (("0", {}), ("3", {"zero": 3}), ("bf16", BF16)):
-        plan = autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"), **options).plan
+        plan = autoshard.compile(model, mesh, args, annotations=models.megatron(mesh, "gpt"), **options).plan
         costs[tag] = plan.cost().memory
     plain, zero3, bf16 = costs["0"], costs["3"], costs["bf16"]
     assert plain.stages == {0: plain.stages[0]} and zero3.stages.get(3, 0) > 0

@@ -115,7 +115,7 @@ def test_megatron_bf16_equals_the_policy_on_one_device(name):
     # two GPT layers: one traced, one copied by layer reuse (both must read masters); one HF Llama layer (time)
     model, args, kwargs = _model(name, layers=2 if name == "gpt" else 1)
     mesh = autoshard.Mesh(**MESH)
-    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, name),
+    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, name),
                              precision=BF16).plan
     sim = plan.simulate(args, kwargs)
     ref_loss, ref_grads = _under_policy(model, args, kwargs, BF16)
@@ -130,7 +130,7 @@ def test_megatron_bf16_equals_the_policy_on_one_device(name):
     # bf16 computes: the gradients are not the fp32 model's
     assert max(_rel(grads[n], g, 1e-6) for n, g in fp32_grads.items() if g.norm() > 0) > 1e-3
     # the program: parameters stay fp32 (the masters), every matmul runs in bf16, the Megatron plan is kept
-    rank1 = plan.rank_module(1)
+    rank1 = plan.rank_program(1)
     assert {p.dtype for p in rank1.parameters()} == {torch.float32}
     casts = [n for n in plan.graph_module.graph.nodes if n.meta.get(M.PRECISION_CAST)]
     params = {n for n in plan.graph_module.graph.nodes if n.op == "get_attr" and n.meta.get(M.REQUIRES_GRAD)}
@@ -139,7 +139,7 @@ def test_megatron_bf16_equals_the_policy_on_one_device(name):
         assert n.meta[M.SPEC] == n.args[0].meta[M.SPEC]  # the cast runs where the parameter lies (its shard)
     linears = [n for n in plan.graph_module.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert linears and all(n.meta["val"].dtype == torch.bfloat16 for n in linears)
-    fp32_plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, name)).plan
+    fp32_plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, name)).plan
     assert _kinds(plan) == _kinds(fp32_plan)
     # gradient syncs of parameters run on the bf16 compute copies (reduce_dtype defaults to param_dtype)
     syncs = [n for n in plan.graph_module.graph.nodes if is_kind(n, "grad_all_reduce")
@@ -155,7 +155,7 @@ def test_reduce_dtype_fp32_syncs_gradients_on_the_fp32_masters():
     model, args, kwargs = _model("gpt")
     mesh = autoshard.Mesh(**MESH)
     policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
-    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                              precision=policy).plan
     graph = plan.graph_module.graph
     syncs = [n for n in graph.nodes if is_kind(n, "grad_all_reduce") and n.args[0].op == "get_attr"]
@@ -175,7 +175,7 @@ def test_reduce_dtype_between_casts(reduce_dtype, zero):
     policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=reduce_dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # parameters too small to shard over the data axis are named in a warning
-        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                                  precision=policy, zero=zero).plan
     assert plan.context.report["reduce_precision"]["cast_around"] > 0
     for n in plan.graph_module.graph.nodes:
@@ -191,7 +191,7 @@ def test_reduce_dtype_under_zero2_is_named_in_a_warning():
     model, args, kwargs = _model("gpt")
     policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
     with pytest.warns(UserWarning, match=r"reduce_dtype=torch.float32\) is not honoured for \d+ parameter"):
-        autoshard.compile(model, autoshard.Mesh(**MESH), args, kwargs, plan=models.megatron(autoshard.Mesh(**MESH),
+        autoshard.compile(model, autoshard.Mesh(**MESH), args, kwargs, annotations=models.megatron(autoshard.Mesh(**MESH),
                           "gpt"), precision=policy, zero=2)
 
 
@@ -201,7 +201,7 @@ def test_zero3_gathers_bf16_copies_and_output_dtype_casts_the_loss():
     policy = autoshard.MixedPrecision(torch.bfloat16, output_dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # parameters too small to shard over the data axis are named in a warning
-        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                                  precision=policy, zero=3).plan
     gathers = [n for n in plan.graph_module.graph.nodes if M.COLLECTIVE in n.meta
                and n.meta[M.COLLECTIVE].kind.startswith("all_gather") and n.meta[M.COLLECTIVE].axes == ("data",)]
@@ -219,7 +219,7 @@ def test_zero3_gathers_bf16_copies_and_output_dtype_casts_the_loss():
 def test_floating_inputs_are_cast_and_get_fp32_gradients():
     model, (x,), _, plan = models.gpt_block()
     policy = autoshard.MixedPrecision(torch.bfloat16)
-    compiled = autoshard.compile(copy.deepcopy(model), autoshard.Mesh(model=2), (x,), plan=plan,
+    compiled = autoshard.compile(copy.deepcopy(model), autoshard.Mesh(model=2), (x,), annotations=plan,
                                  precision=policy).plan
     holder = next(n for n in compiled.graph_module.graph.nodes if n.op == "placeholder")
     assert holder.meta["val"].dtype == torch.float32  # the caller passes fp32
@@ -228,7 +228,7 @@ def test_floating_inputs_are_cast_and_get_fp32_gradients():
 
     def body(rank):
         xs = x.detach().clone().requires_grad_(True)  # no data axis: every rank takes the whole input
-        loss = compiled.rank_module(rank)(xs)
+        loss = compiled.rank_program(rank)(xs)
         loss.backward()
         return loss.detach(), xs.grad
 
@@ -268,7 +268,7 @@ def test_three_adamw_steps_update_fp32_masters_like_the_policy_on_one_device():
     world = SimWorld(mesh)
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                                     precision=policy, comm=world.communicator(rank))
         return _three_adamw_steps(sharded, rank, args, kwargs)
 
@@ -310,7 +310,7 @@ def test_memory_model_counts_fp32_masters_and_bf16_compute_copies():
     mesh = autoshard.Mesh(**MESH)
     costs = {}
     for policy in (None, BF16):
-        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+        plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                                  precision=policy).plan
         costs[policy] = plan.cost().memory
     fp32, bf16 = costs[None], costs[BF16]
@@ -351,7 +351,7 @@ def test_autocast_region_shards_and_equals_eager_autocast(mesh_dims):
     plan = {k: v for k, v in _MLP_PLAN.items()} if "model" in mesh_dims else {}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "no sharding rule ... runs replicated" warning
-        compiled = autoshard.compile(copy.deepcopy(model), mesh, (x, t), plan=plan).plan
+        compiled = autoshard.compile(copy.deepcopy(model), mesh, (x, t), annotations=plan).plan
     graph = compiled.graph_module.graph
     assert not [n for n in graph.nodes if "autocast" in str(n.target)]
     linears = [n for n in graph.nodes if n.target is torch.ops.aten.linear.default]
@@ -434,7 +434,7 @@ def _gloo_worker(rank, world_size):
     for name, policy in _GLOO_CASES.items():
         model, args, kwargs = _model(name, layers=1)
         with use(comm):
-            sharded = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name),
+            sharded = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name),
                                         precision=policy, comm=comm)
             out[name] = _three_adamw_steps(sharded, rank, args, kwargs)
     return out

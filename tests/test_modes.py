@@ -58,7 +58,7 @@ def test_eval_and_train_follow_the_mode_as_eager_does(traced_in):
     ref_eval = ref.eval()(x, y).item()
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), plan=_megatron_mlp(mesh))
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), annotations=_megatron_mlp(mesh))
         xs, ys = autoshard.data_shard(x, mesh, rank), autoshard.data_shard(y, mesh, rank)
         sharded.eval()
         assert not sharded.training
@@ -95,7 +95,7 @@ def test_eval_mode_without_dropout_equals_eager_training_branch_too():
     ref_eval = copy.deepcopy(model).eval()(x, y).item()
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), plan={"fc1.weight": (autoshard.Shard(0),)})
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), annotations={"fc1.weight": (autoshard.Shard(0),)})
         a = sharded(x, y).item()
         b = sharded.train()(x, y).item()
         return a, b
@@ -134,7 +134,7 @@ def test_the_plan_keeps_no_weight_once_the_rank_program_exists():
     world = SimWorld(mesh)
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, plan=models.megatron(mesh, "gpt"),
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, annotations=models.megatron(mesh, "gpt"),
                                     comm=world.communicator(rank))
         local = sum(local_of(p).numel() for p in sharded.parameters())  # first use: this rank's program is made
         plan_tensors = [*sharded.plan.graph_module.parameters(), *sharded.plan.graph_module.buffers()]
@@ -157,7 +157,7 @@ def test_meta_built_model_needs_init_or_load_before_running():
     world = SimWorld(mesh)
 
     def body(rank):
-        sharded = autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"),
+        sharded = autoshard.compile(model, mesh, args, annotations=models.megatron(mesh, "gpt"),
                                     comm=world.communicator(rank), device="cpu")
         devices = {p.device.type for p in sharded.parameters()}
         try:
@@ -177,7 +177,7 @@ def _gloo_modes_worker(rank, world_size):
     x, y = _data()
     mesh = autoshard.Mesh(data=2, model=2)
     ref_eval = copy.deepcopy(model).eval()(x, y).item()
-    sharded = autoshard.compile(model, mesh, (x, y), plan=_megatron_mlp(mesh), timeout=60)
+    sharded = autoshard.compile(model, mesh, (x, y), annotations=_megatron_mlp(mesh), timeout=60)
     xs, ys = autoshard.data_shard(x, mesh, rank), autoshard.data_shard(y, mesh, rank)
     sharded.eval()
     with torch.no_grad():
@@ -214,7 +214,7 @@ def test_parameter_names_are_the_models_and_name_based_adamw_groups_equal_one_de
         return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, plan=models.megatron(mesh, "gpt"),
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, annotations=models.megatron(mesh, "gpt"),
                                     comm=world.communicator(rank))
         names = [n for n, _ in sharded.named_parameters()]
         opt = torch.optim.AdamW(groups(sharded.named_parameters()), lr=0.05, eps=EPS)
@@ -252,7 +252,7 @@ def test_autoshard_checkpoint_loads_into_a_meta_built_model_and_computes_its_uns
     ref = model(*args, **(kwargs or {})).loss.item()
 
     def save(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "hf_llama"),
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "hf_llama"),
                                     comm=world.communicator(rank))
         autoshard.save(sharded, path)
 
@@ -261,7 +261,7 @@ def test_autoshard_checkpoint_loads_into_a_meta_built_model_and_computes_its_uns
     def load(rank):
         with torch.device("meta"):  # each rank builds its own, as each process would
             meta_model = LlamaForCausalLM(model.config)
-        sharded = autoshard.compile(meta_model, mesh, args, kwargs, plan=models.megatron(mesh, "hf_llama"),
+        sharded = autoshard.compile(meta_model, mesh, args, kwargs, annotations=models.megatron(mesh, "hf_llama"),
                                     comm=world.communicator(rank), device="cpu")
         autoshard.load(sharded, path)
         out = sharded(*args, **(kwargs or {}))
@@ -286,7 +286,7 @@ def test_eval_of_a_searched_plan_that_gathers_parameters_for_compute_equals_eage
     specs, storage = sharded.plan.param_specs(), sharded.plan.param_storage()
     assert any(all(p.is_shard() for p in specs[n]) and n not in storage for n in specs)  # sharded twice, not ZeRO
     sharded.eval()
-    sim = sharded.plan.simulate(args, backward=False)
+    sim = sharded.simulate(args, backward=False)
     with torch.no_grad():
         ref = loss_of(model.eval()(*args))
     for out in sim.outputs:

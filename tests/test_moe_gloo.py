@@ -28,7 +28,7 @@ def _plan():
 def _worker(rank, world_size):
     comm = DistCommunicator(autoshard.Mesh(**MESH), timeout=60)
     _, args, _, plan = _plan()
-    module = plan.rank_module(rank)
+    module = plan.rank_program(rank)
     a, _ = plan.shard_inputs(rank, args)
     with use(comm):
         loss = loss_of(module(*a))

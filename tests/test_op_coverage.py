@@ -69,7 +69,7 @@ def check_running_stats(plan) -> None:
     ref(*args).backward()
 
     def body(rank):
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         a, k = plan.shard_inputs(rank, args, kwargs)
         loss_of(module(*a, **k)).backward()
         return {n: b.detach().clone() for n, b in module.named_buffers()}

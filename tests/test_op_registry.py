@@ -187,7 +187,7 @@ def test_toy_op_registered_in_one_place_is_sharded_end_to_end(toy_ops, mesh_axes
     model, x = Toy(), torch.randn(4, 8)
     ann = {"a.weight": ("S(0)",), "a.bias": ("S(0)",), "b.weight": ("S(0)",), "b.bias": ("S(0)",)} \
         if "model" in mesh_axes else None
-    plan = autoshard.compile(model, autoshard.Mesh(**mesh_axes), (x,), plan=ann).plan
+    plan = autoshard.compile(model, autoshard.Mesh(**mesh_axes), (x,), annotations=ann).plan
 
     # the toy ops are in the plan, sharded, and priced from their registry facets
     nodes = {n.target: n for n in plan.graph_module.graph.nodes if n.op == "call_function"}

@@ -17,7 +17,7 @@ from examples import models
 def test_codegen_fuses_column_parallel_linears_after_their_grad_all_reduce():
     model, args, kwargs = models.gpt(layers=1)
     mesh = autoshard.Mesh(model=2)
-    code = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan.code(0)
+    code = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan.code(0)
     fused = [ln for ln in code.splitlines() if "linears_grad_all_reduce.default(" in ln]
     # q/k/v share one (3 linears), fc1 one, the replicated LM head one: no plain grad_all_reduce on `model` is left
     assert [ln.split(";")[0].count("_weight") for ln in fused] == [3, 1, 1]
@@ -65,7 +65,7 @@ def _dp_bucketed_worker(rank, world_size):
     mesh = autoshard.Mesh(data=2, model=1)
     plan = autoshard.compile(model, mesh, args, kwargs).plan
     comm = DistCommunicator(mesh, timeout=60)
-    module = plan.rank_module(rank, bucket_grads=True)
+    module = plan.rank_program(rank, bucket_grads=True)
     GradBucketer(module, comm=comm)
     a, k = plan.shard_inputs(rank, args, kwargs)
     out = {}
@@ -117,11 +117,11 @@ def test_bucketed_mean_loss_with_weights_and_ignored_targets_equals_single_devic
     ref = model(x, y)
     ref.backward()
     plan = autoshard.compile(model, autoshard.Mesh(data=2), (x, y)).plan
-    code = plan.rank_module(0, bucket_grads=True).code
+    code = plan.rank_program(0, bucket_grads=True).code
     assert "cross_entropy_partial_mean" in code  # divides by the global count of (weighted) targets
 
     def body(rank):
-        module = plan.rank_module(rank, bucket_grads=True)
+        module = plan.rank_program(rank, bucket_grads=True)
         GradBucketer(module)
         a, _ = plan.shard_inputs(rank, (x, y))
         loss = loss_of(module(*a))

@@ -479,8 +479,6 @@ def test_bucket_cap_mb_is_checked_and_kept():
     assert PipelinedModule(model, mesh, options, args, pipeline=PIPE, bucket_cap_mb=2).bucket_cap_mb == 2
 
 
-@pytest.mark.xfail(strict=True, reason="autoshard.compile does not pass bucket_cap_mb= to PipelinedModule yet "
-                                       "(autoshard/api/sharded_module.py, the lead's)")
 def test_compile_gives_bucket_cap_mb_to_the_pipeline():
     model, args, _ = models.gpt(**SMALL)
     module = autoshard.compile(model, autoshard.Mesh(**PIPE_DATA), args, pipeline=PIPE, bucket_cap_mb=2)

@@ -117,7 +117,7 @@ def test_memory_limit_shards_parameters_and_holds():
     report = plan.context.report["plan_search"]
     assert report["memory_per_rank"] <= limit
     for rank in range(mesh.size):
-        local = sum(p.numel() * 4 for p in plan.rank_module(rank).parameters())  # real per-rank shards
+        local = sum(p.numel() * 4 for p in plan.rank_program(rank).parameters())  # real per-rank shards
         assert 4 * local <= limit
         assert local < 0.6 * replicated
     assert free.context.report["plan_search"]["step_time"] <= report["step_time"]
@@ -172,11 +172,11 @@ def test_meta_device_model_plans_without_weights_and_materialises_one_rank():
     plan = autoshard.compile(model_meta, mesh, args, planner="search", profile="gpu-8x-nvlink").plan
     assert plan.cost().step_time > 0
     assert "def forward" in plan.code(1)
-    meta_module = plan.rank_module(1)
+    meta_module = plan.rank_program(1)
     assert all(p.is_meta for p in meta_module.parameters())  # nothing materialised
     torch.manual_seed(0)
     real = models.GPT(vocab=1024, hidden=128, heads=16, layers=2, seq=32)
-    module = plan.rank_module(1, weights=real)  # only rank 1's shards are copied from the real weights
+    module = plan.rank_program(1, weights=real)  # only rank 1's shards are copied from the real weights
     specs = plan.param_specs()
     for name, p in module.named_parameters():
         full = real.get_parameter(name)

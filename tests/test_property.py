@@ -206,7 +206,7 @@ def check(mesh_axes, in_shape, ops, plan, final_mean=False, refusals: bool = Fal
     planner = os.environ.get("AUTOSHARD_PROPERTY_PLANNER", "greedy")
     fast = {"planner": planner} if "planner" in inspect.signature(autoshard.compile).parameters else {}
     try:
-        compiled = autoshard.compile(model, mesh, (x,), plan=dict(plan), **fast).plan
+        compiled = autoshard.compile(model, mesh, (x,), annotations=dict(plan), **fast).plan
     except autoshard.PlanError as e:
         if refusals and "as annotated" in str(e):
             return False

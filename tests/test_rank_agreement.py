@@ -41,7 +41,7 @@ def _errors(fn) -> str:
 def _eval_on_rank0_only(rank, comm=None):
     """The DDP habit: a training step on every rank, then `if rank == 0: evaluate()`, then the next step."""
     model, args = _gpt()
-    sharded = autoshard.compile(model, MESH, plan=models.megatron(MESH, "gpt"), comm=comm)
+    sharded = autoshard.compile(model, MESH, annotations=models.megatron(MESH, "gpt"), comm=comm)
     loss_of(sharded(*_local(args, rank))).backward()
 
     def next_calls():
@@ -59,7 +59,7 @@ def _planned_differently(rank, comm=None):
     """Rank 3 compiles with another annotation: its program differs from the others'."""
     model, args = _gpt()
     annotations = models.megatron(MESH, "gpt") if rank != 3 else None
-    sharded = autoshard.compile(model, MESH, plan=annotations, comm=comm)
+    sharded = autoshard.compile(model, MESH, annotations=annotations, comm=comm)
     return _errors(lambda: loss_of(sharded(*_local(args, rank))).backward())
 
 
@@ -181,8 +181,8 @@ def test_searched_plan_is_decided_on_rank0_in_the_simulator():
 
 def test_plan_digest_names_a_layout_change():
     model, args = _gpt()
-    a = autoshard.compile(model, MESH, args, plan=models.megatron(MESH, "gpt")).plan
-    b = autoshard.compile(_gpt()[0], MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    a = autoshard.compile(model, MESH, args, annotations=models.megatron(MESH, "gpt")).plan
+    b = autoshard.compile(_gpt()[0], MESH, args, annotations=models.megatron(MESH, "gpt")).plan
     c = autoshard.compile(_gpt()[0], MESH, args).plan
     assert a.digest() == b.digest() != c.digest()
 

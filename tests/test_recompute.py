@@ -81,7 +81,7 @@ def _sgd_step_per_rank(model, mesh, args, kwargs=None, plan=None, **options):
         regions = [n for n, m in sharded.local.named_modules() if n.rsplit(".", 1)[-1].startswith("recompute_")]
         return loss.item(), autoshard.full_state_dict(sharded), regions
 
-    compiled = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs or None, plan=plan,
+    compiled = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs or None, annotations=plan,
                                   comm=world.communicator(rank), **options) for rank in range(mesh.size)]
     return world.run(body)
 
@@ -112,7 +112,7 @@ def _saved_bytes(plan, args, rank=0) -> int:
     world = SimWorld(plan.mesh, timeout=120)
 
     def body(r):
-        module = plan.rank_module(r)
+        module = plan.rank_program(r)
         a, k = plan.shard_inputs(r, args)
         storages: dict[int, int] = {}
 
@@ -173,7 +173,7 @@ def test_dropout_in_a_region_draws_the_same_masks_when_recomputed():
     """Train mode, dropout inside the checkpointed blocks: the same loss and gradients as the same model without
     checkpoint on one device (autoshard's dropout draws one global mask per call; eager's stream differs)."""
     args = _data()
-    sharded = autoshard.compile(_ckpt_gpt(train=True), MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    sharded = autoshard.compile(_ckpt_gpt(train=True), MESH, args, annotations=models.megatron(MESH, "gpt")).plan
     single = autoshard.compile(_ckpt_gpt(ckpt=False, train=True), autoshard.Mesh(data=1), args).plan
     assert "torch.ops.autoshard.dropout" in single.code(0)
     got, want = sharded.simulate(args), single.simulate(args)
@@ -190,8 +190,8 @@ def test_dropout_in_a_region_draws_the_same_masks_when_recomputed():
 def test_recomputation_saves_fewer_bytes_than_the_plan_without():
     args = _data()
     plan = models.megatron(MESH, "gpt")
-    with_rc = _saved_bytes(autoshard.compile(_ckpt_gpt(), MESH, args, plan=plan).plan, args)
-    without = _saved_bytes(autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, plan=plan).plan, args)
+    with_rc = _saved_bytes(autoshard.compile(_ckpt_gpt(), MESH, args, annotations=plan).plan, args)
+    without = _saved_bytes(autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, annotations=plan).plan, args)
     print(f"saved for backward on rank 0 (GPT 2 layers, data=2 x model=2): {without} B without recomputation, "
           f"{with_rc} B with")
     assert 0 < with_rc < 0.7 * without
@@ -200,9 +200,9 @@ def test_recomputation_saves_fewer_bytes_than_the_plan_without():
 def test_a_region_runs_its_collectives_again_in_backward_on_every_rank():
     args = _data()
     plan = models.megatron(MESH, "gpt")
-    rc = autoshard.compile(_ckpt_gpt(), MESH, args, plan=plan).plan
-    plain = autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, plan=plan).plan
-    inside = [n for n in rc.rank_module(0).recompute_blocks_0.graph.nodes if n.target is torch.ops.autoshard.all_reduce.default]
+    rc = autoshard.compile(_ckpt_gpt(), MESH, args, annotations=plan).plan
+    plain = autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, annotations=plan).plan
+    inside = [n for n in rc.rank_program(0).recompute_blocks_0.graph.nodes if n.target is torch.ops.autoshard.all_reduce.default]
     assert len(inside) == 2  # the block's two Megatron all-reduces (attention out, MLP out)
     logs, base = rc.simulate(args).logs, plain.simulate(args).logs
     for log, ref in zip(logs, base):
@@ -220,10 +220,10 @@ def test_torch_compiled_rank_program_with_dropout_in_a_region_equals_eager():
     args = _data()
     torch.manual_seed(0)
     mesh = autoshard.Mesh(model=2)
-    plan = autoshard.compile(CkptGPT(layers=1).train(), mesh, args, plan=models.megatron(mesh, "gpt")).plan
+    plan = autoshard.compile(CkptGPT(layers=1).train(), mesh, args, annotations=models.megatron(mesh, "gpt")).plan
 
     def body(rank, compiled):
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         fn = torch.compile(module, fullgraph=True, backend="aot_eager") if compiled else module
         a, k = plan.shard_inputs(rank, args)
         loss = loss_of(fn(*a, **k))
@@ -245,8 +245,8 @@ def test_glob_recomputes_blocks_of_a_model_without_checkpoint_calls():
     plan = models.megatron(MESH, "gpt")
     results = _sgd_step_per_rank(model, MESH, args, plan=plan, recompute="blocks.*")
     _assert_equal_to_eager(results, *_eager_step(model, args), regions=2)
-    glob = autoshard.compile(copy.deepcopy(model), MESH, args, plan=plan, recompute="blocks.*").plan
-    plain = autoshard.compile(copy.deepcopy(model), MESH, args, plan=plan).plan
+    glob = autoshard.compile(copy.deepcopy(model), MESH, args, annotations=plan, recompute="blocks.*").plan
+    plain = autoshard.compile(copy.deepcopy(model), MESH, args, annotations=plan).plan
     assert list(recompute_regions(glob.graph_module)) == ["blocks.0", "blocks.1"]
     with_rc, without = _saved_bytes(glob, args), _saved_bytes(plain, args)
     print(f"saved for backward on rank 0 (recompute='blocks.*'): {without} B without, {with_rc} B with")
@@ -256,11 +256,11 @@ def test_glob_recomputes_blocks_of_a_model_without_checkpoint_calls():
 def test_regions_written_by_another_pass_are_honoured():
     """What the plan search does under recompute="auto": RECOMPUTE on a layer's nodes of the planned graph."""
     model, args, _ = models.gpt(layers=2)
-    plan = autoshard.compile(copy.deepcopy(model), MESH, args, plan=models.megatron(MESH, "gpt")).plan
+    plan = autoshard.compile(copy.deepcopy(model), MESH, args, annotations=models.megatron(MESH, "gpt")).plan
     for path, nodes in module_regions(plan.graph_module, "blocks.1").items():
         for n in nodes:
             n.meta[M.RECOMPUTE] = path
-    assert [n for n, _ in plan.rank_module(0).named_children() if n.startswith("recompute_")] == ["recompute_blocks_1"]
+    assert [n for n, _ in plan.rank_program(0).named_children() if n.startswith("recompute_")] == ["recompute_blocks_1"]
     sim = plan.simulate(args)
     ref = copy.deepcopy(model)
     loss = ref(*args)
@@ -292,7 +292,7 @@ def test_glob_matching_no_module_is_an_error_naming_the_paths():
 def test_a_region_with_an_in_place_buffer_write_is_refused():
     model, args, _ = models.conv_bn()
     with pytest.raises(PlanError, match="in-place write .* twice"):
-        autoshard.compile(model.train(), autoshard.Mesh(data=2), args, recompute="bn1").plan.rank_module(0)
+        autoshard.compile(model.train(), autoshard.Mesh(data=2), args, recompute="bn1").plan.rank_program(0)
 
 
 # ---- the rank pass on a graph of its own ---------------------------------------------------------------------
@@ -368,7 +368,7 @@ GLOO_MESH = autoshard.Mesh(model=2)
 def _gloo_plan():
     args = _data()
     return args, autoshard.compile(_ckpt_gpt(train=True), GLOO_MESH, args,
-                                   plan=models.megatron(GLOO_MESH, "gpt")).plan
+                                   annotations=models.megatron(GLOO_MESH, "gpt")).plan
 
 
 def _gloo_worker(rank, world_size):
@@ -376,7 +376,7 @@ def _gloo_worker(rank, world_size):
 
     comm = DistCommunicator(GLOO_MESH, timeout=60)
     args, plan = _gloo_plan()
-    module = plan.rank_module(rank)
+    module = plan.rank_program(rank)
     a, k = plan.shard_inputs(rank, args)
     with use(comm):  # as a ShardedModule's call: the communicator is active for the forward only
         loss = loss_of(module(*a, **k))

@@ -30,7 +30,7 @@ TOLERANCE = 0.01
 
 
 def _plan(model, args, kwargs=None, moe=None, **options):
-    from autoshard.api.sharded_module import _with_moe
+    from autoshard.api.planning import with_moe as _with_moe
 
     opts = make_options(None, "data", "replicate", MESH, planner="search", **options)
     opts = _with_moe(opts, moe) if moe is not None else opts

@@ -42,8 +42,8 @@ def _x():
 def _plans():
     model, x = BlockLoss(), _x()
     mesh = autoshard.Mesh(model=2)
-    megatron = autoshard.compile(model, mesh, (x,), plan=ANN).plan
-    sp = autoshard.compile(model, mesh, (x,), plan={**ANN, "x": ("S(1)",)}, sequence_parallel=True).plan
+    megatron = autoshard.compile(model, mesh, (x,), annotations=ANN).plan
+    sp = autoshard.compile(model, mesh, (x,), annotations={**ANN, "x": ("S(1)",)}, sequence_parallel=True).plan
     return model, x, megatron, sp
 
 
@@ -88,7 +88,7 @@ def _saved_bytes(plan, x) -> list[int]:
     """Per rank: bytes of the distinct tensors autograd saves for backward (activation memory)."""
 
     def body(rank):
-        module = plan.rank_module(rank)
+        module = plan.rank_program(rank)
         (a,), _ = plan.shard_inputs(rank, (x,))
         seen: dict[int, int] = {}
         params = {p.data_ptr() for p in module.parameters()}
@@ -121,7 +121,7 @@ def test_sequence_parallel_reduces_activation_memory_per_rank(plans):
 def test_sequence_parallel_gpt_on_data_and_model_axes_equals_single_device():
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), sequence_parallel=True).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"), sequence_parallel=True).plan
     assert "reduce_scatter" in plan.code(0)
     ref_loss, ref_grads = reference(model, args, kwargs)
     sim = plan.simulate(args, kwargs)
@@ -150,15 +150,15 @@ def test_search_shards_norms_along_the_sequence_when_activation_memory_binds():
 
     model, x, mesh, profile = Big(), torch.randn(8, 128, 256), autoshard.Mesh(model=2), "gpu-8x-nvlink"
     ann = {**ANN, "x": ("S(1)",)}
-    megatron = autoshard.compile(model, mesh, (x,), plan=ANN).plan
-    sp = autoshard.compile(model, mesh, (x,), plan=ann, sequence_parallel=True).plan
+    megatron = autoshard.compile(model, mesh, (x,), annotations=ANN).plan
+    sp = autoshard.compile(model, mesh, (x,), annotations=ann, sequence_parallel=True).plan
     assert sp.cost(profile).memory.activations < megatron.cost(profile).memory.activations
     # a limit just above the least memory any plan needs (the search's own memory model says how much that is)
     with pytest.raises(autoshard.PlanError) as least:
-        autoshard.compile(model, mesh, (x,), plan=ann, planner="search", profile=profile, memory_limit=1)
+        autoshard.compile(model, mesh, (x,), annotations=ann, planner="search", profile=profile, memory_limit=1)
     limit = least.value.least_memory * 1.01
     searched = autoshard.compile(
-        model, mesh, (x,), plan=ann, planner="search", profile=profile, memory_limit=limit
+        model, mesh, (x,), annotations=ann, planner="search", profile=profile, memory_limit=limit
     ).plan
     assert searched.context.report["plan_search"]["memory_per_rank"] <= limit
     assert searched.cost(profile).memory_per_rank <= limit

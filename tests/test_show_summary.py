@@ -53,7 +53,7 @@ def test_overview_is_computed_from_the_plan():
 
     model, args, kwargs = gpt(layers=3)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=megatron(mesh, "gpt")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=megatron(mesh, "gpt")).plan
     o = plan_overview(plan)
     assert o["groups"]["blocks.*"] == [0, 1, 2]
     # every inserted collective is counted once: per instance x instances, or as a total

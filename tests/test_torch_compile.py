@@ -22,7 +22,7 @@ def _run(plan, args, kwargs, compiled, bucket: bool = False, fullgraph: bool = T
     """``compiled``: False (eager) or the torch.compile backend."""
 
     def body(rank):
-        module = plan.rank_module(rank, bucket_grads=bucket)
+        module = plan.rank_program(rank, bucket_grads=bucket)
         if bucket:
             GradBucketer(module)
         fn = torch.compile(module, backend=compiled, fullgraph=fullgraph) if compiled else module
@@ -61,7 +61,7 @@ def _fresh_dynamo():
 def test_inductor_compiled_megatron_mlp_equals_eager():
     model, args, kwargs = models.mlp()
     mesh = autoshard.Mesh(model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "mlp")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "mlp")).plan
     _check(_run(plan, args, kwargs, False), _run(plan, args, kwargs, "inductor"))
 
 
@@ -71,7 +71,7 @@ def test_inductor_compiled_megatron_mlp_equals_eager():
 def test_compiled_megatron_block_equals_eager():
     model, (x,), _, ann = models.gpt_block()
     x = x.detach()
-    plan = autoshard.compile(model, autoshard.Mesh(model=2), (x,), plan=ann).plan
+    plan = autoshard.compile(model, autoshard.Mesh(model=2), (x,), annotations=ann).plan
     _check(_run(plan, (x,), {}, False), _run(plan, (x,), {}, "aot_eager"))
 
 
@@ -87,7 +87,7 @@ def test_fullgraph_compiled_megatron_gpt_on_data2_model2_equals_eager():
     """The acceptance case: a Megatron GPT on data=2 x model=2, each rank's program one graph (no breaks)."""
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan
     _check(_run(plan, args, kwargs, False), _run(plan, args, kwargs, "aot_eager"))
 
 
@@ -95,7 +95,7 @@ def test_fullgraph_compiled_hf_llama_on_model2_equals_eager():
     pytest.importorskip("transformers")
     model, args, kwargs = models.hf_llama(layers=1)
     mesh = autoshard.Mesh(model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "hf_llama")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "hf_llama")).plan
     _check(_run(plan, args, kwargs, False), _run(plan, args, kwargs, "aot_eager"))
 
 
@@ -103,7 +103,7 @@ def test_fullgraph_compiled_program_equals_single_device():
     """Compiled rank programs of a 2-D GPT plan give the single-device loss and every gradient."""
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt")).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt")).plan
     got = _run(plan, args, kwargs, "aot_eager")
     ref = loss_of(model(*args, **kwargs))
     ref.backward()

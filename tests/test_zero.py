@@ -30,7 +30,7 @@ def _model(name):
 def _plan(name, stage, **kw):
     model, args, kwargs = _model(name)
     mesh = autoshard.Mesh(**MESH)
-    sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, name),
+    sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, name),
                                 zero=stage, **kw)
     return model, args, kwargs, sharded.plan
 
@@ -71,7 +71,7 @@ def test_each_stage_equals_one_device(name, stage):
     stored = plan.param_storage()
     assert stored and all(s.stage == stage for s in stored.values())
     # the collectives each stage is defined by, in rank 0's program
-    kinds = [kind_of(n).name for n in plan.rank_module(0).graph.nodes if kind_of(n) is not None]
+    kinds = [kind_of(n).name for n in plan.rank_program(0).graph.nodes if kind_of(n) is not None]
     if stage == 1:
         assert "all_gather_reshard" not in kinds and kinds.count("all_gather") >= len(stored)
     elif stage == 2:
@@ -80,7 +80,7 @@ def test_each_stage_equals_one_device(name, stage):
         assert "all_gather_reshard" not in kinds and kinds.count("all_gather_sync") >= len(stored) - 1
         assert kinds.count("all_gather_sync") + kinds.count("all_gather") >= len(stored)
     else:  # one gather per parameter, or several in one all_gather_reshard_group (passes/group_gathers.py)
-        grouped = sum(len(n.args[0]) for n in plan.rank_module(0).graph.nodes if kind_of(n) is not None
+        grouped = sum(len(n.args[0]) for n in plan.rank_program(0).graph.nodes if kind_of(n) is not None
                       and kind_of(n).name == "all_gather_reshard_group")
         assert kinds.count("all_gather_reshard") + grouped >= len(stored) and "all_gather_sync" not in kinds
 
@@ -102,7 +102,7 @@ def test_stage_3_frees_gathered_parameters_after_forward_and_gathers_them_again_
         world = SimWorld(plan.mesh)
 
         def body(rank, plan=plan, args=args, kwargs=kwargs):
-            module = plan.rank_module(rank)
+            module = plan.rank_program(rank)
             session, alive, regathers = run_resharded(module, *plan.shard_inputs(rank, args, kwargs))
             return len(session), alive, len(regathers), {n: p.grad for n, p in module.named_parameters()}
 
@@ -144,7 +144,7 @@ def test_parameters_that_cannot_be_sharded_are_named_in_a_warning():
     mesh = autoshard.Mesh(**MESH)
     model, args, _ = _model("gpt")
     with pytest.warns(UserWarning, match=r"zero=3: \d+ parameter\(s\) stay stored whole \(blocks\.0\.attn\.q\.bias"):
-        autoshard.compile(model, mesh, args, plan=models.megatron(mesh, "gpt"), zero=3)
+        autoshard.compile(model, mesh, args, annotations=models.megatron(mesh, "gpt"), zero=3)
 
 
 def test_bad_zero_options_are_refused():
@@ -164,7 +164,7 @@ def _gloo_worker(rank, world_size):
         for stage in (1, 2, 3):
             model, args, kwargs = _model(name)
             with use(comm):
-                sharded = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, name), zero=stage,
+                sharded = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name), zero=stage,
                                             comm=comm)
                 a, k = sharded.plan.shard_inputs(rank, args, kwargs)
                 opt = torch.optim.AdamW(sharded.parameters(), lr=0.01, eps=EPS)
@@ -246,7 +246,7 @@ def test_zero_3_composes_with_expert_parallel_moe():
     out = {}
     for stage in (0, 3):
         model, args, _ = models.gpt(batch=4, seq=8, layers=2, hidden=32)
-        plan = autoshard.compile(model, mesh, args, moe=opts, plan=models.megatron(mesh, "gpt"), zero=stage).plan
+        plan = autoshard.compile(model, mesh, args, moe=opts, annotations=models.megatron(mesh, "gpt"), zero=stage).plan
         out[stage] = (plan, plan.simulate(args))
     plan3, sim3 = out[3]
     _, sim0 = out[0]

@@ -31,7 +31,7 @@ def _plan(name, mesh_axes, layers=2):
     model, args, kwargs = models.FACTORIES[name](layers=layers)
     mesh = autoshard.Mesh(**mesh_axes)
     ann = models.megatron(mesh, name) if "model" in mesh_axes else None
-    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=ann, zero=3).plan
+    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, zero=3).plan
     return model, args, kwargs, plan
 
 
@@ -43,7 +43,7 @@ def _kinds(module) -> Counter:
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_grouped_program_equals_one_device(name, mesh):
     model, args, kwargs, plan = _plan(name, MESHES[mesh])
-    module = plan.rank_module(0)
+    module = plan.rank_program(0)
     assert _kinds(module)["all_gather_reshard_group"] == 3  # the root (embeddings, final norm, head) and 2 layers
     groups = [n for n in module.graph.nodes if kind_of(n) is not None and kind_of(n).name == "all_gather_reshard_group"]
     assert [len(g.args[5]) > 0 for g in groups] == [True, True, False]  # each starts the next one's gather
@@ -54,9 +54,9 @@ def test_grouped_program_equals_one_device(name, mesh):
 def test_grouped_gathers_compose_with_recomputed_blocks():
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(**MESHES["data=2 x model=2"])
-    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, plan=models.megatron(mesh, "gpt"), zero=3,
+    plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"), zero=3,
                              recompute="blocks.*").plan
-    assert _kinds(plan.rank_module(0))["all_gather_reshard_group"] == 3
+    assert _kinds(plan.rank_program(0))["all_gather_reshard_group"] == 3
     assert_simulated_equals_one_device(model, args, kwargs, plan)
 
 
@@ -66,7 +66,7 @@ def test_grouping_drops_the_collectives_and_moves_the_same_bytes(monkeypatch, me
     sims = {"grouped": grouped.simulate(args, kwargs)}
     monkeypatch.setattr(GroupGathers, "run", lambda self, gm, ctx: gm)  # the program before the pass
     _, _, _, single = _plan("gpt", MESHES[mesh])
-    assert _kinds(single.rank_module(0))["all_gather_reshard_group"] == 0
+    assert _kinds(single.rank_program(0))["all_gather_reshard_group"] == 0
     sims["single"] = single.simulate(args, kwargs)
     logs = {k: s.logs[0] for k, s in sims.items()}
 
@@ -93,7 +93,7 @@ def test_group_copies_are_freed_after_forward_and_gathered_again_once_per_group_
     world = SimWorld(plan.mesh)
 
     def body(rank):
-        session, alive, regathers = run_resharded(plan.rank_module(rank), *plan.shard_inputs(rank, args, kwargs))
+        session, alive, regathers = run_resharded(plan.rank_program(rank), *plan.shard_inputs(rank, args, kwargs))
         return alive, sum(isinstance(g, zero_runtime._GroupMember) for g in session.values()), len(regathers)
 
     for alive, members, regathers in world.run(body):

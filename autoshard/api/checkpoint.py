@@ -49,7 +49,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 import uuid
 import warnings
@@ -60,6 +59,7 @@ import torch
 from autoshard import meta as M
 from autoshard.errors import CheckpointError
 from autoshard.runtime.parameters import local_of
+from autoshard.runtime.torch_state import RANK_THREADS
 from autoshard.placements import Replicate, Shard, Spec, format_spec, shard_tensor
 
 __all__ = ["MARKER", "full_state_dict", "load", "save"]
@@ -69,8 +69,6 @@ MARKER = M.CHECKPOINT_MARKER
 FORMAT = "autoshard-dcp/2"
 FORMAT_V1 = "autoshard-dcp/1"  # written before checksums: loads unverified, with a warning
 _BLOCK = 1 << 22  # bytes read at a time when checksumming
-
-_DCP_LOCK = threading.Lock()  # simulated ranks (threads) read and write one at a time
 
 
 # ---- what a target holds ------------------------------------------------------------------------------------
@@ -305,7 +303,7 @@ def save(target, path: str | os.PathLike, optimizer: torch.optim.Optimizer | Non
         state = {f"model.{k}": v for k, v in full.items()}
         state.update({k: v for k, (_, v) in full_optim.items()})
         try:
-            with _DCP_LOCK:
+            with RANK_THREADS.exclusive():  # simulated ranks (threads) read and write one at a time
                 dcp.save(state, checkpoint_id=tmp, no_dist=True)
             integrity = _integrity(view, tmp)
         except _dcp_errors() as e:
@@ -870,7 +868,7 @@ def _load_checkpoint(target, path, optimizer) -> dict:
     full = {f"model.{plan[c]}": torch.empty(view.shapes[c], dtype=t.dtype) for c, t in view.local.items()}
     for key, (canon, t, shaped) in optim.items():
         full[key] = torch.empty(view.shapes[canon], dtype=t.dtype) if shaped else torch.empty_like(t)
-    with _DCP_LOCK:
+    with RANK_THREADS.exclusive():  # simulated ranks (threads) read and write one at a time
         _read(used, lambda: dcp.load(full, checkpoint_id=used, no_dist=True))
     with torch.no_grad():
         for c, t in view.local.items():

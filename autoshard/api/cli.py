@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "generated code of one rank (--code) or the plan as JSON (--json).")
     _add_plan_arguments(show, planner="greedy")
     plan = sub.add_parser("plan", help="search the best plan for a model factory and explain it",
-                          description="Compile MODULE:FACTORY with the exact plan search and print every node's "
+                          description="Compile MODULE:FACTORY with the plan search and print every node's "
                                       "strategy, cost and best rejected alternative, and the plan's estimated step "
                                       "time, memory and bytes per axis (--symbolic: the collectives' formulas).")
     _add_plan_arguments(plan, planner="search")
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def compile_default(name: str) -> Any:
     """The default of ``autoshard.compile``'s keyword ``name`` (the CLI's flags take the same defaults)."""
-    from autoshard.api.sharded_module import compile as compile_
+    from autoshard.api.entry import compile as compile_
 
     return inspect.signature(compile_).parameters[name].default
 
@@ -226,7 +226,7 @@ def show(args: argparse.Namespace) -> int:
     if args.plan is not None:
         annotations.update(load_plan(args.plan, mesh.names))
     with slow_step(f"autoshard: compiling {type(model).__name__} on {mesh}"):
-        sm = autoshard.compile(model, mesh, example_args, example_kwargs, plan=annotations,
+        sm = autoshard.compile(model, mesh, example_args, example_kwargs, annotations=annotations,
                                data_axis=args.data_axis, on_unsupported=args.on_unsupported, planner=args.planner,
                                profile=args.profile, memory_limit=args.memory_limit,
                                pipeline=autoshard.Pipeline.parse(args.pipeline) if args.pipeline else None,

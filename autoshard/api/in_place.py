@@ -41,7 +41,7 @@ def shard(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dic
     returned and compiles the rank programs."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from autoshard.api.sharded_module import compile as compile_sharded
+    from autoshard.api.entry import compile as compile_sharded
 
     target = model._orig_mod if isinstance(model, OptimizedModule) else model
     if not isinstance(target, torch.nn.Module):

@@ -27,7 +27,7 @@ its own init (the random streams stay aligned) and the tied tensor keeps the val
 module (``named_parameters()`` order) — which is what ``tie_weights()``, or re-assigning the tie, gives eager.
 
 The core works on ``(skeleton, local, plan, rank)`` (:func:`init_local`, :func:`load_local`) so it can be used
-on any rank program, e.g. ``plan.rank_module(rank).to_empty(device=...)`` for every rank in one process.
+on any rank program, e.g. ``plan.rank_program(rank).to_empty(device=...)`` for every rank in one process.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The user-facing entry point: ``autoshard.compile(model, mesh, ...)``.
 
 With ``example_inputs`` the plan is built at once, in one process, and can be inspected (``show``, ``code``,
-``rank_module``) before any process group exists. Without them the module is lazy, like ``torch.compile``: it
+``rank_program``) before any process group exists. Without them the module is lazy, like ``torch.compile``: it
 traces on the first call, taking the static shapes of that call — each rank passes its own data shard (dim 0
 split over the data axis, as with DDP), so the global batch is the local one times the data-axis size.
 
@@ -13,220 +13,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from autoshard.compiler.context import Options
+from autoshard.compiler.context import Options, Pinned
 from autoshard.errors import AutoshardError, MeshError, PlanError, RuntimeShapeError, TraceError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.runtime.parameters import default_device, local_slice
-from autoshard.placements import parse_placement
+from autoshard.api.planning import (  # noqa: F401  (make_options, memory_defaults, parse_bytes: compile's helpers)
+    job_communicator,
+    make_options,
+    memory_defaults,
+    parse_bytes,
+    plan_once,
+    with_moe,
+)
 from autoshard.compiler.plan import Plan, build_plan
-from autoshard.frontend.trace import GRAPH_LOCK
-
-
-def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict | None = None, *,
-            plan: dict | None = None, data_axis: str = "data", on_unsupported: str = "replicate",
-            planner: str = "greedy", profile="cpu-gloo", memory_limit: float | str | None = None,
-            optimizer: str = "adam", comm=None, timeout: float = 300.0, pipeline=None,
-            bucket_cap_mb: float | None = None, moe=None, sequence_parallel: bool = False,
-            device=None, zero: int | str | None = None, recompute: str | bool | None = None, precision=None,
-            context_axis=None, new_shapes: str = "plan", search_time_limit: float | None = None) -> ShardedModule:
-    """Shard ``model`` over ``mesh``.
-
-    ``plan`` maps glob patterns over parameter FQNs (or input names) to one placement per mesh axis, e.g.
-    ``{"transformer.h.*.mlp.c_fc.weight": (Replicate(), Shard(1))}``; annotations are hard constraints.
-
-    ``planner="greedy"`` (default) propagates op by op, fewest bytes first. ``planner="search"`` chooses every
-    other strategy by an exact search minimising the estimated step time for the hardware ``profile`` (a preset
-    name such as "cpu-gloo", "gpu-8x-nvlink", "multi-node", a TOML path, or a HardwareProfile) under
-    ``memory_limit`` bytes per rank (an int or text like "2GiB").
-
-    ``timeout`` (seconds): how long a collective waits for its peers under torch.distributed before raising
-    :class:`~autoshard.errors.CollectiveTimeoutError` (a peer died or hangs).
-
-    ``pipeline=autoshard.Pipeline(microbatches=..., schedule=..., split=...)`` cuts the model into stages over the
-    mesh's ``pipe`` axis and returns a :class:`autoshard.api.pipelined_module.PipelinedModule` (calling it runs one training
-    step, forward and backward, and returns the loss); see :mod:`autoshard.compiler.pipeline`.
-
-    ``moe=autoshard.MoE(layers="blocks.*.mlp", every=2, num_experts=8, top_k=2, ...)`` rewrites the chosen dense
-    FFNs as capacity-bounded Mixture-of-Experts layers with experts sharded over ``expert_axis`` (see
-    :mod:`autoshard.compiler.moe`); their auxiliary losses train with the model's loss, and
-    ``autoshard.moe_losses(module)`` / ``autoshard.moe_stats(module)`` report them after each forward.
-
-    ``bucket_cap_mb``: data-parallel gradient all-reduces run like DDP's, in buckets of this many MiB launched
-    asynchronously as gradients become ready during backward (:mod:`autoshard.runtime.buckets`; default as
-    DDP's: a 1 MiB first bucket, then 25 MiB); 0 runs one blocking all-reduce per parameter inside backward
-    instead. The gradients are identical either way.
-
-    ``sequence_parallel=True`` (greedy planner): at equal communication prefer sharded activations, so norms and
-    residuals between tensor-parallel layers run sharded along the sequence on the model axis (Megatron-SP:
-    reduce-scatter + all-gather in place of each all-reduce, less activation memory per rank). Annotate the
-    input's sequence dim, e.g. ``plan={"x": (Replicate(), Shard(1))}``, to start the model in that layout.
-
-    ``zero``: how parameters are stored over the data axis, apart from the layout they compute in (ZeRO/FSDP):
-    0 as computed; 1 sharded (optimizer state sharded too; gradients all-reduced, this rank's slice kept); 2 as 1
-    with gradients reduce-scattered; 3 as 2 with the gathered copy freed after forward and gathered again for
-    backward (FSDP's reshard-after-forward); ``"auto"`` (``planner="search"``) picks a stage per parameter under
-    ``memory_limit``. ``recompute``: recompute activations in backward instead of saving them — False (only the
-    model's own ``torch.utils.checkpoint`` regions), a glob over module paths (``"model.layers.*"``) or ``"auto"``
-    (``planner="search"``). Left out (None), both are ``"auto"`` when ``planner="search"`` has a ``memory_limit``
-    (the search then uses ZeRO storage and recomputation where the limit needs them, as it uses tensor
-    parallelism) and 0 / False otherwise; a value given explicitly always wins (``zero=0, recompute=False``: a
-    limited search without either). Hugging Face sparse-MoE experts need no ``moe=`` for this: their stacked weights
-    may be split on the expert dim or stored sharded like any parameter (:mod:`autoshard.frontend.hf_blocks`).
-    ``precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=...)``: compute in
-    ``param_dtype`` with the model's own dtype kept for the parameters the optimizer steps.
-
-    ``context_axis="context"`` (or ``autoshard.ContextParallel(axis, attention="ring"|"all_gather"|"ulysses",
-    balance=True)``): context parallelism — pass whole sequences; autoshard cuts them along that mesh axis
-    (head-tail for causal balance) and runs attention sequence-sharded (:mod:`autoshard.compiler.context_parallel`).
-
-    ``device``: where this rank's shards live (default: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU).
-    The model may be built under ``torch.device("meta")``: nothing is allocated until this rank's shards are, on
-    ``device``; fill them with ``sharded.init_weights()`` (the model's own init, module by module) or
-    ``autoshard.load(sharded, path)`` (a Hugging Face safetensors directory or an autoshard checkpoint). A model
-    built normally gives each rank its slices and is not kept: the ShardedModule holds only this rank's shards.
-
-    ``new_shapes="plan"`` (default): a call whose inputs differ from the example's (another batch size or sequence
-    length, another constant argument) is planned for them on its first call — every parameter and buffer pinned to
-    its layout in the plan, the same shards — and that program is cached per mode and input shapes (a notice after
-    8 of them: pad or bucket inputs). ``"error"``: such a call is a RuntimeShapeError.
-
-    ``search_time_limit`` (seconds, ``planner="search"``): how long the search may run (None: 120 s). A limit below
-    the least memory the search can bound (or prove within a few seconds) is refused before the search's walk; one
-    between that bound and the least-memory plan found is refused, saying so, when the search finds no plan in time.
-
-    To shard the model object itself, in place (as FSDP2's ``fully_shard``), use :func:`autoshard.shard`.
-    """
-    mesh = as_mesh(mesh)
-    options = make_options(plan, data_axis, on_unsupported, mesh, planner, profile, memory_limit, optimizer,
-                           sequence_parallel, zero, recompute, precision)
-    if context_axis is not None:
-        import dataclasses
-
-        from autoshard.compiler.context_parallel import as_context_parallel
-
-        options = dataclasses.replace(options, context=as_context_parallel(context_axis, mesh))
-    if search_time_limit is not None:
-        import dataclasses
-
-        if isinstance(search_time_limit, bool) or not isinstance(search_time_limit, (int, float)) or \
-                search_time_limit <= 0:
-            raise PlanError(f"option search_time_limit is {search_time_limit!r}, but must be a number of seconds > 0 "
-                            "(or None: 120 s).")
-        options = dataclasses.replace(options, search_time_limit=float(search_time_limit))
-    if moe is not None:
-        options = _with_moe(options, moe)
-    if pipeline is not None:
-        from autoshard.api.pipelined_module import PipelinedModule
-
-        return PipelinedModule(model, mesh, options, example_inputs, example_kwargs, pipeline, comm, timeout, device)
-    return ShardedModule(model, mesh, options, example_inputs, example_kwargs, comm, timeout, bucket_cap_mb, device,
-                         new_shapes)
-
-
-def _with_moe(options: Options, moe) -> Options:
-    import dataclasses
-
-    from autoshard.compiler.moe import MoE
-
-    if not isinstance(moe, MoE):
-        raise PlanError(f"option moe is {type(moe).__name__}, but must be an autoshard.MoE(layers=..., "
-                        "num_experts=..., ...).")
-    return dataclasses.replace(options, moe=moe)
-
-
-def parse_bytes(value) -> float | None:
-    """2_000_000, "2GiB", "512MB", "1.5 GB" -> bytes."""
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None if value is None else float(value)
-    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-             "tib": 2**40}
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    try:
-        return float(number) * units[unit]
-    except (KeyError, ValueError):
-        raise PlanError(f"memory_limit is {value!r}, but must be a number of bytes or text like '2GiB', '512MB'.") from None
-
-
-def memory_defaults(planner: str, memory_limit, zero=None, recompute=None) -> tuple[int | str, str | None]:
-    """``(zero, recompute)`` as the passes read them: a value left out (None) is ``"auto"`` when the search has a
-    memory limit (a user who sets a limit expects the search to use what it needs to meet it), else 0 / no
-    recomputation; ``recompute=False`` is an explicit "none" (stored as None)."""
-    limited = planner == "search" and memory_limit is not None
-    if zero is None:
-        zero = "auto" if limited else 0
-    if recompute is None:
-        recompute = "auto" if limited else None
-    elif recompute is False:
-        recompute = None
-    return zero, recompute
-
-
-def make_options(plan, data_axis: str, on_unsupported: str, mesh: Mesh, planner: str = "greedy",
-                 profile="cpu-gloo", memory_limit=None, optimizer: str = "adam",
-                 sequence_parallel: bool = False, zero: int | str | None = None, recompute: str | bool | None = None,
-                 precision=None) -> Options:
-    """The :class:`Options` of ``compile``'s keywords, checked (a :class:`PlanError` names the bad option); ``zero``
-    and ``recompute`` left out get :func:`memory_defaults`."""
-    if planner not in ("search", "greedy"):
-        raise PlanError(f"option planner is {planner!r}, but must be 'search' or 'greedy'.")
-    if optimizer not in ("adam", "adamw", "sgd", "sgd_momentum"):
-        raise PlanError(f"option optimizer is {optimizer!r}, but must be one of adam, adamw, sgd, sgd_momentum.")
-    if on_unsupported not in ("error", "replicate"):
-        raise PlanError(f"option on_unsupported is {on_unsupported!r}, but must be 'error' or 'replicate'.")
-    if not isinstance(data_axis, str):
-        raise PlanError(f"option data_axis is {data_axis!r}, but must be a mesh axis name such as 'data'.")
-    annotations = []
-    for pattern, spec in (plan or {}).items():
-        if isinstance(spec, str) or not isinstance(spec, (tuple, list)):
-            raise PlanError(f"annotation {pattern!r} has {spec!r}, but must be a tuple with one placement per "
-                            f"mesh axis {list(mesh.names)}, e.g. (Replicate(), Shard(0)).")
-        annotations.append((pattern, tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)))
-    if isinstance(zero, bool) or zero not in (None, 0, 1, 2, 3, "auto"):
-        raise PlanError(f"option zero is {zero!r}, but must be 0, 1, 2, 3 or 'auto' (or None: 'auto' when "
-                        "planner='search' has a memory_limit, else 0).")
-    if recompute is not None and recompute is not False and not isinstance(recompute, str):
-        raise PlanError(f"option recompute is {recompute!r}, but must be False (none), a glob over module paths "
-                        "such as 'model.layers.*', 'auto', or None ('auto' when planner='search' has a "
-                        "memory_limit, else none).")
-    zero, recompute = memory_defaults(planner, memory_limit, zero, recompute)
-    for name, value in (("zero", zero), ("recompute", recompute)):
-        if value == "auto" and planner != "search":
-            raise PlanError(f"option {name}='auto' lets the plan search choose, but planner is {planner!r}: pass "
-                            f"planner='search' (with a memory_limit), or give {name} explicitly.")
-    _check_profile(profile)
-    if precision is not None:
-        from autoshard.frontend.precision import MixedPrecision
-
-        if not isinstance(precision, MixedPrecision):
-            raise PlanError(f"option precision has type {type(precision).__name__}, but must be "
-                            "autoshard.MixedPrecision(param_dtype=..., reduce_dtype=...) or None.")
-    return Options(annotations=tuple(annotations), data_axis=data_axis, on_unsupported=on_unsupported,
-                   planner=planner, profile=profile, memory_limit=parse_bytes(memory_limit), optimizer=optimizer,
-                   sequence_parallel=bool(sequence_parallel), zero=zero, recompute=recompute, precision=precision)
-
-
-def _check_profile(profile) -> None:
-    """An unknown hardware profile is an error at compile, not at the first ``plan.cost()``."""
-    from autoshard.cost_models.profile import HardwareProfile, list_profiles, load_profile
-
-    if isinstance(profile, HardwareProfile):
-        return
-    if not isinstance(profile, (str, os.PathLike)):
-        raise PlanError(f"option profile has type {type(profile).__name__}, but must be a preset name "
-                        f"{list_profiles()}, the path of a profile TOML file, or an autoshard HardwareProfile.")
-    try:
-        load_profile(profile)
-    except PlanError as e:
-        raise PlanError(f"option profile={str(profile)!r}: {e}") from None
+from autoshard.runtime.torch_state import RANK_THREADS
 
 
 def data_shard(x: torch.Tensor, mesh, rank: int, axis: str = "data") -> torch.Tensor:
@@ -246,7 +51,8 @@ def meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
     """``model``'s module tree with every parameter and buffer on the meta device (same classes, same names, tied
     parameters still one object): what ``init_weights`` runs the model's own init on, module by module, and what
     eval/train programs are traced from. Costs no tensor memory; a model already on meta is its own skeleton."""
-    with GRAPH_LOCK:  # torch.export swaps a model's tensors for FakeTensors while it traces it (in another thread)
+    # torch.export swaps a model's tensors for FakeTensors while it traces it (in another rank thread, simulated)
+    with RANK_THREADS.exclusive():
         tensors = [*model.parameters(), *model.buffers()]
         if all(t.is_meta for t in tensors):
             return model
@@ -260,7 +66,7 @@ def meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class ShardedModule(torch.nn.Module):
-    """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_module``).
+    """This process's rank of a sharded model; also the handle on the plan (``show``, ``code``, ``rank_program``).
 
     What it holds: the plan, this rank's program (``local``, built by :meth:`materialize` on first use —
     ``parameters()``, ``init_weights()``, a call) with only this rank's shards on :attr:`device`, and the
@@ -271,7 +77,8 @@ class ShardedModule(torch.nn.Module):
     """
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
-                 timeout: float = 300.0, bucket_cap_mb: float | None = None, device=None, new_shapes: str = "plan"):
+                 timeout: float = 300.0, bucket_cap_mb: float | None = None, device=None, new_shapes: str = "plan",
+                 planned: Plan | None = None):
         super().__init__()
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or bucket_cap_mb < 0):
@@ -311,7 +118,9 @@ class ShardedModule(torch.nn.Module):
         self.training = model.training
         self._model = (model,)  # until the plan has its weights (a tuple keeps it out of this module's children)
         self._examples = None
-        if example_inputs is not None or example_kwargs is not None:
+        if planned is not None:  # autoshard.apply: the plan is made, and made for this model
+            self._adopt(planned, model, *planned.examples)
+        elif example_inputs is not None or example_kwargs is not None:
             args = () if example_inputs is None else (
                 example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
             self._build_plan(tuple(args), dict(example_kwargs or {}))
@@ -354,16 +163,19 @@ class ShardedModule(torch.nn.Module):
     # ---- the plan ---------------------------------------------------------------------------------------
     def _build_plan(self, args: tuple, kwargs: dict) -> None:
         model = self._model[0]
-        self._traced_training = model.training
         comm = self._job_communicator()
         from autoshard.runtime.notices import said_once
 
         with said_once(self._said):
-            plan = (build_plan(model, self.mesh, args, kwargs, self.options) if comm is None
-                    else self._planned_once(comm, model, args, kwargs, self.options))
-        with GRAPH_LOCK:  # the model may be shared with simulated ranks (threads) that trace it now
+            plan = (build_plan(model, self.mesh, args, kwargs, self.options) if comm is None  # a short traceback
+                    else plan_once(comm, model, self.mesh, args, kwargs, self.options))
+        self._adopt(plan, model, args, kwargs)
+
+    def _adopt(self, plan: Plan, model, args: tuple, kwargs: dict) -> None:
+        """Take ``plan`` (made for ``model`` on the global examples ``args``/``kwargs``) as this module's plan."""
+        self._traced_training = plan.training
+        with RANK_THREADS.exclusive():  # the model may be shared with simulated ranks (threads) that trace it now
             self.plan = plan
-            self.plan._mode_owner = weakref.ref(self)  # Plan.simulate follows this module's mode
             self._examples = (args, kwargs)
             structure, leaves = self._signature(args, kwargs)
             self._example_structure = structure
@@ -373,55 +185,14 @@ class ShardedModule(torch.nn.Module):
             self._call_numbers = {}
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
 
-    def _planned_once(self, comm, model, args: tuple, kwargs: dict, options: Options) -> Plan:
-        """:func:`build_plan` of ``model`` on this module's mesh, made so that every rank of a job runs the same one,
-        when every rank plans at this point together (``comm``: :meth:`_job_communicator`): rank 0 plans, recording
-        each decision that may differ between processes (``once``, :attr:`Context.once`: the time-limited search),
-        and hands them to every rank, which plans again replaying them (a failure on rank 0 is raised on every
-        rank). Without such a communicator each process plans alone, and every call compares plans
-        (:func:`autoshard.runtime.agreement.check_call`)."""
-        from autoshard.runtime.agreement import decide_once
-
-        if comm.rank == 0:
-            decisions: list = []
-
-            def record(decide):
-                decisions.append(decide())
-                return decisions[-1]
-
-            try:
-                plan = build_plan(model, self.mesh, args, kwargs, options, once=record)
-            except Exception as e:  # every rank waits for rank 0's plan: each must hear that there is none
-                decide_once(comm, lambda: ("error", type(e).__name__, str(e)))
-                raise
-            decide_once(comm, lambda: ("plan", decisions))
-            return plan
-        kind, *rest = decide_once(comm, None)  # rank 0 plans meanwhile; no lock held while waiting
-        if kind == "error":
-            from autoshard import errors
-
-            cls = getattr(errors, rest[0], None)
-            cls = cls if isinstance(cls, type) and issubclass(cls, AutoshardError) else AutoshardError
-            raise cls(f"rank 0 failed to plan ({rest[0]}): {rest[1]}")
-        replay = iter(rest[0])
-
-        def replayed(decide):
-            try:
-                return next(replay)
-            except StopIteration:
-                raise PlanError(f"rank {comm.rank} asked for more planning decisions than rank 0 made: its "
-                                "model, options or example shapes differ from rank 0's. Compile the same model "
-                                "with the same options on every rank.") from None
-
-        return build_plan(model, self.mesh, args, kwargs, options, once=replayed)
+    def _planned_once(self, comm, model, args: tuple, kwargs: dict, options: Options, pinned=None) -> Plan:
+        return plan_once(comm, model, self.mesh, args, kwargs, options, pinned)
 
     def _job_communicator(self):
         """This rank's communicator when every rank of the job plans at this point together (a process of a
         torch.distributed job, or a simulator rank's own thread), else None."""
         if self.mesh.size == 1:
             return None
-        from autoshard.runtime.communicator import current
-
         comm = self._comm
         if comm is None:
             import torch.distributed as dist
@@ -429,13 +200,7 @@ class ShardedModule(torch.nn.Module):
             if not (dist.is_available() and dist.is_initialized()):
                 return None
             comm = self.communicator()
-        if not comm.one_rank_per_process:
-            try:
-                if current() is not comm:
-                    return None
-            except AutoshardError:
-                return None
-        return comm
+        return job_communicator(self.mesh, comm)
 
     def _unread_state(self, model) -> dict[str, torch.Tensor]:
         """State entries the program never reads (unused parameters and buffers): kept whole, as the model has
@@ -460,8 +225,8 @@ class ShardedModule(torch.nn.Module):
     def code(self, rank: int = 0) -> str:
         return self._need_plan().code(rank)
 
-    def rank_module(self, rank: int) -> torch.fx.GraphModule:
-        return self._need_plan().rank_module(rank)
+    def rank_program(self, rank: int) -> torch.fx.GraphModule:
+        return self._need_plan().rank_program(rank)
 
     def format(self) -> str:
         return self._need_plan().format()
@@ -508,7 +273,7 @@ class ShardedModule(torch.nn.Module):
             return self.local
         plan = self._need_plan()
         comm = self.communicator()
-        local = plan.rank_module(comm.rank, bucket_grads=self.bucketing)
+        local = plan.rank_program(comm.rank, bucket_grads=self.bucketing)
         tensors = [*local.parameters(), *local.buffers()]
         if any(t.is_meta for t in tensors):
             local.to_empty(device=self.device)
@@ -850,7 +615,8 @@ class ShardedModule(torch.nn.Module):
             return program
         examples = self._global_examples(args, kwargs)
         plan = self._pinned_plan(training, examples)
-        program = plan.rank_program(self.communicator().rank, bucket_grads=self.bucketing, local_weights=self.local)
+        program = plan.rank_program(self.communicator().rank, bucket_grads=self.bucketing, local_weights=self.local,
+                                  check_inputs=False)
         program.train(training)
         self._shape_programs[key] = program
         count = len({sig for _, sig in self._shape_programs})
@@ -904,10 +670,17 @@ class ShardedModule(torch.nn.Module):
         if self._other_box:
             return self._other_box[0]
         other = self._other_mode_plan()
-        program = other.rank_program(self.communicator().rank, bucket_grads=self.bucketing, local_weights=self.local)
+        program = other.rank_program(self.communicator().rank, bucket_grads=self.bucketing, local_weights=self.local,
+                                  check_inputs=False)
         program.train(self.training)
         self._other_box = (program,)
         return program
+
+    def simulate(self, args=(), kwargs=None, backward: bool = True, timeout: float = 120.0):
+        """Run every rank of this module's plan in this process (one thread each), in this module's mode (after
+        ``eval()`` the eval program: no dropout, running statistics): :meth:`autoshard.compiler.plan.Plan.simulate`
+        of the plan of that mode. Needs the model's weights (before the first call, as ``plan.simulate``)."""
+        return self._plan_in_mode(self.training).simulate(args, kwargs, backward, timeout)
 
     def _plan_in_mode(self, training: bool) -> Plan:
         """The plan of mode ``training`` with the plan's weights (what ``Plan.simulate`` runs in that mode)."""
@@ -937,16 +710,14 @@ class ShardedModule(torch.nn.Module):
         # pinned in their compute layout, stored as the plan stores them (ZeRO stage per parameter)
         storage = plan.param_storage()
         compute = {name: storage[name].compute if name in storage else spec for name, spec in specs.items()}
-        stages = tuple((name, st.stage) for name, st in storage.items())
         # layouts, not annotations: a searched plan may gather a parameter for compute (an annotated one never is)
-        pinned = dataclasses.replace(self.options, layouts=tuple(compute.items()),
-                                     zero=stages if stages else (0 if self.options.zero == "auto" else
-                                                                 self.options.zero))
+        pin = Pinned(layouts=tuple(compute.items()), storage=tuple((name, st.stage) for name, st in storage.items()))
+        pinned = self.options
         if not training and pinned.planner == "search":
             # an eval program saves nothing for backward, so memory is the weights' (pinned) plus one layer's: the
             # greedy planner lays out its activations in a fraction of the search's time (a generation loop plans
             # a new length per token)
-            pinned = dataclasses.replace(pinned, planner="greedy", recompute=None)
+            pinned = dataclasses.replace(pinned, planner="greedy", recompute=None, zero=0)
         skeleton = self._skeleton
         was = skeleton.training
         skeleton.train(training)
@@ -955,8 +726,7 @@ class ShardedModule(torch.nn.Module):
         try:
             comm = self._job_communicator()
             with said_once(self._said):  # what the plan warned about is not said again
-                other = (build_plan(skeleton, self.mesh, *examples, pinned) if comm is None
-                         else self._planned_once(comm, skeleton, *examples, pinned))
+                other = plan_once(comm, skeleton, self.mesh, *examples, pinned, pin)
         finally:
             skeleton.train(was)
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}
@@ -964,7 +734,8 @@ class ShardedModule(torch.nn.Module):
             first = min(moved)
             raise PlanError(f"the {'training' if training else 'eval'}-mode program lays out "
                             f"{sorted(moved)[:3]} differently from the plan ({moved[first]}), so it "
-                            "cannot share this rank's tensors. Annotate those parameters (plan=...) to fix one layout.")
+                            "cannot share this rank's tensors. Annotate those parameters (annotations=...) to fix one "
+                            "layout.")
         return other
 
     # ---- torch.compile ------------------------------------------------------------------------------------

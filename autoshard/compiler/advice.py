@@ -29,7 +29,7 @@ def axis_advice(gm, ctx, unused: list[str], use: dict[str, tuple[int, int]]) -> 
     it, run whole)} of the plan (``passes.propagate.axis_use``)."""
     options = ctx.options
     if options.planner != "search":
-        return "Annotate parameters (plan=...), use planner='search', or use a smaller mesh."
+        return "Annotate parameters (annotations=...), use planner='search', or use a smaller mesh."
     from autoshard.cost_models.compute import compute_time
     from autoshard.cost_models.profile import HardwareProfile, load_profile
 
@@ -49,7 +49,7 @@ def axis_advice(gm, ctx, unused: list[str], use: dict[str, tuple[int, int]]) -> 
     fixes = ["a larger model or batch (more work per collective)"]
     if options.memory_limit is None:
         fixes.append("a memory_limit the replicated plan does not fit (the search then shards to fit)")
-    fixes += ["annotations (plan=...) to force a layout",
+    fixes += ["annotations (annotations=...) to force a layout",
               "a mesh without " + ", ".join(f"`{a}`" for a in unused)]
     idle = all(use.get(a, (0, 0))[0] == 0 for a in unused)
     head = ("The model is so small that replication is cheapest" if idle else

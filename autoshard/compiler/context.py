@@ -18,15 +18,9 @@ class Options:
     """
 
     annotations: tuple[tuple[str, Spec], ...] = ()
-    #: (exact parameter name, spec): parameters laid out as given, as an annotation lays them out, but gathered or
-    #: sliced for compute where the plan's ops need another layout (an annotated parameter never is). The program
-    #: of a ShardedModule's other training mode shares the plan's tensors through these.
-    layouts: tuple[tuple[str, Spec], ...] = ()
     data_axis: str = "data"
     on_unsupported: str = "replicate"  # replicate (default: unsupported ops run replicated, one warning) | error
-    on_indivisible: str = "error"  # error | replicate
-    output_keep_data_shard: bool = True
-    planner: str = "greedy"  # greedy (fewest bytes, op by op) | search (exact, cost model)
+    planner: str = "greedy"  # greedy (fewest bytes, op by op) | search (ILP over the cost model; reports its gap)
     profile: Any = "cpu-gloo"  # hardware profile name, path or HardwareProfile
     memory_limit: float | None = None  # bytes per rank
     optimizer: str = "adam"  # for the optimizer-state term of the memory model
@@ -34,12 +28,15 @@ class Options:
     #: runs out the best plan found is used, with its gap warned about. A memory_limit no plan meets is refused
     #: before the search's walk, in seconds (passes/plan_search/lagrangian.py PROOF_SECONDS), whatever this is.
     search_time_limit: float | None = None
+    #: planner="search": a plan this close to the lower bound (a fraction) is taken without the exact ILP (None:
+    #: PlanSearch.accept_gap, 0.01)
+    search_accept_gap: float | None = None
     #: greedy planner: among strategies of equal communication, prefer the output with fewer replicated axes
     #: (norms, residuals, dropout sharded along the sequence: Megatron's sequence parallelism)
     sequence_parallel: bool = False
     moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
     #: ZeRO/FSDP storage of parameters over the data axis (passes/shard_storage.py): 0 | 1 | 2 | 3 for every
-    #: parameter, or "auto" (planner="search" picks a stage per parameter under memory_limit; compile's default
+    #: parameter (a plan with :class:`Pinned` storage keeps each parameter's stage instead), or "auto" (planner="search" picks a stage per parameter under memory_limit; compile's default
     #: when the search has a memory_limit: autoshard.api.sharded_module.memory_defaults)
     zero: int | str = 0
     #: activation recomputation (passes/recompute.py): None (only the model's own torch.utils.checkpoint regions),
@@ -48,9 +45,24 @@ class Options:
     recompute: str | None = None
     #: autoshard.MixedPrecision(param_dtype, reduce_dtype, output_dtype) or None (the model's own dtypes)
     precision: Any = None
-    #: autoshard.ContextParallel (compile's ``context_axis``): the sequence sharded on that axis, attention
+    #: autoshard.ContextParallel (plan's ``context_parallel``): the sequence sharded on that axis, attention
     #: context-parallel (passes/context_parallel.py); None: only where annotations or the search shard it
-    context: Any = None
+    context_parallel: Any = None
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """The parameter layouts of another plan that a plan keeps, so that its program shares that plan's tensors (the
+    program of a ShardedModule's other training mode, or of inputs of new shapes): an input of :func:`build_plan`
+    beside the user's options, never folded into them.
+
+    ``layouts``: (exact parameter name, compute spec): laid out as given, as an annotation lays a parameter out, but
+    gathered or sliced for compute where this plan's ops need another layout (an annotated parameter never is).
+    ``storage``: (exact parameter name, ZeRO stage): each parameter stored as the other plan stores it (passes/
+    shard_storage.py reads it in place of ``Options.zero``)."""
+
+    layouts: tuple[tuple[str, Spec], ...] = ()
+    storage: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -67,6 +79,8 @@ class Context:
     #: else ``decide()`` here. Passes whose result may depend on time or load (the time-limited search) decide
     #: through it, so every rank runs one plan.
     once: Any = None
+    #: the layouts of another plan this one keeps (:class:`Pinned`), or None
+    pinned: Pinned | None = None
 
     def decide_once(self, decide):
         return decide() if self.once is None else self.once(decide)

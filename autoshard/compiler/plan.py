@@ -2,7 +2,7 @@
 
 A :class:`Plan` is produced ahead of time in one process by :func:`build_plan` (trace → passes) and answers
 questions about itself without any process group: ``show()``, ``format()``, ``code(rank)``,
-``rank_module(rank)``, ``collectives()``, ``param_specs()``.
+``rank_program(rank)``, ``collectives()``, ``param_specs()``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.compiler.rank_programs import local_param_specs, rank_program
-from autoshard.compiler.context import Context, Options
+from autoshard.compiler.rank_programs import param_specs_of, rank_program
+from autoshard.compiler.context import Context, Options, Pinned
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import PipelineOptions, collective_signature, pass_list, run_passes
 from autoshard.placements import Spec, assemble, shard_tensor
 from autoshard.frontend.precision import trace_with_precision
-from autoshard.frontend.trace import GRAPH_LOCK, trace
+from autoshard.frontend.trace import trace
+from autoshard.runtime.torch_state import RANK_THREADS
 
 
 @dataclass
@@ -36,32 +37,63 @@ class Plan:
     _signatures: dict = field(default_factory=dict, repr=False, compare=False)
     #: the mode (``model.training``) the graph was traced in: dropout and batch-norm statistics follow it
     training: bool = True
-    #: a weak reference to the ShardedModule that owns this plan: simulate() follows its mode, and asks it for the
-    #: program of the other mode
-    _mode_owner: object = field(default=None, repr=False, compare=False)
+    #: the global example inputs it was planned for, ``(args, kwargs)``
+    examples: tuple = field(default=((), {}), repr=False, compare=False)
+    #: {state-dict name: (shape, dtype)} of the model planned: what :meth:`check_model` compares a model with
+    model_signature: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ---- the model it applies to ------------------------------------------------------------------------
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise a :class:`PlanError` naming every parameter or buffer in which ``model`` differs from the model
+        planned (missing, extra, another shape or dtype): a plan applies only to the model it was made for."""
+        mine = self.model_signature
+        theirs = signature_of(model)
+        diffs = [f"`{k}` missing from the model" for k in mine if k not in theirs]
+        diffs += [f"`{k}` not in the plan's model" for k in theirs if k not in mine]
+        diffs += [f"`{k}` is {list(theirs[k][0])} {theirs[k][1]} in the model, {list(mine[k][0])} {mine[k][1]} in "
+                  "the plan" for k in mine if k in theirs and theirs[k] != mine[k]]
+        if diffs:
+            more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
+            raise PlanError(f"this plan was made for another model than the {type(model).__name__} it is applied to: "
+                            + "; ".join(diffs[:5]) + more + ". Plan the model you apply it to (autoshard.plan).")
+
+    def bind_weights(self, model: torch.nn.Module) -> None:
+        """Give this plan's graph ``model``'s own tensors (by the names the model gives them), so that applying the
+        plan shards ``model`` (a plan keeps the tensors of the model it was made from until a rank's shards are
+        made; tensors the compiler created, such as MoE experts, stay the plan's)."""
+        from torch.fx.graph_module import _assign_attr
+
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(model.named_buffers(remove_duplicate=False))
+        for n in self.graph_module.graph.nodes:
+            if n.op != "get_attr":
+                continue
+            for name in n.meta.get(M.ALIASES, (str(n.target),)):
+                if name in state:
+                    _assign_attr(state[name], self.graph_module, n.target)
+                    break
 
     # ---- per-rank programs ------------------------------------------------------------------------------
-    def rank_module(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False
-                    ) -> torch.fx.GraphModule:
-        """A plain GraphModule holding only ``rank``'s parameter shards (copied from the traced weights).
+    def rank_program(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False,
+                     local_weights: torch.nn.Module | None = None, stage: int | None = None,
+                     check_inputs: bool = True) -> torch.fx.GraphModule:
+        """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
+        rank program this plan made (``local_weights``: share that program's tensors, see
+        :func:`autoshard.compiler.rank_programs.rank_program`; ``stage``: the program of that pipeline stage, checked against the
+        stage's first one). The only way to a rank program of a plan: a plain GraphModule holding only ``rank``'s
+        parameter shards. ``check_inputs``: every call is checked against the plan's local input shapes first (a
+        wrong shape is a RuntimeShapeError; the ShardedModule checks its calls itself and asks for False).
 
         ``bucket_grads=True`` leaves the parameters' gradient all-reduces out of the program and lists them in
         ``module.meta[autoshard.runtime.buckets.GRAD_SYNC]``: attach a
         :class:`~autoshard.runtime.buckets.GradBucketer` to run them bucketed and overlapped with backward."""
-        from autoshard.frontend.inputs import install_check
-
-        module = self.rank_program(rank, weights, bucket_grads)
-        return install_check(module, self.expected_inputs(), rank)  # wrong shapes: RuntimeShapeError, not raw
-
-    def rank_program(self, rank: int, weights: torch.nn.Module | None = None, bucket_grads: bool = False,
-                     local_weights: torch.nn.Module | None = None, stage: int | None = None) -> torch.fx.GraphModule:
-        """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
-        rank program this plan made (``local_weights``: share that program's tensors, see
-        :func:`autoshard.compiler.rank_programs.rank_program`; ``stage``: the program of that pipeline stage, checked against the
-        stage's first one). The only way to a rank program of a plan."""
         module = rank_program(self.graph_module, self.mesh, rank, self.context.options, weights, bucket_grads,
                               local_weights, stage)
         self._check_signature(module, rank, bucket_grads, stage)
+        if check_inputs and stage is None:
+            from autoshard.frontend.inputs import install_check
+
+            module = install_check(module, self.expected_inputs(), rank)  # wrong shapes: RuntimeShapeError, not raw
         return module
 
     def expected_inputs(self) -> list:
@@ -74,7 +106,7 @@ class Plan:
     def release_weights(self) -> None:
         """Replace every tensor the global program holds by a meta tensor of the same shape and dtype: the plan
         then keeps nothing of the model alive (a rank that made its program needs no full weight again; later
-        ``rank_module`` calls give meta tensors, to be filled by init or a checkpoint)."""
+        ``rank_program`` calls give meta tensors, to be filled by init or a checkpoint)."""
         gm = self.graph_module
         metas: dict[int, torch.Tensor] = {}  # one meta tensor per tensor: tied names stay tied
         for module in gm.modules():
@@ -105,7 +137,7 @@ class Plan:
 
     def code(self, rank: int = 0) -> str:
         """The generated Python source of ``rank``'s module."""
-        return self.rank_module(rank).code.strip() + "\n"
+        return self.rank_program(rank).code.strip() + "\n"
 
     def shard_inputs(self, rank: int, args=(), kwargs=None) -> tuple[tuple, dict]:
         """Cut global example inputs into ``rank``'s local inputs (by the specs of the graph's placeholders)."""
@@ -125,24 +157,19 @@ class Plan:
                  train: bool | None = None) -> Simulation:
         """Run every rank in this process (one thread each): outputs per rank, assembled gradients, collective logs.
 
-        ``args``/``kwargs`` are the global inputs (each rank's share is cut here). ``train``: which mode's program
-        runs — by default the mode of the ShardedModule the plan belongs to (``sharded.eval()`` then
-        ``sharded.plan.simulate(...)`` runs the eval program: no dropout, running statistics), else the mode the
-        model was traced in. The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first
+        ``args``/``kwargs`` are the global inputs (each rank's share is cut here). ``train``: the mode the plan was
+        traced in (None) — the program of the other mode is the ShardedModule's to make (``sharded.simulate``). The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first
         element.
         """
-        owner = self._mode_owner() if self._mode_owner is not None else None
-        mode = train if train is not None else (owner.training if owner is not None else self.training)
+        mode = self.training if train is None else train
         if not isinstance(mode, bool):
             raise AutoshardError(f"Plan.simulate got train={train!r}, but train is True, False or None (the "
-                                 "module's mode).")
+                                 "mode the plan was traced in).")
         if mode != self.training:
-            if owner is None:
-                raise PlanError(f"Plan.simulate(train={mode}) needs the {_mode_name(mode)}-mode program, but this "
-                                f"plan was traced in {_mode_name(self.training)} mode and belongs to no "
-                                "ShardedModule that could trace the other one: call it as sharded.plan.simulate("
-                                f"...) on the ShardedModule, or compile the model in {_mode_name(mode)} mode.")
-            return owner._plan_in_mode(mode).simulate(args, kwargs, backward, timeout, train=mode)
+            raise PlanError(f"Plan.simulate(train={mode}) needs the {_mode_name(mode)}-mode program, but this plan "
+                            f"was traced in {_mode_name(self.training)} mode: call sharded.simulate(...) on the "
+                            "ShardedModule (it runs the program of its own mode), or plan the model in "
+                            f"{_mode_name(mode)} mode.")
         from autoshard.frontend.inputs import check_inputs, tensor_leaves
         from autoshard.runtime.communicator import current
         from autoshard.runtime.sim import SimWorld
@@ -152,7 +179,7 @@ class Plan:
         world = SimWorld(self.mesh, timeout=timeout)
 
         def body(rank):
-            module = self.rank_module(rank).train(mode)
+            module = self.rank_program(rank).train(mode)
             a, k = self.shard_inputs(rank, args, kwargs)
             with running(module):
                 out = module(*a, **k)
@@ -198,7 +225,7 @@ class Plan:
     def param_specs(self) -> dict[str, Spec]:
         """{parameter FQN, as the rank programs name it: the spec it is stored in} (a tied weight under the name the
         trace kept; :meth:`public_names` maps it to the model's first name)."""
-        return local_param_specs(self.graph_module)
+        return param_specs_of(self.graph_module)
 
     def param_storage(self) -> dict[str, M.Storage]:
         """{parameter FQN: its :class:`~autoshard.meta.Storage`} of every parameter stored apart from its compute
@@ -296,21 +323,31 @@ def _gc_paused():
             gc.enable()
 
 
+def signature_of(model: torch.nn.Module) -> dict:
+    """{state-dict name: (shape, dtype)} of every parameter and buffer of ``model`` (tied names each listed)."""
+    out = {n: (tuple(t.shape), str(t.dtype)) for n, t in model.named_parameters(remove_duplicate=False)}
+    out.update((n, (tuple(t.shape), str(t.dtype))) for n, t in model.named_buffers(remove_duplicate=False))
+    return out
+
+
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
-               pipeline: PipelineOptions | None = None, once=None) -> Plan:
+               pipeline: PipelineOptions | None = None, once=None, pinned: Pinned | None = None) -> Plan:
     """The plan of ``model`` on ``mesh``: trace, then the plan phase of the one pass list. The one way to a plan:
     ``compile``, the other mode's plan of a ShardedModule and the pipelined plan (``pipeline``: the split and
     stage-building passes enabled, the stage graphs left on ``gm.meta``; :mod:`autoshard.compiler.pipeline.plan`) all
     come here. ``once``: how a decision that may differ between processes is made once for the job
-    (:attr:`autoshard.compiler.context.Context.once`)."""
-    with GRAPH_LOCK, _gc_paused():  # one trace and its passes at a time per process
+    (:attr:`autoshard.compiler.context.Context.once`). ``pinned``: another plan's parameter layouts to keep
+    (:class:`autoshard.compiler.context.Pinned`)."""
+    # one trace and its passes at a time where ranks are threads of one process (the simulator)
+    with RANK_THREADS.exclusive(), _gc_paused():
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
             gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
                 model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/frontend/precision.py)
-            ctx = Context(mesh, options, once=once)
+            ctx = Context(mesh, options, once=once, pinned=pinned)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
-            gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline)["plan"])
+            gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned)["plan"])
+            ctx.report.update(gm.meta.get(M.PLAN_REPORT, {}))  # the plan's report: what its passes recorded
             peak = _searched_peak(gm, mesh, options, pipeline)
             if peak is None or peak <= options.memory_limit:
                 break
@@ -328,7 +365,8 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
         if target != options.memory_limit:
             ctx.report["plan_search"].update(memory_limit=options.memory_limit, searched_limit=target,
                                              replans=attempt)
-    return Plan(gm, mesh, ctx, type(model).__name__, training=model.training)
+    return Plan(gm, mesh, ctx, type(model).__name__, training=model.training, examples=(tuple(args), dict(kwargs or {})),
+                model_signature=signature_of(model))
 
 
 #: how often build_plan plans again when the searched plan's peak by plan.cost() exceeds the memory limit

@@ -18,9 +18,9 @@ from autoshard.mesh import Mesh
 from autoshard.passes.manager import ProgramOptions, RankContext, pass_list, run_passes
 from autoshard.passes.pipeline_split import stage_graphs_of
 from autoshard.placements import Spec
-from autoshard.frontend.trace import GRAPH_LOCK
+from autoshard.runtime.torch_state import RANK_THREADS
 
-__all__ = ["local_param_specs", "program_copy", "rank_program"]
+__all__ = ["param_specs_of", "program_copy", "rank_program"]
 
 
 def program_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -55,11 +55,14 @@ def rank_program(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, options: Optio
                       local_weights=local_weights)
     passes = pass_list(options, program=ProgramOptions(bucket_grads))["rank"]
     program = gm if stage is None else stage_graphs_of(gm)[stage].gm
-    with GRAPH_LOCK:  # the copy shares gm's FakeTensors (and their fake mode) with other ranks' programs
+    # the copy shares gm's FakeTensors (and their fake mode) with other ranks' programs: one at a time where ranks
+    # are threads of one process (the simulator)
+    with RANK_THREADS.exclusive():
         return run_passes(program_copy(program), ctx, passes, ran=tuple(gm.meta.get(M.PASSES_RUN, ())))
 
 
-def local_param_specs(gm: torch.fx.GraphModule) -> dict[str, Spec]:
-    """{parameter FQN: spec} of every get_attr tensor of the annotated global graph."""
+def param_specs_of(gm: torch.fx.GraphModule) -> dict[str, Spec]:
+    """{parameter FQN: its global spec (the layout it is stored in over the mesh)} of every get_attr tensor of the
+    annotated global graph."""
     return {n.meta.get(M.PARAM, n.target): n.meta[M.SPEC] for n in gm.graph.nodes
             if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)}

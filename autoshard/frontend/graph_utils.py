@@ -187,3 +187,31 @@ def rerun_in_backward(graph: torch.fx.Graph, regions: dict | None = None) -> dic
                 if is_getitem(u):
                     out.setdefault(u, region)
     return out
+
+
+def verify_traced(gm: torch.fx.GraphModule, step: str) -> torch.fx.GraphModule:
+    """The frontend's invariants for the graph ``step`` (``trace``, ``layer_reuse``, ``precision``) left, as the
+    pass manager's verifier checks each pass (the passes rely on them): the graph lints; every placeholder,
+    get_attr and call_function node carries ``meta["val"]`` (its FakeTensor, or what it returns); every get_attr names
+    a tensor (or, for a higher-order op's body, a submodule) of the module. Returns ``gm``; a broken graph is an :class:`~autoshard.errors.AutoshardError` naming the
+    step and the node (a bug in autoshard's frontend, not the model's)."""
+    from autoshard.errors import AutoshardError
+
+    try:
+        gm.graph.lint()
+    except Exception as e:  # lint raises RuntimeError and others: all mean a malformed graph
+        raise AutoshardError(f"frontend step '{step}' left a malformed graph: {e}") from e
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "call_function") and "val" not in node.meta:
+            raise AutoshardError(f"frontend step '{step}' left node `{node.name}` ({node.target}) without "
+                                 "meta['val']: every traced value carries its FakeTensor.")
+        if node.op == "get_attr":
+            owner, _, leaf = str(node.target).rpartition(".")
+            try:
+                value = getattr(gm.get_submodule(owner), leaf)
+            except AttributeError:
+                value = None
+            if not isinstance(value, (torch.Tensor, torch.nn.Module)):  # a module: a higher-order op's body
+                raise AutoshardError(f"frontend step '{step}' left node `{node.name}` reading `{node.target}`, "
+                                     "which is neither a tensor nor a submodule of the traced module.")
+    return gm

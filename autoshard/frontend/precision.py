@@ -47,6 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import PlanError
+from autoshard.frontend.graph_utils import verify_traced
 
 __all__ = ["MixedPrecision", "compute_copy", "fake_like", "trace_with_precision"]
 
@@ -144,4 +145,4 @@ def trace_with_precision(model: torch.nn.Module, args: tuple, kwargs: dict | Non
         val = holder.meta.get("val")
         if isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor) and x.dtype != val.dtype:
             holder.meta["val"] = fake_like(val, x.dtype)
-    return gm
+    return verify_traced(gm, "precision")

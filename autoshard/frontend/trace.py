@@ -42,7 +42,7 @@ import torch.fx
 from autoshard.frontend import layer_reuse
 from autoshard import meta as M
 from autoshard.errors import AutoshardError, TraceError
-from autoshard.frontend.graph_utils import fetch_attr  # re-exported: autoshard.frontend.trace.fetch_attr
+from autoshard.frontend.graph_utils import fetch_attr, verify_traced  # fetch_attr re-exported (trace.fetch_attr)
 from autoshard.frontend.layer_reuse import find_groups
 from autoshard.progress import slow_step
 from autoshard.runtime.torch_state import RANK_THREADS
@@ -71,10 +71,10 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     with RANK_THREADS.exclusive(), slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
         if reuse_layers:
             try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
-                return _finish(_export_reusing_layers(model, args, kwargs), model)
+                return _finish(_export_reusing_layers(model, args, kwargs), model, "layer_reuse")
             except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
                 _log_no_reuse(model, e)
-        return _finish(_export(model, args, kwargs), model)
+        return _finish(_export(model, args, kwargs), model, "trace")
 
 
 def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -417,7 +417,9 @@ def _mark_checkpoint_regions(gm: torch.fx.GraphModule) -> None:
             n.meta[M.RECOMPUTE] = region
 
 
-def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphModule:
+def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module, step: str) -> torch.fx.GraphModule:
+    """The exported graph cleaned and named; ``step`` (trace, or layer_reuse when layers were copied) is what
+    :func:`verify_traced` blames for a broken graph."""
     _clean(gm)
     _mark_checkpoint_regions(gm)
     _order_attrs(gm, model)
@@ -426,7 +428,7 @@ def _finish(gm: torch.fx.GraphModule, model: torch.nn.Module) -> torch.fx.GraphM
         if node.op == "get_attr" and "val" not in node.meta:
             node.meta["val"] = fetch_attr(gm, node.target)
     _renumber(gm)  # assigning the new graph recompiles the module
-    return gm
+    return verify_traced(gm, step)
 
 
 def _clean(gm: torch.fx.GraphModule) -> None:

@@ -2,7 +2,7 @@
 
 Without bucketing, every parameter's gradient sync is a ``grad_all_reduce`` node of the rank program (identity
 forward, blocking all-reduce backward): one collective per parameter, each one stalling backward. A rank module
-made with ``Plan.rank_module(rank, bucket_grads=True)`` leaves those nodes out and lists the parameters instead in
+made with ``Plan.rank_program(rank, bucket_grads=True)`` leaves those nodes out and lists the parameters instead in
 ``module.meta[GRAD_SYNC]`` as ``((attribute name, axes), ...)``; :class:`GradBucketer` then does the sync:
 
 * **Buckets** are fixed once, at construction: the parameters in reverse graph order (the order backward makes
@@ -109,7 +109,7 @@ class GradBucketer:
             if GRAD_SYNC not in meta:
                 raise AutoshardError(
                     "GradBucketer got a module without a gradient-sync list: make the rank module "
-                    "with plan.rank_module(rank, bucket_grads=True), or pass syncs=."
+                    "with plan.rank_program(rank, bucket_grads=True), or pass syncs=."
                 )
             syncs = meta[GRAD_SYNC]
         if first_bucket_mb is None:

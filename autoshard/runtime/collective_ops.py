@@ -1,7 +1,7 @@
 """Collectives as torch operators: the ``torch.ops.autoshard.*`` ops that generated rank programs call.
 
 Every redistribution in a rank program is a ``torch.library`` custom op with a fake (meta) kernel and an autograd
-formula, so ``torch.compile(rank_module, fullgraph=True)`` sees one graph with the collectives as opaque nodes, and
+formula, so ``torch.compile(rank_program, fullgraph=True)`` sees one graph with the collectives as opaque nodes, and
 the IR names operators, not Python functions of this runtime. The eager kernel of an op looks up the calling
 thread's communicator (:func:`~autoshard.runtime.communicator.current`) and runs its raw collective: the in-process
 simulator or ``torch.distributed`` (gloo, NCCL) — the ops do not depend on which.

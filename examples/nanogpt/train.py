@@ -146,7 +146,7 @@ if args.compile:
     model = torch.compile(model)
 if distributed:
     model = autoshard.shard(model, autoshard.Mesh(**axes), example_inputs=get_batch("train", 0, 0),
-                            planner="search", memory_limit=args.memory_limit)
+                            search=autoshard.Search(memory_limit=args.memory_limit))
     dp_rank, dp_size = model.data_parallel_rank, model.data_parallel_size
 raw_model = getattr(model, "module", model)  # the model's own methods (DDP keeps the model as .module)
 optimizer = raw_model.configure_optimizers(args.weight_decay, args.learning_rate, (args.beta1, args.beta2),

@@ -1,4 +1,4 @@
-"""Exact plan search: choose every op's strategy to minimise estimated step time under a memory limit.
+"""The plan search: choose every op's strategy to minimise estimated step time under a memory limit.
 
 The pass (:class:`PlanSearch`) builds a problem, searches it and writes the choices into node metadata:
 
@@ -74,7 +74,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS",
 
 @dataclass(frozen=True)
 class PlanSearch:
-    """Choose every free strategy by the exact search above; propagation then applies the choices."""
+    """Choose every free strategy by the search above; propagation then applies the choices."""
 
     profile: object = "cpu-gloo"
     memory_limit: float | None = None
@@ -97,7 +97,7 @@ class PlanSearch:
         t0, cpu0 = time.perf_counter(), time.process_time()
         zero, recompute = ctx.options.zero, ctx.options.recompute
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
-                                zero=zero if zero in (0, 1, 2, 3, "auto") else 0, recompute=recompute)
+                                zero=0 if ctx.pinned is not None else zero, recompute=recompute)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
             def decide():

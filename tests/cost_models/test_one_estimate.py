@@ -179,7 +179,7 @@ def test_collectives_inside_recomputed_regions_are_priced_again():
     plans = {}
     for recompute in (None, "blocks.*"):
         model, args, kwargs = models.gpt(layers=2, **GPT)
-        plans[recompute] = autoshard.compile(model, mesh, args, kwargs, plan=models.megatron(mesh, "gpt"),
+        plans[recompute] = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
                                              profile=PROFILE, recompute=recompute).plan
     plan, plain = plans["blocks.*"], plans[None]
     assert plan.collectives() == plain.collectives()  # the same layouts: recomputation changes no collective
@@ -206,13 +206,13 @@ def test_search_prices_recomputed_collectives_as_plan_cost():
     layouts annotated so that the layers hold forward all-reduces."""
     mesh = {"data": 2, "model": 2}
     annotated = models.megatron(autoshard.Mesh(**mesh), "gpt")
-    plan = _search(models.gpt(layers=2, **GPT), mesh=dict(mesh), plan=annotated, recompute="blocks.*")
+    plan = _search(models.gpt(layers=2, **GPT), mesh=dict(mesh), annotations=annotated, recompute="blocks.*")
     assert _run_again(plan)
     assert_one_estimate(plan)
-    free = _search(models.gpt(layers=2, **GPT), mesh=dict(mesh), plan=annotated)
+    free = _search(models.gpt(layers=2, **GPT), mesh=dict(mesh), annotations=annotated)
     assert not _recomputed(free)
     limit = 0.8 * free.cost().memory_per_rank
-    plan = _search(models.gpt(layers=2, **GPT), mesh=dict(mesh), plan=annotated, recompute="auto",
+    plan = _search(models.gpt(layers=2, **GPT), mesh=dict(mesh), annotations=annotated, recompute="auto",
                    memory_limit=limit)
     assert _recomputed(plan) and _run_again(plan)
     assert plan.cost().memory_per_rank <= limit

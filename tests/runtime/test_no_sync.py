@@ -50,7 +50,7 @@ CASES = {
 
 
 def _compile(mesh, stage, comm):
-    return autoshard.compile(copy.deepcopy(_GPT), mesh, _ARGS, plan=models.megatron(mesh, "gpt"), zero=stage,
+    return autoshard.compile(copy.deepcopy(_GPT), mesh, _ARGS, annotations=models.megatron(mesh, "gpt"), zero=stage,
                              comm=comm)
 
 

@@ -86,7 +86,8 @@ class PipelinePlan:
         to do once per step. Made by the plan's one checked path (:meth:`autoshard.compiler.plan.Plan.rank_program`): the
         stage's programs on every rank issue the same collectives."""
         self.mesh._check_rank(rank)
-        return self.microbatch_plan.rank_program(self.sub_rank(rank), bucket_grads=bucket_grads, stage=stage)
+        return self.microbatch_plan.rank_program(self.sub_rank(rank), bucket_grads=bucket_grads, stage=stage,
+                                                 check_inputs=False)
 
     def code(self, rank: int = 0, stage: int | None = None) -> str:
         stage = self.stages_of(rank)[0] if stage is None else stage
@@ -120,9 +121,9 @@ class PipelinePlan:
 
     def param_specs(self):
         """{program attribute: stored spec} (stage programs name parameters by attribute)."""
-        from autoshard.compiler.rank_programs import local_param_specs
+        from autoshard.compiler.rank_programs import param_specs_of
 
-        return local_param_specs(self.microbatch_plan.graph_module)
+        return param_specs_of(self.microbatch_plan.graph_module)
 
     # ---- the model's tensors by stage ------------------------------------------------------------------------
     def stage_tensors(self, stage: int) -> list[StageTensor]:
