@@ -32,6 +32,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
+from autoshard.api.sharded_module import meta_skeleton, prepared_state
 from autoshard.compiler.context import Options
 from autoshard.errors import AutoshardError, MeshError, PlanError, TraceError
 from autoshard.mesh import Mesh
@@ -418,7 +419,7 @@ class PipelinedModule(torch.nn.Module):
         self._timeout = timeout
         self._device = device
         self._runner: PipelineRunner | None = None
-        self._skeleton_box = (_meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
+        self._skeleton_box = (meta_skeleton(model),)  # boxed: its meta tensors are not this module's parameters
         #: every name of every tensor some stage reads
         self._read = {a for sg in planned.stages for n in sg.gm.graph.nodes if n.op == "get_attr"
                       for a in n.meta.get(M.ALIASES, (str(n.target),))}
@@ -594,7 +595,7 @@ class PipelinedModule(torch.nn.Module):
         mine = dict(super().state_dict(keep_vars=True))
         model = self._read | set(self.skeleton.state_dict().keys())
         kept = {k: v for k, v in state_dict.items() if k in mine or k not in model}
-        result = super().load_state_dict(_prepared_state(mine, kept), strict=strict)
+        result = super().load_state_dict(prepared_state(mine, kept), strict=strict)
         if not self._initialised and all(k in kept for k in mine):
             self.compute_unsaved()  # a meta-built module given every entry: its non-persistent buffers too
         return result
@@ -773,44 +774,6 @@ class PipelinedModule(torch.nn.Module):
         """``module(...)`` is :meth:`step` (a pipeline has no forward of its own: the schedule runs forward and
         backward of the microbatches interleaved)."""
         return self.step(*args, **kwargs)
-
-
-def _trace_lock():
-    """The lock autoshard's traces hold (torch.export swaps a model's tensors for FakeTensors while it traces it, in
-    another rank thread when ranks are simulated)."""
-    from autoshard.runtime import torch_state
-
-    ranks = getattr(torch_state, "RANK_THREADS", None)
-    return ranks.exclusive() if ranks is not None else torch_state.GRAPH_LOCK
-
-
-def _meta_skeleton(model: torch.nn.Module) -> torch.nn.Module:
-    """``model``'s module tree with every parameter and buffer on the meta device (same classes, same names, tied
-    tensors still one object): what ``init_weights`` runs the model's own init on. A model on meta is its own."""
-    import copy
-
-    with _trace_lock():
-        tensors = [*model.parameters(), *model.buffers()]
-        if all(t.is_meta for t in tensors):
-            return model
-        memo: dict[int, object] = {}
-        for t in tensors:
-            if id(t) not in memo:
-                meta = torch.empty_like(t, device="meta")
-                memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
-                    t, torch.nn.Parameter) else meta
-        return copy.deepcopy(model, memo)
-
-
-def _prepared_state(mine: dict, state_dict: dict) -> dict:
-    """``state_dict`` made loadable into this module's tensors ``mine``: a whole tensor for a DTensor entry becomes
-    this rank's slices of it (no collective); DTensors of any layout are left to ``DTensor.copy_``."""
-    from torch.distributed.tensor import DTensor
-
-    from autoshard.runtime.parameters import local_slice
-
-    return {key: local_slice(value, mine[key]) if isinstance(mine.get(key), DTensor) and isinstance(
-        value, torch.Tensor) and not isinstance(value, DTensor) else value for key, value in state_dict.items()}
 
 
 def _model_tree(skeleton: torch.nn.Module, held: dict[str, torch.Tensor]) -> torch.nn.Module:
