@@ -1,4 +1,4 @@
-"""The main demo: a GPT on a data=2 x model=2 mesh, planned in one process, run on all 4 ranks.
+"""The main demo: a GPT on a data=2 x model=2 mesh, planned once (autoshard.plan), run on all 4 ranks.
 
     python examples/demo.py            # simulator: every rank in this process
     python examples/demo.py --gloo     # 4 real processes with gloo on 127.0.0.1
@@ -17,7 +17,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoshard  # noqa: E402
-from autoshard.placements import assemble  # noqa: E402
 from autoshard.compiler.plan import loss_of  # noqa: E402
 from examples import models  # noqa: E402
 
@@ -25,20 +24,21 @@ from examples import models  # noqa: E402
 def build():
     model, args, kwargs = models.gpt(batch=8, seq=16, layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"))
+    return model, args, kwargs, autoshard.plan(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"))
 
 
 def _gloo_rank(rank, world_size):
     from autoshard.runtime import DistCommunicator, use
 
-    _, args, _, sharded = build()  # each process plans for itself: plans are deterministic
-    plan = sharded.plan
-    module = plan.rank_program(rank)
-    a, k = plan.shard_inputs(rank, args)
-    with use(DistCommunicator(plan.mesh)):
-        loss = loss_of(module(*a, **k))
+    model, args, kwargs, plan = build()  # every rank plans: rank 0's decisions are replayed where a search runs
+    comm = DistCommunicator(plan.mesh)
+    sharded = autoshard.apply(model, plan, comm=comm)  # this rank's module: DTensor parameters, bucketed DP sync
+    a, k = plan.shard_inputs(rank, args, kwargs)
+    with use(comm):
+        loss = loss_of(sharded(*a, **k))
         loss.backward()
-    return loss.detach(), {n: p.grad for n, p in module.named_parameters()}
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}  # DTensor gradients, gathered
+    return loss.detach(), grads
 
 
 def main(argv=None) -> int:
@@ -46,21 +46,19 @@ def main(argv=None) -> int:
     parser.add_argument("--gloo", action="store_true", help="run on 4 real gloo processes instead of the simulator")
     opts = parser.parse_args(argv)
 
-    model, args, kwargs, sharded = build()
-    mesh = sharded.mesh
-    sharded.show()
-    body = [ln for ln in sharded.code(rank=1).splitlines() if "getattr(" not in ln and " = self." not in ln]
+    model, args, kwargs, plan = build()
+    mesh = plan.mesh
+    plan.show()
+    body = [ln for ln in plan.code(rank=1).splitlines() if "getattr(" not in ln and " = self." not in ln]
     print("\n# generated code of rank 1 (parameter loads left out; first 40 lines)")
     print("\n".join(body[:40]) + "\n    ...\n")
 
-    plan = sharded.plan
     if opts.gloo:
         from autoshard.runtime import spawn
 
         results = spawn(_gloo_rank, mesh.size, timeout=300)
         losses = [r[0] for r in results]
-        specs = plan.param_specs()
-        grads = {n: assemble([r[1][n] for r in results], specs[n], mesh) for n in results[0][1]}
+        grads = results[1][1]  # every rank gathered the same whole gradients
     else:
         sim = plan.simulate(args, kwargs)
         losses = [loss_of(o).detach() for o in sim.outputs]
