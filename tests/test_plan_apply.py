@@ -1,6 +1,6 @@
-"""Plan, then apply: ``autoshard.plan`` makes a value, ``autoshard.apply`` shards a model with it without planning again;
-options grouped by question (``Search``: "auto" only where a search runs); torch's ``MixedPrecisionPolicy`` accepted;
-``compile`` is the sugar for both."""
+"""Plan, then apply: ``autoshard.plan`` makes a value, ``autoshard.apply`` shards a model with it without planning
+again; options grouped by question (``Search``: "auto" only where a search runs); torch's ``MixedPrecisionPolicy``
+accepted; ``compile`` is the sugar for both."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def test_plan_then_apply_equals_compile_and_eager():
 def test_apply_never_plans_again_and_runs_each_rank(monkeypatch):
     model, args, kwargs = _gpt()
     mesh = autoshard.Mesh(**MESH)
-    plan = autoshard.plan(model, mesh, args, kwargs, search=autoshard.Search(time_limit=30))
+    plan = autoshard.plan(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
+                          search=autoshard.Search(time_limit=30))
+    assert any(isinstance(pl, autoshard.Shard) for spec in plan.param_specs().values() for pl in spec)  # sharded
     import autoshard.api.planning as planning
     import autoshard.compiler.plan as compiler_plan
 
@@ -185,7 +187,8 @@ def _gloo_plan_apply(rank: int, world: int) -> dict:
     model, args, kwargs = _gpt()
     mesh = autoshard.Mesh(**MESH)
     comm = DistCommunicator(mesh, timeout=60)
-    plan = autoshard.plan(model, mesh, args, kwargs, search=autoshard.Search(time_limit=20))
+    plan = autoshard.plan(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
+                          search=autoshard.Search(time_limit=20))  # the search places what is not annotated
     sharded = autoshard.apply(model, plan, comm=comm)
     a, k = plan.shard_inputs(rank, args, kwargs)
     with use(comm):
