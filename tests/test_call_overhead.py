@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import autoshard
-from autoshard.errors import AutoshardError, PlanError
+from autoshard.errors import AutoshardError
 from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld, current
 from autoshard.runtime.agreement import check_call, quiet_until_collective

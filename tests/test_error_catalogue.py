@@ -29,6 +29,7 @@ import autoshard
 from autoshard import errors
 from autoshard.placements import Partial, Shard, parse_placement
 from examples import models
+from tests.test_checkpoint_integrity import CATALOGUE_TRIGGERS  # the checkpoint integrity rows
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "docs" / "errors.md"  # the catalogue (docs/errors.md); the name is kept for its users
@@ -351,8 +352,6 @@ TRIGGERS = {
     "checkpoint-save-interrupted":
         "tests/test_faults.py::test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads",
 }
-
-from tests.test_checkpoint_integrity import CATALOGUE_TRIGGERS  # the checkpoint integrity rows
 
 TRIGGERS.update(CATALOGUE_TRIGGERS)
 

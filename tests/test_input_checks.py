@@ -6,7 +6,6 @@ global batch comes instead), the pipelined module (the global batch of a step); 
 from __future__ import annotations
 
 import copy
-import gc
 import sys
 
 import pytest

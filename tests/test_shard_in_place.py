@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 import autoshard

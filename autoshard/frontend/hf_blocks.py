@@ -144,7 +144,7 @@ def _recognise_flat(path: str, module: torch.nn.Module) -> Block | str:
     n = getattr(experts, "num_experts", None)
     if not isinstance(n, int) or n < 1 or not all(w is not None and w.shape == w1.shape for w in (w1, v1, w2)) \
             or w1.shape[0] % n:
-        return (f"its `experts` child has neither stacked 3-D `gate_up_proj`/`up_proj` and `down_proj` parameters "
+        return ("its `experts` child has neither stacked 3-D `gate_up_proj`/`up_proj` and `down_proj` parameters "
                 "(transformers' experts interface) nor flat 2-D `mlp.w1`/`mlp.v1`/`mlp.w2` of [experts * ffn, "
                 "hidden] with `num_experts` (DBRX)")
     layer = getattr(getattr(module, "router", None), "layer", None)

@@ -27,15 +27,16 @@ import numpy as np
 from autoshard.cost_models.compute import output_tensors
 from autoshard.cost_models.memory import (SavedValue, largest_gradient, point_totals, recompute_region, saved_bytes,
                                           storage_key)
-
-
-def _no_region(node) -> None:
-    return None
 from autoshard.passes.plan_search.problem import DecisionVar, Problem, ValueTerm, canonical, output_spec_for
 
 from autoshard import meta as M
 from autoshard.frontend.graph_utils import is_getitem
 from autoshard.placements import Shard
+
+
+def _no_region(node) -> None:
+    return None
+
 
 INFEASIBLE = float("inf")
 

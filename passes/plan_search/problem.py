@@ -40,7 +40,7 @@ from autoshard import meta as M
 from autoshard.compiler.context import Context
 from autoshard.frontend.graph_utils import is_getitem, is_tensor_node, itemsize, rerun_in_backward, shape, tensor_inputs
 from autoshard.mesh import Mesh
-from autoshard.placements import Replicate, Shard, Spec, format_spec
+from autoshard.placements import Spec, format_spec
 
 
 @dataclass

@@ -228,7 +228,7 @@ def run_plan(model, kwargs, device, options, steps: int):
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device)
     plan = sharded.plan
-    del sharded, opt
+    sharded = opt = None  # released (step's closure too) before empty_cache; not `del`, which F821 flags in step
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times), peak, plan
