@@ -27,15 +27,18 @@ from autoshard.errors import (
 from autoshard.mesh import Mesh
 
 _LAZY = {"plan": "autoshard.api.planning", "apply": "autoshard.api.entry", "Search": "autoshard.api.planning",
-         "compile": "autoshard.api.entry", "shard": "autoshard.api.in_place", "ShardedModule": "autoshard.api.sharded_module", "data_shard": "autoshard.api.sharded_module",
+         "compile": "autoshard.api.entry", "shard": "autoshard.api.in_place",
+         "ShardedModule": "autoshard.api.sharded_module", "data_shard": "autoshard.api.sharded_module",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
          "Pipeline": "autoshard.compiler.pipeline", "MixedPrecision": "autoshard.frontend.precision",
          "ContextParallel": "autoshard.compiler.context_parallel",
          "MoE": "autoshard.compiler.moe", "moe_losses": "autoshard.compiler.moe", "moe_stats": "autoshard.compiler.moe",
-         "save": "autoshard.api.checkpoint", "load": "autoshard.api.checkpoint", "full_state_dict": "autoshard.api.checkpoint",
+         "save": "autoshard.api.checkpoint", "load": "autoshard.api.checkpoint",
+         "full_state_dict": "autoshard.api.checkpoint",
          "clip_grad_norm_": "autoshard.runtime.parameters"}
 
-__all__ = ["plan", "apply", "Search", "compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate", "Partial", "AutoshardError",
+__all__ = ["plan", "apply", "Search", "compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate",
+           "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
            "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
            "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]

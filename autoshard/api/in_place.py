@@ -11,8 +11,9 @@ and input shapes, :class:`autoshard.api.sharded_module.ShardedModule`); ``train(
 ``load_state_dict`` takes whole tensors or DTensors of any layout; ``compile()`` and ``torch.compile`` compile the
 rank programs; ``no_sync()``, ``set_requires_gradient_sync()``, ``require_backward_grad_sync`` (DDP's and FSDP2's
 names); ``data_parallel_rank`` / ``data_parallel_size`` (which chunk of the global batch this rank loads); and
-``.autoshard``, the :class:`~autoshard.api.sharded_module.ShardedModule` that holds the plan (``model.autoshard.show()``).
-Moving or casting (``.to()``, ``.cuda()``, ``.half()``) is an error: the shards are placed by autoshard.
+``.autoshard``, the :class:`~autoshard.api.sharded_module.ShardedModule` that holds the plan
+(``model.autoshard.show()``). Moving or casting (``.to()``, ``.cuda()``, ``.half()``) is an error: the shards are placed
+by autoshard.
 
 ``torch.compile``: autoshard runs the model as one traced program per mode and input shapes, so that program is
 what gets compiled — ``torch.compile(model)`` (before or after ``shard``), ``model.compile(...)`` (its options are
@@ -90,8 +91,8 @@ class ShardedModel:
 
     @property
     def autoshard(self):
-        """The :class:`~autoshard.api.sharded_module.ShardedModule` that holds this model's plan and programs (``show()``,
-        ``code(rank)``, ``plan``)."""
+        """The :class:`~autoshard.api.sharded_module.ShardedModule` that holds this model's plan and programs
+        (``show()``, ``code(rank)``, ``plan``)."""
         return self.__dict__["_autoshard"]
 
     def forward(self, *args, **kwargs):

@@ -131,7 +131,8 @@ def _steps(model: torch.nn.Module, init) -> list[tuple[torch.nn.Module, object]]
 
         walk(model, model._initialize_weights)
         return out
-    return [(m, lambda m: m.reset_parameters()) for m in model.modules() if callable(getattr(m, "reset_parameters", None))]
+    return [(m, lambda m: m.reset_parameters()) for m in model.modules()
+            if callable(getattr(m, "reset_parameters", None))]
 
 
 def _hf_guard(model):
@@ -157,7 +158,8 @@ class _Tensor:
 
     meta: torch.Tensor
     names: list[str]
-    slots: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)  # (module, "_parameters"|"_buffers", key)
+    #: (module, "_parameters"|"_buffers", key)
+    slots: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)
     target: _Target | None = None
 
 
@@ -227,10 +229,10 @@ class _Run(TorchFunctionMode):
             index, zero = rank_index(target.shape, target.spec, self.mesh, self.rank)
             if restored and nan is not None and not zero and bool(nan[index].any()):
                 raise AutoshardError(
-                    f"the init of module `{module_name or '(the model)'}` read tensor `{info.names[0]}` outside this rank's slice "
-                    "after its own module had initialised it (e.g. a norm over the whole tensor): a rank keeps only "
-                    "its slice of a tensor between modules. Initialise that tensor in its own module's init, or pass "
-                    "init= to sharded.init_weights.")
+                    f"the init of module `{module_name or '(the model)'}` read tensor `{info.names[0]}` "
+                    "outside this rank's slice after its own module had initialised it (e.g. a norm over the whole "
+                    "tensor): a rank keeps only its slice of a tensor between modules. Initialise that tensor in its "
+                    "own module's init, or pass init= to sharded.init_weights.")
             _store(target, full, self.mesh, self.rank)
         elif self.unread is not None:
             for name in info.names:

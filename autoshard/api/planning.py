@@ -197,7 +197,8 @@ def parse_bytes(value) -> float | None:
     try:
         return float(number) * units[unit]
     except (KeyError, ValueError):
-        raise PlanError(f"memory_limit is {value!r}, but must be a number of bytes or text like '2GiB', '512MB'.") from None
+        raise PlanError(f"memory_limit is {value!r}, but must be a number of bytes or text like "
+                        "'2GiB', '512MB'.") from None
 
 
 def memory_defaults(planner: str, memory_limit, zero=None, recompute=None) -> tuple[int | str, str | None]:

@@ -70,12 +70,15 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("all_gather_sync", "all_gather_sync", "all_gather", "reduce_scatter", gradient_reduction=True,
                    doc="all_gather + grad_all_reduce fused (sequence parallel): backward one reduce-scatter"),
     CollectiveKind("all_gather_reshard", "all_gather_reshard", "all_gather", "reduce_scatter", regather=True,
-                   gradient_reduction=True, doc="all_gather_sync of a ZeRO-3 parameter: not kept for backward, gathered again there"),
+                   gradient_reduction=True,
+                   doc="all_gather_sync of a ZeRO-3 parameter: not kept for backward, gathered again there"),
     CollectiveKind("all_gather_reshard_group", "all_gather_reshard_group", "all_gather", "reduce_scatter",
-                   regather=True, gradient_reduction=True, doc="all_gather_reshard of a layer's parameters at once: one flat all-gather, one "
-                                      "reduce-scatter (passes/group_gathers.py)"),
+                   regather=True, gradient_reduction=True,
+                   doc="all_gather_reshard of a layer's parameters at once: one flat all-gather, one "
+                       "reduce-scatter (passes/group_gathers.py)"),
     CollectiveKind("linears_grad_all_reduce", "linears_grad_all_reduce", None, "all_reduce", sized=False,
-                   gradient_reduction=True, doc="grad_all_reduce feeding linears: backward all-reduce overlapped with weight grads"),
+                   gradient_reduction=True,
+                   doc="grad_all_reduce feeding linears: backward all-reduce overlapped with weight grads"),
 )}
 
 _BY_OP = {k.op: k for k in KINDS.values()}

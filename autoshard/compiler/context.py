@@ -36,8 +36,9 @@ class Options:
     sequence_parallel: bool = False
     moe: Any = None  # autoshard.MoE: dense FFNs to rewrite as Mixture-of-Experts layers (passes/expert_rewrite.py)
     #: ZeRO/FSDP storage of parameters over the data axis (passes/shard_storage.py): 0 | 1 | 2 | 3 for every
-    #: parameter (a plan with :class:`Pinned` storage keeps each parameter's stage instead), or "auto" (planner="search" picks a stage per parameter under memory_limit; compile's default
-    #: when the search has a memory_limit: autoshard.api.sharded_module.memory_defaults)
+    #: parameter (a plan with :class:`Pinned` storage keeps each parameter's stage instead), or "auto" (planner="search"
+    #: picks a stage per parameter under memory_limit; compile's default when the search has a memory_limit:
+    #: autoshard.api.sharded_module.memory_defaults)
     zero: int | str = 0
     #: activation recomputation (passes/recompute.py): None (only the model's own torch.utils.checkpoint regions),
     #: a glob over module paths ("model.layers.*"), or "auto" (planner="search" picks the layers; compile's default

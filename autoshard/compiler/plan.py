@@ -79,10 +79,10 @@ class Plan:
                      check_inputs: bool = True) -> torch.fx.GraphModule:
         """Rank ``rank``'s program by the rank phase of the pass list, its collectives checked against the first
         rank program this plan made (``local_weights``: share that program's tensors, see
-        :func:`autoshard.compiler.rank_programs.rank_program`; ``stage``: the program of that pipeline stage, checked against the
-        stage's first one). The only way to a rank program of a plan: a plain GraphModule holding only ``rank``'s
-        parameter shards. ``check_inputs``: every call is checked against the plan's local input shapes first (a
-        wrong shape is a RuntimeShapeError; the ShardedModule checks its calls itself and asks for False).
+        :func:`autoshard.compiler.rank_programs.rank_program`; ``stage``: the program of that pipeline stage, checked
+        against the stage's first one). The only way to a rank program of a plan: a plain GraphModule holding only
+        ``rank``'s parameter shards. ``check_inputs``: every call is checked against the plan's local input shapes first
+        (a wrong shape is a RuntimeShapeError; the ShardedModule checks its calls itself and asks for False).
 
         ``bucket_grads=True`` leaves the parameters' gradient all-reduces out of the program and lists them in
         ``module.meta[autoshard.runtime.buckets.GRAD_SYNC]``: attach a
@@ -158,8 +158,8 @@ class Plan:
         """Run every rank in this process (one thread each): outputs per rank, assembled gradients, collective logs.
 
         ``args``/``kwargs`` are the global inputs (each rank's share is cut here). ``train``: the mode the plan was
-        traced in (None) — the program of the other mode is the ShardedModule's to make (``sharded.simulate``). The loss is the output itself, its ``.loss`` (Hugging Face outputs), or its first
-        element.
+        traced in (None) — the program of the other mode is the ShardedModule's to make (``sharded.simulate``). The loss
+        is the output itself, its ``.loss`` (Hugging Face outputs), or its first element.
         """
         mode = self.training if train is None else train
         if not isinstance(mode, bool):
@@ -365,8 +365,8 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
         if target != options.memory_limit:
             ctx.report["plan_search"].update(memory_limit=options.memory_limit, searched_limit=target,
                                              replans=attempt)
-    return Plan(gm, mesh, ctx, type(model).__name__, training=model.training, examples=(tuple(args), dict(kwargs or {})),
-                model_signature=signature_of(model))
+    return Plan(gm, mesh, ctx, type(model).__name__, training=model.training,
+                examples=(tuple(args), dict(kwargs or {})), model_signature=signature_of(model))
 
 
 #: how often build_plan plans again when the searched plan's peak by plan.cost() exceeds the memory limit

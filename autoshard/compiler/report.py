@@ -795,7 +795,8 @@ def format_overview(plan, width: int = 80, overview: dict | None = None) -> str:
 def stages_json(pplan) -> dict:
     """A pipelined plan's stages as data (what :func:`format_stages` prints): per stage its ranks, estimated time
     and memory, modules; the boundary tensors with bytes; the imbalance, bubble and estimated step
-    (:meth:`autoshard.compiler.pipeline.PipelinePlan.cost`); the microbatch plan's ``plan.cost()`` and search estimate."""
+    (:meth:`autoshard.compiler.pipeline.PipelinePlan.cost`); the microbatch plan's ``plan.cost()`` and search
+    estimate."""
     split, p = pplan.split, pplan.pipeline
     estimate = pplan.cost()
     stages = []

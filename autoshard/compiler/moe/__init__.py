@@ -34,8 +34,8 @@ fraction of all tokens whose first choice is ``i`` (no gradient) and ``P_i`` the
 ``z = β · mean_t(logsumexp(logits_t)²)``. Because ``f`` is global and carries no gradient, the loss is a sum of
 per-group terms (``lb = Σ_g α·E·Σ_i f_i·P_i^g``), so each rank holds its own groups' terms and no term is counted
 twice or scaled by the world size. The terms are attached to the MoE output's autograd graph
-(:func:`~autoshard.runtime.moe.graph_ops.attach`, Megatron's approach): ``loss.backward()`` on the model's own loss already
-includes their gradients — do *not* add them again. Their values (and routing statistics) are recorded on every
+(:func:`~autoshard.runtime.moe.graph_ops.attach`, Megatron's approach): ``loss.backward()`` on the model's own loss
+already includes their gradients — do *not* add them again. Their values (and routing statistics) are recorded on every
 forward and read with :func:`moe_losses` / :func:`moe_stats`, e.g. to log ``loss + moe_losses(m)["total"]``.
 """
 

@@ -38,7 +38,8 @@ class MoELayer:
 @dataclass(frozen=True)
 class MoERewrite:
     """The expert rewrite's result for one graph: its layers in graph order, the routing groups, the expert axis,
-    and ``key``, the record key its ``attach`` nodes carry (unique in the process: see :mod:`autoshard.runtime.moe.records`)."""
+    and ``key``, the record key its ``attach`` nodes carry (unique in the process: see
+    :mod:`autoshard.runtime.moe.records`)."""
 
     layers: tuple[MoELayer, ...]
     groups: int

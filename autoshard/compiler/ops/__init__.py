@@ -5,8 +5,8 @@ Layout:
 * :mod:`~autoshard.compiler.ops.registry`: :class:`OpEntry` (the facets), :func:`op` (the one way to register them),
   :data:`DEFAULTS` (what an unstated facet is, written once), :func:`entry` / :func:`rule_for` (lookup: the
   ``OpOverload``'s own facets, then its ``OpOverloadPacket``'s, then the defaults);
-* :mod:`~autoshard.compiler.ops.dimmap`: the rule vocabulary (import builders from there) (:class:`DimMap`, :class:`OpInfo`, ``einsum``, ``pointwise``,
-  view groups, reductions) — pure functions of shapes;
+* :mod:`~autoshard.compiler.ops.dimmap`: the rule vocabulary (import builders from there) (:class:`DimMap`,
+  :class:`OpInfo`, ``einsum``, ``pointwise``, view groups, reductions) — pure functions of shapes;
 * :mod:`~autoshard.compiler.ops.local`: helpers the local forms share;
 * one module per op family, each stating every facet of its ops together: pointwise (with copies and casts),
   matmul, views, reductions, norms (with softmax), attention, losses, embedding, indexing, conv, factories,
@@ -61,5 +61,5 @@ from autoshard.compiler.ops.registry import (
 )
 
 __all__ = ["DEFAULTS", "MASK", "OUTPUT", "DimMap", "Labels", "Localizer", "OpEntry", "OpInfo", "RuleFn",
-           "Workspace", "elementwise", "entry", "op", "registered", "replicate_only", "rule_for", "stated", "unregister",
-           "zero"]
+           "Workspace", "elementwise", "entry", "op", "registered", "replicate_only", "rule_for", "stated",
+           "unregister", "zero"]

@@ -1,6 +1,7 @@
 """Registry entries of the ops the Hugging Face sparse-MoE path traces and rewrites to: ``autoshard::hf_experts``
-(a recognised experts block, :mod:`autoshard.frontend.hf_blocks`) and :func:`autoshard.runtime.moe.graph_ops.slot_groups` (the GShard positions the
-``MoE(existing=True)`` rewrite in :mod:`autoshard.passes.expert_rewrite` emits)."""
+(a recognised experts block, :mod:`autoshard.frontend.hf_blocks`) and
+:func:`autoshard.runtime.moe.graph_ops.slot_groups` (the GShard positions the ``MoE(existing=True)`` rewrite in
+:mod:`autoshard.passes.expert_rewrite` emits)."""
 
 from __future__ import annotations
 

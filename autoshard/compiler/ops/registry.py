@@ -5,7 +5,7 @@ An entry has these facets (every one optional; :data:`DEFAULTS` says, once, what
 ==================  ==========================================================================  =================
 facet               meaning                                                                     default
 ==================  ==========================================================================  =================
-``rule``            sharding rule, ``OpInfo -> DimMap`` (:mod:`autoshard.compiler.ops.dimmap`)            none: unsupported
+``rule``            sharding rule, ``OpInfo -> DimMap`` (:mod:`autoshard.compiler.ops.dimmap`)  none: unsupported
 ``localize``        rank-local rewrite, :data:`Localizer` (``passes/localize.py`` calls it)     local = global
 ``flops``           forward FLOPs, ``Shapes -> number`` (a multiply-add counts 2)               :func:`elementwise`
 ``backward``        backward FLOPs / forward FLOPs                                              1.0

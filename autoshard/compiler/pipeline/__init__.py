@@ -15,8 +15,8 @@ How it is built (:func:`build_pipeline_plan`):
 2. Two passes at the end of the plan phase: :class:`~autoshard.passes.pipeline_split.PipelineSplit` cuts the
    annotated graph into ``pipe × stages_per_rank`` stages balanced by the cost model, and
    :class:`~autoshard.passes.pipeline_split.BuildStages` makes one global GraphModule per stage. The rank phase of
-   the pass list (:meth:`autoshard.compiler.plan.Plan.rank_program` with ``stage=``) gives each rank its stage's program for
-   its (data, model) coordinates, its collectives checked against the stage's other ranks.
+   the pass list (:meth:`autoshard.compiler.plan.Plan.rank_program` with ``stage=``) gives each rank its stage's program
+   for its (data, model) coordinates, its collectives checked against the stage's other ranks.
 3. At run time (:class:`PipelineRunner`, :mod:`autoshard.runtime.pipeline`) each rank wraps its stage(s) in
    ``PipelineStage`` and runs ``ScheduleGPipe``/``Schedule1F1B`` (or the looped/interleaved ones when it holds
    several stages) over the process group of its pipe axis. Stage ``s`` lives on pipe coordinate ``s % pipe``.

@@ -1,8 +1,8 @@
 """The pipelined plan: one sharded plan of a global microbatch on the non-pipe axes, cut into stages
 (:func:`build_pipeline_plan`), and each rank's stage programs.
 
-The plan is :func:`autoshard.compiler.plan.build_plan`'s, with the ``pipeline_split`` and ``build_stages`` passes of the one
-pass list enabled: the split and the stage graphs are results of the list (``gm.meta``), verified by its driver,
+The plan is :func:`autoshard.compiler.plan.build_plan`'s, with the ``pipeline_split`` and ``build_stages`` passes of the
+one pass list enabled: the split and the stage graphs are results of the list (``gm.meta``), verified by its driver,
 and a stage program is made by the plan's one checked path, :meth:`autoshard.compiler.plan.Plan.rank_program` with
 ``stage=`` (the stage's programs on every rank issue the same collectives, or it raises).
 """
@@ -83,8 +83,8 @@ class PipelinePlan:
     def stage_module(self, stage: int, rank: int, bucket_grads: bool = False) -> torch.fx.GraphModule:
         """Rank ``rank``'s program of stage ``stage`` (its shard of the stage's parameters). ``bucket_grads``: leave
         the parameters' data-parallel gradient sync out of the program (listed in ``module.meta``) for the runner
-        to do once per step. Made by the plan's one checked path (:meth:`autoshard.compiler.plan.Plan.rank_program`): the
-        stage's programs on every rank issue the same collectives."""
+        to do once per step. Made by the plan's one checked path (:meth:`autoshard.compiler.plan.Plan.rank_program`):
+        the stage's programs on every rank issue the same collectives."""
         self.mesh._check_rank(rank)
         return self.microbatch_plan.rank_program(self.sub_rank(rank), bucket_grads=bucket_grads, stage=stage,
                                                  check_inputs=False)
