@@ -248,7 +248,7 @@ def test_ring_on_four_gloo_processes_equals_one_device():
     from autoshard.placements import assemble
     from autoshard.runtime import spawn
 
-    results = spawn(_gloo_worker, 4, timeout=400)
+    results = spawn(_gloo_worker, 4, timeout=400, start_method="forkserver")  # no torch import per rank
     for mesh in GLOO_MESHES:
         model, args, kwargs, plan = _compiled(mesh, "ring")
         specs = plan.param_specs()

@@ -19,7 +19,8 @@ NAMES = ["mlp", "gpt", "hf_gpt2", "hf_llama"]
 def _plan(name):
     model, args, kwargs = models.FACTORIES[name](layers=1) if name != "mlp" else models.mlp()
     mesh = autoshard.Mesh(**MESH)
-    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name)).plan
+    ann = models.megatron(mesh, name)
+    return model, args, kwargs, autoshard.compile(model, mesh, args, kwargs, annotations=ann).plan
 
 
 def _worker(rank, world_size):
@@ -40,7 +41,7 @@ def _worker(rank, world_size):
 
 @pytest.mark.gloo
 def test_models_on_gloo_match_single_device_and_simulator():
-    results = spawn(_worker, 4, timeout=240)
+    results = spawn(_worker, 4, timeout=240, start_method="forkserver")  # no torch import per rank
     for name in NAMES:
         model, args, kwargs, plan = _plan(name)
         ref_loss, ref_grads = reference(model, args, kwargs)

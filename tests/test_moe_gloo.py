@@ -41,7 +41,7 @@ def _worker(rank, world_size):
 
 @pytest.mark.gloo
 def test_expert_parallel_moe_on_gloo_matches_reference():
-    results = spawn(_worker, 4, timeout=240)
+    results = spawn(_worker, 4, timeout=240, start_method="forkserver")  # no torch import per rank
     model, args, opts, plan = _plan()
     main, result, grads = reference_run(model, plan, PATH, opts, 4, args)
     for rank in range(4):
