@@ -30,7 +30,8 @@ STAGE_SPLIT = "autoshard.stage_split"
 #: On ``gm.meta``: one global GraphModule per pipeline stage, a tuple of ``StageGraph`` (passes/pipeline_split.py,
 #: the ``build_stages`` pass); each stage's rank programs are made from it by the rank phase.
 STAGE_GRAPHS = "autoshard.stage_graphs"
-#: On ``gm.meta``: the expert rewrite's result, an :class:`autoshard.compiler.moe.MoERewrite` (passes/expert_rewrite.py).
+#: On ``gm.meta``: the expert rewrite's result, an :class:`autoshard.compiler.moe.MoERewrite`
+#: (passes/expert_rewrite.py).
 MOE_REWRITE = "autoshard.moe_rewrite"
 #: On ``gm.meta``: annotations implied by a pass for parameters it created, a tuple of ``(pattern, Spec)`` (the
 #: expert rewrite's ``Shard(0)`` on the expert axis). Propagation seeds them before the user's annotations, which

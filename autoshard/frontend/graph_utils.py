@@ -193,8 +193,9 @@ def verify_traced(gm: torch.fx.GraphModule, step: str) -> torch.fx.GraphModule:
     """The frontend's invariants for the graph ``step`` (``trace``, ``layer_reuse``, ``precision``) left, as the
     pass manager's verifier checks each pass (the passes rely on them): the graph lints; every placeholder,
     get_attr and call_function node carries ``meta["val"]`` (its FakeTensor, or what it returns); every get_attr names
-    a tensor (or, for a higher-order op's body, a submodule) of the module. Returns ``gm``; a broken graph is an :class:`~autoshard.errors.AutoshardError` naming the
-    step and the node (a bug in autoshard's frontend, not the model's)."""
+    a tensor (or, for a higher-order op's body, a submodule) of the module. Returns ``gm``; a broken graph is an
+    :class:`~autoshard.errors.AutoshardError` naming the step and the node (a bug in autoshard's frontend, not the
+    model's)."""
     from autoshard.errors import AutoshardError
 
     try:

@@ -24,8 +24,9 @@ for these ops are in :mod:`autoshard.compiler.ops.hf_moe`):
    ``[o, o + E/n)`` runs them on every token it has and adds only the choices of those experts, a Partial share
    of the output; the local form passes ``expert_offset=o``). So the planner can split the experts over any axis,
    or store them sharded over `data` (ZeRO), with no ``moe=`` and nothing dropped.
-2. :func:`autoshard.passes.expert_rewrite.rewrite_existing` (``MoE(existing=True)``): each ``hf_experts`` node becomes the expert rewrite's
-   capacity-bounded subgraph, made from the same group ops (:mod:`autoshard.runtime.moe.graph_ops`)::
+2. :func:`autoshard.passes.expert_rewrite.rewrite_existing` (``MoE(existing=True)``): each ``hf_experts`` node becomes
+   the expert rewrite's capacity-bounded subgraph, made from the same group ops
+   (:mod:`autoshard.runtime.moe.graph_ops`)::
 
        xg, ei, w  = reshape(hidden | top_k_index | top_k_weights, [G, T_g, ...])   # routing groups
        pos, keep  = slot_groups(ei, E, C)               # GShard positions of HF's choices (first choices first)

@@ -3,11 +3,12 @@
 Shapes are static, so a batch of another shape would otherwise fail deep inside a rank program with a raw
 ``RuntimeError`` (``shape '[4, 16, 4, 16]' is invalid for input of size 3072``). Each entry names what it expects:
 
-* a rank's program (:meth:`ShardedModule.__call__ <autoshard.api.sharded_module.ShardedModule>`, ``Plan.rank_program(r)(...)``,
-  the pipelined module's stages) takes this rank's *local* inputs; when a tensor has the *global* shape instead,
-  the message says so and points to ``autoshard.data_shard`` (the usual slip: the whole batch on every rank);
-* :meth:`Plan.simulate <autoshard.compiler.plan.Plan.simulate>` and the CLI take the *global* inputs and cut every rank's
-  share themselves; a tensor of one rank's local shape gets the opposite hint.
+* a rank's program (:meth:`ShardedModule.__call__ <autoshard.api.sharded_module.ShardedModule>`,
+  ``Plan.rank_program(r)(...)``, the pipelined module's stages) takes this rank's *local* inputs; when a tensor has the
+  *global* shape instead, the message says so and points to ``autoshard.data_shard`` (the usual slip: the whole batch on
+  every rank);
+* :meth:`Plan.simulate <autoshard.compiler.plan.Plan.simulate>` and the CLI take the *global* inputs and cut every
+  rank's share themselves; a tensor of one rank's local shape gets the opposite hint.
 
 Every mismatch is a :class:`~autoshard.errors.RuntimeShapeError` naming the input, both shapes (or dtypes), the
 entry, and the fix. :func:`expected_inputs` reads what a graph expects from its placeholders (``"val"`` and the

@@ -379,7 +379,8 @@ def expand_layer_calls(gm: torch.fx.GraphModule, groups: list[LayerGroup], model
     regions = {}
     for gr in groups:
         if f"{gr.prefix}.{gr.first}" in inputs:
-            regions[_key(gr, gr.first)] = _region(g, gr, inputs[_key(gr, gr.first)], outputs.get(_key(gr, gr.first), {}))
+            regions[_key(gr, gr.first)] = _region(g, gr, inputs[_key(gr, gr.first)],
+                                                  outputs.get(_key(gr, gr.first), {}))
     for call in calls:
         gr, i = by_key[call.args[1]]
         region, ins, outs = regions[_key(gr, gr.first)]

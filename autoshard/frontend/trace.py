@@ -19,15 +19,16 @@ other, with nothing that says they were checkpointed). While exporting, :class:`
 function every ``use_reentrant=False`` checkpoint call goes through (``_checkpoint_without_reentrant_generator``,
 looked up at call time, so a ``from torch.utils.checkpoint import checkpoint`` or a ``functools.partial`` of it is
 seen too; a ``use_reentrant=True`` call, which export turns into a no-grad submodule whose gradients would be lost,
-is a :class:`TraceError` naming its line) so that the ops of each call are annotated (``torch.fx.traceback.annotate``); :func:`_mark_checkpoint_regions` turns the annotations
-into :data:`autoshard.meta.RECOMPUTE` ids — the region's module path (the common prefix of its ops' paths, ``#2``,
-``#3`` for further calls of one module), distinct per call. A nested call belongs to the outermost region.
+is a :class:`TraceError` naming its line) so that the ops of each call are annotated (``torch.fx.traceback.annotate``);
+:func:`_mark_checkpoint_regions` turns the annotations into :data:`autoshard.meta.RECOMPUTE` ids — the region's module
+path (the common prefix of its ops' paths, ``#2``, ``#3`` for further calls of one module), distinct per call. A nested
+call belongs to the outermost region.
 
 Side effects: torch is patched only inside the ``with`` around ``torch.export`` in :func:`_export` (the checkpoint
 wrappers above, installed while any thread exports and restored when the last one leaves, whether export
 succeeded or failed). When the layers are not copied, the reason goes to the ``autoshard.frontend.trace`` logger
-(:func:`_log_no_reuse`: INFO for a :class:`~autoshard.frontend.layer_reuse.CannotReuse` reason, WARNING with the traceback
-for a fault of the copying itself); nothing is swallowed silently.
+(:func:`_log_no_reuse`: INFO for a :class:`~autoshard.frontend.layer_reuse.CannotReuse` reason, WARNING with the
+traceback for a fault of the copying itself); nothing is swallowed silently.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from autoshard.runtime.torch_state import RANK_THREADS
 
 log = logging.getLogger(__name__)
 
-REUSED_LAYERS = M.REUSED_LAYERS  # gm.meta: container path -> [traced layer, copied layers...] (autoshard.frontend.layer_reuse)
+#: gm.meta: container path -> [traced layer, copied layers...] (autoshard.frontend.layer_reuse)
+REUSED_LAYERS = M.REUSED_LAYERS
 _DROP_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
@@ -106,8 +108,8 @@ def _memory(x: torch.Tensor) -> set:
 
 def _log_no_reuse(model: torch.nn.Module, e: Exception) -> None:
     """Say on the ``autoshard.frontend.trace`` logger why the layers of ``model`` are not copied: a
-    :class:`~autoshard.frontend.layer_reuse.CannotReuse` reason (layers that differ, a structure the copy does not handle)
-    or an export that failed with copied layers at INFO (exporting every layer reports a real failure again);
+    :class:`~autoshard.frontend.layer_reuse.CannotReuse` reason (layers that differ, a structure the copy does not
+    handle) or an export that failed with copied layers at INFO (exporting every layer reports a real failure again);
     anything else, a fault of the copying itself, at WARNING with its traceback."""
     name = type(model).__name__
     reason = _cause(e, layer_reuse.CannotReuse)

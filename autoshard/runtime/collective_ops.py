@@ -38,8 +38,8 @@ and ``all_gather_reshard`` whose input is a parameter (through views and casts, 
 gradient unreduced and returns none; the next synced backward adds what was held before it reduces.
 
 Ops that change a shape take the axis size as an argument (``size``), so their fake kernels need no
-communicator. The compiler's table of collective kinds (:mod:`autoshard.compiler.collective_kinds`) names these ops; the Python
-functions at the end of this module (``all_reduce(x, axis)``, ...) call them with the size filled in from the
+communicator. The compiler's table of collective kinds (:mod:`autoshard.compiler.collective_kinds`) names these ops; the
+Python functions at the end of this module (``all_reduce(x, axis)``, ...) call them with the size filled in from the
 current communicator, for tests and hand-written code.
 
 The communicator of a backward: autograd may run backward on another thread (CUDA's device threads), where the

@@ -34,8 +34,8 @@ import torch
 from autoshard.errors import AutoshardError, RuntimeShapeError
 from autoshard.mesh import Mesh, as_mesh
 
-__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "Handle", "backward_uses", "current", "in_backward", "p2p_axis",
-           "rank_thread", "use"]
+__all__ = ["KINDS", "PHASES", "CollectiveRecord", "Communicator", "Handle", "backward_uses", "current", "in_backward",
+           "p2p_axis", "rank_thread", "use"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 PHASES = ("forward", "backward")

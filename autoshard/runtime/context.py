@@ -41,7 +41,8 @@ from autoshard.errors import PlanError
 from autoshard.runtime.primitives import AUTOCAST_LOWER, define_op, keep_comm
 from autoshard.runtime.communicator import current, use
 
-__all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice", "sequence_slice"]
+__all__ = ["FORMS", "chunks_of", "context_attention", "head_tail", "head_tail_order", "head_tail_slice",
+           "sequence_slice"]
 
 FORMS = ("ring", "all_gather", "ulysses")
 

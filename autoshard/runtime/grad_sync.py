@@ -144,8 +144,8 @@ def syncing(enabled: bool, bucketer=None):
 
     ``bucketer``: the module's :class:`~autoshard.runtime.buckets.GradBucketer`, which holds the unsynced sums;
     sync can only be turned off with one (a module with ``bucket_cap_mb=0`` reduces each gradient inside
-    backward, and :class:`~autoshard.api.sharded_module.ShardedModule` refuses the flag there). Re-entrant per thread: an inner
-    call runs under its own flag and restores the outer one."""
+    backward, and :class:`~autoshard.api.sharded_module.ShardedModule` refuses the flag there). Re-entrant per thread:
+    an inner call runs under its own flag and restores the outer one."""
     if bucketer is None:
         if not enabled:
             raise AutoshardError("gradient sync cannot be turned off without a GradBucketer: the unsynced sums "

@@ -16,7 +16,8 @@ Each child (``multiprocessing`` *spawn* context by default, so scripts calling t
 store's port, runs with ``OMP_NUM_THREADS=1``, calls ``init_process_group(backend, rank, world_size,
 timeout=timeout, store=...)`` on a client of that store, runs ``fn(rank, world_size, *args)``, and
 sends back the result (pickled with tensors moved to CPU) or its traceback through its own pipe; it always
-ends with :func:`autoshard.runtime.shutdown` (every process group destroyed before the interpreter exits). The parent waits on every pipe at once:
+ends with :func:`autoshard.runtime.shutdown` (every process group destroyed before the interpreter exits). The parent
+waits on every pipe at once:
 
 * a child raises → the others are killed and the child's error is raised here with its traceback text (as the
   same :mod:`autoshard.errors` class when it was one, else :class:`~autoshard.errors.AutoshardError`);
@@ -61,7 +62,8 @@ def free_port() -> int:
 
 # Imported by the forkserver before it forks the first child: the compiler and the model libraries the children
 # of a test suite import; multiprocessing skips a name that fails to import.
-_PRELOAD = ("autoshard.api.sharded_module", "autoshard.passes", "transformers", "transformers.models.llama.modeling_llama")
+_PRELOAD = ("autoshard.api.sharded_module", "autoshard.passes", "transformers",
+            "transformers.models.llama.modeling_llama")
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",

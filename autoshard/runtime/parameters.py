@@ -1,4 +1,5 @@
-"""What a :class:`~autoshard.api.sharded_module.ShardedModule` hands to the world: ``DTensor`` parameters in the model's own tree.
+"""What a :class:`~autoshard.api.sharded_module.ShardedModule` hands to the world: ``DTensor`` parameters in the model's
+own tree.
 
 A rank program (a plain ``GraphModule``) computes on local tensors. What user code sees is PyTorch's convention
 for a distributed module (FSDP2, ``parallelize_module``): every parameter is an ``nn.Parameter`` that is a

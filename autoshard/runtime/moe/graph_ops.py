@@ -26,8 +26,8 @@ __all__ = ["attach", "aux_terms", "combine_groups", "dispatch_groups", "first_fr
 
 
 def route_groups(logits: Tensor, top_k: int, capacity: int):
-    """:func:`~autoshard.runtime.moe.routing.route` per group on ``logits[G, T, E]``: (expert_index, position, keep), each
-    ``[G, T, k]``.
+    """:func:`~autoshard.runtime.moe.routing.route` per group on ``logits[G, T, E]``: (expert_index, position, keep),
+    each ``[G, T, k]``.
 
     Integer outputs only: the differentiable gate comes from :func:`gate_groups` on the router softmax, a
     single-output op, so gradient bookkeeping never has to look through a tuple."""

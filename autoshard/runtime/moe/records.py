@@ -66,8 +66,8 @@ def record(key: str, layer: str, stats: Tensor, alpha: float, beta: float, top_k
 
 
 def key_of(module) -> str | None:
-    """The record key of a compiled model: ``module`` is a :class:`~autoshard.api.sharded_module.ShardedModule`, a plan, a
-    pipelined module or plan, or a graph module (global or a rank's program). None when it has no MoE layer (or,
+    """The record key of a compiled model: ``module`` is a :class:`~autoshard.api.sharded_module.ShardedModule`, a plan,
+    a pipelined module or plan, or a graph module (global or a rank's program). None when it has no MoE layer (or,
     for a lazy module, no plan yet)."""
     for _ in range(4):  # ShardedModule / PipelinedModule -> (PipelinePlan ->) Plan -> its graph module
         if isinstance(module, torch.fx.GraphModule):

@@ -133,7 +133,8 @@ def route(logits: Tensor, top_k: int, capacity: int) -> Routing:
     _check_top_k(top_k, num_experts)
     if capacity < 1:
         raise PlanError(
-            f"MoE capacity has {capacity}, but it must be >= 1. Compute it with autoshard.runtime.moe.routing.capacity()."
+            f"MoE capacity has {capacity}, but it must be >= 1. "
+            "Compute it with autoshard.runtime.moe.routing.capacity()."
         )
 
     probs = torch.softmax(logits.float(), dim=-1)
