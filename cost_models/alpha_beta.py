@@ -111,7 +111,8 @@ def _numeric(table: str, kind: str) -> Callable[..., float]:
 
 def collective_time(kind: str, nbytes: float, n: int, link: LinkCost) -> float:
     """Seconds for collective ``kind`` moving ``nbytes`` (see the module docstring for what ``b`` is) within a
-    group of ``n`` ranks over ``link`` (its per-kind link for ``kind`` where it has one: :meth:`LinkCost.for_kind`). 0.0 when ``n <= 1`` or ``nbytes == 0``."""
+    group of ``n`` ranks over ``link`` (its per-kind link for ``kind`` where it has one: :meth:`LinkCost.for_kind`). 0.0
+    when ``n <= 1`` or ``nbytes == 0``."""
     _check_kind(kind)
     if n <= 1 or nbytes <= 0:
         return 0.0

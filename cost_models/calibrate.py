@@ -3,9 +3,9 @@
 :func:`measure` spawns ``world_size`` processes on 127.0.0.1 (``torch.multiprocessing``, a free port,
 ``init_process_group(backend)``), and in them
 
-1. times all_reduce, all_gather, reduce_scatter and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined in
-   :mod:`autoshard.cost_models.alpha_beta`: the reduced tensor, the gathered output, the exchanged buffer), the fastest
-   of ``repeats`` calls, each right after a barrier, sizes interleaved (:func:`_min_times`), keeping the slowest
+1. times all_reduce, all_gather, reduce_scatter and all_to_all at each message size ``b`` in ``sizes`` (``b`` as defined
+   in :mod:`autoshard.cost_models.alpha_beta`: the reduced tensor, the gathered output, the exchanged buffer), the
+   fastest of ``repeats`` calls, each right after a barrier, sizes interleaved (:func:`_min_times`), keeping the slowest
    rank's. The calls are the runtime's own: a :class:`~autoshard.runtime.dist.DistCommunicator` over a
    one-axis mesh of all the ranks, so what is measured is the transport a compiled model uses (the backend's
    collectives on a process group made by the communicator, with the communicator's own copies around them);
@@ -30,8 +30,9 @@ coefficients (:func:`fit_link`), for the kinds not measured (send/recv). Both fi
 error, so that the small messages, which fix ``alpha``, weigh as much as the large ones.
 
 The whole run is bounded by ``timeout`` seconds; on a timeout or a failing rank every child is killed and an
-:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes about 25 s with 2 ranks and 60 s with 4 on a
-2-core machine (starting the processes, the tables and compiling the tiny model); a loaded machine takes longer.
+:class:`~autoshard.errors.AutoshardError` says what happened. The default run takes about 25 s with 2 ranks and 60 s
+with 4 on a 2-core machine (starting the processes, the tables and compiling the tiny model); a loaded machine takes
+longer.
 """
 
 from __future__ import annotations

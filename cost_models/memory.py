@@ -124,8 +124,8 @@ def zero_state_bytes(local_numel: int, stage: int, data_size: int, dtype: torch.
     compute_dtype = compute_dtype or dtype
     stored = local_numel if stage == 0 else -(-local_numel // max(1, data_size))
     p = param_bytes(stored, dtype)
-    out = {"parameters": p, "gradients": grad_bytes(stored, dtype), "optimizer": optimizer_state_bytes(p, optimizer, dtype),
-           "gathered": 0}
+    out = {"parameters": p, "gradients": grad_bytes(stored, dtype),
+           "optimizer": optimizer_state_bytes(p, optimizer, dtype), "gathered": 0}
     if stage == 0 and compute_dtype != dtype:
         out["parameters"] += param_bytes(local_numel, compute_dtype)
     if stage in (1, 2):
@@ -134,7 +134,8 @@ def zero_state_bytes(local_numel: int, stage: int, data_size: int, dtype: torch.
 
 
 def _saves(node: Node) -> tuple:
-    """The ``saves`` facet of ``node``'s op (:mod:`autoshard.compiler.ops`); () for placeholders, get_attr and output."""
+    """The ``saves`` facet of ``node``'s op (:mod:`autoshard.compiler.ops`); () for placeholders, get_attr and
+    output."""
     return entry(node.target).saves if node.op == "call_function" else ()
 
 
@@ -597,7 +598,8 @@ def plan_memory(gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | 
     storage read from :data:`autoshard.meta.STORAGE`). ``compute_dtype``: mixed precision's ``param_dtype`` (None:
     the parameters' own dtype). Raises :class:`~autoshard.errors.PlanError` for an optimizer it has no model of.
 
-    How a pipeline schedule runs the graph of one stage (:meth:`autoshard.compiler.pipeline.plan.PipelinePlan.stage_memory`):
+    How a pipeline schedule runs the graph of one stage
+    (:meth:`autoshard.compiler.pipeline.plan.PipelinePlan.stage_memory`):
 
     - ``in_flight``: microbatches whose activations are alive at once; while one runs its backward, the others
       hold everything their forward saved (their gradients accumulate in one set);

@@ -76,8 +76,8 @@ def trains(gm: torch.fx.GraphModule) -> bool:
 
 def rerun_nodes(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """{node: region id} of the nodes of an annotated graph that backward runs again
-    (:func:`autoshard.frontend.graph_utils.rerun_in_backward`: each recomputation region's ops and the nodes between them,
-    collectives included); none when the graph has no backward (:func:`trains`)."""
+    (:func:`autoshard.frontend.graph_utils.rerun_in_backward`: each recomputation region's ops and the nodes between
+    them, collectives included); none when the graph has no backward (:func:`trains`)."""
     return rerun_in_backward(gm.graph) if trains(gm) else {}
 
 

@@ -1,10 +1,11 @@
 """Hardware profiles: what the cost model needs to know about the machine, per rank.
 
 A :class:`HardwareProfile` holds the compute roofline of one rank (``peak_flops`` in FLOP/s for fp32, and per
-dtype in ``dtype_flops`` — bf16 tensor cores run an order of magnitude faster than fp32 —, ``mem_bandwidth`` in B/s), its memory (``memory_bytes``), whether communication overlaps compute
-(``overlap_comm``), and the alpha-beta cost of the links collectives run over: a default :class:`LinkCost` and
-optional per-axis overrides. A link costs ``alpha`` seconds per message step plus ``beta`` seconds per byte
-(``beta = 1 / bandwidth``); see :mod:`autoshard.cost_models.alpha_beta` for how the collectives use them.
+dtype in ``dtype_flops`` — bf16 tensor cores run an order of magnitude faster than fp32 —, ``mem_bandwidth`` in B/s),
+its memory (``memory_bytes``), whether communication overlaps compute (``overlap_comm``), and the alpha-beta cost of the
+links collectives run over: a default :class:`LinkCost` and optional per-axis overrides. A link costs ``alpha`` seconds
+per message step plus ``beta`` seconds per byte (``beta = 1 / bandwidth``); see :mod:`autoshard.cost_models.alpha_beta`
+for how the collectives use them.
 
 Per-axis overrides are ``(pattern, LinkCost)`` pairs tried in order; the first that matches an axis wins,
 the default link applies otherwise (:meth:`HardwareProfile.link_for`). A pattern is
@@ -448,7 +449,8 @@ def _toml_float(x: float) -> str:
 
 
 def _link_lines(link: LinkCost) -> list[str]:
-    lines = [f"alpha = {_toml_float(link.alpha)}", f"beta = {_toml_float(link.beta)}  # {link.bandwidth / 1e9:.4g} GB/s"]
+    lines = [f"alpha = {_toml_float(link.alpha)}",
+             f"beta = {_toml_float(link.beta)}  # {link.bandwidth / 1e9:.4g} GB/s"]
     if link.overlap:
         lines.append(f"overlap = {_toml_float(link.overlap)}  # of gradient reductions, hidden behind compute")
     return lines

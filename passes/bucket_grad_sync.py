@@ -87,7 +87,8 @@ def _from_constants(node: torch.fx.Node) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace == "autoshard":
+        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+                or n.target.namespace == "autoshard"):
             return False
         if not n.all_input_nodes and n.target not in _ARANGES and n.target.overloadpacket not in _FACTORIES:
             return False

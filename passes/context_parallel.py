@@ -3,8 +3,8 @@
 Three passes of the one list (``passes/manager.py``):
 
 * :class:`CutSequence` (plan phase, before the planners): after every input whose dim 1 is the length of the
-  model's self-attention sequence, a ``sequence_cut`` node (:mod:`autoshard.compiler.ops.context`) planned to shard dim 1
-  on the context axis, so users pass whole sequences and every activation downstream starts sharded; records
+  model's self-attention sequence, a ``sequence_cut`` node (:mod:`autoshard.compiler.ops.context`) planned to shard
+  dim 1 on the context axis, so users pass whole sequences and every activation downstream starts sharded; records
   the layout in ``gm.meta[autoshard.meta.CONTEXT]``.
 * :class:`ContextAttention` (plan phase, after collective insertion): each attention whose strategy shards the sequence
   on the axis takes the local form the user asked for (``ring`` / ``all_gather`` / ``ulysses``); checks what the

@@ -1,8 +1,8 @@
 """Expert rewrite: chosen dense FFNs become capacity-bounded Mixture-of-Experts layers (GShard/Switch semantics).
 
 Runs first, on the traced graph, when ``autoshard.compile(..., moe=autoshard.MoE(...))`` is given. For each module
-path that :meth:`autoshard.compiler.moe.MoE.select` picks, :func:`match_ffn` checks that the nodes under that path form a
-dense FFN — one input ``x``; one or two projections of ``x`` (two: gated, e.g. Llama's SwiGLU); only pointwise
+path that :meth:`autoshard.compiler.moe.MoE.select` picks, :func:`match_ffn` checks that the nodes under that path form
+a dense FFN — one input ``x``; one or two projections of ``x`` (two: gated, e.g. Llama's SwiGLU); only pointwise
 ops between them and the output projection (any activation written with them: GELU, tanh-GELU formulas, SiLU·up);
 one projection producing the only value used outside. Projections are ``aten.linear`` or, for GPT-2's Conv1D,
 ``aten.addmm`` between flattening views; views and p=0 dropout are looked through. :func:`emit_moe` replaces it
@@ -36,10 +36,10 @@ sharded on experts where the tokens were sharded on groups: one all-to-all befor
 
 The rewrite builds new nodes in place with FakeTensor ``val``s from the graph's own fake mode and the FFN's
 ``nn_module_stack``; it erases the dense FFN and its weight ``get_attr`` nodes. It reads the user's options and
-never changes them: its result is a :class:`~autoshard.compiler.moe.MoERewrite` on ``gm.meta[autoshard.meta.MOE_REWRITE]``
-(layers, groups, and the record key ``key`` that every ``attach`` node carries, so two models compiled in one
-process keep separate records), mirrored as plain data in the plan report's ``"expert_rewrite"``
-(``gm.meta[autoshard.meta.PLAN_REPORT]``).
+never changes them: its result is a :class:`~autoshard.compiler.moe.MoERewrite` on
+``gm.meta[autoshard.meta.MOE_REWRITE]`` (layers, groups, and the record key ``key`` that every ``attach`` node carries,
+so two models compiled in one process keep separate records), mirrored as plain data in the plan report's
+``"expert_rewrite"`` (``gm.meta[autoshard.meta.PLAN_REPORT]``).
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def _projection_input(node: torch.fx.Node) -> torch.fx.Node:
 @contextlib.contextmanager
 def _compute_dtype_values(gm: torch.fx.GraphModule, ctx: Context):
     """Under ``precision=MixedPrecision(param_dtype)`` the graph is the trace of the ``param_dtype`` compute copy
-    (:func:`autoshard.frontend.precision.trace_with_precision`), but its parameter ``get_attr`` nodes (and floating inputs)
-    hold the masters' dtype until the ``mixed_precision`` pass, after propagation, casts each where it is read. The
-    nodes built here compute their values from their inputs' (fake) values: while building, those read as the
+    (:func:`autoshard.frontend.precision.trace_with_precision`), but its parameter ``get_attr`` nodes (and floating
+    inputs) hold the masters' dtype until the ``mixed_precision`` pass, after propagation, casts each where it is read.
+    The nodes built here compute their values from their inputs' (fake) values: while building, those read as the
     ``param_dtype`` values they are in the compute copy (the experts' bmm of bf16 tokens and bf16 weights, as one
     device computes under the policy), and afterwards the masters' values again, so the pass casts them as any
     other parameter. The router is the model's own code, traced as the compute copy runs it (HF: a bf16 gate linear,
@@ -442,8 +442,8 @@ def _block_of(gm: torch.fx.GraphModule, node: torch.fx.Node, found: hf_blocks.Fo
             return block
     act, has_gate, transposed, concatenated = node.args[7:11]
     e = up.meta["val"].shape[0]
-    return hf_blocks.Block(path, "gate", e, int(node.args[1].meta["val"].shape[-1]), act, has_gate, transposed, concatenated,
-                 node.args[5] is not None)
+    return hf_blocks.Block(path, "gate", e, int(node.args[1].meta["val"].shape[-1]), act, has_gate, transposed,
+                           concatenated, node.args[5] is not None)
 
 
 def _project(b, inp: torch.fx.Node, w: torch.fx.Node, bias, transposed: bool) -> torch.fx.Node:

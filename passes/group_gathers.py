@@ -32,7 +32,8 @@ Before (rank 0 of a GPT on ``Mesh(data=2)``, ``zero=3``)::
     all_gather_reshard_1 = torch.ops.autoshard.all_gather_reshard.default(blocks_0_ln1_weight, 'data', 0, 2, ['data'])
     all_gather_reshard_2 = torch.ops.autoshard.all_gather_reshard.default(blocks_0_ln1_bias, 'data', 0, 2, ['data'])
     layer_norm = torch.ops.aten.layer_norm.default(add, [64], all_gather_reshard_1, all_gather_reshard_2, 1e-05, False)
-    all_gather_reshard_3 = torch.ops.autoshard.all_gather_reshard.default(blocks_0_attn_q_weight, 'data', 0, 2, ['data'])
+    all_gather_reshard_3 = torch.ops.autoshard.all_gather_reshard.default(blocks_0_attn_q_weight, 'data', 0, 2,
+        ['data'])
 
 After::
 

@@ -1,10 +1,10 @@
 """Collective insertion: make every redistribution an explicit graph node.
 
 For each op input whose producer's spec differs from the spec the op's strategy needs, the steps of
-:func:`autoshard.compiler.redistribute.steps_between` become ``call_function`` nodes calling the collective operators of the
-table in :mod:`autoshard.compiler.collective_kinds` (``torch.ops.autoshard.*``, each with an autograd formula that is its
-conjugate). Then every replicated input that feeds sharded or partial work (``Strategy.grad_sync``) and requires grad
-goes through ``grad_all_reduce`` — identity forward, all-reduce backward (Megatron's *f*), which is also how
+:func:`autoshard.compiler.redistribute.steps_between` become ``call_function`` nodes calling the collective operators of
+the table in :mod:`autoshard.compiler.collective_kinds` (``torch.ops.autoshard.*``, each with an autograd formula that
+is its conjugate). Then every replicated input that feeds sharded or partial work (``Strategy.grad_sync``) and requires
+grad goes through ``grad_all_reduce`` — identity forward, all-reduce backward (Megatron's *f*), which is also how
 data-parallel gradient all-reduce of parameters arises.
 
 Inserted nodes are shared: one redistribution per (tensor, target spec) and one ``grad_all_reduce`` per

@@ -5,9 +5,9 @@ spec. Localising it for rank ``r`` means:
 
 * shapes written into the code (``view``/``reshape``/``expand`` targets) become the local shapes of their outputs;
 * ops whose local form differs from their global one are rewritten by the op's local form (the ``localize``
-  facet of its entry in the op registry, :mod:`autoshard.compiler.ops`): a mean over a sharded dim divides by the *global*
-  count; a bias added to a Partial output is added once; a mean cross-entropy over a sharded batch divides by the
-  global count of targets; dropout draws one global mask;
+  facet of its entry in the op registry, :mod:`autoshard.compiler.ops`): a mean over a sharded dim divides by the
+  *global* count; a bias added to a Partial output is added once; a mean cross-entropy over a sharded batch divides by
+  the global count of targets; dropout draws one global mask;
 * every ``get_attr`` holds rank ``r``'s shard of the original weight, copied (no full copy is kept).
 
 The result keeps the original calling convention (the exported pytree in/out specs) and prints as readable Python

@@ -31,8 +31,8 @@ another pass's state or the user's options. After every pass :func:`verify` chec
 (beyond ``graph.lint()``): once propagation has run every tensor node has a spec; once collectives are inserted
 every consumer receives exactly the spec its strategy needs (in a rank program too, and in every stage graph of a
 pipeline); and the rank programs of one plan (of one stage) issue the same collectives in the same order
-(:func:`collective_signature`, compared across ranks by :class:`~autoshard.compiler.plan.Plan`). A failure names the pass that
-broke it and the passes that ran before.
+(:func:`collective_signature`, compared across ranks by :class:`~autoshard.compiler.plan.Plan`). A failure names the
+pass that broke it and the passes that ran before.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from autoshard.errors import AutoshardError
 from autoshard.frontend.graph_utils import is_tensor_node
 from autoshard.placements import Placement
 
-__all__ = ["Pass", "PipelineOptions", "ProgramOptions", "RankContext", "collective_signature", "pass_list", "run_passes",
-           "verify"]
+__all__ = ["Pass", "PipelineOptions", "ProgramOptions", "RankContext", "collective_signature", "pass_list",
+           "run_passes", "verify"]
 
 
 class Pass(Protocol):

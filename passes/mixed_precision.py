@@ -1,8 +1,8 @@
 """Mixed precision passes: compute in ``param_dtype`` from masters kept in the model's dtype, reduce gradients in
 ``reduce_dtype``, and make the model's own ``torch.autocast`` regions plain, shardable code.
 
-The policy and why the graph is traced from a ``param_dtype`` compute copy are in :mod:`autoshard.frontend.precision`. Three
-plan-phase passes:
+The policy and why the graph is traced from a ``param_dtype`` compute copy are in :mod:`autoshard.frontend.precision`.
+Three plan-phase passes:
 
 - :class:`InlineAutocast` (``inline_autocast``, first; a no-op on graphs without autocast). ``torch.export`` keeps
   a ``with torch.autocast(...)`` block as a ``higher_order.wrap_with_autocast`` call of a sub-graph whose ops are
@@ -16,12 +16,12 @@ plan-phase passes:
   place the parameters for the op that uses them, as without autocast. Regions
   nested in the block (``enabled=False`` inside) follow their own state. A region whose ``device_type`` is not the
   traced tensors' device type does nothing, as in eager PyTorch (autocast("cuda") leaves CPU tensors alone).
-- :class:`MixedPrecisionCasts` (``mixed_precision``, right after ``propagate``): a cast ``_to_copy(x, dtype=param_dtype)``
-  after every floating parameter (``get_attr`` of an ``nn.Parameter``) and floating input whose dtype is not
-  ``param_dtype``, marked ``meta[PRECISION_CAST]``, and a cast to ``output_dtype`` of every floating output. Each
-  cast runs in the layout its source lies in (same spec in and out), so it runs on the parameter's shard and any
-  gather or redistribution comes after it, in ``param_dtype``; the ZeRO pass (next) moves a data-axis storage
-  shard through it. It runs after propagation, not before, so that the planners see the parameter itself as the
+- :class:`MixedPrecisionCasts` (``mixed_precision``, right after ``propagate``): a cast
+  ``_to_copy(x, dtype=param_dtype)`` after every floating parameter (``get_attr`` of an ``nn.Parameter``) and floating
+  input whose dtype is not ``param_dtype``, marked ``meta[PRECISION_CAST]``, and a cast to ``output_dtype`` of every
+  floating output. Each cast runs in the layout its source lies in (same spec in and out), so it runs on the parameter's
+  shard and any gather or redistribution comes after it, in ``param_dtype``; the ZeRO pass (next) moves a data-axis
+  storage shard through it. It runs after propagation, not before, so that the planners see the parameter itself as the
   consumer's input: an annotated parameter stays a hard constraint for its real consumers, and a free one takes
   the layout its first real consumer wants (a cast planned on its own would choose a layout for itself).
 - :class:`ReducePrecision` (``reduce_precision``, after ``insert_collectives``; nothing to do when ``reduce_dtype``

@@ -7,8 +7,8 @@ first op that consumes one fixes its layout to whatever that op's chosen strateg
 The walk is greedy in topological order: for each op, every strategy the rule table allows
 (:func:`autoshard.compiler.strategies.strategies_for`) is priced by the communication bytes it causes — redistributing
 each input from its current spec to the spec the strategy needs (forward and backward,
-:mod:`autoshard.compiler.redistribute`), plus the backward all-reduce of replicated inputs feeding sharded work — and the
-cheapest wins (ties: rule order, which lists the all-replicated strategy first, so nothing is sharded
+:mod:`autoshard.compiler.redistribute`), plus the backward all-reduce of replicated inputs feeding sharded work — and
+the cheapest wins (ties: rule order, which lists the all-replicated strategy first, so nothing is sharded
 without a reason). The backward all-reduce of *parameters* (data-parallel gradient sync) is not priced here: it
 is the price of data parallelism itself, and trading it against activation traffic op by op would undo the
 batch sharding the user asked for. The plan search over the cost models prices everything together.
@@ -39,7 +39,8 @@ from autoshard import meta as M
 from autoshard.compiler import redistribute
 from autoshard.compiler.context import Context
 from autoshard.errors import PlanError, UnsupportedOpError
-from autoshard.frontend.graph_utils import is_getitem, is_tensor_node, itemsize, node_location, out_vals, shape, tensor_inputs
+from autoshard.frontend.graph_utils import (is_getitem, is_tensor_node, itemsize, node_location, out_vals, shape,
+                                           tensor_inputs)
 from autoshard.compiler.ops import OpInfo, replicate_only, rule_for
 from autoshard.placements import Partial, Replicate, Shard, check_spec, format_spec
 from autoshard.compiler.strategies import strategies_for
@@ -309,7 +310,8 @@ def seed_specs(gm: torch.fx.GraphModule, ctx: Context) -> set[torch.fx.Node]:
             n.meta[M.ANNOTATED] = pattern
             fixed.add(n)
     by_name = {a: n for n in params for a in n.meta.get(M.ALIASES, (str(n.target),))}
-    for name, spec in (ctx.pinned.layouts if ctx.pinned is not None else ()):  # fixed like an annotation, but not pinned for compute (no M.ANNOTATED)
+    # fixed like an annotation, but not pinned for compute (no M.ANNOTATED)
+    for name, spec in (ctx.pinned.layouts if ctx.pinned is not None else ()):
         n = by_name.get(name)
         if n is None:
             raise PlanError(f"layout given for `{name}`, but the model has no parameter of that name.")
@@ -512,8 +514,8 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
         if ctx.options.on_unsupported != "replicate":
             raise UnsupportedOpError(
                 f"{node_location(node)} has no sharding rule, so autoshard cannot tell how to shard it. Register a "
-                "rule for this op in autoshard/compiler/ops (op(..., rule=...)), or pass on_unsupported='replicate' to run it "
-                "unsharded.")
+                "rule for this op in autoshard/compiler/ops (op(..., rule=...)), or pass on_unsupported='replicate' "
+                "to run it unsharded.")
         node.meta.setdefault(M.NO_RULE, node_location(node))
         rule = replicate_only
     strategies = strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)

@@ -22,8 +22,8 @@ Stage 1 keeps no more memory than stage 2 in this runtime (a parameter's gradien
 and moves twice the gradient bytes; it exists to match DeepSpeed's stage and for comparison. The stage of the
 collectives is decided per rank program by ``fuse_gather_grad_sync`` (:func:`stage_of`).
 
-A parameter is left whole (stage 0, listed in the plan report's ``["shard_storage"]["kept_whole"]`` and in one warning when
-the user forced a stage) when the mesh has no data axis of size > 1, the parameter is already sharded over it
+A parameter is left whole (stage 0, listed in the plan report's ``["shard_storage"]["kept_whole"]`` and in one warning
+when the user forced a stage) when the mesh has no data axis of size > 1, the parameter is already sharded over it
 (experts on the expert axis), or no free dim is divisible by the data axis. Buffers are never sharded (FSDP does
 not shard them either). A dtype cast marked ``meta["autoshard.precision_cast"]`` that is the parameter's only user
 (mixed precision) is stored sharded too, so the cast runs on the shard and the all-gather moves the low-precision

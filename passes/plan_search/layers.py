@@ -2,8 +2,8 @@
 
 * :func:`find_layers` ties the interior copies of a repeated layer (``blocks.1`` … ``blocks.{n-2}``) to the
   second copy, node by node: the program then has one set of variables per layer however deep the model is
-  (:func:`autoshard.frontend.layer_reuse.find_groups` says which layers repeat; the first and last copies, which meet the
-  prologue and epilogue, stay free). Copies are tied only when their node sequences match
+  (:func:`autoshard.frontend.layer_reuse.find_groups` says which layers repeat; the first and last copies, which meet
+  the prologue and epilogue, stay free). Copies are tied only when their node sequences match
   (:func:`_signature`: ops, shapes, argument structure, parameter names up to the layer index, annotations, and
   whether a recomputation region marked before the search holds them).
 * :func:`recompute_units` groups the copies into :class:`Unit` s for ``recompute="auto"``: the tied interior
@@ -24,8 +24,8 @@ from autoshard.frontend.graph_utils import is_getitem
 def find_layers(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
     """Map every node of an interior copy of a repeated layer to the same node of the first interior copy.
 
-    Which layers repeat is decided by :func:`autoshard.frontend.layer_reuse.find_groups` on the graph module (the detector
-    the trace uses on the model); a layer is the set of nodes whose module path (get_attr: target) lies under
+    Which layers repeat is decided by :func:`autoshard.frontend.layer_reuse.find_groups` on the graph module (the
+    detector the trace uses on the model); a layer is the set of nodes whose module path (get_attr: target) lies under
     ``prefix.<i>``. Copies are tied only if their node sequences have the same ops, shapes, argument structure,
     parameter names up to the layer index and annotations.
     """
