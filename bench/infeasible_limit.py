@@ -96,7 +96,8 @@ def format_table(rows: list[dict]) -> str:
         least = format_bytes(r["least"]) if r.get("least") is not None else "-"
         found = format_bytes(r["found"]) if r.get("found") is not None else "-"
         proven = "-" if r.get("proven") is None else ("yes" if r["proven"] else "no (at least)")
-        lines.append(f"{r['case']:<26}{r['what']:<17}{format_bytes(r['limit']):>12}  {outcome:<22}{r['seconds']:>7.2f}  "
+        lines.append(f"{r['case']:<26}{r['what']:<17}{format_bytes(r['limit']):>12}  "
+                     f"{outcome:<22}{r['seconds']:>7.2f}  "
                      f"{least:>16}  {found:>16}  {proven}")
     return "\n".join(lines) + "\n"
 

@@ -24,7 +24,8 @@ def main() -> None:
 
     warnings.simplefilter("ignore")
     mesh = autoshard.Mesh(data=2, model=2)
-    print(f"{'model':10s} {'fp32 loss (1 device)':>22s} {'bf16 loss (sharded)':>20s} {'relative':>10s}  gradient dtypes")
+    print(f"{'model':10s} {'fp32 loss (1 device)':>22s} {'bf16 loss (sharded)':>20s} {'relative':>10s}  "
+          "gradient dtypes")
     for name in ("gpt", "hf_llama"):
         model, args, kwargs = models.FACTORIES[name]()
         fp32 = loss_of(model(*args, **kwargs)).item()

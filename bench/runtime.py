@@ -530,7 +530,8 @@ def main(argv=None) -> None:
     print(
         f"2 gloo processes, 1 thread each; step = median over {reps} interleaved repetitions of 1 untimed + "
         f"{TIMED_PER_BURST} timed steps back to back (slower rank); "
-        f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition), with a 95% bootstrap interval of that median; sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
+        f"ratio = median over repetitions of (step time / DTensor's (tp) or DDP's (dp) in the same repetition), "
+        f"with a 95% bootstrap interval of that median; sizes { ({k: v for k, v in sizes.items() if k != 'reps'}) }"
     )
     print(report(results, a.cases))
     print(f"\n({time.time() - t0:.0f} s)")

@@ -96,7 +96,8 @@ def run_case(name, mesh_axes, limit, batch, seq, repeat: int = 1) -> dict:
     rows = {}
     for label, options in (("hand", {"megatron": True, "zero": 3}),
                            ("hand+AC", {"megatron": True, "zero": 3, "recompute": "model.layers.*"}),
-                           ("searched", {"planner": "search", "zero": "auto", "recompute": "auto", "memory_limit": limit})):
+                           ("searched", {"planner": "search", "zero": "auto", "recompute": "auto",
+                                         "memory_limit": limit})):
         walls = []
         for _ in range(repeat if label == "searched" else 1):  # the searched plan is planned `repeat` times
             problems = []

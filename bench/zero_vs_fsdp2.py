@@ -339,14 +339,15 @@ def main(argv=None) -> dict[int, dict]:
     print(f"GPT {({k: v for k, v in SIZES[size_name].items() if k != 'reps'})}, "
           f"{by_world[a.ranks[0]]['params'] / 1e6:.2f}M parameters; gloo on 127.0.0.1, 1 thread per process; "
           f"forward + backward; step = median over {reps} reps x {TIMED} timed steps (slower rank); ratio = median "
-          "over reps of system / FSDP2 in the same rep, with a 95% bootstrap interval of that median; peak = MemTracker (tensor storages, max over ranks); "
+          "over reps of system / FSDP2 in the same rep, with a 95% bootstrap interval of that median; "
+          "peak = MemTracker (tensor storages, max over ranks); "
           "bytes = collective inputs per rank, one step")
     print(report(by_world))
     print(f"\n({time.time() - t0:.0f} s)")
     problems = check(by_world)
     if problems:  # loudly: a benchmark whose systems compute different things measures nothing
-        print("\n" + "!" * 100 + "\nGRADIENTS OR LOSSES DIFFER, OR A COMPARISON DID NOT RUN:\n  " + "\n  ".join(problems)
-              + "\n" + "!" * 100)
+        print("\n" + "!" * 100 + "\nGRADIENTS OR LOSSES DIFFER, OR A COMPARISON DID NOT RUN:\n  "
+              + "\n  ".join(problems) + "\n" + "!" * 100)
         raise SystemExit(1)
     return by_world
 

@@ -159,7 +159,8 @@ def llama3_70b_meta(batch: int = 2, seq: int = 16, layers: int = 80, vocab: int 
 #: {glob: placement on the model axis}; ``megatron(mesh, name)`` expands them to one placement per mesh axis.
 MEGATRON = {
     "mlp": {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"},
-    "gpt": {"wte.weight": "S(0)", "wpe.weight": "S(0)", "blocks.*.attn.[qkv].weight": "S(0)", "blocks.*.attn.[qkv].bias": "S(0)",
+    "gpt": {"wte.weight": "S(0)", "wpe.weight": "S(0)", "blocks.*.attn.[qkv].weight": "S(0)",
+            "blocks.*.attn.[qkv].bias": "S(0)",
             "blocks.*.attn.out.weight": "S(1)", "blocks.*.mlp.0.weight": "S(0)", "blocks.*.mlp.0.bias": "S(0)",
             "blocks.*.mlp.2.weight": "S(1)"},
     # GPT-2's Conv1D stores weights as [in, out]: column-parallel is Shard(1), row-parallel Shard(0).

@@ -25,7 +25,8 @@ import autoshard
 from examples import models
 
 MESH = {"data": 4}
-MOE = {"layers": "blocks.*.mlp", "every": 2, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25, "aux_loss_weight": 0.01,
+MOE = {"layers": "blocks.*.mlp", "every": 2, "num_experts": 8, "top_k": 2, "capacity_factor": 1.25,
+       "aux_loss_weight": 0.01,
            "z_loss_weight": 1e-3, "init": "upcycle", "noise": 0.1, "router_std": 0.1}
 
 

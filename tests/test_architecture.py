@@ -65,7 +65,8 @@ def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{a.name}" for a in node.names}
     return {m for m in found if m in MODULES}
@@ -397,7 +398,8 @@ def test_a_plan_records_exactly_the_listed_passes():
 #: function -> the only modules that may import it: the drivers of the pass list and what passes do inside
 DRIVERS = {
     ("autoshard.passes.manager", "run_passes"): {"autoshard.compiler.plan", "autoshard.compiler.rank_programs"},
-    ("autoshard.compiler.rank_programs", "rank_program"): {"autoshard.compiler.plan"},  # Plan.rank_program: signatures compared
+    # Plan.rank_program: signatures compared
+    ("autoshard.compiler.rank_programs", "rank_program"): {"autoshard.compiler.plan"},
     ("autoshard.passes.pipeline_split", "build_stage_graphs"): set(),  # the build_stages pass
     ("autoshard.passes.pipeline_split", "split_graph"): set(),  # the pipeline_split pass
 }

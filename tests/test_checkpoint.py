@@ -194,7 +194,8 @@ def test_full_state_dict_of_hf_gpt2_goes_back_to_save_pretrained(tmp_path):
     ann = models.megatron(mesh, "hf_gpt2")
 
     def body(rank, comm):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, comm=comm, planner="greedy")
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, comm=comm,
+                                    planner="greedy")
         a, k = sharded.plan.shard_inputs(rank, args, kwargs)
         out = sharded(*a, **k)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)

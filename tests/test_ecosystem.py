@@ -42,8 +42,8 @@ def _ranks(layout: str, mesh_axes: dict | None = None, **extra):
     opts = {**opts, **extra}
     ann = models.megatron(mesh, name) if opts.pop("megatron", False) else None
     world = SimWorld(mesh, timeout=120)
-    ranks = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, comm=world.communicator(r), **opts)
-             for r in range(mesh.size)]
+    ranks = [autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=ann, comm=world.communicator(r),
+                               **opts) for r in range(mesh.size)]
     return model, args, kwargs, world, ranks
 
 
@@ -119,7 +119,8 @@ def test_clip_grad_norm_and_adamw_equal_eager(layout):
     params = dict(model.named_parameters())
     assert set(results[0][5]) == set(params)
     for name, value in results[0][5].items():
-        torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(value, params[name].detach(), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _each_from_the_start(model, world, ranks, cases, run_eager, run_rank):
@@ -265,7 +266,8 @@ def test_dcp_round_trip_on_the_same_and_other_meshes(tmp_path):
 
         for got in other_world.run(load_other):
             for name, value in saved_full.items():
-                torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, w=f"{axes} {name}": f"{w}: {m}")
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0,
+                                           msg=lambda m, w=f"{axes} {name}": f"{w}: {m}")
     dcp_to_torch_save(path, str(tmp_path / "full.pt"))
     plain = copy.deepcopy(model)
     plain.load_state_dict(torch.load(tmp_path / "full.pt"))

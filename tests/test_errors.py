@@ -130,7 +130,8 @@ def test_unsupported_op_names_op_node_module_and_source_line():
     assert "in module `block`" in msg  # where in the model
     assert re.search(rf'test_errors\.py", line {line}\b', msg), msg  # the user's source line
     assert "has no sharding rule" in msg  # cause
-    assert "autoshard/compiler/ops (op(..., rule=...))" in msg and "on_unsupported='replicate'" in msg  # the two ways out
+    # the two ways out
+    assert "autoshard/compiler/ops (op(..., rule=...))" in msg and "on_unsupported='replicate'" in msg
 
 
 @pytest.mark.parametrize("planner", ["greedy", "search"])

@@ -408,7 +408,8 @@ def test_rewrite_reports_on_graph_meta_and_leaves_the_options_alone():
     plan = autoshard.compile(model, autoshard.Mesh(data=2), args, moe=autoshard.MoE(**OPTS)).plan
     assert plan.context.options.annotations == ()  # the expert annotations are implied on the graph, not added here
     rewrite = plan.graph_module.meta[M.MOE_REWRITE]
-    assert isinstance(rewrite, autoshard.compiler.moe.MoERewrite) and [la.path for la in rewrite.layers] == ["blocks.1.mlp"]
+    assert isinstance(rewrite, autoshard.compiler.moe.MoERewrite)
+    assert [la.path for la in rewrite.layers] == ["blocks.1.mlp"]
     assert rewrite.report() == plan.context.report["expert_rewrite"]
     implied = dict(plan.graph_module.meta[M.IMPLIED_ANNOTATIONS])
     assert set(implied) == set(rewrite.layers[0].expert_params)

@@ -126,7 +126,8 @@ def _compile(mesh, example_inputs=None, **kw):
 
     # The greedy planner when this version has a choice: these tests are about faults, not about plans.
     fast = {"planner": "greedy"} if "planner" in inspect.signature(autoshard.compile).parameters else {}
-    return autoshard.compile(models.mlp()[0], mesh, example_inputs, annotations=models.megatron(mesh, "mlp"), **fast, **kw)
+    return autoshard.compile(models.mlp()[0], mesh, example_inputs, annotations=models.megatron(mesh, "mlp"), **fast,
+                             **kw)
 
 
 def _steps(rank: int, n: int, fault=None, save_to: str | None = None):

@@ -242,7 +242,8 @@ def test_an_init_that_reads_beyond_the_ranks_slice_is_refused():
             m.reset_parameters()
 
     meta, plan = _plan(Normed)
-    with pytest.raises(AutoshardError, match=r"module `\(the model\)` read tensor `lin.weight` outside this rank's slice"):
+    with pytest.raises(AutoshardError,
+                       match=r"module `\(the model\)` read tensor `lin.weight` outside this rank's slice"):
         init_local(meta, rank_programs(plan)[0], plan, 0, init=init)
     meta, plan = _plan(Normed, spec=("R",))  # replicated: the rank has it whole, and the result is eager's
     local = rank_programs(plan)[1]

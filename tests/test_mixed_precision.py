@@ -139,7 +139,8 @@ def test_megatron_bf16_equals_the_policy_on_one_device(name):
         assert n.meta[M.SPEC] == n.args[0].meta[M.SPEC]  # the cast runs where the parameter lies (its shard)
     linears = [n for n in plan.graph_module.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert linears and all(n.meta["val"].dtype == torch.bfloat16 for n in linears)
-    fp32_plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, name)).plan
+    fp32_plan = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs,
+                                  annotations=models.megatron(mesh, name)).plan
     assert _kinds(plan) == _kinds(fp32_plan)
     # gradient syncs of parameters run on the bf16 compute copies (reduce_dtype defaults to param_dtype)
     syncs = [n for n in plan.graph_module.graph.nodes if is_kind(n, "grad_all_reduce")
@@ -191,8 +192,8 @@ def test_reduce_dtype_under_zero2_is_named_in_a_warning():
     model, args, kwargs = _model("gpt")
     policy = autoshard.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
     with pytest.warns(UserWarning, match=r"reduce_dtype=torch.float32\) is not honoured for \d+ parameter"):
-        autoshard.compile(model, autoshard.Mesh(**MESH), args, kwargs, annotations=models.megatron(autoshard.Mesh(**MESH),
-                          "gpt"), precision=policy, zero=2)
+        mesh = autoshard.Mesh(**MESH)
+        autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"), precision=policy, zero=2)
 
 
 def test_zero3_gathers_bf16_copies_and_output_dtype_casts_the_loss():

@@ -95,7 +95,8 @@ def test_eval_mode_without_dropout_equals_eager_training_branch_too():
     ref_eval = copy.deepcopy(model).eval()(x, y).item()
 
     def body(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y), annotations={"fc1.weight": (autoshard.Shard(0),)})
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y),
+                                    annotations={"fc1.weight": (autoshard.Shard(0),)})
         a = sharded(x, y).item()
         b = sharded.train()(x, y).item()
         return a, b
@@ -252,8 +253,8 @@ def test_autoshard_checkpoint_loads_into_a_meta_built_model_and_computes_its_uns
     ref = model(*args, **(kwargs or {})).loss.item()
 
     def save(rank):
-        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs, annotations=models.megatron(mesh, "hf_llama"),
-                                    comm=world.communicator(rank))
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs,
+                                    annotations=models.megatron(mesh, "hf_llama"), comm=world.communicator(rank))
         autoshard.save(sharded, path)
 
     world.run(save)

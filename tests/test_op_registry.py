@@ -1,5 +1,5 @@
-"""The op registry (``autoshard/compiler/ops``): no entry lacks a facet it needs, lookups fall back as documented, and an op
-registered in one place (a toy ``torch.library`` op, here) is sharded end to end.
+"""The op registry (``autoshard/compiler/ops``): no entry lacks a facet it needs, lookups fall back as documented,
+and an op registered in one place (a toy ``torch.library`` op, here) is sharded end to end.
 
 Facets an entry needs:
 
@@ -107,7 +107,8 @@ def test_lookup_goes_overload_then_packet_then_defaults():
     mm = entry(aten.mm.default)
     assert mm.rule is not None and mm.backward == 2.0 and mm.saves == (0, 1)  # rule on the overload, cost on mm
     assert entry(aten.mm.out).rule is None and entry(aten.mm.out).backward == 2.0  # cost only, from the packet
-    assert entry(aten.diagonal.default).rule is None and entry(aten.diagonal.default).flops is zero  # priced, not sharded
+    # priced, not sharded
+    assert entry(aten.diagonal.default).rule is None and entry(aten.diagonal.default).flops is zero
     unknown = entry(aten.cosh.default)
     assert unknown == DEFAULTS and DEFAULTS.rule is None and DEFAULTS.flops is elementwise
 

@@ -227,7 +227,8 @@ def check(mesh_axes, in_shape, ops, plan, final_mean=False, refusals: bool = Fal
         if p.grad is None:
             continue
         assert name in sim.grads, f"no gradient for {name}"
-        torch.testing.assert_close(sim.grads[name], p.grad, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"grad {name}: {m}")
+        torch.testing.assert_close(sim.grads[name], p.grad, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"grad {name}: {m}")
     return True
 
 

@@ -202,7 +202,8 @@ def test_a_region_runs_its_collectives_again_in_backward_on_every_rank():
     plan = models.megatron(MESH, "gpt")
     rc = autoshard.compile(_ckpt_gpt(), MESH, args, annotations=plan).plan
     plain = autoshard.compile(_ckpt_gpt(ckpt=False), MESH, args, annotations=plan).plan
-    inside = [n for n in rc.rank_program(0).recompute_blocks_0.graph.nodes if n.target is torch.ops.autoshard.all_reduce.default]
+    inside = [n for n in rc.rank_program(0).recompute_blocks_0.graph.nodes
+              if n.target is torch.ops.autoshard.all_reduce.default]
     assert len(inside) == 2  # the block's two Megatron all-reduces (attention out, MLP out)
     logs, base = rc.simulate(args).logs, plain.simulate(args).logs
     for log, ref in zip(logs, base):
@@ -387,8 +388,8 @@ def _gloo_worker(rank, world_size):
 
 @pytest.mark.gloo
 def test_checkpointed_regions_with_dropout_on_gloo_equal_the_simulator():
-    """2 gloo processes (model=2), train mode: each region's collectives run again in backward on every rank, in the same
-    order as the simulator's, and the recomputed dropout masks give the simulator's loss and gradients."""
+    """2 gloo processes (model=2), train mode: each region's collectives run again in backward on every rank, in the
+    same order as the simulator's, and the recomputed dropout masks give the simulator's loss and gradients."""
     from autoshard.placements import assemble
     from autoshard.runtime import spawn
 

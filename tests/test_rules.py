@@ -31,8 +31,8 @@ planner on a hand-written bias add after a row-parallel matmul, where it used to
 finds are listed in :data:`KNOWN_BUGS`: their sweep entries are strict xfails, so a fix shows up as XPASS and the
 entry must go.
 
-The passes are the plan phase of the greedy pass list (``autoshard.passes.manager.pass_list``): the search planner would decide every other
-node too, and the rule under test is the one forced either way.
+The passes are the plan phase of the greedy pass list (``autoshard.passes.manager.pass_list``): the search planner
+would decide every other node too, and the rule under test is the one forced either way.
 """
 
 from __future__ import annotations

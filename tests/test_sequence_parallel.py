@@ -121,7 +121,8 @@ def test_sequence_parallel_reduces_activation_memory_per_rank(plans):
 def test_sequence_parallel_gpt_on_data_and_model_axes_equals_single_device():
     model, args, kwargs = models.gpt(layers=2)
     mesh = autoshard.Mesh(data=2, model=2)
-    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"), sequence_parallel=True).plan
+    plan = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
+                             sequence_parallel=True).plan
     assert "reduce_scatter" in plan.code(0)
     ref_loss, ref_grads = reference(model, args, kwargs)
     sim = plan.simulate(args, kwargs)

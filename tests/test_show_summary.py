@@ -1,8 +1,9 @@
 """``autoshard show`` on real-model sizes: the summary of a Llama-3-8B-shaped model (built on meta) fits an
 80-column terminal in under 80 lines, and ``--json`` of every subcommand and mode parses.
 
-The summary is :func:`autoshard.compiler.report.plan_overview` (data) and :func:`~autoshard.compiler.report.format_overview` (text),
-computed from the plan's node meta; the CLI only picks it for graphs over ``SUMMARY_NODES`` nodes.
+The summary is :func:`autoshard.compiler.report.plan_overview` (data) and
+:func:`~autoshard.compiler.report.format_overview` (text), computed from the plan's node meta; the CLI only picks it
+for graphs over ``SUMMARY_NODES`` nodes.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ class Layers(nn.Module):
 
 
 def _reasons(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name in ("autoshard.frontend.trace", "autoshard.frontend.layer_reuse")]
+    names = ("autoshard.frontend.trace", "autoshard.frontend.layer_reuse")
+    return [r.getMessage() for r in caplog.records if r.name in names]
 
 
 def test_copied_layers_log_nothing(caplog):

@@ -164,8 +164,8 @@ def _gloo_worker(rank, world_size):
         for stage in (1, 2, 3):
             model, args, kwargs = _model(name)
             with use(comm):
-                sharded = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name), zero=stage,
-                                            comm=comm)
+                sharded = autoshard.compile(model, mesh, args, kwargs, annotations=models.megatron(mesh, name),
+                                            zero=stage, comm=comm)
                 a, k = sharded.plan.shard_inputs(rank, args, kwargs)
                 opt = torch.optim.AdamW(sharded.parameters(), lr=0.01, eps=EPS)
                 losses = []
@@ -227,7 +227,8 @@ def test_zero_3_composes_with_pipeline_stages_on_gloo():
     mesh = autoshard.Mesh(pipe=2, data=2)
     pplan = build_pipeline_plan(copy.deepcopy(model), mesh, args, kwargs,
                                 make_options(None, "data", "error", mesh, zero=3), Pipeline(microbatches=4))
-    assert pplan.microbatch_plan.param_storage() and all(s.stage == 3 for s in pplan.microbatch_plan.param_storage().values())
+    storage = pplan.microbatch_plan.param_storage()
+    assert storage and all(s.stage == 3 for s in storage.values())
     results = spawn(_pipeline_worker, 4, 3, timeout=240, start_method="forkserver")
     ref_loss, ref_grads = reference(model, args, kwargs)
     for loss, _ in results:

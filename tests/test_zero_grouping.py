@@ -1,7 +1,8 @@
 """Grouped ZeRO-3 gathers (passes/group_gathers.py, runtime/zero.py's ``all_gather_reshard_group``).
 
 The grouped program equals one device (loss and every gradient) on GPT and HF Llama, data=2 and data=2 x model=2
-(simulator), also with recomputed blocks; it issues fewer collectives than the per-parameter program for the same bytes; gathered copies are
+(simulator), also with recomputed blocks; it issues fewer collectives than the per-parameter program for the same
+bytes; gathered copies are
 still freed after forward and gathered again, per group, in backward; the op itself equals per-tensor gathers for
 mixed dtypes, dims and gradient axes."""
 

@@ -142,7 +142,8 @@ def test_flops_expr_prints_shape_formulas(graph):
 def test_einsum_and_matmul_on_a_small_graph():
     class M(nn.Module):
         def forward(self, x, y, z):
-            return torch.einsum("bsh,bth->bst", x, y).sum() + (x @ z).sum() + torch.einsum("...ij,jk->...ik", x, z).sum()
+            return (torch.einsum("bsh,bth->bst", x, y).sum() + (x @ z).sum()
+                    + torch.einsum("...ij,jk->...ik", x, z).sum())
 
     gm = torch.export.export(M(), (torch.randn(2, 3, 5), torch.randn(2, 7, 5), torch.randn(5, 4)),
                              strict=False).module()

@@ -1,4 +1,5 @@
-"""A deliberately simple eager MoE layer written from the spec, independent of ``autoshard.runtime.moe.routing``: the oracle.
+"""A deliberately simple eager MoE layer written from the spec, independent of ``autoshard.runtime.moe.routing``:
+the oracle.
 
 Semantics (DESIGN.md, "MoE (expert rewrite)"): float32 router softmax; each token picks its ``k`` most probable
 experts (ties to the lower index); capacity ``C = ceil(k·T/E·capacity_factor)`` (at least 1) with the factor read
