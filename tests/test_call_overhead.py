@@ -440,7 +440,7 @@ def _gloo_calls(rank: int, world_size: int) -> dict:
 def test_on_gloo_the_check_overlaps_or_carries_and_still_refuses_a_call_on_one_rank():
     from autoshard.runtime import spawn
 
-    for result in spawn(_gloo_calls, 2, timeout=300):
+    for result in spawn(_gloo_calls, 2, timeout=300, start_method="forkserver"):  # no torch import per rank
         for layout, (same, carried, started, text, logged) in result.items():
             assert same, layout  # every loss and gradient equal to the bare program's, the collectives logged alike
             # data parallel: no exchange started ahead (the loss all-reduce carries the check); tensor parallel: one
