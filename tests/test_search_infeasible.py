@@ -49,9 +49,16 @@ def _check_message(error: PlanError, limit: float) -> None:
     assert f"Raise memory_limit to at least {least}" in text and "or use a larger mesh" in text
 
 
-def test_hf_llama_infeasible_limit_names_a_true_lower_bound():
+@pytest.fixture(scope="module")
+def hf_llama_refused() -> PlanError:
+    """HF Llama (2 layers) on data=2 x model=2 refused at a 1000-byte limit, once for the two tests below (the
+    refusal's least-peak ILP has a few seconds to prove the least peak: both tests read the same figures)."""
+    return _refusal("hf_llama", autoshard.Mesh(data=2, model=2), "cpu-gloo", 1000, layers=2)
+
+
+def test_hf_llama_infeasible_limit_names_a_true_lower_bound(hf_llama_refused):
     mesh = autoshard.Mesh(data=2, model=2)
-    error = _refusal("hf_llama", mesh, "cpu-gloo", 1000, layers=2)
+    error = hf_llama_refused
     least = error.least_memory
     assert least > 1000
     _check_message(error, 1000)
@@ -67,11 +74,11 @@ def test_hf_llama_infeasible_limit_names_a_true_lower_bound():
         error.least_memory_found)
 
 
-def test_hf_llama_limit_just_above_the_bound_is_met_or_said_to_be_a_bound():
+def test_hf_llama_limit_just_above_the_bound_is_met_or_said_to_be_a_bound(hf_llama_refused):
     """Just above the bound either a plan is found, or the refusal says the bound is only a bound (with a short time
     limit the walk gives up quickly: the message says so and what to change)."""
     mesh = autoshard.Mesh(data=2, model=2)
-    least = _refusal("hf_llama", mesh, "cpu-gloo", 1000, layers=2).least_memory
+    least = hf_llama_refused.least_memory
     limit = 1.01 * least
     try:
         plan = _plan("hf_llama", mesh, "cpu-gloo", limit, time_limit=5.0, layers=2)

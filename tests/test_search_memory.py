@@ -109,14 +109,37 @@ def test_an_infeasible_limit_names_the_limit_the_least_memory_and_the_fix():
     assert "zero='auto'" not in text  # already on: not offered as the fix
 
 
-def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto():
-    """Llama-3-8B's shape on data=8 x model=8, fp32 Adam, under 4 GiB per rank: the search meets the limit with ZeRO
-    and recomputation (5-15 s on 2 cores; its search time is measured in bench/search_plans.py)."""
+@pytest.fixture(scope="module")
+def llama3_8b_under_4gib():
+    """Llama-3-8B's shape on data=8 x model=8, fp32 Adam, searched under 4 GiB per rank with zero and recompute
+    "auto" (the defaults under a limit), once for the two tests below: (plan, the warnings it gave, the search's
+    problem and its result)."""
+    import warnings
+
+    from autoshard.passes import plan_search
+
+    found = {}
+    original = plan_search.search
+
+    def keeping(problem, *args, **kwargs):
+        found["problem"], found["result"] = problem, original(problem, *args, **kwargs)
+        return found["result"]
+
     model, args, kwargs = models.llama3_8b_meta(batch=8, seq=1024)
     mesh = autoshard.Mesh(data=8, model=8)
-    with pytest.warns(UserWarning) as caught:
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp.setattr(plan_search, "search", keeping)
         plan = autoshard.compile(model, mesh, args, kwargs, planner="search", profile=PROFILE, memory_limit="4GiB",
                                  zero="auto", recompute="auto").plan
+    return plan, caught, found["problem"], found["result"]
+
+
+def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto(llama3_8b_under_4gib):
+    """Llama-3-8B's shape on data=8 x model=8, fp32 Adam, under 4 GiB per rank: the search meets the limit with ZeRO
+    and recomputation (5-15 s on 2 cores; its search time is measured in bench/search_plans.py)."""
+    plan, caught, _, _ = llama3_8b_under_4gib
+    assert any(issubclass(w.category, UserWarning) for w in caught)
     report = plan.context.report["plan_search"]
     assert report["memory_per_rank"] <= 4 * 2**30
     assert report["zero_stages"].get(2, 0) + report["zero_stages"].get(3, 0) > 0
@@ -126,6 +149,36 @@ def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto():
         assert report["gap"] > 0
         assert any("plan_search" in str(w.message) and "above the Lagrangian lower bound" in str(w.message)
                    for w in caught)
+
+
+def test_program_rows_count_a_recomputed_plan_as_its_evaluation_does(llama3_8b_under_4gib):
+    """The program's memory rows (the exact ILP's, the least-peak ILP's, the walk's columns) count the searched
+    Llama-3-8B plan — 10 layers recomputed, Megatron-like layouts that gather over `model` inside each layer — as
+    its exact evaluation (= plan.cost()) does, to 1%: a copy a layer makes for readers inside its own copy is made
+    again in backward when that copy is recomputed, so the rows keep it only for the unit's share not recomputed.
+    Before, they kept it: 4.19 GiB against 4.00 (Llama-3-70B: 12.06 against 9.9955, so the exact ILP found its own
+    plan infeasible)."""
+    import numpy as np
+    from scipy.sparse import csr_matrix, vstack
+
+    from autoshard.passes import plan_search
+    from autoshard.passes.plan_search import Program
+    from autoshard.passes.plan_search.ilp import least_peak_program, solve_program
+
+    _, caught, problem, (choice, units) = llama3_8b_under_4gib
+    assert any(issubclass(w.category, UserWarning) for w in caught)  # (not proven optimal: its gap is warned about)
+    assert units  # some layers recomputed
+    seconds, memory = plan_search.evaluate(problem, choice, units)
+    prog = least_peak_program(problem, units, 2 * memory, seconds)  # the peak variable: bytes / (2 * memory)
+    n, rows = prog.a.shape[1], len(choice)
+    fixed = csr_matrix((np.ones(rows), (np.arange(rows), [prog.offsets[i] + k for i, k in enumerate(choice)])),
+                       shape=(rows, n))  # every decision's option fixed to the plan's
+    pinned = Program(prog.c, prog.mem, vstack([prog.a, fixed]).tocsr(), [*prog.lo, *[1.0] * rows],
+                     [*prog.hi, *[1.0] * rows], prog.integer, prog.offsets, prog.extra, prog.within)
+    res = solve_program(problem, pinned, pinned.c, 60.0)
+    assert res.x is not None, res.message
+    peak = float(res.x[int(np.flatnonzero(prog.c == 1.0)[0])]) * 2 * memory
+    assert peak == pytest.approx(memory, rel=0.01), (peak / 2**30, memory / 2**30)
 
 
 def _problem(model, args, mesh, memory_limit, **options):
@@ -481,44 +534,3 @@ def test_parameters_gathered_for_compute_through_a_gradient_sync_count_alike_in_
         assert len(plan.context.report["plan_search"]["recomputed"]) == 2
     assert cost.memory_per_rank == pytest.approx(searched["memory"], rel=1e-6)
     assert_simulated_equals_one_device(model, args, kwargs, plan)
-
-
-def test_program_rows_count_a_recomputed_plan_as_its_evaluation_does():
-    """The program's memory rows (the exact ILP's, the least-peak ILP's, the walk's columns) count the searched
-    Llama-3-8B plan — 10 layers recomputed, Megatron-like layouts that gather over `model` inside each layer — as
-    its exact evaluation (= plan.cost()) does, to 1%: a copy a layer makes for readers inside its own copy is made
-    again in backward when that copy is recomputed, so the rows keep it only for the unit's share not recomputed.
-    Before, they kept it: 4.19 GiB against 4.00 (Llama-3-70B: 12.06 against 9.9955, so the exact ILP found its own
-    plan infeasible)."""
-    import numpy as np
-    from scipy.sparse import csr_matrix, vstack
-
-    from autoshard.passes import plan_search
-    from autoshard.passes.plan_search import Program
-    from autoshard.passes.plan_search.ilp import least_peak_program, solve_program
-
-    found = {}
-    original = plan_search.search
-
-    def keeping(problem, *args, **kwargs):
-        found["problem"], found["result"] = problem, original(problem, *args, **kwargs)
-        return found["result"]
-
-    plan_search.search = keeping
-    try:
-        _meta_search("llama3_8b_meta", {"data": 8, "model": 8}, "4GiB")
-    finally:
-        plan_search.search = original
-    problem, (choice, units) = found["problem"], found["result"]
-    assert units  # some layers recomputed
-    seconds, memory = plan_search.evaluate(problem, choice, units)
-    prog = least_peak_program(problem, units, 2 * memory, seconds)  # the peak variable: bytes / (2 * memory)
-    n, rows = prog.a.shape[1], len(choice)
-    fixed = csr_matrix((np.ones(rows), (np.arange(rows), [prog.offsets[i] + k for i, k in enumerate(choice)])),
-                       shape=(rows, n))  # every decision's option fixed to the plan's
-    pinned = Program(prog.c, prog.mem, vstack([prog.a, fixed]).tocsr(), [*prog.lo, *[1.0] * rows],
-                     [*prog.hi, *[1.0] * rows], prog.integer, prog.offsets, prog.extra, prog.within)
-    res = solve_program(problem, pinned, pinned.c, 60.0)
-    assert res.x is not None, res.message
-    peak = float(res.x[int(np.flatnonzero(prog.c == 1.0)[0])]) * 2 * memory
-    assert peak == pytest.approx(memory, rel=0.01), (peak / 2**30, memory / 2**30)
