@@ -139,16 +139,14 @@ def test_llama3_8b_shape_under_4gib_with_zero_and_recompute_auto(llama3_8b_under
     """Llama-3-8B's shape on data=8 x model=8, fp32 Adam, under 4 GiB per rank: the search meets the limit with ZeRO
     and recomputation (5-15 s on 2 cores; its search time is measured in bench/search_plans.py)."""
     plan, caught, _, _ = llama3_8b_under_4gib
-    assert any(issubclass(w.category, UserWarning) for w in caught)
     report = plan.context.report["plan_search"]
     assert report["memory_per_rank"] <= 4 * 2**30
     assert report["zero_stages"].get(2, 0) + report["zero_stages"].get(3, 0) > 0
     assert report["lower_bound"] <= report["step_time"]
-    if not report["optimal"]:  # stopped by its time limit: the gap is reported and printed in a warning (how small
-        # it gets in the time is load-dependent, so it is bench/search_plans.py's figure, not an assert here)
+    if not report["optimal"]:  # stopped by its time limit: the gap is reported (how small it gets in the time is
+        # load-dependent, so it is bench/search_plans.py's figure; its warning is said once per process, so whether
+        # this test sees it depends on which tests ran before it in the worker: neither is asserted here)
         assert report["gap"] > 0
-        assert any("plan_search" in str(w.message) and "above the Lagrangian lower bound" in str(w.message)
-                   for w in caught)
 
 
 def test_program_rows_count_a_recomputed_plan_as_its_evaluation_does(llama3_8b_under_4gib):
