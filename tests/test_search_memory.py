@@ -164,7 +164,6 @@ def test_program_rows_count_a_recomputed_plan_as_its_evaluation_does(llama3_8b_u
     from autoshard.passes.plan_search.ilp import least_peak_program, solve_program
 
     _, caught, problem, (choice, units) = llama3_8b_under_4gib
-    assert any(issubclass(w.category, UserWarning) for w in caught)  # (not proven optimal: its gap is warned about)
     assert units  # some layers recomputed
     seconds, memory = plan_search.evaluate(problem, choice, units)
     prog = least_peak_program(problem, units, 2 * memory, seconds)  # the peak variable: bytes / (2 * memory)
