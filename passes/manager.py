@@ -59,7 +59,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import meta as M
 from autoshard.compiler.collective_kinds import kind_of
-from autoshard.compiler.context import Context, Options, Pinned
+from autoshard.compiler.context import Context, Options, Pinned, searches
 from autoshard.errors import AutoshardError
 from autoshard.frontend.graph_utils import is_tensor_node
 from autoshard.placements import Placement
@@ -105,9 +105,11 @@ class ProgramOptions:
 
 
 def pass_list(options: Options, pipeline: PipelineOptions | None = None, program: ProgramOptions | None = None,
-              pinned: Pinned | None = None) -> dict[str, list[Pass]]:
+              pinned: Pinned | None = None, training: bool = True) -> dict[str, list[Pass]]:
     """The passes for these options, in order, by phase: ``{"plan": [...], "rank": [...]}`` (``pinned``: the
-    layouts of another plan this one keeps, :class:`autoshard.compiler.context.Pinned`)."""
+    layouts of another plan this one keeps, :class:`autoshard.compiler.context.Pinned`; ``training``: the mode the
+    model is traced in — the search does not lay out the eval program of another plan,
+    :func:`autoshard.compiler.context.searches`)."""
     from autoshard.passes.expert_rewrite import ExpertRewrite
     from autoshard.passes.pipeline_split import BuildStages, PipelineSplit
     from autoshard.passes.plan_search import PlanSearch
@@ -124,7 +126,7 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         MarkRequiresGrad(),
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer,
                    **_search_time(options))
-        if options.planner == "search" else None,
+        if searches(options, pinned, training) else None,
         Propagate(),
         MixedPrecisionCasts(mp.param_dtype, mp.output_dtype) if mp else None,
         AutocastParamCasts(),

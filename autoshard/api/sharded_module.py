@@ -703,21 +703,11 @@ class ShardedModule(torch.nn.Module):
         """A plan of the skeleton traced in mode ``training`` on the global ``examples`` (args, kwargs), every
         parameter and buffer pinned to its layout in the plan (stored as the plan stores it), so that its program
         shares this rank's tensors; made by every rank together (:meth:`_planned_once`) where ranks plan at once."""
-        import dataclasses
-
         plan = self._need_plan()
         specs = plan.param_specs()
-        # pinned in their compute layout, stored as the plan stores them (ZeRO stage per parameter)
-        storage = plan.param_storage()
-        compute = {name: storage[name].compute if name in storage else spec for name, spec in specs.items()}
-        # layouts, not annotations: a searched plan may gather a parameter for compute (an annotated one never is)
-        pin = Pinned(layouts=tuple(compute.items()), storage=tuple((name, st.stage) for name, st in storage.items()))
-        pinned = self.options
-        if not training and pinned.planner == "search":
-            # an eval program saves nothing for backward, so memory is the weights' (pinned) plus one layer's: the
-            # greedy planner lays out its activations in a fraction of the search's time (a generation loop plans
-            # a new length per token)
-            pinned = dataclasses.replace(pinned, planner="greedy", recompute=None, zero=0)
+        # the user's options as they are: the pass list itself leaves the eval program's activations to propagation
+        # (autoshard.compiler.context.searches) and stores each parameter at its pinned stage
+        pin = Pinned.of_plan(plan)
         skeleton = self._skeleton
         was = skeleton.training
         skeleton.train(training)
@@ -726,7 +716,7 @@ class ShardedModule(torch.nn.Module):
         try:
             comm = self._job_communicator()
             with said_once(self._said):  # what the plan warned about is not said again
-                other = plan_once(comm, skeleton, self.mesh, *examples, pinned, pin)
+                other = plan_once(comm, skeleton, self.mesh, *examples, self.options, pin)
         finally:
             skeleton.train(was)
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}

@@ -65,6 +65,25 @@ class Pinned:
     layouts: tuple[tuple[str, Spec], ...] = ()
     storage: tuple[tuple[str, int], ...] = ()
 
+    @classmethod
+    def of_plan(cls, plan) -> "Pinned":
+        """Every parameter and buffer of ``plan`` (a :class:`~autoshard.compiler.plan.Plan`) in its compute layout,
+        stored at the plan's ZeRO stage: a layout, not an annotation, since a searched plan may gather a parameter
+        for compute (an annotated one never is)."""
+        specs = plan.param_specs()
+        storage = plan.param_storage()
+        compute = {name: storage[name].compute if name in storage else spec for name, spec in specs.items()}
+        return cls(layouts=tuple(compute.items()), storage=tuple((name, st.stage) for name, st in storage.items()))
+
+
+def searches(options: Options, pinned: Pinned | None = None, training: bool = True) -> bool:
+    """Whether the plan search lays a plan out: where the options ask for it (``planner="search"``), except for the
+    eval-mode program of another plan (``pinned``, ``training`` false). There every parameter and buffer is pinned
+    and nothing is saved for backward, so memory is the pinned weights' plus one layer's activations: propagation
+    lays the activations out op by op in a fraction of the search's time (a generation loop plans a new length per
+    token). Read by the pass list and by the plan's memory check, so both agree."""
+    return options.planner == "search" and (pinned is None or training)
+
 
 @dataclass
 class Context:

@@ -17,7 +17,7 @@ import torch.fx
 
 from autoshard import meta as M
 from autoshard.compiler.rank_programs import param_specs_of, rank_program
-from autoshard.compiler.context import Context, Options, Pinned
+from autoshard.compiler.context import Context, Options, Pinned, searches
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import PipelineOptions, collective_signature, pass_list, run_passes
@@ -346,9 +346,10 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
                 model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/frontend/precision.py)
             ctx = Context(mesh, options, once=once, pinned=pinned)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
-            gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned)["plan"])
+            gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned,
+                                                  training=model.training)["plan"])
             ctx.report.update(gm.meta.get(M.PLAN_REPORT, {}))  # the plan's report: what its passes recorded
-            peak = _searched_peak(gm, mesh, options, pipeline)
+            peak = _searched_peak(gm, mesh, options, pipeline, searches(options, pinned, model.training))
             if peak is None or peak <= options.memory_limit:
                 break
             if attempt == SEARCH_REPLANS:
@@ -373,10 +374,11 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
 SEARCH_REPLANS = 2
 
 
-def _searched_peak(gm: torch.fx.GraphModule, mesh: Mesh, options: Options, pipeline) -> float | None:
+def _searched_peak(gm: torch.fx.GraphModule, mesh: Mesh, options: Options, pipeline, searched: bool
+                   ) -> float | None:
     """The per-rank peak of a searched plan under a memory limit by :meth:`Plan.cost`'s model (None: nothing to
-    check — no search, no limit, or a pipeline, whose stages are priced per stage)."""
-    if options.planner != "search" or options.memory_limit is None or pipeline is not None:
+    check — no search (``searched`` false), no limit, or a pipeline, whose stages are priced per stage)."""
+    if not searched or options.memory_limit is None or pipeline is not None:
         return None
     from autoshard.cost_models.memory import plan_memory
 
