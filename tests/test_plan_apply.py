@@ -153,6 +153,14 @@ def test_search_time_limit_and_accept_gap_reach_the_search():
         _options(search=autoshard.Search(accept_gap=2))
 
 
+@pytest.mark.parametrize("given", [{"search": autoshard.Search(time_limit=0)}, {"planner": "search",
+                                                                             "search_time_limit": 0}])
+def test_a_time_limit_is_checked_once_whichever_way_it_is_given(given):
+    name = "Search.time_limit" if "search" in given else "search_time_limit"
+    with pytest.raises(PlanError, match=rf"^option {name} is 0, but must be a number > 0\.$"):
+        autoshard.compile(torch.nn.Linear(2, 2), autoshard.Mesh(data=1), (torch.ones(2, 2),), **given)
+
+
 def test_torch_mixed_precision_policy_is_accepted():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.api.planning import as_precision, make_options, plan_options, with_moe
+from autoshard.api.planning import as_precision, check_number, make_options, plan_options, with_moe
 from autoshard.api.sharded_module import ShardedModule
 from autoshard.errors import PlanError
 from autoshard.mesh import as_mesh
@@ -133,11 +133,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: d
         if search_time_limit is not None:
             import dataclasses
 
-            if isinstance(search_time_limit, bool) or not isinstance(search_time_limit, (int, float)) or \
-                    search_time_limit <= 0:
-                raise PlanError(f"option search_time_limit is {search_time_limit!r}, but must be a number of "
-                                "seconds > 0 (or None: 120 s).")
-            options = dataclasses.replace(options, search_time_limit=float(search_time_limit))
+            # checked as Search.time_limit is
+            options = dataclasses.replace(options, search_time_limit=check_number("search_time_limit",
+                                                                                  search_time_limit, 0, above=True))
         if moe is not None:
             options = with_moe(options, moe)
     if pipeline is not None:

@@ -62,9 +62,12 @@ class Search:
 
 
 
-def _check_number(name: str, value, lo: float, hi: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+def check_number(name: str, value, lo: float, hi: float | None = None, *, above: bool = False) -> float:
+    """``value`` as a float where it is a number in [lo, hi] (``above``: greater than ``lo``), else a PlanError
+    naming option ``name``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (value <= lo if above else value < lo) or (hi is not None and value > hi):
+        bound = f"{'>' if above else '>='} {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise PlanError(f"option {name} is {value!r}, but must be a number {bound}.")
     return float(value)
 
@@ -124,9 +127,9 @@ def plan_options(mesh, *, annotations=None, data_axis: str = "data", search: Sea
                                precision=as_precision(precision))
         changes = {}
         if search.time_limit is not None:
-            changes["search_time_limit"] = _check_number("Search.time_limit", search.time_limit, 1e-9)
+            changes["search_time_limit"] = check_number("Search.time_limit", search.time_limit, 0, above=True)
         if search.accept_gap is not None:
-            changes["search_accept_gap"] = _check_number("Search.accept_gap", search.accept_gap, 0.0, 1.0)
+            changes["search_accept_gap"] = check_number("Search.accept_gap", search.accept_gap, 0.0, 1.0)
         options = dataclasses.replace(options, **changes)
     if context_parallel is not None:
         from autoshard.compiler.context_parallel import as_context_parallel
