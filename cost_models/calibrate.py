@@ -242,26 +242,28 @@ def _collective_call(comm, kind: str, nbytes: int, world_size: int, axis: str = 
     return numel * 4, lambda: comm.all_to_all(inp, axis, 0, 0)
 
 
-#: Sizes of the efficiency tables: square matmuls of side n (fp32 and bf16), causal attention of sequence s
-#: (batch 1, 4 heads of 32), and elementwise adds of n fp32 elements.
-_TABLE_SIZES = {"matmul": (32, 64, 128, 256, 512), "matmul.bfloat16": (32, 64, 128, 256, 512),
-                "attention": (32, 64, 128, 256, 512), "memory": (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)}
+#: Sizes of the efficiency tables: square matmuls of side n, causal attention of sequence s (batch 1, 4 heads of
+#: 32) and elementwise adds of n elements, each in fp32 and in bf16 (a bf16 op's rate is not fp32's: CPUs without
+#: bf16 units convert, GPUs have their own bf16 peak).
+_SIDES, _ELEMENTS = (32, 64, 128, 256, 512), (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+_TABLE_SIZES = {"matmul": _SIDES, "matmul.bfloat16": _SIDES, "attention": _SIDES, "attention.bfloat16": _SIDES,
+                "memory": _ELEMENTS, "memory.bfloat16": _ELEMENTS}
 _CHAIN = 100  # ops in the per-op overhead chain
 
 
 def _table_case(kind: str, size: int):
     """``(work, fn)``: one op of ``kind`` at ``size`` and its work as the cost model counts it (FLOPs, or bytes for
     memory: inputs read once and the output written)."""
+    dtype = torch.bfloat16 if kind.endswith(".bfloat16") else torch.float32
     if kind.startswith("matmul"):  # as models run them: a linear layer's
-        dtype = torch.bfloat16 if kind.endswith("bfloat16") else torch.float32
         a = torch.randn(size, size).to(dtype)
         return 2 * size**3, lambda: torch.nn.functional.linear(a, a)
-    if kind == "attention":
-        q = torch.randn(1, 4, size, 32)
+    if kind.startswith("attention"):
+        q = torch.randn(1, 4, size, 32).to(dtype)
         return 4 * 4 * size * size * 32, lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q,
                                                                                                  is_causal=True)
-    x, y = torch.randn(size), torch.randn(size)
-    return 3 * 4 * size, lambda: torch.add(x, y)
+    x, y = torch.randn(size).to(dtype), torch.randn(size).to(dtype)
+    return 3 * x.element_size() * size, lambda: torch.add(x, y)
 
 
 def _rate_table(kind: str, repeats: int) -> list[tuple[float, float]]:
@@ -501,14 +503,20 @@ def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: floa
 
 def fit_efficiency(tables: dict, overhead: float) -> tuple[dict, tuple]:
     """The peaks and efficiency tables of measured ``{kind: [(work, seconds)]}``: each size's rate is its work over
-    its time less the per-op ``overhead`` (the cost model adds that apart); a kind's peak is its best rate (fp32
-    matmul's for attention, which the model prices against the fp32 peak), each size's fraction its rate over the
+    its time less the per-op ``overhead`` (the cost model adds that apart); a kind's peak is its best rate, except
+    where the cost model prices the kind against another peak: attention against the matmul peak of its dtype, and
+    memory in any dtype against the one memory bandwidth (fp32's adds). Each size's fraction is its rate over that
     peak."""
     def rate(w, t):
         return w / max(t - overhead, 0.1 * t)
 
     peaks = {k: max(rate(w, t) for w, t in v) for k, v in tables.items()}
-    peaks["attention"] = peaks["matmul"]
+    for k in tables:
+        kind, _, dtype = k.partition(".")
+        if kind == "attention":
+            peaks[k] = peaks["matmul" + (f".{dtype}" if dtype else "")]
+        elif kind == "memory" and dtype:
+            peaks[k] = peaks["memory"]
     efficiency = tuple((k, tuple((w, min(1.0, rate(w, t) / peaks[k])) for w, t in v)) for k, v in tables.items())
     return peaks, efficiency
 

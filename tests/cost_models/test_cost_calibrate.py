@@ -86,11 +86,12 @@ def test_real_run_on_two_gloo_processes(tmp_path, monkeypatch):
     assert 0 <= cal.link.overlap <= 1
     # per-op overheads, efficiency tables per compute kind, the optimizer step: measured and positive
     assert all(math.isfinite(t) and t > 0 for t in cal.op_overhead)
-    assert {k for k, _ in cal.efficiency} == {"matmul", "matmul.bfloat16", "attention", "memory"}
+    assert {k for k, _ in cal.efficiency} == {"matmul", "matmul.bfloat16", "attention", "attention.bfloat16",
+                                              "memory", "memory.bfloat16"}
     for kind, pts in cal.efficiency:
         assert len(pts) == 5 and all(0 < f <= 1 for _, f in pts)
-        if kind != "attention":  # (attention's fractions are of the fp32 matmul peak)
-            assert max(f for _, f in pts) == 1
+        if kind in ("matmul", "matmul.bfloat16", "memory"):  # their own peaks (attention's fractions are of the
+            assert max(f for _, f in pts) == 1  # matmul peak of its dtype, bf16 memory's of the one bandwidth)
     assert {name for name, _, _ in cal.optimizer_step} == {"adam", "adamw"}
     assert all(pt >= 0 and pe >= 0 and pt + pe > 0 for _, pt, pe in cal.optimizer_step)
     for f in cal.fits:
