@@ -52,11 +52,13 @@ def test_op_case_search_memory_equals_plan_cost(case):
     _check_equal(_plan(model, args))
 
 
-def hf_mamba(batch: int = 8, seq: int = 8, layers: int = 2, hidden: int = 64, vocab: int = 128):
-    """HF Mamba (selective state space model): the issue's case (its reference kernels, no CUDA). Batch 8 x 8
-    tokens, not 4 x 16: the same tokens per rank, so the same bytes of activations next to the same parameters
-    (the searched and priced peaks at zero="auto" are the same 3372032 B either way), while the reference scan,
-    unrolled once per position into the graph, is half as long (the test's three plans: 28 s CPU before, 13 s)."""
+def hf_mamba(batch: int = 16, seq: int = 4, layers: int = 2, hidden: int = 64, vocab: int = 128):
+    """HF Mamba (selective state space model): the issue's case (its reference kernels, no CUDA). Batch 16 x 4
+    tokens, not 4 x 16 (nor 8 x 8): the same tokens per rank, so the same bytes of activations next to the same
+    parameters (the searched and priced peaks are the same at each shape: 3372032 B at zero="auto", 3250304 B at
+    zero=3, and the least memory of the 1 KiB refusal 290304 B), while the reference scan, unrolled once per
+    position into the graph, is a quarter as long (the test's three plans: 28 s CPU at 4 x 16, 16.3 s at 8 x 8,
+    13.3 s at 16 x 4)."""
     from transformers import MambaConfig, MambaForCausalLM
 
     torch.manual_seed(0)
