@@ -44,7 +44,7 @@ next to the analytic Megatron count (2 all-reduces of b·s·h per layer forward 
 parallel, the parameter bytes that DDP all-reduces; DTensor's collectives are counted with ``CommDebugMode``.
 
     python bench/runtime.py               # the README table (a few minutes on 2 cores)
-    python bench/runtime.py --quick       # small shapes, few repetitions: a smoke run
+    python bench/runtime.py --quick       # small shapes, few repetitions, forked processes: a smoke run
 """
 
 from __future__ import annotations
@@ -524,7 +524,10 @@ def main(argv=None) -> None:
     from autoshard.runtime import spawn
 
     t0 = time.time()
-    results = spawn(_worker, 2, a.quick, tuple(a.cases), a.reps, timeout=1800)
+    # --quick forks the 2 processes from a forkserver that has imported torch and autoshard once (a smoke run; the
+    # full run starts 2 fresh interpreters)
+    results = spawn(_worker, 2, a.quick, tuple(a.cases), a.reps, timeout=1800,
+                    start_method="forkserver" if a.quick else "spawn")
     sizes = SIZES["quick" if a.quick else "full"]
     reps = {name: a.reps or sizes["reps"][name] for name in a.cases}
     print(
