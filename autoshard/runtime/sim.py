@@ -26,9 +26,10 @@ here do.
 For the length of a run, and only then, the process is set up for ranks that are threads
 (:mod:`autoshard.runtime.sim_threads`): the simulator's lock serialises the rank threads' tracing, planning,
 program building, initialisation and checkpoint I/O (the library's hook for it,
-:data:`autoshard.runtime.torch_state.RANK_THREADS`) and DTensor's sharding propagation on FakeTensors, and each
-rank thread gets its own ``torch.distributed`` world (torch's threaded process group). Everything is put back when
-the run ends; a process that never simulates (each process of a torchrun job) is never changed.
+:data:`autoshard.runtime.torch_state.RANK_THREADS`) and DTensor's sharding propagation on FakeTensors, each
+rank thread gets its own ``torch.distributed`` world (torch's threaded process group), and its own
+``torch.compiler.is_compiling()`` (one rank's trace does not make the others "compiling"). Everything is put back
+when the run ends; a process that never simulates (each process of a torchrun job) is never changed.
 """
 
 from __future__ import annotations
