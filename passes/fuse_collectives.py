@@ -89,6 +89,7 @@ class FuseLinearsGradSync:
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
         graph = gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
+        fused_any = False
         for node in list(graph.nodes):
             if not is_kind(node, "grad_all_reduce"):
                 continue
@@ -120,7 +121,9 @@ class FuseLinearsGradSync:
             for u in users:
                 graph.erase_node(u)
             graph.erase_node(node)
-        gm.recompile()
+            fused_any = True
+        if fused_any:  # an unchanged graph keeps the code it has
+            gm.recompile()
         return gm
 
 

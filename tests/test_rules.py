@@ -43,6 +43,7 @@ import itertools
 
 import pytest
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from autoshard.passes.manager import pass_list, run_passes
 from autoshard.passes.propagate import node_strategies
 
@@ -196,12 +197,31 @@ def eager(case_name: str):
             [a.grad for a in args])
 
 
+def _fresh_copy(gm0: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The traced program for one plan, as a fresh trace gives it: its own graph and node metadata (the plan phase
+    rewrites them), the traced tensors shared (no pass writes to a weight; each rank program holds copies of its
+    slices). Its Python code is made only if read or called (a lazy GraphModule): a plan's rank programs are
+    generated from its graph, so the plan phase's recompiles of the global program would be wasted here.
+    ``test_fresh_copy_leaves_the_traced_program_as_it_was`` checks that the plans leave the shared parts alone."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm0.graph, {})
+    if out is not None:
+        graph.output(out)
+    graph._codegen = gm0.graph._codegen
+    gm = _LazyGraphModule(gm0, graph, class_name=type(gm0).__name__)
+    for name in ("_in_spec", "_out_spec"):
+        if hasattr(gm0, name):
+            setattr(gm, name, getattr(gm0, name))
+    gm.meta.update(gm0.meta)
+    return gm
+
+
 def build(case_name: str, mesh_name: str, strat, variant: str, forced: bool = True) -> Plan:
     """The pipeline of ``autoshard.compiler.plan.build_plan``, with ``strat`` forced on the node under test."""
     _, _, gm0, node_name = traced(case_name)
     mesh = MESHES[mesh_name]
     ctx = Context(mesh, Options(annotations=annotations(case_name, mesh_name, strat, variant)))
-    gm = copy.deepcopy(gm0)
+    gm = _fresh_copy(gm0)
     if forced:
         _node(gm, node_name).meta[M.PLANNED] = strat
     gm = run_passes(gm, ctx, pass_list(ctx.options)["plan"])
@@ -241,7 +261,7 @@ def simulate(plan: Plan, args):
         return ([o.detach() for o in outs], {n: p.grad for n, p in module.named_parameters()},
                 [x.grad for x in local])
 
-    return SimWorld(plan.mesh, timeout=30).run(body)
+    return SimWorld(plan.mesh, timeout=30, serial=True).run(body)  # ranks take turns: threads would buy nothing
 
 
 def _without_partial(spec):
@@ -387,6 +407,43 @@ def test_strategy(case_name, mesh_name, idx, variant):
     _, _, _, node_name = traced(case_name)
     assert _node(plan.graph_module, node_name).meta[M.STRATEGY] == strat, f"{what}: forced strategy not used"
     check(case_name, plan, what)
+
+
+def _snapshot(gm: torch.fx.GraphModule):
+    """The graph, every node's metadata (tensors by type, shape, dtype and strides) and the tensors' values."""
+    def desc(v):
+        if isinstance(v, torch.Tensor):
+            return (type(v).__name__, tuple(v.shape), v.dtype, v.stride())
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, *(desc(x) for x in v))
+        if isinstance(v, dict):
+            return {k: desc(x) for k, x in v.items()}
+        return repr(v)
+
+    nodes = [(n.name, n.op, str(n.target), repr(n.args), repr(n.kwargs), desc(dict(n.meta))) for n in gm.graph.nodes]
+    tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    return nodes, desc(dict(gm.meta)), {k: (t.requires_grad, t.detach().clone()) for k, t in tensors.items()}
+
+
+def test_fresh_copy_leaves_the_traced_program_as_it_was():
+    """``build`` shares the traced program's tensors and node metadata values with its plans (``_fresh_copy``):
+    planning every (case, mesh) with its first swept strategy and variant, and making every rank's program, leaves
+    the traced graph, its metadata and its tensors as they were."""
+    first = {}
+    for case_name, mesh_name, idx, variant, strat in sweep_entries():
+        first.setdefault((case_name, mesh_name), (strat, variant))
+    for (case_name, mesh_name), (strat, variant) in first.items():
+        gm0 = traced(case_name)[2]
+        before = _snapshot(gm0)
+        plan = build(case_name, mesh_name, strat, variant)
+        for rank in range(plan.mesh.size):
+            plan.rank_program(rank)
+        after = _snapshot(gm0)
+        what = f"{case_name} on {mesh_name}"
+        assert after[:2] == before[:2], f"{what}: planning changed the traced graph or its metadata"
+        assert after[2].keys() == before[2].keys(), what
+        for name, (grad, value) in before[2].items():
+            assert after[2][name][0] == grad and torch.equal(after[2][name][1], value), f"{what}: tensor {name}"
 
 
 # ---------------------------------------------------------------------------------------------------------

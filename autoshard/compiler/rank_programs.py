@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autoshard import meta as M
 from autoshard.compiler.context import Options
@@ -25,13 +26,15 @@ __all__ = ["param_specs_of", "program_copy", "rank_program"]
 
 def program_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of the global program's graph (node metadata copied) over the same module: the rank phase rewrites
-    the copy, never the plan's graph. Weights are shared, not copied."""
+    the copy, never the plan's graph. Weights are shared, not copied. The copy generates its Python code only if
+    it is ever called or its code read (a lazy GraphModule): the rank phase's ``localize`` makes the rank's module
+    from the copy's graph, so the code of the copy would be generated and compiled for nothing."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     if out is not None:
         graph.output(out)
     graph._codegen = gm.graph._codegen
-    copy = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy = _LazyGraphModule(gm, graph, class_name=type(gm).__name__)
     for name in ("_in_spec", "_out_spec"):
         if hasattr(gm, name):
             setattr(copy, name, getattr(gm, name))
