@@ -54,6 +54,12 @@ def _compile(mesh, stage, comm):
                              comm=comm)
 
 
+def _plan(mesh, stage):
+    """The plan ``_compile`` makes on each rank, made once (``autoshard.plan``, the first half of ``compile``): the
+    simulated ranks apply it to their copies of the model instead of planning it once each."""
+    return autoshard.plan(_GPT, mesh, _ARGS, annotations=models.megatron(mesh, "gpt"), zero=stage)
+
+
 def _micro_step(sharded, batch, sync: bool, how: str) -> None:
     if sync:
         loss_of(sharded(*batch)).backward()
@@ -71,10 +77,11 @@ def _backward_collectives(records) -> Counter:
     return Counter((r.kind, r.axis, r.numel) for r in records if r.phase == "backward")
 
 
-def _train(rank, comm, mesh, stage, schedules=tuple(SCHEDULES)) -> dict:
+def _train(rank, comm, mesh, stage, schedules=tuple(SCHEDULES), plan=None) -> dict:
     """Each of ``schedules`` on one sharded module, gradients set to None between them: {schedule: (every
-    parameter's full gradient, the backward collectives of each micro-step)}."""
-    sharded = _compile(mesh, stage, comm)
+    parameter's full gradient, the backward collectives of each micro-step)}. ``plan``: ``_plan(mesh, stage)``,
+    applied to this rank's copy of the model (None: compiled on this rank)."""
+    sharded = _compile(mesh, stage, comm) if plan is None else autoshard.apply(copy.deepcopy(_GPT), plan, comm=comm)
     local = [sharded.plan.shard_inputs(rank, b)[0] for b in _BATCHES]
     out = {}
     for name in schedules:
@@ -147,7 +154,8 @@ def test_accumulating_without_sync_equals_syncing_every_micro_batch_with_fewer_r
     axes, stage = CASES[case]
     mesh = autoshard.Mesh(**axes)
     world = SimWorld(mesh, timeout=120)
-    results = world.run(lambda rank: _train(rank, world.communicator(rank), mesh, stage))
+    plan = _plan(mesh, stage)
+    results = world.run(lambda rank: _train(rank, world.communicator(rank), mesh, stage, plan=plan))
     _check(results, stage)
 
 
