@@ -16,8 +16,7 @@ refusal the least memory named (``least_memory``: a lower bound unless proven), 
 
     python bench/infeasible_limit.py            # HF Llama (2 layers, data=2 x model=2) and the Llama-3-8B shape
                                                 # (meta device, batch 8 x 1024, data=8 x model=8)
-    python bench/infeasible_limit.py --quick    # HF Llama only (1 layer), the two refusals (the far one at
-                                                # 1 byte)
+    python bench/infeasible_limit.py --quick    # HF Llama only, the two refusals (the far one at 1 byte)
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ CASES = (
     ("Llama-3-8B shape (meta)", "llama3_8b_meta", {"batch": 8, "seq": 1024}, {"data": 8, "model": 8},
      "gpu-8x-nvlink"),
 )
-#: --quick: HF Llama with 1 layer (a planning run about half the 2 layers' seconds; the refusals are the same kind)
-QUICK_CASE = ("HF Llama, 1 layer", "hf_llama", {"layers": 1}, {"data": 2, "model": 2}, "cpu-gloo")
 
 
 def attempt(factory: str, kwargs: dict, mesh_axes: dict, profile: str, limit: float,
@@ -107,13 +104,12 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="HF Llama (1 layer) only, the two refusals (far below: 1 byte)")
+    parser.add_argument("--quick", action="store_true", help="HF Llama only, the two refusals (far below: 1 byte)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="the search's time limit for the 'above the bound' row (default: the search's 120 s)")
     args = parser.parse_args(argv)
     rows = []
-    for case in (QUICK_CASE,) if args.quick else CASES:
+    for case in CASES[:1] if args.quick else CASES:
         rows += run_case(case, args.quick, args.time_limit)
     sys.stdout.write(format_table(rows))
     for r in rows:
