@@ -11,8 +11,10 @@
    collectives on a process group made by the communicator, with the communicator's own copies around them);
 2. on every rank at once, so that ranks share the machine as they will in a run (rates and times averaged over
    ranks): a 512×512 fp32 matmul and a 32 MiB copy; the **efficiency tables**: a linear layer at five sizes in fp32
-   and bf16, causal attention (``scaled_dot_product_attention``) at five sequence lengths, an elementwise add at five
-   sizes — each size's rate less the per-op overhead, over the kind's best rate (:func:`fit_efficiency`); the
+   and bf16, its gradients' two matmuls (``g @ W`` and ``g.t() @ x``: backward's layouts, which bf16 kernels on a
+   CPU run at another rate than the forward's) in both, causal attention (``scaled_dot_product_attention``) at five
+   sequence lengths and an elementwise add at five sizes, each in fp32 and bf16 — each size's rate less the per-op
+   overhead, over the kind's best rate (:func:`fit_efficiency`); the
    **per-op overhead** of a generated program (a :class:`torch.fx.GraphModule` chain of ops on 8-element tensors,
    forward, and forward + backward); the **optimizer step** (``AdamW.step`` over DTensor parameters, as a compiled
    model's are: many small tensors and a few large ones, fitted to a cost per tensor and per element:
@@ -246,7 +248,8 @@ def _collective_call(comm, kind: str, nbytes: int, world_size: int, axis: str = 
 #: 32) and elementwise adds of n elements, each in fp32 and in bf16 (a bf16 op's rate is not fp32's: CPUs without
 #: bf16 units convert, GPUs have their own bf16 peak).
 _SIDES, _ELEMENTS = (32, 64, 128, 256, 512), (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
-_TABLE_SIZES = {"matmul": _SIDES, "matmul.bfloat16": _SIDES, "attention": _SIDES, "attention.bfloat16": _SIDES,
+_TABLE_SIZES = {"matmul": _SIDES, "matmul.bfloat16": _SIDES, "matmul.backward": _SIDES,
+                "matmul.bfloat16.backward": _SIDES, "attention": _SIDES, "attention.bfloat16": _SIDES,
                 "memory": _ELEMENTS, "memory.bfloat16": _ELEMENTS}
 _CHAIN = 100  # ops in the per-op overhead chain
 
@@ -254,7 +257,10 @@ _CHAIN = 100  # ops in the per-op overhead chain
 def _table_case(kind: str, size: int):
     """``(work, fn)``: one op of ``kind`` at ``size`` and its work as the cost model counts it (FLOPs, or bytes for
     memory: inputs read once and the output written)."""
-    dtype = torch.bfloat16 if kind.endswith(".bfloat16") else torch.float32
+    dtype = torch.bfloat16 if ".bfloat16" in kind else torch.float32
+    if kind.startswith("matmul") and kind.endswith(".backward"):  # a linear layer's gradients: g @ W and g.t() @ x
+        a = torch.randn(size, size).to(dtype)
+        return 2 * 2 * size**3, lambda: (torch.mm(a, a), torch.mm(a.t(), a))
     if kind.startswith("matmul"):  # as models run them: a linear layer's
         a = torch.randn(size, size).to(dtype)
         return 2 * size**3, lambda: torch.nn.functional.linear(a, a)
@@ -512,9 +518,10 @@ def fit_efficiency(tables: dict, overhead: float) -> tuple[dict, tuple]:
 
     peaks = {k: max(rate(w, t) for w, t in v) for k, v in tables.items()}
     for k in tables:
-        kind, _, dtype = k.partition(".")
-        if kind == "attention":
-            peaks[k] = peaks["matmul" + (f".{dtype}" if dtype else "")]
+        kind, _, rest = k.partition(".")
+        dtype = rest.removesuffix("backward").rstrip(".")
+        if kind in ("attention", "matmul") and k != "matmul" + (f".{dtype}" if dtype else ""):
+            peaks[k] = peaks["matmul" + (f".{dtype}" if dtype else "")]  # (backward: the forward's peak)
         elif kind == "memory" and dtype:
             peaks[k] = peaks["memory"]
     efficiency = tuple((k, tuple((w, min(1.0, rate(w, t) / peaks[k])) for w, t in v)) for k, v in tables.items())

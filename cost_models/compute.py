@@ -208,7 +208,7 @@ def work_seconds(work: tuple, profile: HardwareProfile, shard_factor: float = 1)
         return 0.0
     overhead = profile.op_overhead if runs == "forward" else profile.backward_op_overhead
     f, by = f / shard_factor, by / shard_factor
-    t_flops = f / (profile.flops_for(dtype) * profile.efficiency_for(kind, dtype, f)) if f else 0.0
+    t_flops = f / (profile.flops_for(dtype) * profile.efficiency_for(kind, dtype, f, runs == "backward")) if f else 0.0
     t_bytes = by / (profile.mem_bandwidth * profile.efficiency_for("memory", dtype, by)) if by else 0.0
     return overhead + max(t_flops, t_bytes)
 

@@ -225,11 +225,15 @@ class HardwareProfile:
         key = str(dtype).removeprefix("torch.")
         return next((v for k, v in self.dtype_flops if k == key), self.peak_flops)
 
-    def efficiency_for(self, kind: str, dtype, work: float) -> float:
+    def efficiency_for(self, kind: str, dtype, work: float, backward: bool = False) -> float:
         """Achieved fraction of the peak of an op of compute ``kind`` doing ``work`` (FLOPs, or bytes for
-        ``memory``) in ``dtype`` on one rank: the ``kind.dtype`` table, else the ``kind`` table, else 1."""
+        ``memory``) in ``dtype`` on one rank: the ``kind.dtype`` table, else the ``kind`` table, else 1. For the
+        op's ``backward`` the ``kind.dtype.backward`` and ``kind.backward`` tables come first (a matmul's gradients
+        run in other operand layouts than its forward, which some kernels run at another rate: bf16 on CPUs)."""
         tables = dict(self.efficiency)
-        table = tables.get(f"{kind}.{str(dtype).removeprefix('torch.')}") or tables.get(kind)
+        name = f"{kind}.{str(dtype).removeprefix('torch.')}"
+        table = ((tables.get(f"{name}.backward") or tables.get(f"{kind}.backward")) if backward else None) or \
+            tables.get(name) or tables.get(kind)
         if not table:
             return 1.0
         return _interpolate(table, work)
@@ -283,10 +287,13 @@ def _checked_efficiency(name: str, value) -> tuple:
             raise PlanError(f"Hardware profile `{name}` has the efficiency entry {item!r}, but entries are "
                             "(kind, ((work, fraction), ...)) pairs.")
         key, points = item
-        kind, _, dtype = key.partition(".")
+        parts = key.split(".")
+        backward = parts[-1] == "backward" and len(parts) > 1
+        kind, dtype = parts[0], ".".join(parts[1:-1] if backward else parts[1:])
         if kind not in COMPUTE_KINDS or (dtype and dtype not in _FLOP_DTYPES):
             raise PlanError(f"Hardware profile `{name}` has efficiency for {key!r}, but the keys are a compute kind "
-                            f"{list(COMPUTE_KINDS)}, optionally with a dtype (`matmul.bfloat16`).")
+                            f"{list(COMPUTE_KINDS)}, optionally with a dtype (`matmul.bfloat16`) and `.backward` "
+                            "(`matmul.bfloat16.backward`: the ops of its backward).")
         pts = []
         for pt in points:
             ok = isinstance(pt, (tuple, list)) and len(pt) == 2 and all(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from autoshard.cost_models.profile import (
     PROFILES_DIR,
     HardwareProfile,
@@ -187,3 +188,19 @@ def test_link_overlap_hides_gradient_reductions_only():
     assert kind_time("all_gather_reshard", b, n, hidden)[0] == kind_time("all_gather_reshard", b, n, plain)[0]
     assert kind_time("all_reduce", b, n, hidden) == kind_time("all_reduce", b, n, plain)  # forward: not hidden
     assert kind_time("all_to_all", b, n, hidden) == kind_time("all_to_all", b, n, plain)
+
+
+def test_backward_efficiency_tables_price_an_ops_backward_and_fall_back_to_the_forwards():
+    eff = {"matmul": [(1e6, 0.5)], "matmul.bfloat16": [(1e6, 0.4)], "matmul.bfloat16.backward": [(1e6, 0.1)],
+           "matmul.backward": [(1e6, 0.3)]}
+    p = HardwareProfile("x", 1e10, 1e10, 1 << 30, False, LinkCost(1e-5, 1e-9), efficiency=eff)
+    assert p.efficiency_for("matmul", torch.bfloat16, 1e6) == 0.4
+    assert p.efficiency_for("matmul", torch.bfloat16, 1e6, backward=True) == 0.1
+    assert p.efficiency_for("matmul", torch.float32, 1e6, backward=True) == 0.3
+    assert p.efficiency_for("attention", torch.float32, 1e6, backward=True) == 1.0  # no table: the peak
+    forward_only = HardwareProfile("y", 1e10, 1e10, 1 << 30, False, LinkCost(1e-5, 1e-9),
+                                   efficiency={"matmul": [(1e6, 0.5)]})
+    assert forward_only.efficiency_for("matmul", torch.float32, 1e6, backward=True) == 0.5
+    with pytest.raises(PlanError, match="optionally with a dtype"):
+        HardwareProfile("z", 1e10, 1e10, 1 << 30, False, LinkCost(1e-5, 1e-9),
+                        efficiency={"matmul.forward": [(1e6, 1)]})
