@@ -43,7 +43,6 @@ import itertools
 
 import pytest
 import torch
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from autoshard.passes.manager import pass_list, run_passes
 from autoshard.passes.propagate import node_strategies
 
@@ -55,6 +54,7 @@ from autoshard.mesh import Mesh
 from autoshard.compiler.ops import registered, rule_for, stated
 from autoshard.placements import Partial, Replicate, Shard, assemble, format_spec, shard_tensor
 from autoshard.compiler.plan import Plan
+from autoshard.compiler.rank_programs import program_copy
 from autoshard.runtime.sim import SimWorld
 from autoshard.frontend.trace import trace
 from tests import opcases
@@ -197,31 +197,14 @@ def eager(case_name: str):
             [a.grad for a in args])
 
 
-def _fresh_copy(gm0: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The traced program for one plan, as a fresh trace gives it: its own graph and node metadata (the plan phase
-    rewrites them), the traced tensors shared (no pass writes to a weight; each rank program holds copies of its
-    slices). Its Python code is made only if read or called (a lazy GraphModule): a plan's rank programs are
-    generated from its graph, so the plan phase's recompiles of the global program would be wasted here.
-    ``test_fresh_copy_leaves_the_traced_program_as_it_was`` checks that the plans leave the shared parts alone."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm0.graph, {})
-    if out is not None:
-        graph.output(out)
-    graph._codegen = gm0.graph._codegen
-    gm = _LazyGraphModule(gm0, graph, class_name=type(gm0).__name__)
-    for name in ("_in_spec", "_out_spec"):
-        if hasattr(gm0, name):
-            setattr(gm, name, getattr(gm0, name))
-    gm.meta.update(gm0.meta)
-    return gm
-
-
 def build(case_name: str, mesh_name: str, strat, variant: str, forced: bool = True) -> Plan:
     """The pipeline of ``autoshard.compiler.plan.build_plan``, with ``strat`` forced on the node under test."""
     _, _, gm0, node_name = traced(case_name)
     mesh = MESHES[mesh_name]
     ctx = Context(mesh, Options(annotations=annotations(case_name, mesh_name, strat, variant)))
-    gm = _fresh_copy(gm0)
+    # its own graph and node metadata, the traced tensors shared, its code made only if read (as the rank phase
+    # copies a plan's program); test_fresh_copy_leaves_the_traced_program_as_it_was checks the plans leave them
+    gm = program_copy(gm0)
     if forced:
         _node(gm, node_name).meta[M.PLANNED] = strat
     gm = run_passes(gm, ctx, pass_list(ctx.options)["plan"])
@@ -426,7 +409,7 @@ def _snapshot(gm: torch.fx.GraphModule):
 
 
 def test_fresh_copy_leaves_the_traced_program_as_it_was():
-    """``build`` shares the traced program's tensors and node metadata values with its plans (``_fresh_copy``):
+    """``build`` shares the traced program's tensors and node metadata values with its plans (``program_copy``):
     planning every (case, mesh) with its first swept strategy and variant, and making every rank's program, leaves
     the traced graph, its metadata and its tensors as they were."""
     first = {}
