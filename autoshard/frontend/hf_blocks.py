@@ -19,11 +19,16 @@ for these ops are in :mod:`autoshard.compiler.ops.hf_moe`):
    parameters are passed as they are, so the graph reads them by their HF FQNs (checkpoints, annotations and
    parameter names match the HF model). The instance attribute is removed afterwards: the user's model is left
    exactly as it was. What was found (and why other candidates were not taken) goes to ``gm.meta[FOUND]``.
-   Without ``moe=`` the op stays in the graph: its eager form is dropless and exact, and its rule shards it on
-   tokens (data parallelism) and on the stacked weights' expert dim (``"e"``: a rank holding experts
-   ``[o, o + E/n)`` runs them on every token it has and adds only the choices of those experts, a Partial share
-   of the output; the local form passes ``expert_offset=o``). So the planner can split the experts over any axis,
-   or store them sharded over `data` (ZeRO), with no ``moe=`` and nothing dropped.
+   Without ``moe=`` the op stays in the graph: its eager form (:func:`experts_reference`) is sparse, dropless and
+   exact: the ``(token, choice)`` pairs are sorted by expert, their token rows gathered, each expert's FFN run on
+   its own rows only (one grouped GEMM, ``torch._grouped_mm``, where the device and dtype have it, else one matmul
+   per expert) and the outputs added back into ``[T, h]`` weighted by the routing weights: ``T·k`` rows of work,
+   ``k/E`` of running every expert on every token (:func:`experts_dense_reference`, kept as the tests' oracle).
+   Backward recomputes that sparse form under autograd. The op's rule shards it on tokens (data parallelism) and
+   on the stacked weights' expert dim (``"e"``: a rank holding experts ``[o, o + E/n)`` keeps only the choices of
+   those experts and runs them on their tokens, a Partial share of the output; the local form passes
+   ``expert_offset=o``). So the planner can split the experts over any axis, or store them sharded over `data`
+   (ZeRO), with no ``moe=`` and nothing dropped.
 2. :func:`autoshard.passes.expert_rewrite.rewrite_existing` (``MoE(existing=True)``): each ``hf_experts`` node becomes
    the expert rewrite's capacity-bounded subgraph, made from the same group ops
    (:mod:`autoshard.runtime.moe.graph_ops`)::
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.fx
@@ -221,9 +227,103 @@ def find_blocks(model: torch.nn.Module) -> Found:
 
 
 # ---- the static-shape experts op (trace time) ------------------------------------------------------------------
+def _route(top_k_index: Tensor, top_k_weights: Tensor, expert_offset: int, n_local: int):
+    """The (token, choice) pairs routed to the experts held here (``expert_offset`` to ``expert_offset + n_local -
+    1``), sorted by expert, stably (token order within an expert): their tokens, routing weights and local expert
+    ids, and the number of pairs of each local expert."""
+    k = top_k_index.shape[1]
+    local = top_k_index.reshape(-1) - expert_offset
+    pairs = ((local >= 0) & (local < n_local)).nonzero().squeeze(1)
+    experts, order = torch.sort(local[pairs], stable=True)
+    pairs = pairs[order]
+    counts = torch.bincount(experts, minlength=n_local)
+    return pairs // k, top_k_weights.reshape(-1)[pairs], experts, counts
+
+
+def _matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: under ``torch.autocast`` its dtype (autocast casts a matmul's
+    floating operands but float64 to it, as it does eager's per-expert linears), else ``x``'s."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+@functools.cache
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs, forward and backward, and gives the right product, on ``device`` in
+    ``dtype``: tried once per device and dtype (on CPU float32, bfloat16 and float16 do, float64 does not)."""
+    try:
+        with torch.inference_mode(False), torch.autocast(device.type, enabled=False), torch.enable_grad():
+            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            y = torch._grouped_mm(x, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+            y.backward(torch.ones_like(y))
+        return bool((y == 8).all()) and bool((w.grad == torch.tensor([1, 3], device=device).view(2, 1, 1)).all())
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return False
+
+
+def _grouped_mm_fits(x: Tensor, w: Tensor) -> bool:
+    """Whether one ``torch._grouped_mm`` computes ``x @ w[e]`` for each expert's rows: it runs on this device and
+    dtype, and every row of ``x``, ``w`` and the product is a multiple of 16 bytes at a 16-byte-aligned address
+    (the kernel refuses other strides: bfloat16 with 7 features does)."""
+    size = x.element_size()
+    return (x.dtype == w.dtype and all(d * size % 16 == 0 for d in (x.shape[1], w.shape[2]))
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and _grouped_mm_runs(x.device, x.dtype))
+
+
+def _grouped_linear(x: Tensor, w: Tensor, bias: Tensor | None, experts: Tensor, counts: Tensor) -> Tensor:
+    """``x[r] @ w[experts[r]] (+ bias[experts[r]])`` for rows ``x`` sorted by expert (``counts[e]`` rows of expert
+    ``e``), ``w`` ``[E, in, out]``: one grouped GEMM where :func:`_grouped_mm_fits`, else one matmul per expert
+    over its contiguous rows. In :func:`_matmul_dtype`, as autocast would run a batched matmul."""
+    dtype = _matmul_dtype(x)
+    x, w = x.to(dtype), w.to(dtype)
+    if _grouped_mm_fits(x, w):
+        y = torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
+    else:
+        rows = x.split(counts.tolist())
+        y = torch.cat([r @ w[e] for e, r in enumerate(rows)])
+    return y if bias is None else y + bias.to(dtype).index_select(0, experts)
+
+
+def _sparse_ffn(x: Tensor, up: Tensor, down: Tensor, up_bias, down_bias, act: str, has_gate: bool,
+                transposed: bool, concatenated: bool, experts: Tensor, counts: Tensor) -> Tensor:
+    """Each row of ``x`` (sorted by expert) through its own expert: ``[N, h]``, the arithmetic of
+    :func:`_expert_ffn` on those rows only."""
+    w1 = up if transposed else up.transpose(1, 2)  # [E, h, out]
+    w2 = down if transposed else down.transpose(1, 2)  # [E, f, h]
+    gu = _grouped_linear(x, w1, up_bias, experts, counts)
+    hid = ACTIVATIONS[act](gu) if not has_gate else _gated(gu, act, concatenated)
+    return _grouped_linear(hid, w2, down_bias, experts, counts)
+
+
+def _combine(y: Tensor, weights: Tensor, tokens: Tensor, n_tokens: int) -> Tensor:
+    """``Σ_pairs weight · y`` into each pair's token: ``[T, h]``. The products in the dtype ``y * weight`` has (as
+    the dense form's), summed in at least float32 (as a reduction over bfloat16 sums), rounded once by the caller."""
+    contrib = y * weights.unsqueeze(1)
+    acc = torch.promote_types(contrib.dtype, torch.float32)
+    return contrib.new_zeros(n_tokens, contrib.shape[1], dtype=acc).index_add(0, tokens, contrib.to(acc))
+
+
+def experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed,
+                      concatenated, expert_offset: int = 0) -> Tensor:
+    """Dropless: ``Σ_c w[t, c] · expert_{i[t, c]}(x[t])``, each token through its top-k experts only (the op's eager
+    form, forward and recomputed backward; static output shape ``[T, h]``).
+
+    ``up``/``down`` may hold a slice of the experts (sharded on the expert dim): experts ``expert_offset`` to
+    ``expert_offset + len(up) - 1``; choices of other experts then add nothing here (this rank's share of a sum).
+    The routed rows are gathered by expert, run through :func:`_sparse_ffn` and added back weighted: ``T·k`` rows
+    of work at most (those of the experts held here), not ``E·T``."""
+    tokens, weights, experts, counts = _route(top_k_index, top_k_weights, expert_offset, up.shape[0])
+    y = _sparse_ffn(hidden.index_select(0, tokens), up, down, up_bias, down_bias, act, has_gate, transposed,
+                    concatenated, experts, counts)
+    return _combine(y, weights, tokens, hidden.shape[0]).to(hidden.dtype)
+
+
 def _expert_ffn(x: Tensor, up: Tensor, down: Tensor, up_bias, down_bias, act: str, has_gate: bool,
                 transposed: bool, concatenated: bool) -> Tensor:
-    """Every expert on every token: ``[E, T, h]`` (the eager oracle's arithmetic, batched over experts)."""
+    """Every expert on every token: ``[E, T, h]`` (the dense oracle's arithmetic, batched over experts)."""
     w1 = up if transposed else up.transpose(1, 2)  # [E, h, out]
     w2 = down if transposed else down.transpose(1, 2)  # [E, f, h]
     xe = x.unsqueeze(0).expand(w1.shape[0], *x.shape)
@@ -240,12 +340,10 @@ def _gated(gu: Tensor, act: str, concatenated: bool) -> Tensor:
     return ACTIVATIONS[act](gate) * up
 
 
-def experts_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate, transposed,
-                      concatenated, expert_offset: int = 0) -> Tensor:
-    """Dropless, static shapes: ``Σ_c w[t, c] · expert_{i[t, c]}(x[t])`` (every expert runs on every token).
-
-    ``up``/``down`` may hold a slice of the experts (sharded on the expert dim): experts ``expert_offset`` to
-    ``expert_offset + len(up) - 1``; choices of other experts then add nothing here (this rank's share of a sum)."""
+def experts_dense_reference(hidden, top_k_index, top_k_weights, up, down, up_bias, down_bias, act, has_gate,
+                            transposed, concatenated, expert_offset: int = 0) -> Tensor:
+    """The test oracle of :func:`experts_reference`: every expert on every token, ``[E, T, h]``, then each token's
+    outputs weighted by its routing (``E/k`` times the work; exact, simple, no gather). Same arguments."""
     y = _expert_ffn(hidden, up, down, up_bias, down_bias, act, has_gate, transposed, concatenated)  # [E, T, h]
     experts = torch.arange(y.shape[0], device=hidden.device) + expert_offset
     weight = ((top_k_index.unsqueeze(0) == experts.view(-1, 1, 1)) * top_k_weights.unsqueeze(0)).sum(-1)  # [E, T]

@@ -6,18 +6,44 @@
 from __future__ import annotations
 
 import torch
+import torch.fx
 
+from autoshard import meta as M
 from autoshard.compiler.ops.dimmap import DimMap, OpInfo
-from autoshard.compiler.ops.registry import elementwise, op
+from autoshard.compiler.ops.registry import Workspace, elementwise, op
 from autoshard.frontend import hf_blocks  # noqa: F401  (defines torch.ops.autoshard.hf_experts)
 from autoshard.runtime.moe.graph_ops import slot_groups
 
 
 def _experts_flops(op) -> object:
-    """Every expert on every token (the op's dropless form): ``2·E·T·(h·out + f·h)`` from the stacked weights."""
-    tokens = op.shape(op.arg(0))[0]
+    """Each token through its top-k experts (the op's sparse, dropless form): ``2·T·k·(h·out + f·h)``, ``k/E`` of
+    every expert on every token, from the top-k index ``[T, k]`` and one expert's weights.
+
+    At the graph's global shapes, as every FLOP count (:func:`autoshard.cost_models.compute.flops`): the
+    weights' ``E`` does not enter, and a rank holding ``E_local`` of the experts does ``E_local/E`` of it on
+    average (its tokens' choices of its own experts), the split the cost model applies as the op's shard factor
+    (:func:`autoshard.cost_models.plan_cost.shard_factor`: the weights' global/local ratio ``E/E_local``)."""
+    tokens, k = op.shape(op.arg(1))
     up, down = op.shape(op.arg(3)), op.shape(op.arg(4))
-    return 2 * tokens * (up[0] * up[1] * up[2] + down[0] * down[1] * down[2])
+    return 2 * tokens * k * (up[1] * up[2] + down[1] * down[2])
+
+
+def _experts_workspace(node: torch.fx.Node, strategy, mesh) -> Workspace:
+    """What the sparse form holds while it runs on one rank: ``rows = T_local·k`` routed rows at most (every choice
+    of the rank's tokens on the rank's experts; ``E_local/E`` of it on average), each ``3·h + out + 2·f`` features
+    (the gathered input, the first projection, the activation and gated product, the expert's output and its weighted
+    copy), four int64 indices per row, and a float32 ``[T_local, h]`` sum. Backward recomputes the forward under
+    autograd and holds a gradient of each row tensor too: twice the rows. Freed when the op returns: transient."""
+    from autoshard.frontend.graph_utils import itemsize
+    from autoshard.placements import local_shape
+
+    hidden, index, up, down = (node.args[i] for i in (0, 1, 3, 4))
+    tokens, h = local_shape(tuple(hidden.meta["val"].shape), strategy.input_specs[0], mesh)
+    rows = tokens * index.meta["val"].shape[1]
+    up_shape, down_shape = up.meta["val"].shape, down.meta["val"].shape
+    out, f = up_shape[1] * up_shape[2] // h, down_shape[1] * down_shape[2] // h
+    per_row = (3 * h + out + 2 * f) * itemsize(hidden) * (2 if node.meta.get(M.REQUIRES_GRAD) else 1)
+    return Workspace(transient=rows * (per_row + 4 * 8) + tokens * h * 4)
 
 
 def _experts_local(graph, new, old, mesh, rank):
@@ -36,7 +62,10 @@ def _experts_local(graph, new, old, mesh, rank):
     return new
 
 
-@op(torch.ops.autoshard.hf_experts.default, flops=_experts_flops, saves=(0, 1, 2, 3, 4), localize=_experts_local)
+# backward: the op recomputes its forward under autograd (1x), then the gradients of the rows and of the weights
+# (2x, as a matmul's)
+@op(torch.ops.autoshard.hf_experts.default, flops=_experts_flops, backward=3.0, saves=(0, 1, 2, 3, 4),
+    localize=_experts_local, workspace=_experts_workspace, compute_kind="matmul")
 def _hf_experts_rule(info: OpInfo) -> DimMap:
     # token-parallel ("t": hidden, top-k index and weights share the token dim) and expert-parallel ("e": the
     # stacked weights' and biases' expert dim; it does not reach the output, so a rank holding some experts
