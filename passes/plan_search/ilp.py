@@ -64,7 +64,7 @@ class Program:
     within: dict = field(default_factory=dict, compare=False)
     #: auxiliary column -> (its seconds but for running again, forward seconds, (member, unit) pairs) of a
     #: redistribution backward runs again (:meth:`_Builder.rerun_cost`); for a recomputation set it costs the first
-    #: plus :func:`rerun_column_cost` of the others
+    #: plus :func:`rerun_copies` of the others times their forward seconds
     rerun: dict = field(default_factory=dict, compare=False)
 
     def choice(self, problem: Problem, x: np.ndarray) -> list[int]:
@@ -106,6 +106,7 @@ class _Builder:
         self._copies: dict = {}  # (id(term), id(spec)) -> (gradient bytes, bytes per point) of that copy
         self.within: dict[int, int] = {}  # auxiliary column -> the unit it is kept only within (keep)
         self.reruns: dict[int, tuple] = {}  # auxiliary column -> (seconds, forward seconds, pairs) (rerun_cost)
+        self._rerun_copies = RerunCopies(recompute)
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
         """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
@@ -187,11 +188,11 @@ class _Builder:
     def rerun_cost(self, col: int, term: ValueTerm, o, i, pairs) -> None:
         """Column ``col`` buys the redistribution ``o → i`` of ``term``'s value, which the copies ``pairs`` ((member,
         unit) pairs: readers in its recomputed region, ``term.rerun``) run again in backward: it also costs its
-        forward seconds per such copy (:func:`rerun_column_cost`, for this program's recomputation set)."""
+        forward seconds per such copy (:func:`rerun_copies`, for this program's recomputation set)."""
         forward = term.forward_cost.get((o, i), 0.0) if pairs else 0.0
         if forward:
             self.reruns[col] = (self.cost[col], forward, pairs)
-            self.cost[col] += rerun_column_cost(forward, pairs, self.recompute)
+            self.cost[col] += forward * self._rerun_copies(pairs)
 
     def own_output(self, term: ValueTerm, y: dict) -> dict:
         """{spec: column} holding the bytes per point of the value in the layout its op produces it in, for an op
@@ -449,12 +450,28 @@ class _Builder:
                        self.extra, self.within, self.reruns)
 
 
-def rerun_column_cost(forward: float, pairs, recompute) -> float:
-    """Seconds a column of :meth:`_Builder.rerun_cost` adds with ``recompute``'s units recomputed: ``forward`` per
-    copy that runs it again (in a region marked before the search, or the recomputed share of its unit's copies)."""
+def rerun_copies(pairs, recompute) -> float:
+    """How many copies run a redistribution again in backward with ``recompute``'s units recomputed (a column of
+    :meth:`_Builder.rerun_cost` adds its forward seconds per copy): each copy in a region marked before the search,
+    and the recomputed share of each unit's copies."""
     marked = {j for j, unit in pairs if unit is None}
-    shares = sum(unit_share(recompute, unit) for j, unit in pairs if unit is not None and j not in marked)
-    return forward * (len(marked) + shares)
+    return len(marked) + sum(unit_share(recompute, unit) for j, unit in pairs if unit is not None and j not in marked)
+
+
+class RerunCopies:
+    """:func:`rerun_copies` for one recomputation set, once per ``pairs`` object: a program reuses one frozenset of
+    pairs for every column buying the same redistribution (thousands of columns on a large model). Keyed by
+    identity, each entry holding its ``pairs`` so that the identity is not reused while the cache lives."""
+
+    def __init__(self, recompute):
+        self.recompute = recompute
+        self._seen: dict[int, tuple] = {}
+
+    def __call__(self, pairs) -> float:
+        hit = self._seen.get(id(pairs))
+        if hit is None:
+            hit = self._seen[id(pairs)] = (pairs, rerun_copies(pairs, self.recompute))
+        return hit[1]
 
 
 def kept_copies(extra: dict, within: dict, recompute) -> dict:

@@ -51,8 +51,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from autoshard.passes.plan_search.ilp import (Program, build_program, integral, kept_copies, least_peak_program,
-                                              rerun_column_cost, solve_program, with_costs)
+from autoshard.passes.plan_search.ilp import (Program, RerunCopies, build_program, integral, kept_copies,
+                                              least_peak_program, solve_program, with_costs)
 from autoshard.passes.plan_search.objective import (Candidate, evaluate, format_bytes, memory_points, option_columns,
                                                     option_vectors, recomputation_change, rerun_seconds, ties)
 from autoshard.passes.plan_search.problem import Problem
@@ -248,8 +248,9 @@ class _Walk:
             memory[:len(mem)] = mem
             for col, v in kept_copies(self.base.extra, self.base.within, units).items():
                 memory[col] = v[self.problem.point]
+            copies = RerunCopies(units)
             for col, (seconds, forward, pairs) in self.base.rerun.items():  # redistributions run again
-                cost[col] = seconds + rerun_column_cost(forward, pairs, units)
+                cost[col] = seconds + forward * copies(pairs)
             self.programs[key] = with_costs(self.base, cost, memory)
         return self.programs[key]
 
