@@ -71,22 +71,27 @@ def _limit():
 
 @contextmanager
 def _searches_counted():
-    """[rank of each plan search run] while the block runs (a process's rank, or a simulator thread's)."""
+    """[(rank, what) of each plan search run and each search problem built] while the block runs (a process's
+    rank, or a simulator thread's; what: "search" or "problem")."""
     from autoshard.passes import plan_search
     from autoshard.runtime import current
 
-    searched, original = [], plan_search.search
+    searched, originals = [], {"search": plan_search.search, "build_problem": plan_search.build_problem}
 
-    def counting(*a, **k):
-        real = torch.distributed.is_initialized()
-        searched.append(torch.distributed.get_rank() if real else current().rank)
-        return original(*a, **k)
+    def counting(name):
+        def counted(*a, **k):
+            real = torch.distributed.is_initialized()
+            searched.append((torch.distributed.get_rank() if real else current().rank, name))
+            return originals[name](*a, **k)
+        return counted
 
-    plan_search.search = counting
+    for name in originals:
+        setattr(plan_search, name, counting(name))
     try:
         yield searched
     finally:
-        plan_search.search = original
+        for name, original in originals.items():
+            setattr(plan_search, name, original)
 
 
 def _searched_on_rank0(rank, limit, comm=None):
@@ -140,7 +145,8 @@ def _check_plan_errors(results):
 
 
 def _check_search(results, searched):
-    assert searched == [0]  # the search ran on rank 0 only
+    # rank 0 built the problem and searched it; the other ranks applied its decisions without either
+    assert sorted(searched) == [(0, "build_problem"), (0, "search")]
     assert len({r[0] for r in results}) == 1
     model, args = _gpt()
     ref = loss_of(model(*args)).item()

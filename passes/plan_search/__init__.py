@@ -61,6 +61,7 @@ from autoshard.passes.plan_search.solver import WarmLP
 
 from autoshard import meta as M
 from autoshard.compiler.context import Context
+from autoshard.errors import PlanError
 from autoshard.frontend.graph_utils import is_getitem, is_tensor_node
 from autoshard.progress import slow_step
 
@@ -93,6 +94,18 @@ class PlanSearch:
     name: str = "plan_search"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
+        # The problem, the search and what it chose, made once for a job (Context.once): rank 0 decides, and every
+        # other rank applies rank 0's Decided to its own graph (the same trace of the same model) without building
+        # the problem again; the search may stop at its time limit, so the others must not search either.
+        decided = ctx.decide_once(lambda: self.decide(gm, ctx))
+        decided.apply(gm)
+        if decided.warning is not None:
+            ctx.warn(decided.warning)
+        M.plan_report(gm)[self.name] = dict(decided.section)
+        return gm
+
+    def decide(self, gm: torch.fx.GraphModule, ctx: Context) -> Decided:
+        """Build the problem of ``gm``, search it, and say what to write into the graph (nothing is written here)."""
         profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
         t0, cpu0 = time.perf_counter(), time.process_time()
         zero, recompute = ctx.options.zero, ctx.options.recompute
@@ -100,21 +113,14 @@ class PlanSearch:
                                 zero=0 if ctx.pinned is not None else zero, recompute=recompute)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
-            def decide():
-                status: dict = {}
-                found = search(problem, self.time_limit, status, self.exact_seconds, self.accept_gap)
-                return found, status
-
-            # the search may stop at its time limit: rank 0's plan is every rank's (Context.once)
-            (choice, units), status = ctx.decide_once(decide)
+            status: dict = {}
+            choice, units = search(problem, self.time_limit, status, self.exact_seconds, self.accept_gap)
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice, units)
-        if not status["optimal"]:
-            ctx.warn(self._gap_warning(problem, status))
-        stages = _record_stages(gm, problem, choice, zero == "auto")
-        regions = _record_recompute(problem, units, recompute == "auto")
-        self._record_choices(gm, problem, choice)
-        M.plan_report(gm)[self.name] = {
+        stages, zero_marks = _stages(gm, problem, choice, zero == "auto")
+        regions, recompute_marks = _recomputed(problem, units, recompute == "auto")
+        planned, specs, why = self._choices(gm, problem, choice)
+        section = {
             "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
             "profile": profile.name, "decisions": len(problem.decisions), "terms": len(problem.terms),
             "tied_nodes": len(problem.canon), "build_seconds": t1 - t0, "solve_seconds": t2 - t1,
@@ -130,7 +136,8 @@ class PlanSearch:
             "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
             "recomputed": regions,
         }
-        return gm
+        warning = None if status["optimal"] else self._gap_warning(problem, status)
+        return Decided(planned, specs, why, zero_marks, recompute_marks, section, warning)
 
     def _gap_warning(self, problem: Problem, status: dict) -> str:
         if status.get("timed_out"):
@@ -143,26 +150,65 @@ class PlanSearch:
                 f"{status['gap']:.2%} above a lower bound; plan.report['search'] has the details); it is used as "
                 "it is.")
 
-    def _record_choices(self, gm: torch.fx.GraphModule, problem: Problem, choice: list[int]) -> None:
-        """``PLANNED`` and ``DECISION`` on ops, the spec on free parameters."""
+    def _choices(self, gm: torch.fx.GraphModule, problem: Problem, choice: list[int]) -> tuple[dict, dict, dict]:
+        """({op: strategy} for ops not planned before the search, {free parameter: spec}, {op: its Decision})."""
         why = explain(problem, choice)
+        planned, specs, decisions = {}, {}, {}
         for n in gm.graph.nodes:
             d = problem.index.get(canonical(problem.canon, n))
             if d is None or n.op not in ("call_function", "get_attr") or is_getitem(n):
                 continue
             option = problem.decisions[d].options[choice[d]]
             if n.op == "get_attr":
-                n.meta[M.SPEC] = option
+                specs[n.name] = option
                 continue
             if n.meta.get(M.PLANNED) is None:  # planned before the search: propagation still checks it
-                n.meta[M.PLANNED] = option
-                n.meta[M.PLANNED_BY] = self.name
-            n.meta[M.DECISION] = why[d]
+                planned[n.name] = option
+            decisions[n.name] = why[d]
+        return planned, specs, decisions
 
 
-def _record_stages(gm: torch.fx.GraphModule, problem: Problem, choice: list[int], planned: bool) -> dict[str, int]:
-    """{parameter: ZeRO stage chosen}; with ``planned`` (``zero="auto"``) also ``PLANNED_ZERO`` on every copy."""
+@dataclass(frozen=True)
+class Decided:
+    """What the search decided for one graph, by node name: all :meth:`PlanSearch.run` writes into the graph and
+    the report. It pickles, so that rank 0's is every rank's (:meth:`Context.decide_once`); node names are the
+    trace's, the same on every rank tracing the same model (the plan digests every rank compares check it)."""
+
+    planned: dict  # op -> Strategy: ``PLANNED`` (``PLANNED_BY`` the search)
+    specs: dict  # free parameter (get_attr) -> spec: ``SPEC``
+    why: dict  # op -> Decision: ``DECISION``
+    zero: dict  # parameter -> ZeRO stage: ``PLANNED_ZERO`` (zero="auto" only)
+    recompute: dict  # op -> module path of its recomputed layer copy: ``RECOMPUTE`` (recompute="auto" only)
+    section: dict  # the plan report's section of the search
+    warning: str | None  # the plan is not proven optimal: said on every rank (rank 0 prints it)
+
+    def apply(self, gm: torch.fx.GraphModule, name: str = "plan_search") -> None:
+        nodes = {n.name: n for n in gm.graph.nodes}
+        every = set(self.planned) | set(self.specs) | set(self.why) | set(self.zero) | set(self.recompute)
+        missing = sorted(every - set(nodes))
+        if missing:
+            raise PlanError(f"the plan search's decisions name nodes this graph does not have ({', '.join(missing[:5])}"
+                            f"{', ...' if len(missing) > 5 else ''}): this rank traced another program than the rank "
+                            "that searched. Compile the same model with the same options and example shapes on "
+                            "every rank.")
+        for key, spec in self.specs.items():
+            nodes[key].meta[M.SPEC] = spec
+        for key, strategy in self.planned.items():
+            nodes[key].meta[M.PLANNED] = strategy
+            nodes[key].meta[M.PLANNED_BY] = name
+        for key, decision in self.why.items():
+            nodes[key].meta[M.DECISION] = decision
+        for key, stage in self.zero.items():
+            nodes[key].meta[M.PLANNED_ZERO] = stage
+        for key, path in self.recompute.items():
+            nodes[key].meta[M.RECOMPUTE] = path
+
+
+def _stages(gm: torch.fx.GraphModule, problem: Problem, choice: list[int], planned: bool) -> tuple[dict, dict]:
+    """({parameter target: ZeRO stage chosen}, {node: stage} to mark ``PLANNED_ZERO`` with: with ``planned``
+    (``zero="auto"``) every copy, else none)."""
     stages: dict[str, int] = {}
+    marks: dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not n.meta.get(M.REQUIRES_GRAD) or not is_tensor_node(n):
             continue
@@ -170,23 +216,24 @@ def _record_stages(gm: torch.fx.GraphModule, problem: Problem, choice: list[int]
         dv = problem.decisions[d] if d is not None else None
         stage = dv.stages[choice[d]] if dv is not None and dv.stages else 0
         if planned:
-            n.meta[M.PLANNED_ZERO] = stage
+            marks[n.name] = stage
         stages[str(n.target)] = stage
-    return stages
+    return stages, marks
 
 
-def _record_recompute(problem: Problem, units, planned: bool) -> list[str]:
-    """The module paths of the recomputed layer copies; with ``planned`` (``recompute="auto"``) also ``RECOMPUTE``
-    on their ops."""
+def _recomputed(problem: Problem, units, planned: bool) -> tuple[list[str], dict]:
+    """(the module paths of the recomputed layer copies, {op: its copy's path} to mark ``RECOMPUTE`` with: with
+    ``planned`` (``recompute="auto"``) the ops of those copies, else none)."""
     regions = []
     shares = units if isinstance(units, dict) else {u: 1.0 for u in units}
     for u, share in sorted(shares.items()):
         paths = list(problem.units[u].copies)
         regions.extend(paths[:round(share * len(paths))])
+    marks: dict[str, str] = {}
     if planned:
         for u in problem.units:
             for path, nodes in u.copies.items():
                 if path in regions:
                     for n in nodes:
-                        n.meta[M.RECOMPUTE] = path
-    return regions
+                        marks[n.name] = path
+    return regions, marks
