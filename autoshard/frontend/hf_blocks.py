@@ -373,8 +373,11 @@ def _setup(ctx, inputs, output):
     # batched matmuls, as eager's per-expert linears). The backward recomputes them, so it recomputes them under
     # the forward's autocast state, not the backward's (outside the region, as users call it): the gradient is
     # then the gradient of what the forward computed, in eager autocast's dtypes.
+    # A device autocast does not know (meta: a model built on the meta device, traced for its plan) has none.
     device_type = inputs[0].device.type
-    ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    known = torch.amp.is_autocast_available(device_type)
+    ctx.autocast = (device_type, known and torch.is_autocast_enabled(device_type),
+                    torch.get_autocast_dtype(device_type) if known else None)
 
 
 def _backward(ctx, grad):
@@ -382,7 +385,9 @@ def _backward(ctx, grad):
     tensors = [next(saved) if p else None for p in ctx.present]
     diff = [i for i, t in enumerate(tensors) if t is not None and t.is_floating_point()]
     device_type, autocast, dtype = ctx.autocast
-    with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=autocast):
+    # (the forward's state, off included: a backward called inside an autocast region recomputes as the forward ran)
+    region = contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype, enabled=autocast)
+    with torch.enable_grad(), region:
         leaves = [t.detach().requires_grad_(i in diff) if t is not None else None for i, t in enumerate(tensors)]
         out = experts_reference(*leaves, *ctx.static)
         grads = torch.autograd.grad(out, [leaves[i] for i in diff], grad, allow_unused=True)

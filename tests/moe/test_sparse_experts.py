@@ -259,3 +259,22 @@ def test_the_workspace_is_t_k_rows_not_e_t():
     rows = (autoshard.Shard(0),)
     tokens_split = M.Strategy(input_specs=(rows,) * 3 + (whole,) * 2, output_spec=rows)
     assert entry(HF_EXPERTS).workspace(node, tokens_split, mesh).transient * 2 == got
+
+
+@pytest.mark.parametrize("factory", ["hf_mixtral", "hf_qwen2_moe"])
+def test_a_moe_model_built_on_the_meta_device_plans_as_the_real_one(factory):
+    """A large MoE run builds its model on the meta device (no memory) and plans it: the experts op's autograd
+    records the forward's autocast state, which the meta device has none of (it raised "unknown device type for
+    autocast" inside torch.export). The meta model's parameters are laid out as the real model's. (Its graph is not
+    node for node the real one's, for dense HF models too: a meta trace keeps a ``contiguous`` or two the real trace
+    drops, so the plans' digests differ.)"""
+    import autoshard
+    from examples import models
+
+    model, args, kwargs = getattr(models, factory)()
+    with torch.device("meta"):
+        meta_model, meta_args, meta_kwargs = getattr(models, factory)()
+    mesh = autoshard.Mesh(data=2, model=2)
+    real = autoshard.compile(model, mesh, args, kwargs, planner="search").plan
+    meta = autoshard.compile(meta_model, mesh, meta_args, meta_kwargs, planner="search").plan
+    assert meta.param_specs() == real.param_specs()
