@@ -518,6 +518,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, c
     intern = _SpecPool()
     copy_of = copy_paths(problem.units)
     pair_costs: dict = {}  # (shape, itemsize, requires_grad) -> {(id(src), id(dst)): seconds}: values share shapes
+    priced: dict = {}  # terms' redistribution seconds by value and spec pairs (_price_term)
     terms = []
     for (cu, _), members in groups.items():
         u = members[0]
@@ -527,7 +528,7 @@ def _value_terms(gm, ctx: Context, profile: HardwareProfile, problem: Problem, c
         _rerun_readers(members, consumers_of, problem, term, rerun)
         with copies.read([u]):  # redistributions and syncs move the param_dtype copies
             _price_term(u, term, problem.mesh, profile, pinned, intern, pair_costs, u in written,
-                        copies.sync_size(u))
+                        copies.sync_size(u), priced)
         for key in term.sync_cost:
             term.sync_cost[key] += copies.sync_casts(u, key[0])
         terms.append(term)
@@ -604,32 +605,53 @@ def _consumer_options(u, consumers: list, problem: Problem, term: ValueTerm, int
 
 
 def _price_term(u, term: ValueTerm, mesh: Mesh, profile: HardwareProfile, pinned: dict, intern: _SpecPool,
-                pair_costs: dict, written: bool = False, sync_size: int | None = None) -> None:
+                pair_costs: dict, written: bool = False, sync_size: int | None = None,
+                priced: dict | None = None) -> None:
     """Seconds of every redistribution (producer spec -> needed spec; None where a value computed only from
     annotated parameters would be gathered, or where a buffer some op writes in place would be read through a
     copy, which would take the write) and of every gradient sync (``sync_size`` bytes per element; default the
-    value's)."""
+    value's). ``priced``: the ``pair_cost`` and ``forward_cost`` of terms priced before, by value and spec pairs."""
     outs = [term.fixed] if term.fixed is not None else sorted({o for _, _, o in term.out}, key=format_spec)
     value = (shape(u), itemsize(u), bool(u.meta.get(M.REQUIRES_GRAD)))
-    costs = pair_costs.setdefault(value, {})
     needed = list(term.needs)
+    grid = []  # (producer spec, the specs it is redistributed to)
     for o in outs:
         targets = needed
         if term.outputs:
             extra = {id(x): x for x in (intern(output_spec_for(o, keep)) for keep in term.outputs)}
             targets = needed + [x for x in extra.values() if x not in term.needs]
-        for i in targets:
-            pc = costs.get((id(o), id(i)), costs)  # interned and kept alive by the pool: ids are keys
-            if pc is costs:
-                pc = costs[(id(o), id(i))] = redistribution_time_of(o, i, *value, mesh, profile)
-            if u in pinned and i in term.needs and not keeps_layout(o, i, pinned[u]):
-                pc = None  # computed only from annotated parameters: never gathered
-            if written and o != i:
-                pc = None  # written in place (running statistics): read in the layout it is stored in
-            term.pair_cost[(o, i)] = pc
-    if term.rerun:  # run again in backward: their forward seconds
-        for (o, i), pc in term.pair_cost.items():
-            term.forward_cost[(o, i)] = redistribution_forward_time_of(o, i, value[0], value[1], mesh, profile) or 0.0
+        grid.append((o, targets))
+    # terms of values of one shape often have the same specs (tied layers' values, q/k/v): their dicts are equal, and
+    # copying one reuses its keys' hashes (hashing a pair of specs runs torch's placement __hash__ in Python). The
+    # specs are interned and kept alive by the pool, so their ids name them while ``priced`` lives.
+    plain = u not in pinned and not written
+    key = (value, bool(term.rerun), tuple((id(o), tuple(map(id, targets))) for o, targets in grid)) if plain else None
+    hit = priced.get(key) if priced is not None and plain else None
+    if hit is not None:
+        term.pair_cost.update(hit[0])
+        term.forward_cost.update(hit[1])
+    else:
+        costs = pair_costs.setdefault(value, {})
+        for o, targets in grid:
+            for i in targets:
+                pc = costs.get((id(o), id(i)), costs)  # interned and kept alive by the pool: ids are keys
+                if pc is costs:
+                    pc = costs[(id(o), id(i))] = redistribution_time_of(o, i, *value, mesh, profile)
+                if u in pinned and i in term.needs and not keeps_layout(o, i, pinned[u]):
+                    pc = None  # computed only from annotated parameters: never gathered
+                if written and o != i:
+                    pc = None  # written in place (running statistics): read in the layout it is stored in
+                term.pair_cost[(o, i)] = pc
+        if term.rerun:  # run again in backward: their forward seconds
+            forward = pair_costs.setdefault(("forward", value[:2]), {})  # ids as above
+            for o, i in term.pair_cost:
+                f = forward.get((id(o), id(i)))
+                if f is None:
+                    f = forward[(id(o), id(i))] = redistribution_forward_time_of(o, i, value[0], value[1], mesh,
+                                                                                 profile) or 0.0
+                term.forward_cost[(o, i)] = f
+        if priced is not None and plain:
+            priced[key] = (term.pair_cost, term.forward_cost)
     for (i, axes) in term.syncs:
         term.sync_cost[(i, axes)] = grad_sync_time(i, axes, u, mesh, profile, sync_size)
 
