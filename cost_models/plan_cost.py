@@ -29,8 +29,12 @@ def local_numel(shape_, spec, mesh) -> int:
 
 
 def shard_factor(node: torch.fx.Node, strat: M.Strategy, mesh: Mesh, vals: list | None = None) -> float:
-    """How many ways the op's work is split: the largest global/local size ratio among its operands
-    (``vals``: the inputs' and outputs' values, when the caller has them already)."""
+    """How many ways the op's work is split: the op's ``split`` facet where it states one, else the largest
+    global/local size ratio among its operands (``vals``: the inputs' and outputs' values, when the caller has them
+    already)."""
+    split = entry(node.target).split if node.op == "call_function" else None
+    if split is not None:
+        return split(node, strat, mesh)
     best = 1.0
     if vals is None:
         vals = [x.meta["val"] for x in tensor_inputs(node)] + out_vals(node)

@@ -278,3 +278,29 @@ def test_a_moe_model_built_on_the_meta_device_plans_as_the_real_one(factory):
     real = autoshard.compile(model, mesh, args, kwargs, planner="search").plan
     meta = autoshard.compile(meta_model, mesh, meta_args, meta_kwargs, planner="search").plan
     assert meta.param_specs() == real.param_specs()
+
+
+def test_tokens_split_on_one_axis_and_experts_on_another_split_the_work_both_ways():
+    """data=2 x model=2, the tokens split over ``data`` and the experts over ``model``: each rank runs a quarter of
+    the work (half the tokens, their choices of half the experts). No operand is split 4 ways (hidden by ``data``,
+    the weights by ``model``, the output by ``data`` and Partial over ``model``), so the largest operand ratio said
+    2; the op's ``split`` facet says 4, and the op's seconds are the unsplit seconds over 4."""
+    import autoshard
+    from autoshard import meta as M
+    from autoshard.cost_models.plan_cost import op_time, shard_factor
+    from autoshard.cost_models.profile import load_profile
+
+    model, args, kwargs = _mixtral()
+    gm = trace(model, args, kwargs)
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == HF_EXPERTS]
+    mesh = autoshard.Mesh(data=2, model=2)
+    R, S, P = autoshard.Replicate(), autoshard.Shard(0), autoshard.Partial()
+    tokens, experts, whole = (S, R), (R, S), (R, R)
+    both = M.Strategy(input_specs=(tokens,) * 3 + (experts,) * 2, output_spec=(S, P))
+    one = M.Strategy(input_specs=(tokens,) * 3 + (whole,) * 2, output_spec=(S, R))
+    alone = M.Strategy(input_specs=(whole,) * 5, output_spec=whole)
+    assert shard_factor(node, alone, mesh) == 1
+    assert shard_factor(node, one, mesh) == 2
+    assert shard_factor(node, both, mesh) == 4
+    profile = load_profile("cpu-gloo")
+    assert op_time(node, both, mesh, profile) == pytest.approx(op_time(node, alone, mesh, profile) / 4, rel=1e-12)

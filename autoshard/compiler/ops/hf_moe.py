@@ -21,8 +21,8 @@ def _experts_flops(op) -> object:
 
     At the graph's global shapes, as every FLOP count (:func:`autoshard.cost_models.compute.flops`): the
     weights' ``E`` does not enter, and a rank holding ``E_local`` of the experts does ``E_local/E`` of it on
-    average (its tokens' choices of its own experts), the split the cost model applies as the op's shard factor
-    (:func:`autoshard.cost_models.plan_cost.shard_factor`: the weights' global/local ratio ``E/E_local``)."""
+    average (its tokens' choices of its own experts): the op's ``split`` facet (:func:`_experts_split`, the tokens'
+    split times the experts') is what the cost model divides it by."""
     tokens, k = op.shape(op.arg(1))
     up, down = op.shape(op.arg(3)), op.shape(op.arg(4))
     return 2 * tokens * k * (up[1] * up[2] + down[1] * down[2])
@@ -46,6 +46,22 @@ def _experts_workspace(node: torch.fx.Node, strategy, mesh) -> Workspace:
     return Workspace(transient=rows * (per_row + 4 * 8) + tokens * h * 4)
 
 
+def _experts_split(node: torch.fx.Node, strategy, mesh) -> float:
+    """How many ways a strategy splits the op's work: its tokens' split times its experts' split. A rank runs its
+    tokens' choices of its own experts only (``E_local/E`` of them on average); the tokens ("t") and the experts
+    ("e") are split over different axes, and no single operand carries both splits."""
+    import math
+
+    from autoshard.placements import local_shape
+
+    ratios = []
+    for pos in (0, 3):  # hidden (its tokens), the stacked in-projection (its experts)
+        val, spec = node.args[pos].meta["val"], strategy.input_specs[pos]
+        local = 1 if spec is None else math.prod(local_shape(tuple(val.shape), spec, mesh))
+        ratios.append(1.0 if spec is None or val.numel() == 0 else val.numel() / max(1, local))
+    return ratios[0] * ratios[1]
+
+
 def _experts_local(graph, new, old, mesh, rank):
     """Experts sharded on their dim 0: this rank's slice starts at its offset among the experts (the top-k indices
     stay global), so choices of other experts add nothing here and the output is this rank's Partial share."""
@@ -65,7 +81,7 @@ def _experts_local(graph, new, old, mesh, rank):
 # backward: the op recomputes its forward under autograd (1x), then the gradients of the rows and of the weights
 # (2x, as a matmul's)
 @op(torch.ops.autoshard.hf_experts.default, flops=_experts_flops, backward=3.0, saves=(0, 1, 2, 3, 4),
-    localize=_experts_local, workspace=_experts_workspace, compute_kind="matmul")
+    localize=_experts_local, workspace=_experts_workspace, compute_kind="matmul", split=_experts_split)
 def _hf_experts_rule(info: OpInfo) -> DimMap:
     # token-parallel ("t": hidden, top-k index and weights share the token dim) and expert-parallel ("e": the
     # stacked weights' and biases' expert dim; it does not reach the output, so a rank holding some experts

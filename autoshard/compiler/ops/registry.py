@@ -101,6 +101,8 @@ class Workspace:
 
 #: ``workspace(node, strategy, mesh) -> Workspace`` of the op under ``strategy`` on one rank
 WorkspaceFn = Callable[[Any, Any, Any], Workspace]
+#: ``(node, strategy, mesh) -> float``: how many ways the strategy splits the op's work
+SplitFn = Callable[[Any, Any, Any], float]
 
 
 def elementwise(op: Shapes):
@@ -128,6 +130,10 @@ class OpEntry:
     workspace: WorkspaceFn | None = None
     #: what bounds the op's time, for the hardware profile's efficiency tables: "matmul", "attention" or "memory"
     compute_kind: str | None = None
+    #: how many ways a strategy splits the op's work, where that is not the largest global/local size ratio of one
+    #: of its operands (the default, :func:`autoshard.cost_models.plan_cost.shard_factor`): e.g. tokens split on one
+    #: axis and the experts they run through on another
+    split: SplitFn | None = None
 
     def stated(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -136,7 +142,7 @@ class OpEntry:
 #: What an unstated facet is: no rule (an unsupported op), no local form, one FLOP per output element, backward
 #: as costly as forward, bytes in + out, nothing saved, no workspace.
 DEFAULTS = OpEntry(rule=None, localize=None, flops=elementwise, backward=1.0, backward_flops=None, bytes="io",
-                   saves=(), comm=None, workspace=None, compute_kind="memory")
+                   saves=(), comm=None, workspace=None, compute_kind="memory", split=None)
 
 _REGISTRY: dict[object, OpEntry] = {}
 _RESOLVED: dict[object, OpEntry] = {}  # entry()'s answers; cleared whenever the table changes
@@ -175,14 +181,15 @@ class _Registration:
 def op(*targets, rule: RuleFn | None = None, localize: Localizer | None = None, flops: FlopsFn | None = None,
        backward: float | None = None, backward_flops: FlopsFn | None = None, bytes: str | None = None,
        saves: tuple[int | str, ...] | None = None, comm: CommFn | None = None,
-       workspace: WorkspaceFn | None = None, compute_kind: str | None = None) -> _Registration:
+       workspace: WorkspaceFn | None = None, compute_kind: str | None = None,
+       split: SplitFn | None = None) -> _Registration:
     """Register the given facets for each target (an OpOverload, an OpOverloadPacket or a callable).
 
     A target is registered once: a second ``op()`` for it raises (:func:`unregister` first to replace it).
     Used as a decorator, the decorated function becomes the rule."""
     if not targets:
         raise ValueError("op() needs at least one target")
-    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm, workspace, compute_kind)
+    e = OpEntry(rule, localize, flops, backward, backward_flops, bytes, saves, comm, workspace, compute_kind, split)
     for t in targets:
         if t in _REGISTRY:
             raise ValueError(f"op {t} is registered twice; each op has one entry in autoshard/compiler/ops")
