@@ -128,9 +128,14 @@ class _Builder:
         keeper that keeps it reads it inside the value's own layer copy, a recomputed copy makes it again in
         backward instead (:func:`.objective.activations` counts it so): ``within`` names the unit, and the memory
         rows keep it for the unit's share not recomputed (:func:`kept_copies`)."""
-        self.extra[col] = kept
         unit = self.problem.decisions[term.out[0][0]].unit if term.fixed is None and term.out else None
-        if unit is not None and all(term.within.get(d, False) for d in keepers if term.kept.get(d)):
+        within = all(term.within.get(d, False) for d in keepers if term.kept.get(d))
+        self._keep(col, kept, unit if unit is not None and within else None)
+
+    def _keep(self, col: int, kept: np.ndarray, unit: int | None) -> None:
+        """:meth:`keep` with its unit found (None: kept outside its layer copy, or in no unit)."""
+        self.extra[col] = kept
+        if unit is not None:
             self.within[col] = unit
 
     def _copy(self, term: ValueTerm, spec) -> tuple:
@@ -154,11 +159,18 @@ class _Builder:
         return len(self.cost) - 1
 
     def constraint(self, entries, lb: float, ub: float) -> None:
+        self.rows += [len(self.lo)] * len(entries)
+        self.cols += [col for col, _ in entries]
+        self.vals += [v for _, v in entries]
+        self.lo.append(lb)
+        self.hi.append(ub)
+
+    def _pair(self, a: int, b: int, lb: float, ub: float) -> None:
+        """The row ``lb ≤ a − b ≤ ub`` (:meth:`constraint` of two entries: the program's most common row)."""
         r = len(self.lo)
-        for col, v in entries:
-            self.rows.append(r)
-            self.cols.append(col)
-            self.vals.append(v)
+        self.rows += (r, r)
+        self.cols += (a, b)
+        self.vals += (1.0, -1.0)
         self.lo.append(lb)
         self.hi.append(ub)
 
@@ -185,12 +197,12 @@ class _Builder:
         self.outputs(term, y)
         self.syncs(term)
 
-    def rerun_cost(self, col: int, term: ValueTerm, o, i, pairs) -> None:
-        """Column ``col`` buys the redistribution ``o → i`` of ``term``'s value, which the copies ``pairs`` ((member,
-        unit) pairs: readers in its recomputed region, ``term.rerun``) run again in backward: it also costs its
-        forward seconds per such copy (:func:`rerun_copies`, for this program's recomputation set)."""
-        forward = term.forward_cost.get((o, i), 0.0) if pairs else 0.0
-        if forward:
+    def rerun_cost(self, col: int, forward: float, pairs) -> None:
+        """Column ``col`` buys a redistribution of ``forward`` seconds forward (``term.forward_cost``), which the
+        copies ``pairs`` ((member, unit) pairs: readers in its recomputed region, ``term.rerun``) run again in
+        backward: it also costs its forward seconds per such copy (:func:`rerun_copies`, for this program's
+        recomputation set)."""
+        if forward and pairs:
             self.reruns[col] = (self.cost[col], forward, pairs)
             self.cost[col] += forward * self._rerun_copies(pairs)
 
@@ -214,77 +226,101 @@ class _Builder:
     def marginal(self, term: ValueTerm, y: dict, consumers: list[int], own: dict | None = None) -> None:
         m = term.multiplicity
         ylist = list(y.items())
+        inf = np.inf
+        new_var, pair = self.new_var, self._pair
+        # build_problem interns specs (one object per spec): look them up by identity, not by hashing placements
+        # (the program's largest loop: a pair per producer spec, needed spec and consumer); term.needs keeps them
         needed_by: dict = {}  # consumer -> specs it may need
+        columns: dict = {}  # (id(needed spec), consumer) -> the consumer's option columns needing it, in order
         for i, users in term.needs.items():
-            for d, _ in users:
-                needed_by.setdefault(d, set()).add(i)
-        spec_id: dict = {}
-        bought: dict = {}  # (producer spec index, needed spec id) -> variable
-        # build_problem interns specs (one object per spec): look pairs up by identity, not by hashing
-        # placements (the program's largest loop: a pair per producer spec, needed spec and consumer)
-        pair_cost = {(id(o), id(i)): v for (o, i), v in term.pair_cost.items()}
+            for d, k in users:
+                cols = columns.get((id(i), d))
+                if cols is None:
+                    cols = columns[(id(i), d)] = []
+                    needed_by.setdefault(d, set()).add(i)
+                cols.append(self.offsets[d] + k)
+        order = {id(i): format_spec(i) for i in term.needs}  # (ids as above)
+        spec_id: dict = {}  # id(needed spec) -> its number (ids as above)
+        bought: dict = {}  # (producer spec index, needed spec number) -> variable
+        pair_cost, forward_cost, _ = term.costs_by_id()
+        cost, integer = self.cost, self.integer
+        producers = [(oi, o, id(o), [(v, -1.0) for v in ys]) for oi, (o, ys) in enumerate(ylist)]
         # redistributions run again in backward (term.rerun): per needed spec, the (member, unit) pairs of the
         # readers that may need it, and whether every such reader runs it again alike (then the column buying it
         # for all of them carries the forward again; else a column bought by those readers alone does)
         again: dict = {}
         if term.rerun:
             for i in term.needs:
-                sets = [term.rerun.get(d, frozenset()) for d in consumers if i in needed_by[d]]
+                sets = [term.rerun.get(d, frozenset()) for d in consumers if (id(i), d) in columns]
                 pairs = frozenset().union(*sets)
                 again[id(i)] = (pairs, all(x == pairs for x in sets))
+        nothing = (frozenset(), True)
+        # a consumer's kept copy is held within the value's layer copy (keep): the unit, else None
+        unit = self.problem.decisions[term.out[0][0]].unit if term.out else None
         for c in consumers:
-            needs = sorted(needed_by[c], key=format_spec)
-            ids = [spec_id.setdefault(i, len(spec_id)) for i in needs]
-            evars: dict = {}  # (producer spec index, needs index) -> variable
-            for oi, (o, _) in enumerate(ylist):
+            needs = sorted(needed_by[c], key=lambda s: order[id(s)])
+            keeps_c = term.kept.get(c)
+            within = unit if unit is not None and term.within.get(c, False) else None
+            reruns_c = term.rerun.get(c)
+            numbers = [spec_id.setdefault(id(i), len(spec_id)) for i in needs]
+            rerun = [again.get(id(i), nothing) for i in needs]
+            copies = [None] * len(needs)  # per needed spec: (gradient bytes, kept bytes) of its copy (_copy)
+            by_producer = [[] for _ in ylist]  # evars per producer spec, in needed spec order
+            by_need = [[] for _ in needs]  # evars per needed spec, in producer spec order
+            for oi, o, io, _ in producers:
                 for ii, i in enumerate(needs):
-                    pc = pair_cost[(id(o), id(i))]
+                    pc = pair_cost[(io, id(i))]
                     if pc is None:
                         continue
-                    kept = self.copy_points(term, i, [c]) if o is not i else None
-                    keeps_own = own and o is i and o in own and term.kept.get(c)
+                    copy = copies[ii]
+                    if o is not i and copy is None:
+                        copy = copies[ii] = self._copy(term, i)
+                    kept = copy[1] if keeps_c and o is not i else None  # (copy_points)
+                    keeps_own = own and o is i and o in own and keeps_c
+                    ev = len(cost)  # (new_var)
+                    cost.append(m * pc if len(consumers) == 1 else 0.0)
+                    integer.append(0)
+                    by_producer[oi].append(ev)
+                    by_need[ii].append(ev)
+                    pairs, alike = rerun[ii]
                     if len(consumers) == 1:
-                        evars[(oi, ii)] = self.new_var(m * pc)
-                        if again:
-                            self.rerun_cost(evars[(oi, ii)], term, o, i, again[id(i)][0])
-                        if o is not i:
-                            self.copy_gradient(term, i, [evars[(oi, ii)]])
+                        if pairs and (forward := forward_cost.get((io, id(i)))):
+                            self.rerun_cost(ev, forward, pairs)
+                        if o is not i and copy[0] is not None:  # (copy_gradient)
+                            self.gradients.append((ev, copy[0]))
                         if kept is not None:
-                            self.keep(evars[(oi, ii)], kept, term, [c])
+                            self._keep(ev, kept, within)
                         if keeps_own:
-                            self.constraint([(own[o], 1.0), (evars[(oi, ii)], -1.0)], 0.0, np.inf)
+                            pair(own[o], ev, 0.0, inf)
                         continue
-                    ev = evars[(oi, ii)] = self.new_var(0.0)
                     if keeps_own:
-                        self.constraint([(own[o], 1.0), (ev, -1.0)], 0.0, np.inf)
+                        pair(own[o], ev, 0.0, inf)
                     if pc > 0:
-                        pairs, alike = again.get(id(i), (frozenset(), True))
-                        bv = bought.get((oi, ids[ii]))
+                        bv = bought.get((oi, numbers[ii]))
                         if bv is None:
-                            bv = bought[(oi, ids[ii])] = self.new_var(m * pc)
-                            if alike:
-                                self.rerun_cost(bv, term, o, i, pairs)
-                        self.constraint([(bv, 1.0), (ev, -1.0)], 0.0, np.inf)
-                        if not alike and term.rerun.get(c):
-                            av = bought.get(("again", oi, ids[ii]))
+                            bv = bought[(oi, numbers[ii])] = new_var(m * pc)
+                            if alike and pairs:
+                                self.rerun_cost(bv, forward_cost.get((io, id(i)), 0.0), pairs)
+                        pair(bv, ev, 0.0, inf)
+                        if not alike and reruns_c:
+                            av = bought.get(("again", oi, numbers[ii]))
                             if av is None:
-                                av = bought[("again", oi, ids[ii])] = self.new_var(0.0)
-                                self.rerun_cost(av, term, o, i, pairs)
-                            self.constraint([(av, 1.0), (ev, -1.0)], 0.0, np.inf)
-                    if o is not i:
-                        self.copy_gradient(term, i, [ev])
+                                av = bought[("again", oi, numbers[ii])] = new_var(0.0)
+                                self.rerun_cost(av, forward_cost.get((io, id(i)), 0.0), pairs)
+                            pair(av, ev, 0.0, inf)
+                    if o is not i and copy[0] is not None:  # (copy_gradient)
+                        self.gradients.append((ev, copy[0]))
                     if kept is not None:  # the copy a keeping consumer holds, made once for all of them
-                        kv = bought.get(("kept", oi, ids[ii]))
+                        kv = bought.get(("kept", oi, numbers[ii]))
                         if kv is None:
-                            kv = bought[("kept", oi, ids[ii])] = self.new_var(0.0)
-                            self.keep(kv, kept, term, [c])
-                        self.constraint([(kv, 1.0), (ev, -1.0)], 0.0, np.inf)
-            for oi, (o, ys) in enumerate(ylist):
-                self.constraint([(evars[(oi, ii)], 1.0) for ii in range(len(needs)) if (oi, ii) in evars]
-                                + [(v, -1.0) for v in ys], 0.0, 0.0)
+                            kv = bought[("kept", oi, numbers[ii])] = new_var(0.0)
+                            self._keep(kv, kept, within)
+                        pair(kv, ev, 0.0, inf)
+            for oi, _, _, minus in producers:
+                self.constraint([(ev, 1.0) for ev in by_producer[oi]] + minus, 0.0, 0.0)
             for ii, i in enumerate(needs):
-                self.constraint([(evars[(oi, ii)], 1.0) for oi in range(len(ylist)) if (oi, ii) in evars]
-                                + [(self.offsets[d] + k, -1.0) for d, k in term.needs[i] if d == c], 0.0, 0.0)
+                self.constraint([(ev, 1.0) for ev in by_need[ii]] + [(v, -1.0) for v in columns[(id(i), c)]], 0.0,
+                                0.0)
 
     def shared_redistributions(self, term: ValueTerm, y: dict) -> None:
         """Redistributions wanted by consumers, shared between them."""
@@ -331,11 +367,11 @@ class _Builder:
                 qv = self.new_var(m * c)
                 self.constraint([(qv, 1.0), (rv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
                 if alike:
-                    self.rerun_cost(qv, term, o, i, pairs)
+                    self.rerun_cost(qv, term.forward_cost.get((o, i), 0.0) if pairs else 0.0, pairs)
                 elif sv is not None:
                     av = self.new_var(0.0)
                     self.constraint([(av, 1.0), (sv, -1.0)] + [(v, -1.0) for v in ys], -1.0, np.inf)
-                    self.rerun_cost(av, term, o, i, pairs)
+                    self.rerun_cost(av, term.forward_cost.get((o, i), 0.0) if pairs else 0.0, pairs)
                 if kept is not None and o is not i:
                     self.keep(qv, kept, term, keepers)
                 if o is not i:

@@ -21,7 +21,7 @@ best rejected option).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from autoshard.cost_models.compute import output_tensors
@@ -79,19 +79,28 @@ def term_cost(term: ValueTerm, choice: list[int]) -> float:
             wanted[id(i)] = i
         for key in ix.sync.get((d, choice[d]), ()):
             keys[id(key)] = key
-    for keep in term.outputs:
-        spec = output_spec_for(o, keep)
-        if not any(spec == i for i in wanted.values()):
-            wanted[id(spec)] = spec
     total = 0.0
-    for i in wanted.values():
-        c = term.pair_cost[(o, i)]
-        if c is None:
-            return INFEASIBLE
-        total += c
-    for key in keys.values():
-        total += term.sync_cost[key]
-        staged = term.zero_syncs.get(key)
+    if term.outputs:
+        for keep in term.outputs:
+            spec = output_spec_for(o, keep)
+            if not any(spec == i for i in wanted.values()):
+                wanted[id(spec)] = spec
+        for i in wanted.values():
+            c = term.pair_cost[(o, i)]
+            if c is None:
+                return INFEASIBLE
+            total += c
+    else:  # every spec interned: look the pairs up by identity (ValueTerm.costs_by_id)
+        pair_cost = term.costs_by_id()[0]
+        for i in wanted:
+            c = pair_cost[(id(o), i)]
+            if c is None:
+                return INFEASIBLE
+            total += c
+    syncs = term.costs_by_id()[2] if keys else None
+    for key in keys:
+        seconds, staged = syncs[key]
+        total += seconds
         if staged is not None and any((d, choice[d]) in staged[1] for d in ix.producers):
             total -= staged[0]  # stored at stage 2/3: reduce-scattered, not all-reduced
     return term.multiplicity * total
@@ -194,6 +203,7 @@ class OptionColumns:
     layer: np.ndarray  # ZeRO-3 layer number, -1: not gathered at stage 3
     gathered: np.ndarray
     forward: np.ndarray  # an op option's forward seconds over every copy (what recomputing it costs again)
+    stored_decisions: list = field(default_factory=list)  # the parameters' decisions (``stored`` bytes)
 
     def at(self, choice) -> np.ndarray:
         return self.offsets + np.asarray(choice)
@@ -242,6 +252,8 @@ def option_columns(problem: Problem) -> OptionColumns:
             if d.unit is not None:
                 cols.unit[c + k] = d.unit
                 cols.recomputed[c + k] = d.points_recomputed[k] - d.points[k]
+        if d.stored is not None:
+            cols.stored_decisions.append(i)
         if i in problem.gathered:
             layer, gathered = problem.gathered[i]
             cols.layer[c: c + len(d.options)] = layers.setdefault(layer, len(layers))
@@ -310,7 +322,10 @@ def activations(problem: Problem, choice: list[int]) -> tuple:
     the layouts read outside its own layer copy (by a reader that keeps them, or by another copy of its unit: a
     region's input). Layouts do not change while a plan is repaired: the last answer is kept for the same
     layouts."""
-    key = tuple(choice[i] if d.stored is None else id(d.options[choice[i]]) for i, d in enumerate(problem.decisions))
+    key = list(choice)  # ops: their option; parameters: their spec (a stage is not a layout)
+    for i in option_columns(problem).stored_decisions:
+        key[i] = id(problem.decisions[i].options[choice[i]])
+    key = tuple(key)
     cached = problem.activations_cache  # (read once: two HiGHS copies evaluate plans in two threads)
     if cached is None or cached[0] != key:
         cached = problem.activations_cache = (key, _layout_activations(problem, choice))

@@ -130,6 +130,7 @@ class ValueTerm:
     #: (o, i) -> forward seconds of that redistribution of one member (what running it again costs), where ``rerun``
     forward_cost: dict = field(default_factory=dict, repr=False)
     by_option: OptionIndex | None = field(default=None, repr=False, compare=False)
+    by_id: tuple | None = field(default=None, repr=False, compare=False)
 
     def index(self) -> OptionIndex:
         if self.by_option is None:
@@ -145,6 +146,18 @@ class ValueTerm:
                 producers=sorted({d for d, _, _ in self.out}), out={(d, k): spec for d, k, spec in self.out},
                 consumers=sorted({d for d, _ in need} | {d for d, _ in sync}), need=need, sync=sync)
         return self.by_option
+
+    def costs_by_id(self) -> tuple[dict, dict, dict]:
+        """``pair_cost`` and ``forward_cost`` keyed by ``(id(o), id(i))``, and {id(key): (``sync_cost[key]``,
+        ``zero_syncs.get(key)``)} per key of ``syncs``, built once the problem is built: its specs are interned
+        (:class:`_SpecPool`: one object per spec, kept alive by these dicts' own keys, as ``syncs`` keeps its keys),
+        so the program and the objective look them up by identity instead of hashing placements (torch's, in
+        Python)."""
+        if self.by_id is None:
+            self.by_id = ({(id(o), id(i)): v for (o, i), v in self.pair_cost.items()},
+                          {(id(o), id(i)): v for (o, i), v in self.forward_cost.items()},
+                          {id(key): (self.sync_cost[key], self.zero_syncs.get(key)) for key in self.syncs})
+        return self.by_id
 
 
 @dataclass

@@ -72,15 +72,18 @@ class _Plan:
         touching = terms_touching(problem)
         self.syncs = {i: [t for t in touching.get(i, ()) if t.zero_syncs] for i in self.staged}
         self.synced: dict = {}  # (decision, option) -> seconds of those terms (sync_seconds)
+        self.same: dict = {}  # (decision, option) -> its other options of the same spec (stage moves)
 
     def moves(self) -> list[PricedMove]:
         out = []
         for i in self.staged:
             d, k = self.problem.decisions[i], self.choice[i]
-            for k2, spec in enumerate(d.options):
-                if k2 != k and spec == d.options[k]:
-                    dt = d.cost[k2] - d.cost[k] + self.sync_change(i, k2)
-                    out.append(PricedMove(Move("stage", i, k2), dt, d.memory[k2] - d.memory[k]))
+            same = self.same.get((i, k))
+            if same is None:  # (options never change: compared once)
+                same = self.same[(i, k)] = [k2 for k2, spec in enumerate(d.options) if k2 != k and spec == d.options[k]]
+            for k2 in same:
+                dt = d.cost[k2] - d.cost[k] + self.sync_change(i, k2)
+                out.append(PricedMove(Move("stage", i, k2), dt, d.memory[k2] - d.memory[k]))
         change = recomputation_change(self.problem, self.choice)  # (layouts fixed: cached)
         p = self.problem.point
         for u, ds in self.members.items():
