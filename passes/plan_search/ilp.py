@@ -85,6 +85,26 @@ class SolveResult:
     x: np.ndarray | None = None  # the solution (every column), None with ``choice``
 
 
+@dataclass(frozen=True)
+class _Terms:
+    """What :meth:`_Builder.terms` adds to a program, kept for the next program of the same problem: the rows, the
+    auxiliary columns' seconds but for :meth:`_Builder.rerun_cost`'s, the seconds the graph outputs add to option
+    columns in order, and the columns' bytes, gradients, units and redistributions run again."""
+
+    options: int  # option columns (the auxiliary ones follow)
+    rows: list
+    cols: list
+    vals: list
+    lo: list
+    hi: list
+    cost: list
+    option_adds: list
+    extra: dict
+    gradients: list
+    within: dict
+    reruns: dict
+
+
 class _Builder:
     """Columns and rows of the program, appended in order (a sparse matrix in coordinate form)."""
 
@@ -107,6 +127,35 @@ class _Builder:
         self.within: dict[int, int] = {}  # auxiliary column -> the unit it is kept only within (keep)
         self.reruns: dict[int, tuple] = {}  # auxiliary column -> (seconds, forward seconds, pairs) (rerun_cost)
         self._rerun_copies = RerunCopies(recompute)
+        self.option_adds: list[tuple[int, float]] = []  # (option column, seconds added to it) by outputs
+
+    def terms(self) -> None:
+        """The rows of :meth:`choose_one` and of every value term (:meth:`term`) with their auxiliary columns. They
+        are the same for every recomputation set but for the seconds :meth:`rerun_cost` adds, so they are built once
+        per problem (:class:`_Terms`) and copied, those seconds added again for this builder's set."""
+        done = self.problem.program_terms
+        if done is None:
+            n = len(self.cost)
+            self.choose_one()
+            for term in self.problem.terms:
+                self.term(term)
+            cost = self.cost[n:]
+            for col, (seconds, _, _) in self.reruns.items():
+                cost[col - n] = seconds
+            self.problem.program_terms = _Terms(n, list(self.rows), list(self.cols), list(self.vals), list(self.lo),
+                                                list(self.hi), cost, list(self.option_adds), dict(self.extra),
+                                                list(self.gradients), dict(self.within), dict(self.reruns))
+            return
+        assert not self.lo and len(self.cost) == done.options
+        self.rows, self.cols, self.vals = list(done.rows), list(done.cols), list(done.vals)
+        self.lo, self.hi = list(done.lo), list(done.hi)
+        for col, seconds in done.option_adds:  # in the order outputs added them: the same sums
+            self.cost[col] += seconds
+        self.cost += done.cost
+        self.integer += [0] * len(done.cost)
+        self.extra, self.gradients, self.within = dict(done.extra), list(done.gradients), dict(done.within)
+        for col, (_, forward, pairs) in done.reruns.items():
+            self.rerun_cost(col, forward, pairs)
 
     def copy_gradient(self, term: ValueTerm, spec, cols) -> None:
         """The gradient of a redistributed activation exists in backward (backward's temporaries): ``cols`` make
@@ -393,7 +442,8 @@ class _Builder:
             if term.fixed is not None:
                 continue  # constant
             for v in ys:
-                self.cost[v] += term.multiplicity * sum(costs)
+                self.option_adds.append((v, term.multiplicity * sum(costs)))
+                self.cost[v] += self.option_adds[-1][1]
 
     def syncs(self, term: ValueTerm) -> None:
         """A column per gradient sync (≥ each reader option needing it); where the parameter stored at stage 2/3
@@ -525,9 +575,7 @@ def build_program(problem: Problem, recompute=frozenset(), reserve: float = 0.0,
     """The ILP of ``problem`` with the units in ``recompute`` recomputed; with ``memory_row`` (and a limit) the
     memory row ``Σ x·bytes ≤ memory_limit − fixed − reserve``."""
     b = _Builder(problem, recompute)
-    b.choose_one()
-    for term in problem.terms:
-        b.term(term)
+    b.terms()
     if problem.memory_limit is not None and memory_row:
         b.memory_rows(recompute, problem.memory_limit - reserve)
     return b.program()
@@ -537,9 +585,7 @@ def least_peak_program(problem: Problem, recompute, scale: float, seconds_scale:
     """The program whose optimum is the plan of least peak by the point rows of :meth:`_Builder.memory_rows`
     (bytes up to ``scale``), its seconds (in units of ``seconds_scale``) breaking ties."""
     b = _Builder(problem, recompute)
-    b.choose_one()
-    for term in problem.terms:
-        b.term(term)
+    b.terms()
     peak = b.memory_rows(recompute, None, scale)
     prog = b.program()
     cost = prog.c * 1e-6 / max(seconds_scale, 1e-30)

@@ -184,6 +184,8 @@ class Problem:
     #: (layouts, answer) of the last :func:`.objective.activations`: a repair changes no layout
     activations_cache: tuple | None = field(default=None, repr=False, compare=False)
     columns: object = field(default=None, repr=False, compare=False)  # .objective._Columns, built once
+    #: the rows and columns of its value terms in a program (.ilp._Terms): built once, for every recomputation set
+    program_terms: object = field(default=None, repr=False, compare=False)
 
     def price_at(self, point: int) -> None:
         """Price the program's memory row at liveness ``point``: every decision's ``memory`` (and
