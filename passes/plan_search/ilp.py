@@ -123,7 +123,10 @@ class _Builder:
         self.hi: list[float] = []
         self.extra: dict[int, np.ndarray] = {}  # auxiliary column -> bytes per liveness point (kept copies)
         self.gradients: list[tuple[int, float]] = []  # (column, bytes of the gradient of the copy it makes)
-        self._copies: dict = {}  # (id(term), id(spec)) -> (gradient bytes, bytes per point) of that copy
+        #: (id(term), id(spec)) -> (gradient bytes, bytes per point, the spec) of that copy; the entry holds its spec
+        #: (and the problem its term), so an identity is not reused while the cache lives: a graph output's spec is
+        #: made per call (output_spec_for), not interned, and a later one could otherwise get a freed one's id
+        self._copies: dict = {}
         self.within: dict[int, int] = {}  # auxiliary column -> the unit it is kept only within (keep)
         self.reruns: dict[int, tuple] = {}  # auxiliary column -> (seconds, forward seconds, pairs) (rerun_cost)
         self._rerun_copies = RerunCopies(recompute)
@@ -199,8 +202,8 @@ class _Builder:
             size = memory.copy_bytes(u, spec) if value or u.op == "get_attr" else 0
             g = largest_gradient(size // max(1, u.meta["val"].element_size()), u.meta["val"].dtype) if value else None
             kept = size * term.alive if value or (u.op == "get_attr" and u.meta.get(M.REQUIRES_GRAD)) else None
-            self._copies[key] = (g, kept)
-        return self._copies[key]
+            self._copies[key] = (g, kept, spec)
+        return self._copies[key][:2]
 
     def new_var(self, c: float) -> int:
         self.cost.append(c)
