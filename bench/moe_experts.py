@@ -82,6 +82,19 @@ def _mixtral(hidden: int, experts: int, seq: int, batch: int):
                              top_k=2, vocab=128, aux_loss=True)
 
 
+def _timed_steps(loss_fn, model, repeats: int) -> tuple[list[float], torch.Tensor]:
+    """Seconds of ``repeats`` forward + backward steps after one warm-up step, and the last loss."""
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        loss = loss_fn()
+        loss.backward()
+        model.zero_grad()
+        if i:  # the first step is the warm-up
+            times.append(time.perf_counter() - t)
+    return times, loss
+
+
 def _gloo_worker(rank: int, world_size: int, hidden: int, experts: int, seq: int, batch: int, repeats: int):
     import autoshard
     from autoshard.compiler.plan import loss_of
@@ -94,14 +107,7 @@ def _gloo_worker(rank: int, world_size: int, hidden: int, experts: int, seq: int
     shapes = {k: v.chunk(2)[0] for k, v in kwargs.items()}  # examples: this rank's shapes (any values)
     sharded = autoshard.shard(model, mesh, args, shapes, annotations=annotations)
     local = {k: v.chunk(2)[sharded.data_parallel_rank] for k, v in kwargs.items()}  # its half of the global batch
-    times = []
-    for i in range(repeats + 1):
-        t = time.perf_counter()
-        loss = loss_of(sharded(*args, **local))
-        loss.backward()
-        model.zero_grad()
-        if i:  # the first step is the warm-up
-            times.append(time.perf_counter() - t)
+    times, loss = _timed_steps(lambda: loss_of(sharded(*args, **local)), model, repeats)
     experts_local = sharded.get_parameter("model.layers.0.mlp.experts.gate_up_proj").to_local().shape[0]
     return {"step": statistics.median(times), "loss": loss.item(), "experts_local": experts_local}
 
@@ -111,14 +117,7 @@ def _one_process(hidden: int, experts: int, seq: int, batch: int, repeats: int) 
 
     torch.manual_seed(0)
     model, args, kwargs = _mixtral(hidden, experts, seq, batch)
-    times = []
-    for i in range(repeats + 1):
-        t = time.perf_counter()
-        loss = loss_of(model(*args, **kwargs))
-        loss.backward()
-        model.zero_grad()
-        if i:
-            times.append(time.perf_counter() - t)
+    times, loss = _timed_steps(lambda: loss_of(model(*args, **kwargs)), model, repeats)
     return {"step": statistics.median(times), "loss": loss.item()}
 
 

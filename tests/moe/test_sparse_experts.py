@@ -220,16 +220,21 @@ def test_in_a_mixtral_the_experts_process_t_k_rows_not_e_t():
     assert work[experts_dense_reference] == (2 * experts * tokens, experts * tokens * (h * out + f * h))
 
 
-def test_the_cost_model_counts_k_over_e_of_the_dense_flops():
-    """FLOPs the cost model gives the ``hf_experts`` node of a traced Mixtral: ``2·T·k·(h·2f + f·h)``, ``k/E`` of
-    every expert on every token (8 experts, top-2: a quarter); its backward 3x (recomputed forward, then the
-    gradients of the rows and the weights)."""
+def _traced_experts():
+    """The ``hf_experts`` node of a traced tiny Mixtral and its sizes ``(T, k, E, out, h, f)``."""
     model, args, kwargs = _mixtral()
     gm = trace(model, args, kwargs)
     (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == HF_EXPERTS]
     tokens, k = node.args[1].meta["val"].shape
     experts, out, h = node.args[3].meta["val"].shape
-    f = node.args[4].meta["val"].shape[2]
+    return node, (tokens, k, experts, out, h, node.args[4].meta["val"].shape[2])
+
+
+def test_the_cost_model_counts_k_over_e_of_the_dense_flops():
+    """FLOPs the cost model gives the ``hf_experts`` node of a traced Mixtral: ``2·T·k·(h·2f + f·h)``, ``k/E`` of
+    every expert on every token (8 experts, top-2: a quarter); its backward 3x (recomputed forward, then the
+    gradients of the rows and the weights)."""
+    node, (tokens, k, experts, out, h, f) = _traced_experts()
     dense = 2 * experts * tokens * (h * out + f * h)
     assert flops(node) == 2 * tokens * k * (h * out + f * h) == dense * k // experts
     assert flops(node) / dense == 0.25
@@ -244,12 +249,7 @@ def test_the_workspace_is_t_k_rows_not_e_t():
     from autoshard import meta as M
     from autoshard.compiler.ops import entry
 
-    model, args, kwargs = _mixtral()
-    gm = trace(model, args, kwargs)
-    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == HF_EXPERTS]
-    tokens, k = node.args[1].meta["val"].shape
-    experts, out, h = node.args[3].meta["val"].shape
-    f = node.args[4].meta["val"].shape[2]
+    node, (tokens, k, experts, out, h, f) = _traced_experts()
     mesh = autoshard.Mesh(data=2)
     whole = (autoshard.Replicate(),)
     strategy = M.Strategy(input_specs=(whole,) * 5, output_spec=whole)
@@ -290,9 +290,7 @@ def test_tokens_split_on_one_axis_and_experts_on_another_split_the_work_both_way
     from autoshard.cost_models.plan_cost import op_time, shard_factor
     from autoshard.cost_models.profile import load_profile
 
-    model, args, kwargs = _mixtral()
-    gm = trace(model, args, kwargs)
-    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == HF_EXPERTS]
+    node, _ = _traced_experts()
     mesh = autoshard.Mesh(data=2, model=2)
     R, S, P = autoshard.Replicate(), autoshard.Shard(0), autoshard.Partial()
     tokens, experts, whole = (S, R), (R, S), (R, R)
