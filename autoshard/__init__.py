@@ -26,7 +26,8 @@ from autoshard.errors import (
 )
 from autoshard.mesh import Mesh
 
-_LAZY = {"plan": "autoshard.api.planning", "apply": "autoshard.api.entry", "Search": "autoshard.api.planning",
+_LAZY = {"plan": "autoshard.api.planning", "load_plan": "autoshard.api.planning",
+         "apply": "autoshard.api.entry", "Search": "autoshard.api.planning",
          "compile": "autoshard.api.entry", "shard": "autoshard.api.in_place",
          "ShardedModule": "autoshard.api.sharded_module", "data_shard": "autoshard.api.sharded_module",
          "Shard": "autoshard.placements", "Replicate": "autoshard.placements", "Partial": "autoshard.placements",
@@ -37,8 +38,8 @@ _LAZY = {"plan": "autoshard.api.planning", "apply": "autoshard.api.entry", "Sear
          "full_state_dict": "autoshard.api.checkpoint",
          "clip_grad_norm_": "autoshard.runtime.parameters"}
 
-__all__ = ["plan", "apply", "Search", "compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard", "Replicate",
-           "Partial", "AutoshardError",
+__all__ = ["plan", "load_plan", "apply", "Search", "compile", "shard", "data_shard", "ShardedModule", "Mesh", "Shard",
+           "Replicate", "Partial", "AutoshardError",
            "TraceError", "MeshError", "PlanError", "UnsupportedOpError", "RuntimeShapeError",
            "CollectiveTimeoutError", "PeerDiedError", "CheckpointError", "save", "load", "full_state_dict", "Pipeline",
            "MixedPrecision", "MoE", "moe_losses", "moe_stats", "clip_grad_norm_", "ContextParallel"]

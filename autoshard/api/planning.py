@@ -33,8 +33,8 @@ from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh, as_mesh
 from autoshard.placements import parse_placement
 
-__all__ = ["Search", "job_communicator", "make_options", "memory_defaults", "parse_bytes", "plan", "plan_once",
-           "plan_options", "with_moe"]
+__all__ = ["Search", "job_communicator", "load_plan", "make_options", "memory_defaults", "parse_bytes", "plan",
+           "plan_once", "plan_options", "with_moe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +174,67 @@ def plan(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict
 
         return build_pipeline_plan(model, mesh, args, kwargs, options, pipeline)
     return plan_once(job_communicator(mesh, comm), model, mesh, args, kwargs, options)
+
+
+def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *, mesh=None,
+              comm=None) -> Plan:
+    """The plan :meth:`Plan.save` wrote to ``path``, made again for ``model`` without searching: the file's mesh and
+    options, the search's decisions replayed (:mod:`autoshard.compiler.plan_file`). Every rank of a job may load it
+    on its own (no rank searches, none waits for another); the result is the saved plan (its digest is checked).
+
+    Checked first, each difference a :class:`PlanError` naming it: ``mesh`` (when given) against the file's, the
+    job's world size (under torchrun; ``comm``: its mesh) against the mesh's, ``model``'s parameters and buffers (names,
+    shapes, dtypes) and mode against the model planned, and the global ``example_inputs`` (shapes, dtypes) against
+    those planned for. Then ``autoshard.apply(model, plan, ...)`` as for a plan made here.
+
+        >>> plan = autoshard.plan(model, autoshard.Mesh(data=2, model=2), (ids,), search=autoshard.Search())
+        >>> plan.save("plan.json")                                   # once, anywhere
+        >>> plan = autoshard.load_plan("plan.json", model, (ids,))   # on every rank: no search
+        >>> sharded = autoshard.apply(model, plan)
+    """
+    from autoshard.compiler.plan import signature_of
+    from autoshard.compiler.plan_file import read_plan_file
+
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError(f"model has type {type(model).__name__}, but autoshard.load_plan plans a torch.nn.Module.")
+    saved = read_plan_file(path)
+    if mesh is not None:
+        saved.check_mesh(as_mesh(mesh))
+    if comm is not None:
+        saved.check_mesh(comm.mesh)
+    elif _world_size() is not None:
+        saved.check_world(_world_size())
+    saved.check_model(model, signature_of(model))
+    args, kwargs = examples_of(example_inputs, example_kwargs)
+    saved.check_inputs(args, kwargs)
+    replay = iter(saved.decisions)
+
+    def replayed(decide):
+        try:
+            return next(replay)
+        except StopIteration:
+            raise PlanError(f"planning the model asked for more decisions than the plan in {saved.path} holds: the "
+                            "model traces to another program here than where the plan was saved. Save the plan "
+                            "again with the versions this job runs.") from None
+
+    try:
+        plan = build_plan(model, saved.mesh, args, kwargs, saved.options, once=replayed)
+    except PlanError as e:
+        raise PlanError(f"the plan in {saved.path} does not replay on this model: {e}") from e
+    left = sum(1 for _ in replay)
+    if left:
+        raise PlanError(f"planning the model used {len(saved.decisions) - left} of the {len(saved.decisions)} "
+                        f"decisions the plan in {saved.path} holds: the model traces to another program here than "
+                        "where the plan was saved. Save the plan again with the versions this job runs.")
+    saved.check_digest(plan)
+    return plan
+
+
+def _world_size() -> int | None:
+    """torch.distributed's world size when it is initialised, else None (one process: any mesh may be simulated)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
 
 
 def with_moe(options: Options, moe) -> Options:

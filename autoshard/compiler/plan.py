@@ -18,6 +18,7 @@ import torch.fx
 from autoshard import meta as M
 from autoshard.compiler.rank_programs import param_specs_of, rank_program
 from autoshard.compiler.context import Context, Options, Pinned, searches
+from autoshard.compiler.plan_file import tied_groups
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.mesh import Mesh
 from autoshard.passes.manager import PipelineOptions, collective_signature, pass_list, run_passes
@@ -41,6 +42,11 @@ class Plan:
     examples: tuple = field(default=((), {}), repr=False, compare=False)
     #: {state-dict name: (shape, dtype)} of the model planned: what :meth:`check_model` compares a model with
     model_signature: dict = field(default_factory=dict, repr=False, compare=False)
+    #: what each decision made once for the job returned (:attr:`Context.once`: the search's ``Decided``), in order:
+    #: replayed, they give this plan again without a search (:meth:`save`, :func:`autoshard.load_plan`)
+    decisions: list = field(default_factory=list, repr=False, compare=False)
+    #: the names of each tensor the model planned holds under several names (tied weights; plan_file.tied_groups)
+    tied: list = field(default_factory=list, repr=False, compare=False)
 
     # ---- the model it applies to ------------------------------------------------------------------------
     def check_model(self, model: torch.nn.Module) -> None:
@@ -56,6 +62,15 @@ class Plan:
             more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
             raise PlanError(f"this plan was made for another model than the {type(model).__name__} it is applied to: "
                             + "; ".join(diffs[:5]) + more + ". Plan the model you apply it to (autoshard.plan).")
+
+    def save(self, path) -> None:
+        """Write this plan to ``path`` (JSON, :mod:`autoshard.compiler.plan_file`): its mesh, options and the search's
+        decisions, with what it was made for (the model's parameter and buffer names, shapes and dtypes, the example
+        input shapes, the plan's digest). ``autoshard.load_plan(path, model, example_inputs)`` makes it again on any
+        rank without searching, checking the model and inputs first (a difference is a PlanError naming it)."""
+        from autoshard.compiler.plan_file import write_plan_file
+
+        write_plan_file(self, path)
 
     def bind_weights(self, model: torch.nn.Module) -> None:
         """Give this plan's graph ``model``'s own tensors (by the names the model gives them), so that applying the
@@ -338,13 +353,19 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     come here. ``once``: how a decision that may differ between processes is made once for the job
     (:attr:`autoshard.compiler.context.Context.once`). ``pinned``: another plan's parameter layouts to keep
     (:class:`autoshard.compiler.context.Pinned`)."""
+    decisions: list = []
+
+    def recorded(decide):  # every decision made once for the job, as the job saw it: what a plan file replays
+        decisions.append(decide() if once is None else once(decide))
+        return decisions[-1]
+
     # one trace and its passes at a time where ranks are threads of one process (the simulator)
     with RANK_THREADS.exclusive(), _gc_paused():
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
             gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
                 model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/frontend/precision.py)
-            ctx = Context(mesh, options, once=once, pinned=pinned)
+            ctx = Context(mesh, options, once=recorded, pinned=pinned)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
             gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned,
                                                   training=model.training)["plan"])
@@ -367,7 +388,8 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
             ctx.report["plan_search"].update(memory_limit=options.memory_limit, searched_limit=target,
                                              replans=attempt)
     return Plan(gm, mesh, ctx, type(model).__name__, training=model.training,
-                examples=(tuple(args), dict(kwargs or {})), model_signature=signature_of(model))
+                examples=(tuple(args), dict(kwargs or {})), model_signature=signature_of(model), decisions=decisions,
+                tied=tied_groups(model))
 
 
 #: how often build_plan plans again when the searched plan's peak by plan.cost() exceeds the memory limit
