@@ -68,9 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Compile MODULE:FACTORY with the plan search and print every node's "
                                       "strategy, cost and best rejected alternative, and the plan's estimated step "
                                       "time, memory and bytes per axis (--symbolic: the collectives' formulas).")
-    _add_plan_arguments(plan, planner="search")
+    _add_plan_arguments(plan, planner="search", mesh_required=False)
     plan.add_argument("--symbolic", action="store_true",
                       help="print each collective's bytes and time as formulas of the shapes and mesh sizes")
+    plan.add_argument("--devices", type=int, default=None, metavar="N",
+                      help="choose the mesh for N ranks instead of --mesh: every data x model factorisation is "
+                           "planned and priced, the cheapest chosen (autoshard.api.cluster)")
+    plan.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                      help="with --devices: ranks per node; the model axis stays inside a node (at most G)")
+    plan.add_argument("--top", type=int, default=3, metavar="K",
+                      help="with --devices: how many planned candidates to print (default 3)")
+    plan.add_argument("--save", type=Path, default=None, metavar="FILE",
+                      help="write the plan to FILE (JSON; autoshard.load_plan(FILE, model, inputs) applies it on "
+                           "every rank without searching)")
 
     # calibrate's own parser reads its arguments; this entry only lists it in --help.
     sub.add_parser("calibrate", add_help=False, help="measure alpha-beta, FLOP/s and bandwidth of this machine "
@@ -85,10 +95,11 @@ def compile_default(name: str) -> Any:
     return inspect.signature(compile_).parameters[name].default
 
 
-def _add_plan_arguments(show: argparse.ArgumentParser, planner: str) -> None:
+def _add_plan_arguments(show: argparse.ArgumentParser, planner: str, mesh_required: bool = True) -> None:
     show.add_argument("factory", metavar="MODULE:FACTORY",
                       help="a function returning (model, args, kwargs), e.g. examples.models:gpt")
-    show.add_argument("--mesh", required=True, help="logical mesh as NAME=SIZE,..., e.g. data=2,model=2")
+    show.add_argument("--mesh", required=mesh_required, help="logical mesh as NAME=SIZE,..., e.g. data=2,model=2"
+                      + ("" if mesh_required else " (or --devices N: the mesh chosen)"))
     show.add_argument("--plan", metavar="FILE", type=Path,
                       help='annotations: JSON {"glob": ["R", "S(0)"]} or TOML with a [plan] table of the same')
     show.add_argument("--megatron", action="store_true",
@@ -215,6 +226,14 @@ def show(args: argparse.Namespace) -> int:
     from autoshard.compiler.report import format_nodes, format_overview, format_symbolic, plan_document, stages_json
     from autoshard.compiler.report import fit_text, wants_summary, wrap_code
 
+    devices = getattr(args, "devices", None)
+    if (args.mesh is None) == (devices is None):
+        raise CliError("autoshard plan needs either --mesh NAME=SIZE,... (plan that mesh) or --devices N (choose "
+                       "the mesh for N ranks), not both and not neither.")
+    if devices is None and getattr(args, "gpus_per_node", None) is not None:
+        raise CliError("--gpus-per-node shapes the meshes --devices N chooses among, but --mesh was given: drop one.")
+    if devices is not None:
+        return plan_devices(args)
     mesh = autoshard.Mesh.parse(args.mesh)
     factory, name = load_factory(args.factory)
     with slow_step(f"autoshard: building the model ({args.factory})"):
@@ -236,15 +255,21 @@ def show(args: argparse.Namespace) -> int:
     symbolic = getattr(args, "symbolic", False)
     if args.pipeline:  # the stages (or --rank's program of its stage)
         if args.json:
-            sys.stdout.write(json.dumps(stages_json(sm.plan), indent=1, default=str) + "\n")
+            doc = stages_json(sm.plan)
+            doc.update(pipeline_figures(sm.plan))
+            sys.stdout.write(json.dumps(doc, indent=1, default=str) + "\n")
         else:
             sys.stdout.write(wrap_code(sm.code(args.rank), _width()) if args.code else fit_text(sm.format(), _width()))
         return 0
     plan = sm.plan
+    if getattr(args, "save", None) is not None:
+        plan.save(args.save)
     if args.code:
         sys.stdout.write(wrap_code(plan.code(args.rank), _width()))
     elif args.json:
         doc = plan_document(plan)
+        cost = plan.cost()
+        doc.update(pipeline=None, step_time_s=cost.step_time, memory_per_rank_bytes=float(cost.memory_per_rank))
         if symbolic:
             doc["symbolic"] = format_symbolic(plan).splitlines()[1:]
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
@@ -254,6 +279,72 @@ def show(args: argparse.Namespace) -> int:
         if symbolic:
             sys.stdout.write(fit_text(format_symbolic(plan), _width()))
     return 0
+
+
+def pipeline_figures(pplan) -> dict:
+    """``pipeline`` (its options), ``step_time_s`` (:meth:`PipelinePlan.cost`) and ``memory_per_rank_bytes`` (the
+    largest :meth:`PipelinePlan.stage_memory` over the stages, each on the first rank that runs it) of a pipelined
+    plan, for ``--json``."""
+    import dataclasses
+
+    p = pplan.pipeline
+    options = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    memory = max(pplan.stage_memory(s, next(r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)))
+                 for s in range(pplan.num_stages))
+    return {"pipeline": options, "step_time_s": pplan.cost().step_time, "memory_per_rank_bytes": float(memory)}
+
+
+def plan_devices(args: argparse.Namespace) -> int:
+    """``autoshard plan --devices N``: every candidate mesh planned and priced (:mod:`autoshard.api.cluster`); the
+    chosen one's figures and the best ``--top`` candidates as JSON (``--json``) or a table, the chosen plan saved
+    with ``--save``."""
+    import autoshard
+    from autoshard.api.cluster import plan_cluster
+    from autoshard.progress import slow_step
+
+    for flag, bad in (("--megatron", args.megatron), ("--plan", args.plan is not None),
+                      ("--pipeline", bool(args.pipeline)), ("--code", args.code), ("--symbolic", args.symbolic)):
+        if bad:
+            raise CliError(f"{flag} needs one mesh, but --devices chooses among several: give --mesh instead.")
+    if args.planner != "search":
+        raise CliError("--devices compares the plans of the search (--planner search), not the greedy planner's.")
+    factory, _ = load_factory(args.factory)
+    with slow_step(f"autoshard: building the model ({args.factory})"):
+        model, example_args, example_kwargs = call_factory(factory, args.factory,
+                                                           parse_factory_args(args.factory_args))
+    zero, recompute = _zero(args.zero), _recompute(args.recompute)  # left out: Search's "auto", as compile's
+    search = autoshard.Search(profile=args.profile, memory_limit=args.memory_limit,
+                              zero="auto" if zero is None else zero,
+                              recompute="auto" if recompute is None else recompute,
+                              time_limit=getattr(args, "search_time_limit", None))
+    with slow_step(f"autoshard: planning {type(model).__name__} on every mesh of {args.devices} devices"):
+        chosen = plan_cluster(model, example_args, example_kwargs, devices=args.devices,
+                              gpus_per_node=args.gpus_per_node, search=search, data_axis=args.data_axis,
+                              on_unsupported=args.on_unsupported, precision=parse_precision(args.precision),
+                              moe=autoshard.MoE.parse(args.moe) if args.moe else None)
+    best = chosen.best  # no plan at all: a PlanError naming each mesh's reason
+    if args.save is not None:
+        best.plan.save(args.save)
+    if args.json:
+        sys.stdout.write(json.dumps(chosen.as_json(args.top), indent=1) + "\n")
+        return 0
+    lines = [f"autoshard plan: {type(model).__name__} on {args.devices} devices"
+             + (f", {args.gpus_per_node} per node" if args.gpus_per_node else "") + f", profile {args.profile}",
+             f"{'mesh':<22} {'step time':>12} {'memory/rank':>14}  note"]
+    for c in chosen.candidates:
+        mesh = ",".join(f"{n}={s}" for n, s in c.mesh.axes)
+        step = "-" if c.step_time_s is None else f"{c.step_time_s * 1e3:.4g} ms"
+        memory = "-" if c.memory_per_rank_bytes is None else f"{c.memory_per_rank_bytes / 2**20:.4g} MiB"
+        note = "chosen" if c is best else (c.pruned or c.failed or "")
+        lines.append(f"{mesh:<22} {step:>12} {memory:>14}  {note}")
+    sys.stdout.write(fit_lines(lines) + "\n")
+    return 0
+
+
+def fit_lines(lines: list[str]) -> str:
+    """``lines`` with each note cut to the terminal's width (the reasons of pruned meshes are long)."""
+    width = _width()
+    return "\n".join(ln if len(ln) <= width else ln[:width - 1] + "…" for ln in lines)
 
 
 def _search_options(args: argparse.Namespace) -> dict:
