@@ -139,3 +139,20 @@ def test_mesh_and_devices_are_one_or_the_other(capsys):
         assert "needs either --mesh NAME=SIZE,... (plan that mesh) or --devices N" in err and "Traceback" not in err
     assert main(["plan", "examples.models:mlp", "--devices", "2", "--megatron"]) == 2
     assert "--megatron needs one mesh, but --devices chooses among several" in capsys.readouterr().err
+
+
+def test_json_of_a_given_pipeline_has_its_options_step_time_and_largest_stage_memory():
+    code, out = _cli("show", "examples.models:gpt", "--mesh", "pipe=2,model=2", "--megatron", "--pipeline",
+                     "microbatches=4,schedule=1f1b", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    model, args, kwargs = models.gpt()
+    mesh = autoshard.Mesh(pipe=2, model=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pplan = autoshard.plan(model, mesh, args, kwargs, annotations=models.megatron(mesh, "gpt"),
+                               pipeline=autoshard.Pipeline(microbatches=4, schedule="1f1b"))
+    assert doc["pipeline"]["microbatches"] == 4 and doc["pipeline"]["schedule"] == "1f1b"
+    assert doc["step_time_s"] == pytest.approx(pplan.cost().step_time)
+    assert doc["memory_per_rank_bytes"] == max(pplan.stage_memory(s, r) for r in range(mesh.size)
+                                               for s in pplan.stages_of(r))
