@@ -159,3 +159,53 @@ def test_group_restarts_at_the_first_layer_whose_inputs_match():
     assert fast.code == full.code
     assert _summary(fast) == _summary(full)
     torch.testing.assert_close(fast(x), model(x))
+
+
+def _tiny_deepseek_v3(layers=4):
+    """A tiny Hugging Face DeepSeek-V3 (MLA, its keys copied into the slices of a ``new_empty``; the first layer
+    dense, then MoE layers of routed experts top-2 with group-limited routing and a shared expert)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                           qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, n_routed_experts=8, n_group=2,
+                           topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, vocab_size=64,
+                           max_position_embeddings=16, use_cache=False, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0)
+    model = DeepseekV3ForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+def test_a_layer_writing_into_a_tensor_it_made_is_copied():
+    """DeepSeek-V3's attention writes its keys into the slices of ``kv.new_empty(...)`` (``copy_``): a write into a
+    tensor the layer made itself is the copy's own, so its MoE layers are traced once and copied (the experts
+    fingerprinted as exported, as the static experts op) — the same graph as exporting every layer."""
+    model, args, kwargs = _tiny_deepseek_v3()
+    full, fast = _both(model, args, kwargs)
+    assert fast.meta[REUSED_LAYERS] == {"model.layers": ["1", "2", "3"]}  # layer 0 is dense
+    assert any(n.target == torch.ops.aten.copy_.default for n in fast.graph.nodes)
+    assert fast.code == full.code
+    assert _summary(fast) == _summary(full)
+    torch.testing.assert_close(fast(*args, **kwargs), full(*args, **kwargs), rtol=0, atol=0)
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        x[:, :2].copy_(y[:, :2])  # a view of the layer's input, through a slice: not the layer's own tensor
+        return x + y
+
+
+def test_a_layer_writing_into_its_input_is_not_copied():
+    """(Nothing requires grad, so the copies run on meta tensors to be fingerprinted: the write is what refuses.)"""
+    model = _Stack([_WritesItsInput() for _ in range(3)]).requires_grad_(False)
+    x = torch.randn(4, 8)
+    full, fast = _both(model, (x,))
+    assert REUSED_LAYERS not in fast.meta
+    assert fast.code == full.code

@@ -471,7 +471,12 @@ def _region(g: torch.fx.Graph, gr: LayerGroup, ins: dict, outs: dict):
         if n.target is _CALL:
             raise CannotReuse("a copied layer runs inside the first one")
         if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-            raise CannotReuse(f"{n.name} mutates its input")
+            # writing into a tensor the layer made itself (DeepSeek-V3's keys copied into the slices of a
+            # new_empty) is the copy's own business: each copy makes and writes its own
+            for a in _written(n):
+                root = _view_root(a)
+                if root not in inside or root in ins.values():
+                    raise CannotReuse(f"{n.name} mutates its input")
         for a in n.all_input_nodes:
             if a not in inside and a.op != "get_attr":
                 raise CannotReuse(f"{n.name} reads {a.name} from outside its layer")
@@ -482,6 +487,28 @@ def _region(g: torch.fx.Graph, gr: LayerGroup, ins: dict, outs: dict):
             if u not in inside and u.target is not _OUTPUT:
                 raise CannotReuse(f"{u.name} reads {n.name} from inside a layer")
     return region, {k: v for k, v in ins.items()}, outs
+
+
+def _written(n: torch.fx.Node) -> list:
+    """The argument nodes a mutable op writes (its schema's write aliases)."""
+    out = []
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            out.append(v)
+    return out
+
+
+def _view_root(a):
+    """The node whose memory ``a`` shares, through every op whose result aliases its first argument (views,
+    in-place ops returning it, an item of a split); ``a`` itself when it aliases nothing."""
+    import operator
+
+    while isinstance(a, torch.fx.Node) and a.args and isinstance(a.args[0], torch.fx.Node) and (
+            a.target is operator.getitem or (isinstance(a.target, torch._ops.OpOverload)
+                                             and any(r.alias_info is not None for r in a.target._schema.returns))):
+        a = a.args[0]
+    return a
 
 
 def _order(g: torch.fx.Graph):

@@ -152,7 +152,10 @@ def _export_reusing_layers(model, args, kwargs) -> torch.fx.GraphModule:
                 raise
             groups = layer_reuse.starting_at(groups, mismatch.group, mismatch.index)
         else:
-            wrong = layer_reuse.verify(groups)
+            from autoshard.frontend import hf_blocks
+
+            with hf_blocks.swapped(model):  # each copy's experts fingerprinted as exported: the static op
+                wrong = layer_reuse.verify(groups)
             if not wrong:
                 break
             groups = layer_reuse.without(groups, wrong)  # export again, tracing the layers that differ
