@@ -121,3 +121,16 @@ def test_fidelity_quick_runs_and_predicts_every_plan(capsys):
     assert -1 <= summary["rank_correlation"] <= 1
     out = capsys.readouterr().out
     assert "rank correlation" in out and "median error" in out
+
+
+def test_moe_scale_quick(capsys):
+    """2-layer narrowed DeepSeek-V3 and Mixtral on data=4 x model=4: each planned, priced sparse and dense, its
+    experts' layout printed."""
+    bench = _load("moe_scale")
+    rows = bench.main(["--quick"])
+    out = capsys.readouterr().out
+    assert [r["model"] for r in rows] == ["deepseek-v3", "mixtral-8x7b"]
+    for r in rows:
+        assert r["layout"]["nodes"] >= 1 and r["memory"] > 0 and r["step"] > 0 and r["dense_step"] > 0
+        assert f"mesh {r['mesh']}" in out
+    assert "dense-experts estimate" in out and "experts (" in out
