@@ -183,11 +183,6 @@ def test_mixtral_dropless_on_two_gloo_processes_equals_hugging_face():
         torch.testing.assert_close(real, g, rtol=RTOL, atol=ATOL, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "known bug: a program for new shapes (or the other mode) is traced from the meta skeleton, and Hugging Face "
-    "code that branches on the device type takes its meta branch: Mixtral's load-balancing loss counts with "
-    "torch.histc in int32 off CPU/MPS (a GPU's branch), which CPU has no kernel for. The fix is to trace the "
-    "skeleton as FakeTensors on the run device (torch.export accepts them; checked by hand)."))
 def test_mixtral_at_a_new_batch_shape_traces_hugging_faces_branch_for_the_run_device():
     """A sharded Mixtral (with its router load-balancing loss) called at a batch shape other than the example's."""
     from autoshard.runtime import SimWorld

@@ -106,6 +106,57 @@ def test_eval_mode_without_dropout_equals_eager_training_branch_too():
         assert b == pytest.approx(ref_train, rel=1e-6)
 
 
+class DeviceBranchModel(nn.Module):
+    """Arithmetic chosen by the device the model runs on (as Hugging Face's Mixtral picks ``torch.histc``'s dtype
+    by ``x.device.type``): a program traced on any other device computes something else."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 32)
+        self.fc2 = nn.Linear(32, hidden)
+
+    def forward(self, x, target):
+        h = torch.relu(self.fc1(x))
+        h = h * 2.0 if h.device.type == "cpu" else h - 1.0  # this test runs on CPU: the first branch is eager's
+        return nn.functional.mse_loss(self.fc2(h), target)
+
+
+def test_a_model_branching_on_the_device_type_runs_its_branch_at_a_new_batch_shape_and_in_eval_mode():
+    """The programs made after compile (for a new batch shape, for the other mode) are traced from the model's meta
+    skeleton: traced for the device this rank runs on (FakeTensors there), the model's ``x.device.type`` branch is
+    eager's, and so are the loss and every gradient (traced on meta, they took the other branch)."""
+    torch.manual_seed(0)
+    model = DeviceBranchModel()
+    x, y = _data()
+    mesh = autoshard.Mesh(data=2)
+    calls = [(x[:4], y[:4], True), (x, y, False), (x[:4], y[:4], False)]  # a new shape; eval; both
+
+    def eager(a, b, training):
+        ref = copy.deepcopy(model).train(training)
+        loss = ref(a, b)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+    def body(rank):
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, (x, y))
+        out = []
+        for a, b, training in calls:
+            sharded.train(training)
+            loss = sharded(autoshard.data_shard(a, mesh, rank), autoshard.data_shard(b, mesh, rank))
+            loss.backward()
+            out.append((loss.detach(), {n: local_of(p.grad).clone() for n, p in sharded.named_parameters()}))
+            sharded.zero_grad()
+        return out
+
+    for out in SimWorld(mesh).run(body):
+        for (a, b, training), (loss, grads) in zip(calls, out):
+            want, want_grads = eager(a, b, training)
+            torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+            assert grads.keys() == want_grads.keys()
+            for n, g in want_grads.items():
+                torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_parameters_right_after_compile_and_example_kwargs_alone():
     model, args, kwargs = models.gpt(layers=1)
     mesh = autoshard.Mesh(data=2)

@@ -363,15 +363,17 @@ def job_communicator(mesh: Mesh, comm=None):
     return comm
 
 
-def plan_once(comm, model, mesh: Mesh, args: tuple, kwargs: dict, options: Options, pinned=None) -> Plan:
+def plan_once(comm, model, mesh: Mesh, args: tuple, kwargs: dict, options: Options, pinned=None,
+              device=None) -> Plan:
     """:func:`build_plan` of ``model`` on ``mesh``, made so that every rank of a job runs the same one, when every
     rank plans at this point together (``comm``: :func:`job_communicator`; None: this process plans alone): rank 0
     plans, recording each decision that may differ between processes (``once``, :attr:`Context.once`: the
     time-limited search), and hands them to every rank, which plans again replaying them (a failure on rank 0 is
     raised on every rank). Without such a communicator each process plans alone, and every call compares plans
-    (:func:`autoshard.runtime.agreement.check_call`)."""
+    (:func:`autoshard.runtime.agreement.check_call`). ``device``: where the program will run, for a model on the
+    meta device (:func:`build_plan`)."""
     if comm is None:
-        return build_plan(model, mesh, args, kwargs, options, pinned=pinned)
+        return build_plan(model, mesh, args, kwargs, options, pinned=pinned, device=device)
     from autoshard.runtime.agreement import decide_once
 
     if comm.rank == 0:
@@ -382,7 +384,7 @@ def plan_once(comm, model, mesh: Mesh, args: tuple, kwargs: dict, options: Optio
             return decisions[-1]
 
         try:
-            plan = build_plan(model, mesh, args, kwargs, options, once=record, pinned=pinned)
+            plan = build_plan(model, mesh, args, kwargs, options, once=record, pinned=pinned, device=device)
         except Exception as e:  # every rank waits for rank 0's plan: each must hear that there is none
             failure = ("error", type(e).__name__, str(e))
             decide_once(comm, lambda: failure)
@@ -406,4 +408,4 @@ def plan_once(comm, model, mesh: Mesh, args: tuple, kwargs: dict, options: Optio
                             "model, options or example shapes differ from rank 0's. Compile the same model "
                             "with the same options on every rank.") from None
 
-    return build_plan(model, mesh, args, kwargs, options, once=replayed, pinned=pinned)
+    return build_plan(model, mesh, args, kwargs, options, once=replayed, pinned=pinned, device=device)

@@ -73,7 +73,8 @@ class ShardedModule(torch.nn.Module):
     model's module tree on the meta device (``_skeleton``: no tensor memory) for ``init_weights`` and for the
     program of the other training mode. ``train()``/``eval()`` switch programs as the model's own modes do:
     the plan is traced in the model's mode at compile time; the other mode's program is traced from the skeleton on
-    first use, with every parameter pinned to the same layout, and shares this rank's tensors.
+    first use (as FakeTensors on this rank's device, so that model code branching on ``x.device.type`` runs as here),
+    with every parameter pinned to the same layout, and shares this rank's tensors.
     """
 
     def __init__(self, model, mesh: Mesh, options: Options, example_inputs=None, example_kwargs=None, comm=None,
@@ -167,8 +168,9 @@ class ShardedModule(torch.nn.Module):
         from autoshard.runtime.notices import said_once
 
         with said_once(self._said):
-            plan = (build_plan(model, self.mesh, args, kwargs, self.options) if comm is None  # a short traceback
-                    else plan_once(comm, model, self.mesh, args, kwargs, self.options))
+            device = self._run_device()  # used only by a model on meta: it is traced for where it will run
+            plan = (build_plan(model, self.mesh, args, kwargs, self.options, device=device) if comm is None
+                    else plan_once(comm, model, self.mesh, args, kwargs, self.options, device=device))
         self._adopt(plan, model, args, kwargs)
 
     def _adopt(self, plan: Plan, model, args: tuple, kwargs: dict) -> None:
@@ -184,6 +186,18 @@ class ShardedModule(torch.nn.Module):
             self._digest = self.plan.digest()  # what every rank's plan must equal (agreement.check_call)
             self._call_numbers = {}
         self._model = ()  # the plan's graph holds the weights until this rank's shards are made
+
+    def _run_device(self) -> torch.device:
+        """The device this rank's programs run on, which a model on the meta device is traced for (the skeleton of
+        the other mode's and new shapes' programs, a meta-built model): that of this rank's tensors once made
+        (:attr:`device`); before, that of the plan's weights where it holds real ones (what ``simulate`` runs on),
+        else :attr:`device` (where :meth:`materialize` will put them)."""
+        if self.local is None and self.plan is not None:
+            gm = self.plan.graph_module
+            found = next((t.device for t in (*gm.parameters(), *gm.buffers()) if not t.is_meta), None)
+            if found is not None:
+                return found
+        return self.device
 
     def _planned_once(self, comm, model, args: tuple, kwargs: dict, options: Options, pinned=None) -> Plan:
         return plan_once(comm, model, self.mesh, args, kwargs, options, pinned)
@@ -700,9 +714,10 @@ class ShardedModule(torch.nn.Module):
         return self._pinned_plan(training, self._examples)
 
     def _pinned_plan(self, training: bool, examples: tuple) -> Plan:
-        """A plan of the skeleton traced in mode ``training`` on the global ``examples`` (args, kwargs), every
-        parameter and buffer pinned to its layout in the plan (stored as the plan stores it), so that its program
-        shares this rank's tensors; made by every rank together (:meth:`_planned_once`) where ranks plan at once."""
+        """A plan of the skeleton traced in mode ``training`` on the global ``examples`` (args, kwargs) for the
+        device the program runs on (:meth:`_run_device`), every parameter and buffer pinned to its layout in the plan
+        (stored as the plan stores it), so that its program shares this rank's tensors; made by every rank together
+        (:meth:`_planned_once`) where ranks plan at once."""
         plan = self._need_plan()
         specs = plan.param_specs()
         # the user's options as they are: the pass list itself leaves the eval program's activations to propagation
@@ -716,7 +731,9 @@ class ShardedModule(torch.nn.Module):
         try:
             comm = self._job_communicator()
             with said_once(self._said):  # what the plan warned about is not said again
-                other = plan_once(comm, skeleton, self.mesh, *examples, self.options, pin)
+                # traced as FakeTensors on the run device, not on meta: model code that branches on a tensor's
+                # device type (Hugging Face Mixtral's load-balancing loss) takes the branch it takes when it runs
+                other = plan_once(comm, skeleton, self.mesh, *examples, self.options, pin, device=self._run_device())
         finally:
             skeleton.train(was)
         moved = {k: (specs[k], v) for k, v in other.param_specs().items() if k in specs and specs[k] != v}

@@ -346,13 +346,15 @@ def signature_of(model: torch.nn.Module) -> dict:
 
 
 def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
-               pipeline: PipelineOptions | None = None, once=None, pinned: Pinned | None = None) -> Plan:
+               pipeline: PipelineOptions | None = None, once=None, pinned: Pinned | None = None,
+               device: torch.device | None = None) -> Plan:
     """The plan of ``model`` on ``mesh``: trace, then the plan phase of the one pass list. The one way to a plan:
     ``compile``, the other mode's plan of a ShardedModule and the pipelined plan (``pipeline``: the split and
     stage-building passes enabled, the stage graphs left on ``gm.meta``; :mod:`autoshard.compiler.pipeline.plan`) all
     come here. ``once``: how a decision that may differ between processes is made once for the job
     (:attr:`autoshard.compiler.context.Context.once`). ``pinned``: another plan's parameter layouts to keep
-    (:class:`autoshard.compiler.context.Pinned`)."""
+    (:class:`autoshard.compiler.context.Pinned`). ``device``: the device the program will run on, for a model on the
+    meta device (traced as FakeTensors there: :func:`autoshard.frontend.trace.trace`)."""
     decisions: list = []
 
     def recorded(decide):  # every decision made once for the job, as the job saw it: what a plan file replays
@@ -363,8 +365,8 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     with RANK_THREADS.exclusive(), _gc_paused():
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
-            gm = trace(model, args, kwargs) if options.precision is None else trace_with_precision(
-                model, args, kwargs, options.precision)  # the compute copy's graph (autoshard/frontend/precision.py)
+            gm = trace(model, args, kwargs, device=device) if options.precision is None else trace_with_precision(
+                model, args, kwargs, options.precision, device)  # the compute copy's graph (frontend/precision.py)
             ctx = Context(mesh, options, once=recorded, pinned=pinned)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
             gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned,

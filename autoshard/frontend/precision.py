@@ -108,10 +108,12 @@ def fake_like(val: torch.Tensor, dtype: torch.dtype, fake_mode=None) -> torch.Te
         return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device, requires_grad=grad)
 
 
-def trace_with_precision(model: torch.nn.Module, args: tuple, kwargs: dict | None, policy: MixedPrecision):
+def trace_with_precision(model: torch.nn.Module, args: tuple, kwargs: dict | None, policy: MixedPrecision,
+                         device: torch.device | None = None):
     """Trace ``model`` as it computes under ``policy`` (see the module docstring): the graph of its compute copy,
     whose ``get_attr`` nodes read the model's own parameters and whose floating placeholders have the caller's
-    dtypes. The ``mixed_precision`` pass then inserts the casts that make the graph consistent again."""
+    dtypes. The ``mixed_precision`` pass then inserts the casts that make the graph consistent again. ``device``: as
+    :func:`~autoshard.frontend.trace.trace`'s (where a model on meta will run)."""
     from torch.fx._pytree import tree_flatten_spec
 
     from autoshard.frontend.trace import trace
@@ -123,7 +125,7 @@ def trace_with_precision(model: torch.nn.Module, args: tuple, kwargs: dict | Non
     cast_in = pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                               else x, (args, kwargs))
     with RANK_THREADS.exclusive():  # the copy reads the model, which rank threads may be tracing
-        gm = trace(compute_copy(model, dtype), *cast_in)
+        gm = trace(compute_copy(model, dtype), *cast_in, device=device)
     masters = dict(model.named_parameters(remove_duplicate=False))
     for name, p in list(gm.named_parameters(remove_duplicate=False)):
         master = masters.get(name)

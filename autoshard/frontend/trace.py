@@ -56,27 +56,141 @@ _DROP_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
-          reuse_layers: bool = True) -> torch.fx.GraphModule:
+          reuse_layers: bool = True, device: torch.device | str | None = None) -> torch.fx.GraphModule:
     """Export ``model(*args, **kwargs)`` to a GraphModule with static shapes, FQN-named get_attrs and module paths.
 
     With ``reuse_layers`` (default), a list of identical layers is traced once and copied (see
     :mod:`autoshard.frontend.layer_reuse`); the graph is the same as exporting every layer.
+
+    ``device``: where the program will run, for a model on the meta device (a meta-built model, or the skeleton a
+    ShardedModule traces its other programs from). Its tensors and the inputs are then traced as FakeTensors on that
+    device (:class:`_on_device`), so that code which reads a tensor's device (``x.device.type``, as Hugging Face's
+    Mixtral picks ``torch.histc``'s dtype by it) takes the branch it takes when the program runs; the graph still
+    holds the model's own meta tensors. Without it (or with ``"meta"``) such a model is traced on meta inputs. A
+    model whose tensors are real is traced where they are, whatever ``device`` says.
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     args, kwargs = unaliased(args, dict(kwargs or {}))
-    if on_meta(model):
+    device = torch.device(device) if device is not None and on_meta(model) else None
+    if device is not None and device.type == "meta":
+        device = None
+    if device is None and on_meta(model):
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
     # one trace at a time where ranks are threads of one process (the simulator; a no-op otherwise)
     with RANK_THREADS.exclusive(), slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
-        if reuse_layers:
-            try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
-                return _finish(_export_reusing_layers(model, args, kwargs), model, "layer_reuse")
-            except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
-                _log_no_reuse(model, e)
-        return _finish(_export(model, args, kwargs), model, "trace")
+        if device is None:
+            return _trace(model, args, kwargs, reuse_layers)
+        with _on_device(model, device) as faked:
+            gm = _trace(model, *faked.inputs(args, kwargs), reuse_layers)
+        return faked.restore(gm)
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, reuse_layers: bool) -> torch.fx.GraphModule:
+    if reuse_layers:
+        try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
+            return _finish(_export_reusing_layers(model, args, kwargs), model, "layer_reuse")
+        except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
+            _log_no_reuse(model, e)
+    return _finish(_export(model, args, kwargs), model, "trace")
+
+
+class _on_device:
+    """While a model on the meta device is traced for ``device``: each of its meta parameters, buffers and tensor
+    attributes is a FakeTensor on ``device`` (one per tensor: tied weights stay tied; ``requires_grad`` kept), put
+    back on exit. torch.export takes FakeTensor parameters as it takes real ones (it fakifies them again in its own
+    fake mode), so the trace is the one of a model whose weights are on ``device``, at no memory cost.
+    :meth:`restore` then gives the graph the model's own meta tensors back."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.model, self.device = model, device
+        self.mode = FakeTensorMode()
+        self.original: dict[int, torch.Tensor] = {}  # id(fake) -> the meta tensor it stands for
+        self._fakes: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its fake (they keep the ids above unique)
+        self._swapped: list[tuple] = []  # (table or module, key, meta tensor): what __exit__ puts back
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        fake = self._fakes.get(id(t))
+        if fake is None:
+            with self.mode:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+            if isinstance(t, torch.nn.Parameter):
+                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+            elif t.requires_grad:
+                fake.requires_grad_(True)
+            self._fakes[id(t)] = fake
+            self.original[id(fake)] = t
+        return fake
+
+    def __enter__(self):
+        try:
+            for module in self.model.modules():
+                for table in (module._parameters, module._buffers):
+                    for key, t in list(table.items()):
+                        if isinstance(t, torch.Tensor) and t.is_meta:
+                            self._swapped.append((table, key, t))
+                            table[key] = self._fake(t)
+                for key, t in list(vars(module).items()):  # plain tensor attributes (constants)
+                    if isinstance(t, torch.Tensor) and t.is_meta:
+                        self._swapped.append((module, key, t))
+                        module.__dict__[key] = self._fake(t)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for owner, key, t in reversed(self._swapped):
+            if isinstance(owner, dict):
+                owner[key] = t
+            else:
+                owner.__dict__[key] = t
+        self._swapped = []
+        return False
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Every tensor of ``(args, kwargs)`` as a FakeTensor on the device (same shape, strides, dtype, grad)."""
+        def fake(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            with self.mode:
+                out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=self.device)
+            return out.requires_grad_(x.requires_grad)
+
+        return torch.utils._pytree.tree_map(fake, (args, kwargs))
+
+    def restore(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """``gm`` holding the model's meta tensors where the trace left their fakes. A value that is one of those
+        fakes (a copied layer's get_attr, whose value is its tensor) becomes a FakeTensor of export's own fake mode
+        on the device, like every other value of the graph."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        for module in gm.modules():
+            for table in (module._parameters, module._buffers):
+                for key, t in list(table.items()):
+                    if t is not None and id(t) in self.original:
+                        table[key] = self.original[id(t)]
+            for key, t in list(vars(module).items()):
+                if isinstance(t, torch.Tensor) and id(t) in self.original:
+                    module.__dict__[key] = self.original[id(t)]
+        vals = [n.meta.get("val") for n in gm.graph.nodes]
+        export_mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor) and v.fake_mode is not self.mode),
+                           None)
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if not (isinstance(val, torch.Tensor) and id(val) in self.original):
+                continue
+            if export_mode is None:  # nothing of export's in the graph to match: the meta tensor, as on meta
+                node.meta["val"] = self.original[id(val)]
+                continue
+            with export_mode:
+                node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                                       device=val.device).requires_grad_(val.requires_grad)
+        return gm
 
 
 def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
