@@ -1,6 +1,7 @@
-"""Devices in, configuration out (autoshard/api/cluster.py, ``autoshard plan --devices N``): the candidate meshes of
-N devices, the bounds that prune those that cannot fit, and the choice of the cheapest by ``plan.cost()``, the
-figures ``--json`` prints agreeing with ``autoshard.plan`` on the chosen mesh."""
+"""Devices in, configuration out (autoshard/api/cluster.py, ``autoshard plan --devices N``): the candidate meshes and
+pipelines of N devices, the bounds that prune those that cannot fit, and the choice of the cheapest by
+``plan.cost()`` (``PipelinePlan.cost()``), the figures ``--json`` prints agreeing with ``autoshard.plan`` on the
+chosen configuration; a pipelined plan saved and loaded again."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autoshard
 from autoshard.api.cli import main
-from autoshard.api.cluster import candidate_meshes, least_state_bytes, plan_cluster
+from autoshard.api.cluster import candidate_meshes, candidate_pipelines, least_state_bytes, plan_cluster
 from autoshard.cost_models.memory import training_state_bytes
 from autoshard.errors import PlanError
 from examples import models
@@ -72,7 +74,8 @@ def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():
         warnings.simplefilter("ignore")
         chosen = plan_cluster(model, args, kwargs, devices=4, search=autoshard.Search(profile="gpu-8x-nvlink"))
     assert [c.mesh for c in chosen.candidates if c.plan is not None] != []
-    assert {c.mesh for c in chosen.candidates} == set(candidate_meshes(4))
+    assert {(c.mesh, c.pipeline) for c in chosen.candidates} == {(m, None) for m in candidate_meshes(4)} | set(
+        candidate_pipelines(4, batch=args[0].shape[0]))
     steps = [c.step_time_s for c in chosen.planned]
     assert steps == sorted(steps) and chosen.best.step_time_s == min(steps)
     for c in chosen.planned:
@@ -83,7 +86,7 @@ def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():
 def devices_json(tmp_path_factory):
     path = tmp_path_factory.mktemp("cluster") / "plan.json"
     code, out = _cli("plan", "examples.models:gpt", "--devices", "4", "--memory-limit", LIMIT, "--zero", "0",
-                     "--json", "--save", str(path))
+                     "--json", "--save", str(path), "--no-pipelines")
     assert code == 0
     return json.loads(out), path
 
@@ -156,3 +159,121 @@ def test_json_of_a_given_pipeline_has_its_options_step_time_and_largest_stage_me
     assert doc["step_time_s"] == pytest.approx(pplan.cost().step_time)
     assert doc["memory_per_rank_bytes"] == max(pplan.stage_memory(s, r) for r in range(mesh.size)
                                                for s in pplan.stages_of(r))
+
+
+# ---- pipelines ------------------------------------------------------------------------------------------------
+class Chain(torch.nn.Module):
+    """Two square linears of an odd width: no mesh axis divides any dim of a weight, so only the pipe axis splits
+    the state (with zero=0): on 4 devices every data x model mesh holds it whole, pipe=2 half on each stage."""
+
+    def __init__(self, width: int = 63, layers: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
+
+
+def chain(batch: int = 2, width: int = 63):
+    """The factory of ``autoshard plan tests.test_cluster_plan:chain``: batch 2, so pipe=4 has no microbatch count
+    (1F1B needs at least 4) and pipe=2 has 2 microbatches of one row, which only a model axis takes."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return Chain(width), (torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)), {}
+
+
+#: under the whole state (0.123 MiB: every data x model mesh pruned), over a stage's (half, and one row in flight)
+CHAIN_LIMIT = "100KB"
+
+
+def test_pipeline_candidates_are_pipe_data_model_with_microbatches_the_batch_divides():
+    P = autoshard.Pipeline
+    got = candidate_pipelines(4, batch=8)
+    assert (M(pipe=2, data=2), P(2, "1f1b")) in got and (M(pipe=2, data=2), P(4, "gpipe")) in got
+    assert (M(pipe=2, data=2), P(8, "1f1b")) not in got  # a microbatch of one row: data=2 cannot split it
+    assert (M(pipe=2, model=2), P(8, "1f1b")) in got
+    assert (M(pipe=2, model=2), P(4, "interleaved", stages_per_rank=2)) in got
+    assert (M(pipe=2, model=2), P(2, "interleaved", stages_per_rank=2)) not in got  # fewer than 2 x pipe
+    assert {m for m, _ in got} == {M(pipe=2, data=2), M(pipe=2, model=2), M(pipe=4)}
+    assert [m for m, _ in candidate_pipelines(8, gpus_per_node=2, batch=64) if m.axis_size("pipe") == 2] == [
+        M(pipe=2, data=4)] * 8 + [M(pipe=2, data=2, model=2)] * 8  # m = 2 (two schedules), 4, 8 (three)
+    assert candidate_pipelines(4, batch=2) == [(M(pipe=2, model=2), P(2, "1f1b")), (M(pipe=2, model=2),
+                                                                                    P(2, "gpipe"))]
+
+
+@pytest.fixture(scope="module")
+def chain_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cluster") / "pipeline.json"
+    code, out = _cli("plan", "tests.test_cluster_plan:chain", "--devices", "4", "--memory-limit", CHAIN_LIMIT,
+                     "--zero", "0", "--json", "--save", str(path))
+    assert code == 0
+    return json.loads(out), path
+
+
+def test_a_limit_only_pipe_2_meets_chooses_pipe_2(chain_json):
+    doc, _ = chain_json
+    assert doc["mesh"] == {"pipe": 2, "model": 2}
+    assert doc["pipeline"] == {"stages": 2, "microbatches": 2, "schedule": "1f1b", "stages_per_rank": 1,
+                               "axis": "pipe"}
+    assert doc["memory_per_rank_bytes"] <= 100e3
+    # both schedules of pipe=2 planned (1F1B first: the same step, fewer microbatches held), with the same fields
+    assert [c["pipeline"]["schedule"] for c in doc["candidates"]] == ["1f1b", "gpipe"]
+    assert all(set(c) >= {"mesh", "pipeline", "step_time_s", "memory_per_rank_bytes"} for c in doc["candidates"])
+    assert doc["candidates"][0]["step_time_s"] == doc["step_time_s"]
+    # every data x model mesh pruned before tracing: the whole state on every rank
+    assert sorted(tuple(c["mesh"].items()) for c in doc["not_planned"]) == sorted(
+        tuple(m.axes) for m in candidate_meshes(4))
+    assert all(c["pipeline"] is None and "parameters, gradients and optimizer state need at least 0.123 MiB"
+               in c["pruned"] for c in doc["not_planned"])
+
+
+def test_the_chosen_pipeline_is_autoshard_plan_of_that_pipeline(chain_json):
+    doc, path = chain_json
+    model, args, kwargs = chain()
+    mesh = autoshard.Mesh(**doc["mesh"])
+    pipeline = autoshard.Pipeline(microbatches=doc["pipeline"]["microbatches"], schedule=doc["pipeline"]["schedule"])
+    best = doc["candidates"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pplan = autoshard.plan(model, mesh, args, kwargs, pipeline=pipeline,
+                               search=autoshard.Search(memory_limit=best["search_memory_limit_bytes"], zero=0))
+    assert doc["step_time_s"] == pytest.approx(pplan.cost().step_time, rel=1e-9)
+    assert doc["memory_per_rank_bytes"] == pplan.memory_per_rank() == max(
+        pplan.stage_memory(s, r) for r in range(mesh.size) for s in pplan.stages_of(r))
+    # --save wrote the pipelined plan: loaded without a search, the same stages and price
+    with _searches_counted() as searched:
+        loaded = autoshard.load_plan(path, model, args, kwargs)
+    assert searched == [] and isinstance(loaded, type(pplan)) and loaded.pipeline == pipeline
+    assert loaded.microbatch_plan.digest() == pplan.microbatch_plan.digest()
+    assert loaded.split.cuts == pplan.split.cuts and loaded.cost() == pplan.cost()
+
+
+def test_a_pipelined_plan_file_checks_inputs_and_asks_for_its_loss_fn(tmp_path):
+    model, args, kwargs = chain(batch=4)
+    mesh = autoshard.Mesh(pipe=2, data=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pplan = autoshard.plan(model, mesh, args, pipeline=autoshard.Pipeline(microbatches=2, loss_fn=F.mse_loss),
+                               search=autoshard.Search())
+    path = tmp_path / "p.json"
+    pplan.save(path)
+    with pytest.raises(PlanError, match="planned with a loss_fn, which a plan file does not hold: pass it again"):
+        autoshard.load_plan(path, model, args)
+    with pytest.raises(PlanError, match=r"input args\[0\] has shape \(4, 63\) in the file, \(2, 63\) given"):
+        autoshard.load_plan(path, model, chain(batch=2)[1], loss_fn=F.mse_loss)
+    with pytest.raises(PlanError, match="is for the mesh pipe=2,data=2, but the mesh given is data=4"):
+        autoshard.load_plan(path, model, args, mesh=autoshard.Mesh(data=4), loss_fn=F.mse_loss)
+    loaded = autoshard.load_plan(path, model, args, loss_fn=F.mse_loss)
+    assert loaded.pipeline.loss_fn is F.mse_loss and loaded.mesh == mesh and loaded.cost() == pplan.cost()
+
+
+def test_interleaved_memory_per_rank_adds_the_stages_a_rank_holds():
+    model, args, kwargs = models.gpt(batch=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pplan = autoshard.plan(model, autoshard.Mesh(pipe=2), args, kwargs, search=autoshard.Search(),
+                               pipeline=autoshard.Pipeline(microbatches=4, schedule="interleaved", stages_per_rank=2))
+    per_rank = [pplan.stage_memory(0) + pplan.stage_memory(2, 0), pplan.stage_memory(1, 1) + pplan.stage_memory(3, 1)]
+    assert pplan.memory_per_rank() == max(per_rank) > max(pplan.stage_memory(s) for s in range(4))

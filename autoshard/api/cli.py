@@ -72,8 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--symbolic", action="store_true",
                       help="print each collective's bytes and time as formulas of the shapes and mesh sizes")
     plan.add_argument("--devices", type=int, default=None, metavar="N",
-                      help="choose the mesh for N ranks instead of --mesh: every data x model factorisation is "
-                           "planned and priced, the cheapest chosen (autoshard.api.cluster)")
+                      help="choose the configuration for N ranks instead of --mesh: every pipe x data x model "
+                           "factorisation, with the pipeline's microbatches and schedule, is planned and priced, "
+                           "the cheapest chosen (autoshard.api.cluster)")
+    plan.add_argument("--no-pipelines", action="store_true",
+                      help="with --devices: only data x model meshes (no pipe axis)")
     plan.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                       help="with --devices: ranks per node; the model axis stays inside a node (at most G)")
     plan.add_argument("--top", type=int, default=3, metavar="K",
@@ -283,15 +286,14 @@ def show(args: argparse.Namespace) -> int:
 
 def pipeline_figures(pplan) -> dict:
     """``pipeline`` (its options), ``step_time_s`` (:meth:`PipelinePlan.cost`) and ``memory_per_rank_bytes`` (the
-    largest :meth:`PipelinePlan.stage_memory` over the stages, each on the first rank that runs it) of a pipelined
-    plan, for ``--json``."""
+    largest rank's :meth:`PipelinePlan.rank_memory`: the sum of :meth:`PipelinePlan.stage_memory` over its stages)
+    of a pipelined plan, for ``--json``."""
     import dataclasses
 
     p = pplan.pipeline
     options = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-    memory = max(pplan.stage_memory(s, next(r for r in range(pplan.mesh.size) if s in pplan.stages_of(r)))
-                 for s in range(pplan.num_stages))
-    return {"pipeline": options, "step_time_s": pplan.cost().step_time, "memory_per_rank_bytes": float(memory)}
+    return {"pipeline": options, "step_time_s": pplan.cost().step_time,
+            "memory_per_rank_bytes": float(pplan.memory_per_rank())}
 
 
 def plan_devices(args: argparse.Namespace) -> int:
@@ -299,7 +301,7 @@ def plan_devices(args: argparse.Namespace) -> int:
     chosen one's figures and the best ``--top`` candidates as JSON (``--json``) or a table, the chosen plan saved
     with ``--save``."""
     import autoshard
-    from autoshard.api.cluster import plan_cluster
+    from autoshard.api.cluster import describe, plan_cluster
     from autoshard.progress import slow_step
 
     for flag, bad in (("--megatron", args.megatron), ("--plan", args.plan is not None),
@@ -320,6 +322,7 @@ def plan_devices(args: argparse.Namespace) -> int:
     with slow_step(f"autoshard: planning {type(model).__name__} on every mesh of {args.devices} devices"):
         chosen = plan_cluster(model, example_args, example_kwargs, devices=args.devices,
                               gpus_per_node=args.gpus_per_node, search=search, data_axis=args.data_axis,
+                              pipelines=not args.no_pipelines,
                               on_unsupported=args.on_unsupported, precision=parse_precision(args.precision),
                               moe=autoshard.MoE.parse(args.moe) if args.moe else None)
     best = chosen.best  # no plan at all: a PlanError naming each mesh's reason
@@ -330,13 +333,13 @@ def plan_devices(args: argparse.Namespace) -> int:
         return 0
     lines = [f"autoshard plan: {type(model).__name__} on {args.devices} devices"
              + (f", {args.gpus_per_node} per node" if args.gpus_per_node else "") + f", profile {args.profile}",
-             f"{'mesh':<22} {'step time':>12} {'memory/rank':>14}  note"]
+             f"{'configuration':<36} {'step time':>12} {'memory/rank':>14}  note"]
     for c in chosen.candidates:
-        mesh = ",".join(f"{n}={s}" for n, s in c.mesh.axes)
+        mesh = describe(c)
         step = "-" if c.step_time_s is None else f"{c.step_time_s * 1e3:.4g} ms"
         memory = "-" if c.memory_per_rank_bytes is None else f"{c.memory_per_rank_bytes / 2**20:.4g} MiB"
         note = "chosen" if c is best else (c.pruned or c.failed or "")
-        lines.append(f"{mesh:<22} {step:>12} {memory:>14}  {note}")
+        lines.append(f"{mesh:<36} {step:>12} {memory:>14}  {note}")
     sys.stdout.write(fit_lines(lines) + "\n")
     return 0
 

@@ -5,18 +5,32 @@
     >>> best.mesh, best.plan.cost().step_time         # the cheapest candidate, planned (a Plan: save, apply)
     $ autoshard plan examples.models:gpt --devices 8 --gpus-per-node 4 --json
 
-The candidates (:func:`candidate_meshes`) are the factorisations of ``devices`` into ``data × model``, the model axis
-inner (its ranks adjacent, on one node) and at most ``gpus_per_node`` wide: tensor parallelism's collectives run
-inside a node, data parallelism's between nodes. An axis of size 1 is left out of the mesh. (Pipeline and context
-axes are not searched here: the plan search prices neither yet.)
+The candidates are the factorisations of ``devices`` into ``pipe × data × model``: :func:`candidate_meshes` gives
+``data × model``, the model axis inner (its ranks adjacent, on one node) and at most ``gpus_per_node`` wide: tensor
+parallelism's collectives run inside a node, data parallelism's between nodes; :func:`candidate_pipelines` puts a
+``pipe`` axis of each divisor > 1 of ``devices`` outermost (stage-to-stage sends are the least traffic) over each
+``data × model`` mesh of the rest, with ``microbatches`` in ``pipe, 2·pipe, 4·pipe`` (those that divide the batch
+into microbatches the data axis divides) and each schedule the runtime has: ``1f1b`` and ``gpipe``, and
+``interleaved`` with 2 stages per rank where there are at least ``2·pipe`` microbatches. An axis of size 1 is left
+out of the mesh. (Context axes are not searched here: the plan search does not choose the context axis yet.)
 
 Each candidate is planned by the plan search (:func:`autoshard.plan`, its options as given) and priced by
-``plan.cost()``: the chosen mesh is the candidate of least estimated step time among those that fit. Bounds prune
-before the search runs:
+``plan.cost()`` (a pipeline: :meth:`PipelinePlan.cost <autoshard.compiler.pipeline.PipelinePlan.cost>`, the
+schedule's bubble and the stages' sends priced, and its memory the largest rank's sum of
+:meth:`~autoshard.compiler.pipeline.PipelinePlan.stage_memory` over its stages, which counts the microbatches in flight
+under the schedule): the chosen configuration is the candidate of least estimated step time among those that fit
+(ties: the least memory). A pipeline's stages are cut from one plan of a microbatch on the mesh without the pipe
+axis, and its schedules share that plan (only the price and the memory differ): the plan search plans the whole
+model there, so it is given ``pipe × memory_limit`` (each stage's peak is at most ``memory_limit`` and the stages
+together hold the model once, so no configuration that fits is refused by it), and the stages are checked against
+``memory_limit`` after; where the least-memory schedule's largest rank is over it, the microbatch plan is searched
+again (twice at most) for a limit smaller in proportion. Bounds prune before the search runs:
 
 * :func:`least_state_bytes`, before tracing: the parameters, gradients and optimizer state split as far as the mesh
   could split each tensor (ZeRO over the data axis, any number of elements; a mesh axis over a dimension it divides,
-  one axis per dimension). A candidate whose bound is over ``memory_limit`` is not planned.
+  one axis per dimension); a pipeline's largest stage holds at least a ``1/pipe`` share of that over the mesh
+  without the pipe axis (every tensor is in some stage; a tied one in several). A candidate whose bound is over
+  ``memory_limit`` is not planned.
 * the search's own bound (:func:`autoshard.passes.plan_search.least_memory_bound`, computed without a solve): a
   candidate whose limit is below the least memory any of its plans needs is refused in seconds, before the search's
   walk, and recorded as pruned with the search's words.
@@ -27,6 +41,7 @@ Every candidate is kept with its reason (:class:`Candidate`); :meth:`ClusterPlan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -35,7 +50,16 @@ import torch
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 
-__all__ = ["Candidate", "ClusterPlan", "candidate_meshes", "least_state_bytes", "plan_cluster"]
+__all__ = ["Candidate", "ClusterPlan", "candidate_meshes", "candidate_pipelines", "least_state_bytes",
+           "pipeline_json", "plan_cluster"]
+
+#: the schedules :func:`candidate_pipelines` tries, in the order ties are broken (1F1B holds fewer microbatches
+#: than GPipe for the same bubble)
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+#: stages per rank of the interleaved schedule's candidates
+VIRTUAL_STAGES = 2
+#: how often a pipeline's microbatch plan is searched again when its largest rank is over the limit
+PIPELINE_REPLANS = 2
 
 
 @dataclass(frozen=True)
@@ -48,12 +72,19 @@ class Candidate:
     memory_per_rank_bytes: float | None = None
     pruned: str | None = None
     failed: str | None = None
-    plan: object = field(default=None, repr=False, compare=False)  # the Plan, where planned
+    plan: object = field(default=None, repr=False, compare=False)  # the Plan (or PipelinePlan), where planned
     seconds: float = 0.0  # planning time
+    #: the pipeline's options (``autoshard.Pipeline``), or None: no pipe axis
+    pipeline: object = None
+    #: the memory limit the plan search was given (a pipeline's microbatch plan: see the module docstring)
+    search_memory_limit: float | None = None
 
     def as_json(self) -> dict:
-        out = {"mesh": dict(self.mesh.axes), "pipeline": None, "step_time_s": self.step_time_s,
-               "memory_per_rank_bytes": self.memory_per_rank_bytes, "planning_seconds": round(self.seconds, 3)}
+        out = {"mesh": dict(self.mesh.axes), "pipeline": pipeline_json(self.pipeline, self.mesh),
+               "step_time_s": self.step_time_s, "memory_per_rank_bytes": self.memory_per_rank_bytes,
+               "planning_seconds": round(self.seconds, 3)}
+        if self.pipeline is not None:
+            out["search_memory_limit_bytes"] = self.search_memory_limit
         if self.pruned is not None:
             out["pruned"] = self.pruned
         if self.failed is not None:
@@ -76,7 +107,7 @@ class ClusterPlan:
     @property
     def best(self) -> Candidate:
         if not self.planned:
-            why = "; ".join(f"{_text(c.mesh)}: {c.pruned or c.failed}" for c in self.candidates)
+            why = "; ".join(f"{describe(c)}: {c.pruned or c.failed}" for c in self.candidates)
             raise PlanError(f"no mesh of {self.devices} devices has a plan: {why}. Raise memory_limit, or use more "
                             "devices.")
         return self.planned[0]
@@ -115,6 +146,57 @@ def candidate_meshes(devices: int, gpus_per_node: int | None = None, data_axis: 
         axes = tuple((n, s) for n, s in ((data_axis, devices // model), (model_axis, model)) if s > 1)
         out.append(Mesh(axes or ((data_axis, 1),)))
     return out
+
+
+def candidate_pipelines(devices: int, gpus_per_node: int | None = None, batch: int | None = None,
+                        data_axis: str = "data", model_axis: str = "model", pipe_axis: str = "pipe",
+                        schedules: tuple[str, ...] = SCHEDULES) -> list[tuple[Mesh, object]]:
+    """``(mesh, Pipeline)`` for ``pipe × data × model = devices``, ``pipe`` a divisor > 1 of ``devices`` and outermost,
+    ``data × model`` each of :func:`candidate_meshes` of ``devices / pipe``; ``microbatches`` in ``pipe, 2·pipe,
+    4·pipe`` where they divide ``batch`` into microbatches the data axis divides (``batch`` None: all three); each of
+    ``schedules`` (``interleaved``: :data:`VIRTUAL_STAGES` stages per rank, with at least that many times ``pipe``
+    microbatches). Smallest pipe first, then as :func:`candidate_meshes`, fewest microbatches, ``schedules``' order."""
+    from autoshard.compiler.pipeline import Pipeline
+
+    candidate_meshes(devices, gpus_per_node)  # the arguments checked
+    out = []
+    for pipe in range(2, devices + 1):
+        if devices % pipe:
+            continue
+        for sub in candidate_meshes(devices // pipe, gpus_per_node, data_axis, model_axis):
+            rest = tuple((n, k) for n, k in sub.axes if k > 1)
+            mesh = Mesh(((pipe_axis, pipe), *rest))
+            d = sub.axis_size(data_axis) if data_axis in sub.names else 1
+            for m in (pipe, 2 * pipe, 4 * pipe):
+                if batch is not None and (batch % m or (batch // m) % d):
+                    continue
+                for schedule in schedules:
+                    if schedule == "interleaved":
+                        if m >= VIRTUAL_STAGES * pipe:
+                            out.append((mesh, Pipeline(m, schedule, stages_per_rank=VIRTUAL_STAGES,
+                                                       axis=pipe_axis)))
+                    else:
+                        out.append((mesh, Pipeline(m, schedule, axis=pipe_axis)))
+    return out
+
+
+def pipeline_json(pipeline, mesh: Mesh) -> dict | None:
+    """A pipeline's options as ``--json`` prints them (None: no pipeline): ``stages`` (pipe × stages per rank),
+    ``microbatches``, ``schedule``, ``stages_per_rank``, ``axis``."""
+    if pipeline is None:
+        return None
+    return {"stages": mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank,
+            "microbatches": pipeline.microbatches, "schedule": pipeline.schedule,
+            "stages_per_rank": pipeline.stages_per_rank, "axis": pipeline.axis}
+
+
+def describe(candidate: Candidate) -> str:
+    """``data=2,model=2`` or ``pipe=2,model=2 1f1b×4`` (a pipeline: its schedule and microbatches)."""
+    p = candidate.pipeline
+    if p is None:
+        return _text(candidate.mesh)
+    virtual = f" v={p.stages_per_rank}" if p.stages_per_rank > 1 else ""
+    return f"{_text(candidate.mesh)} {p.schedule}{virtual} m={p.microbatches}"
 
 
 def least_state_bytes(model: torch.nn.Module, mesh: Mesh, optimizer: str = "adam", zero: bool = True,
@@ -163,20 +245,24 @@ def _most_splits(shape: tuple[int, ...], mesh: Mesh, zero: bool, data_axis: str)
 
 def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
                  devices: int | None = None, gpus_per_node: int | None = None, search=None, data_axis: str = "data",
-                 model_axis: str = "model", **options) -> ClusterPlan:
-    """Plan ``model`` on every :func:`candidate_meshes` of ``devices`` with the plan search (``search``: an
-    :class:`autoshard.Search`, default ``Search()``; ``options``: :func:`autoshard.plan`'s other keywords but
-    annotations, which name one mesh's axes) and rank the plans by ``plan.cost().step_time``; candidates a bound
-    says cannot fit ``search.memory_limit`` are pruned (see the module docstring). ``devices`` left out: the world
-    torchrun started (every rank calls this together; each candidate is planned on rank 0 and replayed on the
-    others, as :func:`autoshard.plan` does)."""
-    import time
-
-    from autoshard.api.planning import Search, parse_bytes, plan
+                 model_axis: str = "model", pipe_axis: str = "pipe", pipelines: bool = True,
+                 schedules: tuple[str, ...] = SCHEDULES, **options) -> ClusterPlan:
+    """Plan ``model`` on every :func:`candidate_meshes` of ``devices`` and (``pipelines``) every
+    :func:`candidate_pipelines` (of ``schedules``) with the plan search (``search``: an :class:`autoshard.Search`,
+    default ``Search()``; ``options``: :func:`autoshard.plan`'s other keywords but annotations, which name one mesh's
+    axes, and pipeline, which is chosen here) and rank the plans by their estimated step time; candidates a bound says
+    cannot fit ``search.memory_limit`` are pruned (see the module docstring). ``devices`` left out: the world torchrun
+    started (every rank calls this together; each candidate without a pipe axis is planned on rank 0 and replayed on
+    the others, as :func:`autoshard.plan` does)."""
+    from autoshard.api.planning import Search, examples_of, parse_bytes
 
     if options.get("annotations"):
         raise PlanError("plan_cluster got annotations, but they give placements for one mesh's axes while the "
                         "meshes are being chosen: plan the mesh you annotate for with autoshard.plan.")
+    if options.get("pipeline") is not None:
+        raise PlanError("plan_cluster got pipeline=, but it chooses the pipeline (its degree, microbatches and "
+                        "schedule) among the candidates: drop it, or plan that pipeline with autoshard.plan.")
+    options.pop("pipeline", None)
     if devices is None:
         import torch.distributed as dist
 
@@ -191,33 +277,110 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
     zero = search.zero != 0
     out = []
     for mesh in candidate_meshes(devices, gpus_per_node, data_axis, model_axis):
-        bound = least_state_bytes(model, mesh, search.optimizer, zero, data_axis)
-        if limit is not None and bound > limit:
-            out.append(Candidate(mesh, pruned=f"its parameters, gradients and optimizer state need at least "
-                                              f"{_gib(bound)} per rank, over memory_limit {_gib(limit)}"))
-            continue
-        t0 = time.perf_counter()
-        try:
-            planned = plan(model, mesh, example_inputs, example_kwargs, search=search, data_axis=data_axis,
-                           **options)
-        except PlanError as e:
-            text = str(e)
-            seconds = time.perf_counter() - t0
-            if "least memory any plan needs" in text:
-                out.append(Candidate(mesh, pruned=text, seconds=seconds))
-            else:
-                out.append(Candidate(mesh, failed=f"{type(e).__name__}: {text}", seconds=seconds))
-            continue
-        cost = planned.cost()
-        seconds = time.perf_counter() - t0
-        if limit is not None and cost.memory_per_rank > limit:  # the search's re-plans did not bring it within
-            out.append(Candidate(mesh, cost.step_time, float(cost.memory_per_rank), seconds=seconds,
-                                 failed=f"its plan needs {_gib(cost.memory_per_rank)} per rank by plan.cost(), "
-                                        f"over memory_limit {_gib(limit)}"))
-            continue
-        out.append(Candidate(mesh, cost.step_time, float(cost.memory_per_rank), plan=planned, seconds=seconds))
-    order = sorted(out, key=lambda c: (c.plan is None, c.step_time_s if c.plan is not None else math.inf))
+        out.append(_plan_mesh(model, example_inputs, example_kwargs, mesh, search, limit, zero, data_axis, options))
+    if pipelines:
+        groups: dict = {}  # (mesh, microbatches, stages per rank) -> its schedules: one microbatch plan each
+        for mesh, pipeline in candidate_pipelines(devices, gpus_per_node, _batch(*examples_of(example_inputs,
+                                                                                              example_kwargs)),
+                                                  data_axis, model_axis, pipe_axis, schedules):
+            groups.setdefault((mesh, pipeline.microbatches, pipeline.stages_per_rank), []).append(pipeline)
+        for (mesh, _, _), group in groups.items():
+            out.extend(_plan_pipeline(model, example_inputs, example_kwargs, mesh, group, search, limit, zero,
+                                      data_axis, options))
+    order = sorted(out, key=lambda c: (c.plan is None, c.step_time_s if c.plan is not None else math.inf,
+                                       c.memory_per_rank_bytes if c.plan is not None else math.inf))
     return ClusterPlan(devices, gpus_per_node, tuple(order))
+
+
+def _plan_mesh(model, example_inputs, example_kwargs, mesh: Mesh, search, limit, zero: bool, data_axis: str,
+               options: dict) -> Candidate:
+    """One ``data × model`` candidate: pruned by the state bound, or planned and priced by ``plan.cost()``."""
+    import time
+
+    from autoshard.api.planning import plan
+
+    bound = least_state_bytes(model, mesh, search.optimizer, zero, data_axis)
+    if limit is not None and bound > limit:
+        return Candidate(mesh, pruned=f"its parameters, gradients and optimizer state need at least {_gib(bound)} "
+                                      f"per rank, over memory_limit {_gib(limit)}")
+    t0 = time.perf_counter()
+    try:
+        planned = plan(model, mesh, example_inputs, example_kwargs, search=search, data_axis=data_axis, **options)
+    except PlanError as e:
+        return _refused(mesh, e, time.perf_counter() - t0)
+    cost = planned.cost()
+    seconds = time.perf_counter() - t0
+    if limit is not None and cost.memory_per_rank > limit:  # the search's re-plans did not bring it within
+        return Candidate(mesh, cost.step_time, float(cost.memory_per_rank), seconds=seconds,
+                         failed=f"its plan needs {_gib(cost.memory_per_rank)} per rank by plan.cost(), over "
+                                f"memory_limit {_gib(limit)}")
+    return Candidate(mesh, cost.step_time, float(cost.memory_per_rank), plan=planned, seconds=seconds)
+
+
+def _plan_pipeline(model, example_inputs, example_kwargs, mesh: Mesh, group: list, search, limit, zero: bool,
+                   data_axis: str, options: dict) -> list[Candidate]:
+    """The candidates of one pipe mesh, microbatch count and stages per rank, one per schedule of ``group``: one
+    microbatch plan (searched under ``pipe × limit``, again for less where the largest rank does not fit), each
+    schedule priced on it (see the module docstring)."""
+    import time
+
+    from autoshard.api.planning import plan
+
+    axis = group[0].axis
+    pipe = mesh.axis_size(axis)
+    rest = Mesh(tuple((n, k) for n, k in mesh.axes if n != axis) or ((data_axis, 1),))
+    bound = least_state_bytes(model, rest, search.optimizer, zero, data_axis) / pipe
+    if limit is not None and bound > limit:
+        why = (f"its largest stage's parameters, gradients and optimizer state need at least {_gib(bound)} per rank "
+               f"(1/{pipe} of the model's on the other axes), over memory_limit {_gib(limit)}")
+        return [Candidate(mesh, pruned=why, pipeline=p) for p in group]
+    searched = None if limit is None else limit * pipe
+    t0 = time.perf_counter()
+    best: list[Candidate] = []
+    for attempt in range(1 + PIPELINE_REPLANS):
+        try:
+            pplan = plan(model, mesh, example_inputs, example_kwargs, pipeline=group[0], data_axis=data_axis,
+                         search=dataclasses.replace(search, memory_limit=searched), **options)
+        except PlanError as e:
+            if best:  # a tighter search refused: keep what the looser one gave
+                break
+            seconds = time.perf_counter() - t0
+            return [dataclasses.replace(_refused(mesh, e, seconds), pipeline=p, search_memory_limit=searched)
+                    for p in group]
+        seconds = time.perf_counter() - t0
+        best = []
+        for p in group:
+            variant = pplan if p == pplan.pipeline else dataclasses.replace(pplan, pipeline=p)
+            step, memory = variant.cost().step_time, float(variant.memory_per_rank())
+            if limit is not None and memory > limit:
+                best.append(Candidate(mesh, step, memory, seconds=seconds, pipeline=p, search_memory_limit=searched,
+                                      failed=f"its largest rank needs {_gib(memory)} by stage_memory (the "
+                                             f"microbatch plan searched under {_gib(searched)}), over memory_limit "
+                                             f"{_gib(limit)}"))
+            else:
+                best.append(Candidate(mesh, step, memory, plan=variant, seconds=seconds, pipeline=p,
+                                      search_memory_limit=searched))
+        least = min(c.memory_per_rank_bytes for c in best)
+        if limit is None or least <= limit or attempt == PIPELINE_REPLANS:
+            break
+        searched = searched * limit / least * (1 - 1e-3)
+    return best
+
+
+def _refused(mesh: Mesh, error: PlanError, seconds: float) -> Candidate:
+    """A candidate the search refused: pruned by its least-memory bound, or failed with its words."""
+    text = str(error)
+    if "least memory any plan needs" in text:
+        return Candidate(mesh, pruned=text, seconds=seconds)
+    return Candidate(mesh, failed=f"{type(error).__name__}: {text}", seconds=seconds)
+
+
+def _batch(args: tuple, kwargs: dict) -> int | None:
+    """The example batch (dim 0 of the first tensor input with a dim), as the pipeline cuts it; None: no such input."""
+    from torch.utils import _pytree as pytree
+
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    return leaves[0].shape[0] if leaves else None
 
 
 def _text(mesh: Mesh) -> str:

@@ -177,9 +177,12 @@ def plan(model: torch.nn.Module, mesh, example_inputs=None, example_kwargs: dict
 
 
 def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *, mesh=None,
-              comm=None) -> Plan:
+              comm=None, loss_fn=None):
     """The plan :meth:`Plan.save` wrote to ``path``, made again for ``model`` without searching: the file's mesh and
-    options, the search's decisions replayed (:mod:`autoshard.compiler.plan_file`). Every rank of a job may load it
+    options, the search's decisions replayed (:mod:`autoshard.compiler.plan_file`). A file of
+    :meth:`PipelinePlan.save <autoshard.compiler.pipeline.PipelinePlan.save>` gives the pipelined plan again (its
+    pipeline options and stages as saved, checked); ``loss_fn``: the ``Pipeline``'s loss function, which a file cannot
+    hold (required when the saved pipeline had one). Every rank of a job may load it
     on its own (no rank searches, none waits for another); the result is the saved plan (its digest is checked).
 
     Checked first, each difference a :class:`PlanError` naming it: ``mesh`` (when given) against the file's, the
@@ -207,6 +210,8 @@ def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs:
     saved.check_model(model, signature_of(model))
     args, kwargs = examples_of(example_inputs, example_kwargs)
     saved.check_inputs(args, kwargs)
+    if saved.pipeline is None and loss_fn is not None:
+        raise PlanError(f"load_plan got loss_fn, but the plan in {saved.path} has no pipeline: drop loss_fn.")
     replay = iter(saved.decisions)
 
     def replayed(decide):
@@ -217,8 +222,23 @@ def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs:
                             "model traces to another program here than where the plan was saved. Save the plan "
                             "again with the versions this job runs.") from None
 
+    pipeline = None
+    if saved.pipeline is not None:
+        from autoshard.compiler.pipeline import Pipeline
+
+        fields = dict(saved.pipeline)
+        if fields.pop("loss_fn") and loss_fn is None:
+            raise PlanError(f"the plan in {saved.path} is a pipeline planned with a loss_fn, which a plan file does "
+                            "not hold: pass it again, autoshard.load_plan(path, model, inputs, loss_fn=...).")
+        pipeline = Pipeline(**fields, loss_fn=loss_fn)
     try:
-        plan = build_plan(model, saved.mesh, args, kwargs, saved.options, once=replayed)
+        if pipeline is None:
+            plan = build_plan(model, saved.mesh, args, kwargs, saved.options, once=replayed)
+        else:
+            from autoshard.compiler.pipeline import build_pipeline_plan
+
+            plan = build_pipeline_plan(model, saved.mesh, args, kwargs, saved.options, pipeline, once=replayed,
+                                       submesh_options=True)
     except PlanError as e:
         raise PlanError(f"the plan in {saved.path} does not replay on this model: {e}") from e
     left = sum(1 for _ in replay)
@@ -226,7 +246,11 @@ def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs:
         raise PlanError(f"planning the model used {len(saved.decisions) - left} of the {len(saved.decisions)} "
                         f"decisions the plan in {saved.path} holds: the model traces to another program here than "
                         "where the plan was saved. Save the plan again with the versions this job runs.")
-    saved.check_digest(plan)
+    if pipeline is None:
+        saved.check_digest(plan)
+        return plan
+    saved.check_digest(plan.microbatch_plan)
+    saved.check_split(plan)
     return plan
 
 

@@ -176,6 +176,16 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return sorted(sorted(group) for group in names.values() if len(group) > 1)
 
 
+def _portable_profile(profile):
+    """A profile given as a TOML path, as the profile it holds (a preset's name, a HardwareProfile or None kept)."""
+    from autoshard.cost_models.profile import HardwareProfile, list_profiles, load_profile
+
+    if profile is None or isinstance(profile, HardwareProfile) or (isinstance(profile, str) and
+                                                                   profile in list_profiles()):
+        return profile
+    return load_profile(os.fspath(profile))
+
+
 def _portable_options(options):
     """``options`` with a profile given as a TOML path replaced by the profile it holds: the file must plan the same
     on a machine that lacks the path (a preset's name is kept: the package has it)."""
@@ -188,26 +198,39 @@ def _portable_options(options):
 
 
 def write_plan_file(plan, path) -> None:
-    """Write ``plan`` (a :class:`~autoshard.compiler.plan.Plan`) to ``path`` in the format above."""
+    """Write ``plan`` (a :class:`~autoshard.compiler.plan.Plan`, or a
+    :class:`~autoshard.compiler.pipeline.PipelinePlan`) to ``path`` in the format above. A pipelined plan is its
+    microbatch plan's file (options and decisions of the mesh without the pipe axis) with the whole mesh, the whole
+    batch's inputs, ``pipeline`` (its options) and ``split`` (where the stages start, to check after the replay)."""
     import autoshard
 
-    if plan.context.pinned is not None:
+    pipelined = hasattr(plan, "microbatch_plan")  # a PipelinePlan (imported here, it would close an import cycle)
+    inner = plan.microbatch_plan if pipelined else plan
+    if inner.context.pinned is not None:
         raise PlanError("this plan keeps the layouts of another plan (the program of the other mode or of new input "
                         "shapes, made by a ShardedModule), which a plan file does not hold: save the plan "
                         "autoshard.plan returned (sharded.plan).")
     header = {
         "format": FORMAT, "version": VERSION,
         "autoshard": getattr(autoshard, "__version__", None) or _version(), "torch": torch.__version__,
-        "model": plan.model_name, "training": plan.training,
+        "model": inner.model_name, "training": inner.training,
         "mesh": [[name, size] for name, size in plan.mesh.axes],
-        "options": encode(_portable_options(plan.context.options), "option"),
-        "parameters": {name: [list(shape), dtype] for name, (shape, dtype) in plan.model_signature.items()},
-        "tied": plan.tied,
+        "options": encode(_portable_options(inner.context.options), "option"),
+        "parameters": {name: [list(shape), dtype] for name, (shape, dtype) in inner.model_signature.items()},
+        "tied": inner.tied,
         "inputs": input_leaves(*plan.examples),
-        "digest": plan.digest(),
-        "layout": plan.layout(),
-        "decisions": encode(list(plan.decisions), "decision"),
+        "digest": inner.digest(),
+        "layout": inner.layout(),
+        "decisions": encode(list(inner.decisions), "decision"),
     }
+    if pipelined:
+        p = plan.pipeline
+        header["pipeline"] = {
+            "microbatches": p.microbatches, "schedule": p.schedule,
+            "split": p.split if isinstance(p.split, str) else list(p.split), "stages_per_rank": p.stages_per_rank,
+            "axis": p.axis, "profile": encode(_portable_profile(p.profile), "pipeline profile"),
+            "loss_fn": p.loss_fn is not None}
+        header["split"] = {"cuts": list(plan.split.cuts), "modules": [list(m) for m in plan.split.modules]}
     text = "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=False)}" for k, v in header.items()) + "\n}\n"
     tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -239,6 +262,23 @@ class PlanFile:
     digest: str
     layout: dict
     decisions: list
+    #: a pipelined plan's options (``Pipeline``'s fields, ``loss_fn``: whether it had one), else None
+    pipeline: dict | None = None
+    #: a pipelined plan's stage split: ``cuts`` and ``modules`` per stage
+    split: dict | None = None
+
+    def check_split(self, pplan) -> None:
+        """The replayed pipelined plan's stages against the saved ones: a PlanError naming the first that differs."""
+        modules = [list(m) for m in pplan.split.modules]
+        if list(pplan.split.cuts) == self.split["cuts"] and modules == self.split["modules"]:
+            return
+        first = next((i for i, (a, b) in enumerate(zip(self.split["modules"], modules)) if a != b),
+                     min(len(modules), len(self.split["modules"])))
+        saved = self.split["modules"][first] if first < len(self.split["modules"]) else "absent"
+        here = modules[first] if first < len(modules) else "absent"
+        raise PlanError(f"the plan in {self.path} replays to other pipeline stages here (stage {first} holds "
+                        f"{saved} in the file, {here} here): this torch or autoshard prices or cuts the model "
+                        "differently from the one that saved it. Save the plan again with the versions this job runs.")
 
     # ---- what it was made for -----------------------------------------------------------------------------
     def check_mesh(self, mesh: Mesh) -> None:
@@ -352,9 +392,19 @@ def read_plan_file(path) -> PlanFile:
                         str(data["model"]),
                         {n: (tuple(s), d) for n, (s, d) in data["parameters"].items()},
                         [list(g) for g in data["tied"]], list(data["inputs"]),
-                        str(data["digest"]), dict(data["layout"]), decode(data["decisions"], "the file's decisions"))
+                        str(data["digest"]), dict(data["layout"]), decode(data["decisions"], "the file's decisions"),
+                        _pipeline_of(data.get("pipeline")), data.get("split"))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"{where} is a damaged plan file ({type(e).__name__}: {e}): save the plan again.") from None
+
+
+def _pipeline_of(data) -> dict | None:
+    if data is None:
+        return None
+    out = {k: data[k] for k in ("microbatches", "schedule", "stages_per_rank", "axis", "loss_fn")}
+    out["split"] = data["split"] if isinstance(data["split"], str) else tuple(str(m) for m in data["split"])
+    out["profile"] = decode(data["profile"], "the file's pipeline profile")
+    return out
 
 
 def _mesh_text(mesh: Mesh) -> str:

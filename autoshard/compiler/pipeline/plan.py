@@ -58,6 +58,8 @@ class PipelinePlan:
     stages: list  # passes.pipeline_split.StageGraph per stage
     batch: int  # global batch the plan was compiled for
     model_name: str = "model"
+    #: the global example inputs it was planned for, ``(args, kwargs)`` (the microbatch plan holds one microbatch)
+    examples: tuple = ((), {})
 
     # ---- coordinates ------------------------------------------------------------------------------------
     @property
@@ -293,6 +295,27 @@ class PipelinePlan:
         else:
             console.print(text, markup=False, highlight=False)
 
+    def rank_memory(self, rank: int) -> int:
+        """Estimated peak bytes on ``rank``: the sum of :meth:`stage_memory` over the stages it runs (one, or
+        ``stages_per_rank`` interleaved: each stage's parameters, state and microbatches in flight are all held by
+        the rank at once; the sum of the stages' peaks bounds the rank's)."""
+        return sum(self.stage_memory(s, rank) for s in self.stages_of(rank))
+
+    def memory_per_rank(self) -> int:
+        """The largest :meth:`rank_memory` over the ranks (each pipe coordinate's first rank: shards are even, so
+        every rank of a pipe coordinate holds the same bytes): what must fit a device."""
+        firsts = {self.mesh.coords(r)[self.pipeline.axis]: r for r in reversed(range(self.mesh.size))}
+        return max(self.rank_memory(r) for r in firsts.values())
+
+    def save(self, path) -> None:
+        """Write this pipelined plan to ``path`` (:mod:`autoshard.compiler.plan_file`'s format, with the pipeline's
+        options and its stage split beside the microbatch plan's decisions); ``autoshard.load_plan(path, model,
+        example_inputs)`` makes it again on any rank without searching. A ``loss_fn`` is code, not data: the file
+        records that there was one, and ``load_plan`` must be given it again (``loss_fn=``)."""
+        from autoshard.compiler.plan_file import write_plan_file
+
+        write_plan_file(self, path)
+
     def stage_memory(self, stage: int, rank: int = 0) -> int:
         """Estimated peak bytes on a rank for stage ``stage`` (:func:`autoshard.cost_models.memory.plan_memory` of
         the stage's graph on the non-pipe axes, with the plan's optimizer and mixed precision, as the schedule runs
@@ -391,7 +414,10 @@ def _microbatch_examples(args, kwargs, m: int):
 
 
 def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | None, options: Options,
-                        pipeline: Pipeline) -> PipelinePlan:
+                        pipeline: Pipeline, once=None, submesh_options: bool = False) -> PipelinePlan:
+    """The pipelined plan of ``model`` on ``mesh`` (see the module docstring). ``once``: as
+    :func:`autoshard.compiler.plan.build_plan`'s (a plan file's decisions replayed). ``submesh_options``: ``options``
+    are already those of the mesh without the pipe axis (a plan file's: the microbatch plan's own options)."""
     from autoshard.passes.manager import PipelineOptions
     from autoshard.passes.pipeline_split import stage_graphs_of, stage_split_of
     from autoshard.compiler.plan import build_plan
@@ -411,10 +437,12 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     stages = mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
     # the plan phase of the one pass list, with the pipeline split and the stage graphs enabled
-    plan = build_plan(model, sub, margs, mkwargs, _strip_axis(options, mesh, pipeline.axis),
-                      pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis))
+    plan = build_plan(model, sub, margs, mkwargs,
+                      options if submesh_options else _strip_axis(options, mesh, pipeline.axis),
+                      pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis),
+                      once=once)
     gm = plan.graph_module
     return PipelinePlan(plan, mesh, sub, pipeline, stage_split_of(gm), list(stage_graphs_of(gm)), batch,
-                        type(model).__name__)
+                        type(model).__name__, (tuple(args), dict(kwargs or {})))
 
 
