@@ -134,3 +134,23 @@ def test_moe_scale_quick(capsys):
         assert r["layout"]["nodes"] >= 1 and r["memory"] > 0 and r["step"] > 0 and r["dense_step"] > 0
         assert f"mesh {r['mesh']}" in out
     assert "dense-experts estimate" in out and "experts (" in out
+
+
+@pytest.mark.gloo
+def test_auto_mesh_quick(capsys):
+    """bench/auto_mesh.py --quick: plan_cluster on 4 devices (meshes and 1F1B pipelines), the 3 best predicted
+    trained on 4 gloo ranks from their saved plans; the table ranks them both ways and says whether the chosen one
+    was measured fastest."""
+    bench = importlib.import_module("bench.auto_mesh")  # (importable: spawned workers unpickle its functions)
+    result = bench.main(["--quick"])
+    rows = result["rows"]
+    assert len(rows) == 3 and [r for r in rows if r["error"]] == []
+    assert rows[0]["chosen"] and not any(r["chosen"] for r in rows[1:])
+    assert [r["predicted_s"] for r in rows] == sorted(r["predicted_s"] for r in rows)
+    assert sorted(r["predicted_rank"] for r in rows) == sorted(r["measured_rank"] for r in rows) == [1, 2, 3]
+    assert all(r["measured_s"] > 0 for r in rows)
+    fastest = min(r["measured_s"] for r in rows)
+    assert result["chosen_fastest"] == (rows[0]["measured_s"] == fastest)
+    assert result["chosen_over_fastest"] == pytest.approx(rows[0]["measured_s"] / fastest)
+    out = capsys.readouterr().out
+    assert "chosen measured fastest: " in out and all(r["config"] in out for r in rows)
