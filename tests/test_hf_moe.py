@@ -9,6 +9,7 @@ order) — written here with Python loops, from that definition.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -192,8 +193,8 @@ def test_mixtral_at_a_new_batch_shape_traces_hugging_faces_branch_for_the_run_de
     half = {k: v[:2] for k, v in kwargs.items()}
     want = loss_of(model(**half)).detach()
 
-    def body(rank):
-        sharded = autoshard.compile(models.hf_mixtral(batch=4)[0], mesh, args, kwargs)
+    def body(rank):  # a copy each: models built in rank threads at once would draw their weights from one generator
+        sharded = autoshard.compile(copy.deepcopy(model), mesh, args, kwargs)
         return loss_of(sharded(**{k: v.chunk(2)[rank] for k, v in half.items()})).detach()
 
     losses = SimWorld(mesh, timeout=120).run(body)
