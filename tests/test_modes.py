@@ -157,6 +157,31 @@ def test_a_model_branching_on_the_device_type_runs_its_branch_at_a_new_batch_sha
                 torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_a_meta_built_model_branching_on_the_device_type_is_traced_for_the_device_it_runs_on():
+    """A model built on the meta device has no real device to trace on: its plan and its eval program are traced for
+    ``compile(device=...)``'s (FakeTensors there), so its ``x.device.type`` branch is eager's on that device."""
+    torch.manual_seed(0)
+    model = DeviceBranchModel()
+    with torch.device("meta"):
+        meta = DeviceBranchModel()
+    x, y = _data()
+    mesh = autoshard.Mesh(data=2)
+    world = SimWorld(mesh)
+    want = model(x, y).detach(), copy.deepcopy(model).eval()(x[:4], y[:4]).detach()
+
+    def body(rank):
+        sharded = autoshard.compile(meta, mesh, (x, y), comm=world.communicator(rank), device="cpu")
+        sharded.load_state_dict(model.state_dict())
+        sharded.mark_initialised()
+        loss = sharded(autoshard.data_shard(x, mesh, rank), autoshard.data_shard(y, mesh, rank)).detach()
+        sharded.eval()
+        return loss, sharded(autoshard.data_shard(x[:4], mesh, rank), autoshard.data_shard(y[:4], mesh, rank))
+
+    for loss, eval_loss in world.run(body):
+        torch.testing.assert_close(loss, want[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(eval_loss.detach(), want[1], rtol=1e-6, atol=1e-7)
+
+
 def test_parameters_right_after_compile_and_example_kwargs_alone():
     model, args, kwargs = models.gpt(layers=1)
     mesh = autoshard.Mesh(data=2)
