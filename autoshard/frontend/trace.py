@@ -66,15 +66,16 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
     ShardedModule traces its other programs from). Its tensors and the inputs are then traced as FakeTensors on that
     device (:class:`_on_device`), so that code which reads a tensor's device (``x.device.type``, as Hugging Face's
     Mixtral picks ``torch.histc``'s dtype by it) takes the branch it takes when the program runs; the graph still
-    holds the model's own meta tensors. Without it (or with ``"meta"``) such a model is traced on meta inputs. A
-    model whose tensors are real is traced where they are, whatever ``device`` says.
+    holds the model's own meta tensors. Without it (or with ``"meta"``, or a device this process has no backend for)
+    such a model is traced on meta inputs. A model whose tensors are real is traced where they are, whatever
+    ``device`` says.
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"model has type {type(model).__name__}, but autoshard traces torch.nn.Module instances.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     args, kwargs = unaliased(args, dict(kwargs or {}))
     device = torch.device(device) if device is not None and on_meta(model) else None
-    if device is not None and device.type == "meta":
+    if device is not None and not _traceable_on(device):
         device = None
     if device is None and on_meta(model):
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
@@ -86,6 +87,17 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
         with _on_device(model, device) as faked:
             gm = _trace(model, *faked.inputs(args, kwargs), reuse_layers)
         return faked.restore(gm)
+
+
+def _traceable_on(device: torch.device) -> bool:
+    """Whether FakeTensors on ``device`` can be traced in this process: the CPU, or a backend this torch has and
+    sees (a plan made for a GPU on a machine without one is traced on meta: a fake kernel asking a missing backend
+    for its device guard aborts the process)."""
+    if device.type == "cpu":
+        return True
+    backend = getattr(torch, device.type, None) if device.type != "meta" else None
+    available = getattr(backend, "is_available", None)
+    return bool(available is not None and available())
 
 
 def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, reuse_layers: bool) -> torch.fx.GraphModule:
