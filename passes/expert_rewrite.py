@@ -309,8 +309,8 @@ def emit_moe(gm: torch.fx.GraphModule, ffn: FFN, opts, groups: int, gen: torch.G
     tokens = math.prod(shape[:-1])
     if len(shape) < 2 or shape[0] % groups:
         raise PlanError(f"MoE layer `{ffn.path}` has input of shape {list(shape)}, but its leading (batch) dim must "
-                        f"be divisible by the {groups} routing groups (one per rank of expert axis "
-                        f"`{opts.expert_axis}`). Use a batch that is a multiple of {groups}.")
+                        f"be divisible by the {groups} routing groups ({_groups_origin(opts)}). Use a batch that "
+                        f"is a multiple of {groups}.")
     per_group = tokens // groups
     E, k = opts.num_experts, opts.top_k
     cap = capacity_of(per_group, opts)
@@ -455,6 +455,13 @@ def _project(b, inp: torch.fx.Node, w: torch.fx.Node, bias, transposed: bool) ->
     return b.call(aten.baddbmm.default, b.call(aten.unsqueeze.default, bias, 1), inp, wt)
 
 
+def _groups_origin(opts) -> str:
+    """Where the number of routing groups came from, for an error message: the user's ``groups=`` or the default."""
+    if opts.groups is not None:
+        return f"MoE groups={opts.groups}"
+    return f"one per rank of expert axis `{opts.expert_axis}`"
+
+
 def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
     """``MoE(existing=True)``: expand every ``hf_experts`` node (see the module docstring). Returns the
     :class:`~autoshard.compiler.moe.MoERewrite`."""
@@ -495,8 +502,8 @@ def rewrite_existing(gm: torch.fx.GraphModule, ctx, opts, name: str):
         tokens, h = (int(s) for s in xval.shape)
         if tokens % groups:
             raise PlanError(f"MoE block `{block.path}` routes {tokens} tokens, but they must be divisible by the "
-                            f"{groups} routing groups (one per rank of expert axis `{opts.expert_axis}`). Use a "
-                            f"batch that is a multiple of {groups}.")
+                            f"{groups} routing groups ({_groups_origin(opts)}). Use a batch whose tokens are a "
+                            f"multiple of {groups}.")
         per_group = tokens // groups
         cf = opts.capacity_factor
         cap = per_group if cf is None else min(per_group, capacity(per_group, E, k, cf))

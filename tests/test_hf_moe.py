@@ -155,6 +155,18 @@ def test_experts_divisible_by_expert_axis():
         _ = autoshard.compile(model, autoshard.Mesh(data=2), args, kwargs, moe=DROPLESS).plan
 
 
+@pytest.mark.parametrize("mesh, groups, origin", [({"model": 4}, None, "one per rank of expert axis `model`"),
+                                                  ({"data": 2, "model": 2}, 4, "MoE groups=4")])
+def test_tokens_not_divisible_by_the_routing_groups_say_where_the_groups_came_from(mesh, groups, origin):
+    """14 tokens, experts over `model`: 4 groups by default on model=4, or the user's 4 on data=2 x model=2 (the
+    message said "one per rank of expert axis" for an explicit groups= too)."""
+    model, args, kwargs = models.hf_mixtral(layers=1, batch=2, seq=7)
+    opts = autoshard.MoE(existing=True, expert_axis="model", capacity_factor=None, groups=groups)
+    with pytest.raises(PlanError, match=rf"routes 14 tokens, but they must be divisible by the 4 routing groups "
+                                        rf"\({origin}\)\. Use a batch whose tokens are a multiple of 4\."):
+        _ = autoshard.compile(model, autoshard.Mesh(**mesh), args, kwargs, moe=opts).plan
+
+
 def _worker(rank, world_size):
     comm = DistCommunicator(autoshard.Mesh(data=2), timeout=60)
     model, args, kwargs = models.hf_mixtral(layers=2)
