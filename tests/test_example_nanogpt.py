@@ -63,7 +63,9 @@ def run(work: Path, script: str, nproc: int, name: str, *flags: str) -> dict:
                *cmd[1:]]
     cmd += ["--data", str(work / "data.txt"), "--out_dir", str(out), "--log_file", str(work / f"{name}.jsonl"),
             *TINY, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # one thread each, and inductor compiling in the rank's own process: its default pool of compile workers (one
+    # per core, each importing torch) on every rank of a 4-process job on 2 cores cost ~20 CPU-s of the --compile run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     log = {"train": {}, "eval": {}, "sample": None, "stdout": proc.stdout}
