@@ -50,9 +50,12 @@ from .workspace import kept_workspace, op_workspace, transient_workspace
 __all__ = [
     "OPTIMIZERS",
     "MemoryBreakdown",
+    "StagedTimeline",
+    "Timeline",
     "activation_bytes",
     "dtype_bytes",
     "grad_bytes",
+    "layer_cuts",
     "optimizer_state_bytes",
     "param_bytes",
     "plan_memory",
@@ -302,8 +305,28 @@ class Timeline:
         """The segment of a call_function node (0 for any other node)."""
         return self.index.get(node, 0)
 
-    def activation_alive(self, segment: int) -> np.ndarray:
-        """1 at the points an activation of ``segment`` is alive (until its segment's backward), else 0."""
+    @property
+    def forward_ends(self) -> tuple[int, ...]:
+        """The points where backward's first temporaries count: the end of forward (one timeline: point 0)."""
+        return (0,)
+
+    def held(self, first: int, last: int) -> np.ndarray:
+        """1 at the points a parameter used by segments ``first`` .. ``last`` is held (one timeline: all)."""
+        return np.ones(self.points)
+
+    def gradient_held(self, first: int, last: int) -> np.ndarray:
+        """1 at the points the gradient of a parameter used by segments ``first`` .. ``last`` is alive: from
+        ``last``'s backward on."""
+        return self.gradient_alive(last)
+
+    #: whether an earlier microbatch's backward has made every gradient (a pipeline's later backwards): backward's
+    #: first temporaries then hold a parameter's new gradient too, before it is added to the one made before
+    accumulating = False
+
+    def activation_alive(self, segment: int, once: bool = False) -> np.ndarray:
+        """1 at the points an activation of ``segment`` is alive (until its segment's backward), else 0.
+        ``once``: a copy held once per step whatever the microbatches in flight (the same here; see
+        :class:`StagedTimeline`)."""
         key = ("activation", segment)
         if key not in self._cache:
             self._cache[key] = (np.arange(self.points) < len(self.segments) - segment).astype(float)
@@ -342,9 +365,100 @@ def parameter_points(timeline: Timeline, state: dict[str, int], first: int, last
     """Bytes per liveness point of one parameter whose :func:`zero_state_bytes` are ``state``, used by segments
     ``first`` .. ``last``: stored tensor and optimizer state always, its gradient from ``last``'s backward, a kept
     gathered copy (ZeRO-1/2) until ``first``'s backward."""
-    return (np.full(timeline.points, float(state["parameters"] + state["optimizer"]))
-            + state["gradients"] * timeline.gradient_alive(last)
-            + state["gathered"] * timeline.activation_alive(first))
+    return (float(state["parameters"] + state["optimizer"]) * timeline.held(first, last)
+            + state["gradients"] * timeline.gradient_held(first, last)
+            + state["gathered"] * timeline.activation_alive(first, once=True))
+
+
+@dataclass(frozen=True)
+class StagedTimeline(Timeline):
+    """The liveness points of a pipelined model whose stages are fixed before the search: each point belongs to the
+    stage whose backward runs next (point ``k < S`` to the stage of segment ``S - 1 - k``), and counts only that
+    stage's bytes, as :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_memory` prices a stage. A stage's points
+    run from the end of its own forward (:attr:`forward_ends`) to its own backward's end; the whole model's
+    optimizer step (point ``S``) holds no stage's bytes (each stage's points hold all its gradients already). So
+    one memory row per point bounds every stage's memory instead of the whole model's:
+
+    - an activation of segment ``g`` in stage ``s``: alive at ``s``'s points until ``g``'s backward, plus
+      ``flight[s] - 1`` at every point of ``s`` (the other microbatches in flight hold their whole forward);
+    - a gradient: alive at every point of its stage (1F1B's steady state, and GPipe's later backwards: an
+      earlier microbatch made them all; an upper bound of the first backward);
+    - a parameter's stored state: at the points of the stages of its first and last use (a tied embedding and head
+      in both), nowhere else."""
+
+    stage_of: tuple[int, ...] = ()  # per segment: its stage
+    flight: tuple[int, ...] = ()  # per stage: microbatches in flight
+
+    @classmethod
+    def staged(cls, gm, cuts: tuple[str, ...], flight: tuple[int, ...]) -> StagedTimeline:
+        """The timeline of ``gm`` cut before the modules ``cuts`` (module paths, each starting a stage:
+        :func:`layer_cuts`), ``flight`` microbatches in flight per stage."""
+        base = Timeline.of(gm)
+        first: dict[int, int] = {}  # segment -> graph position of its first node
+        starts = []
+        for i, n in enumerate(gm.graph.nodes):
+            if n in base.index:
+                first.setdefault(base.index[n], i)
+            if n.op == "call_function" and len(starts) < len(cuts):
+                path = M.module_path(n)
+                want = cuts[len(starts)]
+                if path == want or path.startswith(want + "."):
+                    starts.append(i)
+        if len(starts) != len(cuts):
+            raise PlanError(f"pipeline cut points {list(cuts)}: only {len(starts)} name modules of the model in order.")
+        stage_of = tuple(sum(1 for c in starts if c <= first.get(s, 0)) for s in range(len(base.segments)))
+        return cls(base.segments, base.index, stage_of=stage_of, flight=tuple(flight))
+
+    def owner(self) -> np.ndarray:
+        """Per point, its stage (-1: the optimizer step)."""
+        key = ("owner",)
+        if key not in self._cache:
+            s = len(self.segments)
+            self._cache[key] = np.array([self.stage_of[s - 1 - k] for k in range(s)] + [-1])
+        return self._cache[key]
+
+    def mask(self, stage: int) -> np.ndarray:
+        return (self.owner() == stage).astype(float)
+
+    @property
+    def forward_ends(self) -> tuple[int, ...]:
+        owner = self.owner()
+        return tuple(k for k in range(len(owner) - 1) if k == 0 or owner[k] != owner[k - 1])
+
+    def held(self, first: int, last: int) -> np.ndarray:
+        return np.maximum(self.mask(self.stage_of[first]), self.mask(self.stage_of[last]))
+
+    def activation_alive(self, segment: int, once: bool = False) -> np.ndarray:
+        key = ("activation", segment, once)
+        if key not in self._cache:
+            stage = self.stage_of[segment]
+            own = (np.arange(self.points) < len(self.segments) - segment) * self.mask(stage)
+            self._cache[key] = own if once else own + (self.flight[stage] - 1) * self.mask(stage)
+        return self._cache[key]
+
+    def gradient_alive(self, segment: int) -> np.ndarray:
+        return self.mask(self.stage_of[segment])
+
+    def gradient_held(self, first: int, last: int) -> np.ndarray:
+        return self.held(first, last)  # a tied weight's stages each hold its gradient
+
+    accumulating = True
+
+
+def layer_cuts(gm, stages: int) -> tuple[str, ...] | None:
+    """Module paths of the repeated layers starting stages ``1 .. stages - 1`` when ``gm``'s layers (the numbered
+    modules :func:`segment_key` finds, in the order they run) are dealt out evenly, stage ``s`` holding layers
+    ``round(s·L/stages)`` onwards (what precedes the first layer in stage 0, what follows the last in the last
+    stage); None where there are fewer layers than stages."""
+    layers: list[str] = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and not _inherits_segment(n):
+            key = segment_key(n)
+            if key is not None and key not in layers:
+                layers.append(key)
+    if stages < 2 or len(layers) < stages:
+        return None
+    return tuple(layers[round(s * len(layers) / stages)] for s in range(1, stages))
 
 
 # ---- saved activations of values: one accounting for a plan's graph and for the search ---------------------
@@ -502,13 +616,14 @@ class MemoryBreakdown:
 
 
 def point_totals(fixed: float, varying: np.ndarray, zero3_gathered: float, temporaries: float,
-                 largest_parameter: float) -> np.ndarray:
+                 largest_parameter: float, starts: tuple[int, ...] = (0,)) -> np.ndarray:
     """Bytes per liveness point from the sums: ``fixed`` (at every point), ``varying`` (per point: activations,
     gradients, kept gathered copies), the ZeRO-3 layers gathered at once (every point but the step), backward's
-    first temporaries (the end of forward) and the optimizer's (the step)."""
+    first temporaries (the end of forward: ``starts``, each stage's under :class:`StagedTimeline`) and the
+    optimizer's (the step)."""
     out = fixed + np.asarray(varying, dtype=float)
     out[:-1] += zero3_gathered
-    out[0] += temporaries
+    out[list(starts)] += temporaries
     out[-1] += largest_parameter
     return out
 
@@ -799,12 +914,12 @@ class GraphMemory:
     same functions, so the search's memory of a plan is ``plan.cost()``'s."""
 
     def __init__(self, gm, mesh, optimizer: str = "adam", compute_dtype: torch.dtype | None = None,
-                 region_of: Callable[[Node], str | None] = recompute_region):
+                 region_of: Callable[[Node], str | None] = recompute_region, timeline: Timeline | None = None):
         from autoshard.placements import local_shape
 
         optimizer_state_bytes(0, optimizer)  # an optimizer without a model is an error here, not at pricing
         self.mesh, self.optimizer, self.compute_dtype, self.region_of = mesh, optimizer, compute_dtype, region_of
-        self.timeline = Timeline.of(gm)
+        self.timeline = timeline if timeline is not None else Timeline.of(gm)
         self._local_shape = local_shape
         self.owners: dict = {}  # storage key -> the first node whose saved output lives in it (graph order)
         self._kept_owners: dict = {}  # Workspace.kept_key -> the first op keeping it (kept_owner)
@@ -862,7 +977,8 @@ class GraphMemory:
         """The liveness of activations made by ``nodes`` (tied copies: their points add up). A parameter's copies
         are made where it is read: they live until the backward of its earliest reader's segment, as the
         collectives making them do in a plan's graph."""
-        return sum((self.timeline.activation_alive(self._made_in(n)) for n in nodes), np.zeros(self.timeline.points))
+        return sum((self.timeline.activation_alive(self._made_in(n), once=n.op == "get_attr") for n in nodes),
+                   np.zeros(self.timeline.points))
 
     def _made_in(self, node: Node) -> int:
         if node.op != "get_attr":
@@ -1016,4 +1132,4 @@ class GraphMemory:
         in use and the next one's prefetch), backward's first ``temporaries`` and the optimizer's."""
         acts = saved_bytes(values, self.region_of)[0] if values else 0.0
         return point_totals(0.0, fixed + acts, 2 * max(zero3_layers.values(), default=0), temporaries,
-                            largest_parameter)
+                            largest_parameter, self.timeline.forward_ends)

@@ -94,6 +94,10 @@ class PipelineOptions:
     split: Any = "auto"
     profile: Any = "cpu-gloo"
     axis: str = "pipe"
+    #: what the plan search needs to bound each stage's memory (microbatches in flight under the schedule)
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,10 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
 
     program = program or ProgramOptions()
     mp = options.precision
+    search = searches(options, pinned, training)
+    # the search bounds each stage's memory where a memory limit binds it: its stages are fixed before it, and the
+    # split cuts there (PlanSearch.pipeline, plan_search.staged_cuts)
+    staged = search and pipeline is not None and options.memory_limit is not None
     plan = [
         ExpertRewrite() if getattr(options, "moe", None) is not None else None,
         MarkRecompute(options.recompute) if options.recompute not in (None, "auto") else None,
@@ -125,8 +133,8 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         CutSequence() if options.context_parallel is not None else None,
         MarkRequiresGrad(),
         PlanSearch(profile=options.profile, memory_limit=options.memory_limit, optimizer=options.optimizer,
-                   **_search_time(options))
-        if searches(options, pinned, training) else None,
+                   pipeline=pipeline if staged else None, **_search_time(options))
+        if search else None,
         Propagate(),
         MixedPrecisionCasts(mp.param_dtype, mp.output_dtype) if mp else None,
         AutocastParamCasts(),
@@ -134,7 +142,8 @@ def pass_list(options: Options, pipeline: PipelineOptions | None = None, program
         InsertCollectives(),
         ContextAttention(),
         ReducePrecision(mp.param_dtype, mp.grad_reduce_dtype) if mp else None,
-        PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis) if pipeline else None,
+        PipelineSplit(pipeline.stages, pipeline.split, pipeline.profile, pipeline.axis,
+                      staged=pipeline if staged else None) if pipeline else None,
         BuildStages() if pipeline else None,
     ]
     rank = [

@@ -105,10 +105,18 @@ class PipelineSplit:
     split: str | tuple[str, ...] = "auto"
     profile: str = "cpu-gloo"
     pipe_axis: str = "pipe"
+    #: the pipeline the plan search bounded each stage's memory of (its PipelineOptions; None: it bounded the whole
+    #: model's): ``split="auto"`` then cuts where the search fixed the stages (the layers dealt out evenly,
+    #: :func:`autoshard.passes.plan_search.staged_cuts`), so that the stages are those it priced
+    staged: object = None
     name: str = "pipeline_split"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        split = split_graph(gm, ctx.mesh, self.stages, self.split, self.profile, self.pipe_axis, ctx.options.optimizer)
+        from autoshard.passes.plan_search import staged_cuts
+
+        cuts = staged_cuts(gm, self.staged) if self.split == "auto" and self.staged is not None else None
+        split = split_graph(gm, ctx.mesh, self.stages, self.split if cuts is None else cuts, self.profile,
+                            self.pipe_axis, ctx.options.optimizer, manual=self.split != "auto")
         gm.meta[M.STAGE_SPLIT] = split
         M.plan_report(gm)[REPORT_KEY] = split
         return gm
@@ -352,7 +360,9 @@ def _manual_cuts(a: Analysis, split: tuple[str, ...], stages: int) -> list[int]:
 
 
 def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto", profile="cpu-gloo",
-                pipe_axis: str = "pipe", optimizer: str = "adam") -> StageSplit:
+                pipe_axis: str = "pipe", optimizer: str = "adam", manual: bool | None = None) -> StageSplit:
+    """The split of ``gm`` into ``stages`` (see the module docstring); ``manual``: whether cut points ``split`` are the
+    user's (the report says so; default: any given)."""
     from autoshard.cost_models.profile import HardwareProfile, load_profile
 
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
@@ -373,7 +383,7 @@ def split_graph(gm: torch.fx.GraphModule, mesh: Mesh, stages: int, split="auto",
                             f"but {stages} stages need {stages - 1}: use a smaller pipe axis or a model with more "
                             "layers.")
         cuts = _best_cuts(a, stages)
-    return _describe(a, cuts, split != "auto")
+    return _describe(a, cuts, split != "auto" if manual is None else manual)
 
 
 def _describe(a: Analysis, cuts: list[int], manual: bool) -> StageSplit:

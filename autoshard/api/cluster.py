@@ -20,11 +20,13 @@ schedule's bubble and the stages' sends priced, and its memory the largest rank'
 :meth:`~autoshard.compiler.pipeline.PipelinePlan.stage_memory` over its stages, which counts the microbatches in flight
 under the schedule): the chosen configuration is the candidate of least estimated step time among those that fit
 (ties: the least memory). A pipeline's stages are cut from one plan of a microbatch on the mesh without the pipe
-axis, and its schedules share that plan (only the price and the memory differ): the plan search plans the whole
-model there, so it is given ``pipe × memory_limit`` (each stage's peak is at most ``memory_limit`` and the stages
-together hold the model once, so no configuration that fits is refused by it), and the stages are checked against
-``memory_limit`` after; where the least-memory schedule's largest rank is over it, the microbatch plan is searched
-again (twice at most) for a limit smaller in proportion. Bounds prune before the search runs:
+axis, and its schedules share that plan (only the price and the memory differ), searched for the first schedule of
+the group (``1f1b``): with one stage per rank the plan search bounds each stage's memory (its stages fixed before
+it, :func:`autoshard.passes.plan_search.staged_cuts`), so it is given ``memory_limit``; interleaved stages it plans as
+one model, so it is given ``pipe × memory_limit`` (each stage's peak is at most ``memory_limit`` and the stages
+together hold the model once). The stages are checked against ``memory_limit`` after; where the least-memory
+schedule's largest rank is over it, the microbatch plan is searched again (twice at most) for a limit smaller in
+proportion. Bounds prune before the search runs:
 
 * :func:`least_state_bytes`, before tracing: the parameters, gradients and optimizer state split as far as the mesh
   could split each tensor (ZeRO over the data axis, any number of elements; a mesh axis over a dimension it divides,
@@ -334,7 +336,10 @@ def _plan_pipeline(model, example_inputs, example_kwargs, mesh: Mesh, group: lis
         why = (f"its largest stage's parameters, gradients and optimizer state need at least {_gib(bound)} per rank "
                f"(1/{pipe} of the model's on the other axes), over memory_limit {_gib(limit)}")
         return [Candidate(mesh, pruned=why, pipeline=p) for p in group]
-    searched = None if limit is None else limit * pipe
+    # the search bounds each stage's memory (one stage per rank: autoshard.passes.plan_search.staged_cuts), so it is
+    # given the limit itself; interleaved stages it plans as one model, under ``pipe × limit``
+    staged = group[0].stages_per_rank == 1
+    searched = None if limit is None else limit * (1 if staged else pipe)
     t0 = time.perf_counter()
     best: list[Candidate] = []
     for attempt in range(1 + PIPELINE_REPLANS):

@@ -41,11 +41,14 @@ in ``PLANNED`` is the op's only option.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.fx
+from autoshard.cost_models.memory import StagedTimeline, layer_cuts
 from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.passes.plan_search.ilp import Program, build_program, solve
 from autoshard.passes.plan_search.lagrangian import (DEFAULT_TIME_LIMIT, GAP_TOLERANCE, PROOF_SECONDS, best_units,
@@ -67,10 +70,10 @@ from autoshard.progress import slow_step
 
 __all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS", "TIE_BREAK", "Candidate",
            "DecisionVar", "PlanSearch", "Problem", "Program", "Unit", "ValueTerm", "WarmLP", "best_units",
-           "build_problem", "build_program", "evaluate", "explain", "fallback_plan", "find_layers", "improve_layouts",
-           "layer_copies", "least_memory_bound", "least_memory_plan", "leaves_unit", "lp_bound", "option_cost",
-           "option_memory", "output_spec_for", "quickest_plan", "repair", "search", "solve", "term_cost",
-           "transient_bytes"]
+           "build_problem", "build_program", "evaluate", "explain", "fallback_plan", "find_layers",
+           "improve_layouts", "in_flight", "layer_copies", "least_memory_bound", "least_memory_plan", "leaves_unit",
+           "lp_bound", "option_cost", "option_memory", "output_spec_for", "quickest_plan", "receive_buffers",
+           "repair", "search", "solve", "staged_cuts", "term_cost", "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ class PlanSearch:
     #: MIP gap tolerance; the gap is reported and warned about all the same). 2 s of exact ILP did not close the
     #: Llama-3-8B/70B gaps (0.81%, 0.48%) in bench/search_plans.py; 0 always tries it.
     accept_gap: float = 0.01
+    #: a pipelined model (:class:`autoshard.passes.manager.PipelineOptions`) whose stages are fixed before the
+    #: search (:func:`staged_cuts`): its memory rows bound each stage's memory, with the microbatches in flight
+    #: under the schedule (:class:`autoshard.cost_models.memory.StagedTimeline`), rather than the whole model's
+    pipeline: object = None
     name: str = "plan_search"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
@@ -109,8 +116,16 @@ class PlanSearch:
         profile = self.profile if isinstance(self.profile, HardwareProfile) else load_profile(self.profile)
         t0, cpu0 = time.perf_counter(), time.process_time()
         zero, recompute = ctx.options.zero, ctx.options.recompute
+        timeline = None
+        cuts = staged_cuts(gm, self.pipeline) if self.memory_limit is not None else None
+        if cuts is not None:
+            timeline = StagedTimeline.staged(gm, cuts, in_flight(self.pipeline))
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
-                                zero=0 if ctx.pinned is not None else zero, recompute=recompute)
+                                zero=0 if ctx.pinned is not None else zero, recompute=recompute, timeline=timeline)
+        if timeline is not None:
+            problem.fixed_points += receive_buffers(gm, timeline, self.pipeline.microbatches, ctx.mesh,
+                                                    ctx.options.data_axis)
+            problem.price_at(0)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
             status: dict = {}
@@ -118,7 +133,7 @@ class PlanSearch:
         t2 = time.perf_counter()
         total, memory = evaluate(problem, choice, units)
         stages, zero_marks = _stages(gm, problem, choice, zero == "auto")
-        regions, recompute_marks = _recomputed(problem, units, recompute == "auto")
+        regions, recompute_marks = _recomputed(problem, units, recompute == "auto", timeline)
         planned, specs, why = self._choices(gm, problem, choice)
         section = {
             "step_time": total, "memory_per_rank": memory, "memory_limit": self.memory_limit,
@@ -135,6 +150,10 @@ class PlanSearch:
             "multiplier": None if status.get("multiplier") is None else [float(v) for v in status["multiplier"]],
             "zero_stages": {st: sum(1 for v in stages.values() if v == st) for st in sorted(set(stages.values()))},
             "recomputed": regions,
+            # a pipeline's stages fixed before the search (module paths starting stages 1..): each stage's memory
+            # bounded (None: the whole model's)
+            "stage_cuts": list(cuts) if cuts is not None else None,
+            "stage_memory": _stage_peaks(problem, choice, units) if cuts is not None else None,
         }
         warning = None if status["optimal"] else self._gap_warning(problem, status)
         return Decided(planned, specs, why, zero_marks, recompute_marks, section, warning)
@@ -204,6 +223,62 @@ class Decided:
             nodes[key].meta[M.RECOMPUTE] = path
 
 
+def staged_cuts(gm: torch.fx.GraphModule, pipeline) -> tuple[str, ...] | None:
+    """Where a pipelined model's stages start (module paths of stages 1..), fixed before the search so that its
+    memory rows are the stages': the user's cut points, or the repeated layers dealt out evenly
+    (:func:`autoshard.cost_models.memory.layer_cuts`); None (the whole model's memory): no pipeline, interleaved
+    stages (a rank holds several), or fewer layers than stages. :class:`autoshard.passes.pipeline_split.PipelineSplit`
+    cuts at the same places."""
+    if pipeline is None or getattr(pipeline, "stages_per_rank", 1) != 1 or pipeline.stages < 2:
+        return None
+    if pipeline.split != "auto":
+        return tuple([pipeline.split] if isinstance(pipeline.split, str) else pipeline.split)
+    return layer_cuts(gm, pipeline.stages)
+
+
+def in_flight(pipeline) -> tuple[int, ...]:
+    """Microbatches in flight per stage under the schedule: GPipe all, 1F1B ``stages - stage``."""
+    m, p = pipeline.microbatches, pipeline.stages
+    return tuple(m if pipeline.schedule == "gpipe" else min(m, p - s) for s in range(p))
+
+
+def receive_buffers(gm: torch.fx.GraphModule, timeline: StagedTimeline, microbatches: int, mesh,
+                    data_axis: str | None) -> np.ndarray:
+    """Bytes per point of the receive buffers ``torch.distributed.pipelining`` keeps, one per microbatch, as
+    :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_breakdown` counts them: at a stage's points, the activations
+    crossing its first cut (received) and the floating ones crossing the next (their gradients received). Crossing:
+    a value (:meth:`GraphMemory.is_value`) made before the cut and read after it; its layout is not chosen yet, so
+    its rows are taken as split over the data axis and nothing else (the hidden state's layout between layers)."""
+    from autoshard.cost_models.memory import GraphMemory
+
+    stage = {n: timeline.stage_of[timeline.segment(n)] for n in gm.graph.nodes if n in timeline.index}
+    data = mesh.axis_size(data_axis) if data_axis in mesh.names else 1
+    crossing = [0.0] * (max(timeline.stage_of, default=0) + 1)  # bytes crossing the cut before stage s
+    for n in gm.graph.nodes:
+        if not GraphMemory.is_value(n) or n not in stage:
+            continue
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        last = max((stage.get(u, stage[n]) for u in n.users), default=stage[n])
+        for s in range(stage[n] + 1, last + 1):
+            crossing[s] += val.numel() * val.element_size() / (data if val.dim() else 1)
+    out = np.zeros(timeline.points)
+    for s in range(len(crossing)):
+        both = crossing[s] + (crossing[s + 1] if s + 1 < len(crossing) else 0.0)
+        out += microbatches * both * timeline.mask(s)
+    return out
+
+
+def _stage_peaks(problem: Problem, choice: list[int], units) -> list[int]:
+    """Per stage, the largest of its liveness points (:func:`memory_points` of the plan chosen)."""
+    from autoshard.passes.plan_search.objective import memory_points
+
+    points = memory_points(problem, choice, units)
+    owner = problem.memory_model.timeline.owner()
+    return [int(points[owner == s].max(initial=0.0)) for s in range(int(owner.max()) + 1)]
+
+
 def _stages(gm: torch.fx.GraphModule, problem: Problem, choice: list[int], planned: bool) -> tuple[dict, dict]:
     """({parameter target: ZeRO stage chosen}, {node: stage} to mark ``PLANNED_ZERO`` with: with ``planned``
     (``zero="auto"``) every copy, else none)."""
@@ -221,14 +296,26 @@ def _stages(gm: torch.fx.GraphModule, problem: Problem, choice: list[int], plann
     return stages, marks
 
 
-def _recomputed(problem: Problem, units, planned: bool) -> tuple[list[str], dict]:
+def _recomputed(problem: Problem, units, planned: bool, timeline: StagedTimeline | None = None
+                ) -> tuple[list[str], dict]:
     """(the module paths of the recomputed layer copies, {op: its copy's path} to mark ``RECOMPUTE`` with: with
-    ``planned`` (``recompute="auto"``) the ops of those copies, else none)."""
+    ``planned`` (``recompute="auto"``) the ops of those copies, else none). A unit recomputed in part (``share``)
+    recomputes its first copies; a pipeline's stages fixed before the search (``timeline``): its first copies in
+    each stage, that share of them rounded up, as the search's memory rows count it (a share of every copy's
+    bytes)."""
     regions = []
     shares = units if isinstance(units, dict) else {u: 1.0 for u in units}
     for u, share in sorted(shares.items()):
-        paths = list(problem.units[u].copies)
-        regions.extend(paths[:round(share * len(paths))])
+        copies = problem.units[u].copies
+        groups: dict[int, list[str]] = {}
+        for path, nodes in copies.items():
+            stage = timeline.stage_of[timeline.segment(nodes[0])] if timeline is not None and nodes else 0
+            groups.setdefault(stage, []).append(path)
+        for paths in groups.values():
+            # stages: at least the share in each (the rows priced a share of each stage's copies), so no stage
+            # keeps more than its row counted
+            many = math.ceil(share * len(paths) - 1e-9) if timeline is not None else round(share * len(paths))
+            regions.extend(paths[:many])
     marks: dict[str, str] = {}
     if planned:
         for u in problem.units:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from autoshard.cost_models.memory import largest_gradient
 from autoshard.passes.plan_search.highs import highs_with, run
-from autoshard.passes.plan_search.objective import option_vectors, recomputed_share, unit_share
+from autoshard.passes.plan_search.objective import live_bytes, option_vectors, recomputed_share, unit_share
 from autoshard.passes.plan_search.problem import Problem, ValueTerm, output_spec_for
 
 from autoshard import meta as M
@@ -505,10 +505,13 @@ class _Builder:
         units: dict = {}
         for i, d in enumerate(problem.decisions):
             if recomputed_share(d, recompute):
-                units.setdefault(d.unit, []).append((i, [v[0] / (d.copies or 1) for v in d.points]))
+                units.setdefault(d.unit, []).append((i, [live_bytes(d, v) for v in d.points]))
         for parts in units.values():
             at_least(live, parts)
         kept = kept_copies(self.extra, self.within, recompute)
+        timeline = problem.memory_model.timeline if problem.memory_model is not None else None
+        starts = set(timeline.forward_ends) if timeline is not None else {0}
+        accumulating = timeline is not None and timeline.accumulating
         for p in range(last + 1):
             entries = []
             for i, d in enumerate(problem.decisions):
@@ -519,7 +522,9 @@ class _Builder:
                         entries.append((self.offsets[i] + k, b))
             entries += [(col, b) for col, v in kept.items() if (b := v[p])]
             entries += [(zero3, 2.0 * scale)] if p < last else [(stored, scale)]
-            entries += [(gradient, scale), (live, scale)] if p == 0 else []
+            entries += [(gradient, scale), (live, scale)] if p in starts else []
+            # a parameter's new gradient before it is added to an earlier microbatch's (at most the largest stored)
+            entries += [(stored, scale)] if accumulating and p in starts else []
             if peak is None:
                 self.constraint(entries, -np.inf, room - float(problem.fixed_points[p]))
             else:

@@ -246,7 +246,7 @@ def option_columns(problem: Problem) -> OptionColumns:
                 cols.stored[c + k] = d.stored[k]
             else:
                 cols.gradient[c + k] = d.gradient[k]
-                cols.live[c + k] = d.points[k][0] / (d.copies or 1)
+                cols.live[c + k] = live_bytes(d, d.points[k])
             if d.forward is not None:
                 cols.forward[c + k] = d.forward[k]
             if d.unit is not None:
@@ -297,8 +297,23 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
             kept.extend(d.kept[k])
     if kept:
         acts = acts + problem.memory_model.kept_points(kept)
+    timeline = problem.memory_model.timeline if problem.memory_model is not None else None
+    # accumulating (a pipeline's later backwards): a parameter's new gradient too, at most the largest stored
+    accumulated = stored if timeline is not None and timeline.accumulating else 0.0
     return point_totals(0.0, varying + acts, 2 * gathered,
-                        max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored)
+                        max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live + accumulated, stored,
+                        timeline.forward_ends if timeline is not None else (0,))
+
+
+def live_bytes(d, points) -> float:
+    """Bytes one copy of op decision ``d`` keeps at the end of its forward, from its option's ``points`` (every copy
+    added up): at the point where the most copies are alive, divided by how many (the end of forward, every copy,
+    on one timeline; a stage's own end of forward, its copies weighted by the microbatches in flight, under
+    :class:`autoshard.cost_models.memory.StagedTimeline`)."""
+    if d.alive is None:
+        return float(points[0]) / (d.copies or 1)
+    p = int(np.argmax(d.alive))
+    return float(points[p]) / d.alive[p] if d.alive[p] > 0 else 0.0
 
 
 def recomputation_change(problem: Problem, choice: list[int]) -> dict:

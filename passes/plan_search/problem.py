@@ -317,11 +317,14 @@ def _cast_seconds(gm, problem: Problem, copies: ComputeCopies) -> None:
 
 
 def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfile, memory_limit, optimizer: str,
-                  tie_layers: bool = True, zero: int | str = 0, recompute: str | None = None) -> Problem:
+                  tie_layers: bool = True, zero: int | str = 0, recompute: str | None = None,
+                  timeline=None) -> Problem:
     """The program for ``gm``. ``zero``: 0 (parameters stored in their compute layout), 1-3 (every parameter that
     :func:`~autoshard.passes.shard_storage.stored_spec` can shard is stored at that stage: its memory counts the
     stored state) or "auto" (each parameter's options repeat each spec at stages 0, 2 and 3).
-    ``recompute="auto"``: every copy of a repeated layer is a recomputation candidate (:class:`.layers.Unit`)."""
+    ``recompute="auto"``: every copy of a repeated layer is a recomputation candidate (:class:`.layers.Unit`).
+    ``timeline``: the liveness points (default the whole model's; a pipeline's stages:
+    :class:`autoshard.cost_models.memory.StagedTimeline`)."""
     mesh = ctx.mesh
     canon = find_layers(gm) if tie_layers else {}
     data_axis = ctx.options.data_axis if ctx.options.data_axis in mesh.names else None
@@ -335,7 +338,8 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
         copies[c] = copies.get(c, 0) + 1
         members.setdefault(c, []).append(n)
     precision = ctx.options.precision
-    memory = GraphMemory(gm, mesh, optimizer, precision.param_dtype if precision is not None else None)
+    memory = GraphMemory(gm, mesh, optimizer, precision.param_dtype if precision is not None else None,
+                         timeline=timeline)
     problem = Problem(mesh, [], {}, [], memory_limit, 0.0, canon, data_axis, layers.units, {}, memory,
                       np.zeros(memory.timeline.points))
     copies = ComputeCopies.of(gm, precision, profile, mesh)

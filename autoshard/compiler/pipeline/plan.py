@@ -439,7 +439,8 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     # the plan phase of the one pass list, with the pipeline split and the stage graphs enabled
     plan = build_plan(model, sub, margs, mkwargs,
                       options if submesh_options else _strip_axis(options, mesh, pipeline.axis),
-                      pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis),
+                      pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis,
+                                               pipeline.microbatches, pipeline.schedule, pipeline.stages_per_rank),
                       once=once)
     gm = plan.graph_module
     return PipelinePlan(plan, mesh, sub, pipeline, stage_split_of(gm), list(stage_graphs_of(gm)), batch,
