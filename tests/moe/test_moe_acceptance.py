@@ -33,10 +33,11 @@ from autoshard.compiler.plan import loss_of
 from autoshard.frontend import hf_blocks
 from autoshard.placements import assemble
 from autoshard.runtime import DistCommunicator, spawn, use
+from autoshard.runtime.collective_ops import collective_counts
 from examples import models
 from examples.models import _ids
 from tests.moe.reference import reference_capacity
-from tests.test_hf_moe import check, hf_reference
+from tests.test_hf_moe import ATOL, RTOL, check, hf_reference
 from tests.test_mixed_precision import _check_grads, _under_policy
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning",
@@ -159,16 +160,39 @@ def capacity_reference(model, args, kwargs, groups, capacity_factor, policy=None
 def _cases():
     """float32: every model x mesh x mode (16). bf16: every model in both modes, on one mesh per mode, the meshes
     swapped between the first two models and the last two, so each mesh x mode meets bf16 twice (8; all 16 pass,
-    half of them are left out to keep the suite's time)."""
+    half of them are left out to keep the suite's time). ``sparse`` (no ``moe=``): every model once, float32, the
+    meshes alternating (4)."""
     for i, model in enumerate(MODELS):
         for mesh in MESHES:
             for mode in ("dropless", "capacity"):
                 yield pytest.param(model, mesh, mode, "fp32", id=f"{model}-{mesh}-{mode}-fp32")
         for mode, mesh in zip(("dropless", "capacity"), list(MESHES) if i < 2 else list(MESHES)[::-1]):
             yield pytest.param(model, mesh, mode, "bf16", id=f"{model}-{mesh}-{mode}-bf16")
+        mesh = list(MESHES)[i % 2]
+        yield pytest.param(model, mesh, "sparse", "fp32", id=f"{model}-{mesh}-sparse-fp32")
 
 
 CASES = list(_cases())
+
+
+def _check_sparse(model, args, kwargs, mesh, axis):
+    """Without ``moe=``: the experts stay one ``autoshard::hf_experts`` op (sparse, dropless), their stacked (or
+    flat) weights annotated ``Shard(0)`` on ``axis``, replicated elsewhere: each rank runs its experts' share of the
+    choices (a Partial output), with no all-to-all; loss and every gradient equal Hugging Face on one device."""
+    main, grads = hf_reference(model, args, kwargs)
+    spec = tuple(autoshard.Shard(0) if a == axis else autoshard.Replicate() for a in mesh)
+    plan = autoshard.compile(copy.deepcopy(model), autoshard.Mesh(**mesh), args, kwargs,
+                             annotations={"*.experts.*": spec}).plan
+    assert sum(n.target == torch.ops.autoshard.hf_experts.default for n in plan.graph_module.graph.nodes) == 2
+    experts = [p for p in plan.param_specs() if ".experts." in p]
+    assert len(experts) >= 4 and all(plan.param_specs()[p] == spec for p in experts)
+    sim = plan.simulate(args, kwargs)
+    assert not any(kind == "all_to_all" for kind, _ in collective_counts(sim.logs[0]))
+    for out in sim.outputs:
+        torch.testing.assert_close(loss_of(out).detach(), main, rtol=RTOL, atol=ATOL)
+    assert set(sim.grads) == set(grads)
+    for name, g in sim.grads.items():
+        torch.testing.assert_close(g, grads[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("name, mesh_name, mode, dtype", CASES)
@@ -176,9 +200,12 @@ def test_sharded_moe_equals_one_device(name, mesh_name, mode, dtype):
     model, args, kwargs = _build(name)
     mesh, axis = MESHES[mesh_name]
     groups = mesh[axis]
-    cf = None if mode == "dropless" else CAPACITY_FACTOR
+    cf = None if mode != "capacity" else CAPACITY_FACTOR
     opts = autoshard.MoE(existing=True, expert_axis=axis, capacity_factor=cf)
     policy = BF16 if dtype == "bf16" else None
+    if mode == "sparse":
+        _check_sparse(model, args, kwargs, mesh, axis)
+        return
     if mode == "dropless":
         reference = hf_reference(model, args, kwargs) if policy is None else _under_policy(model, args, kwargs, policy)
     else:
