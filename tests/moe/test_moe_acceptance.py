@@ -223,6 +223,8 @@ def test_sharded_moe_equals_one_device(name, mesh_name, mode, dtype):
             torch.testing.assert_close(loss, loss_of(sim.outputs[0]).detach(), rtol=0, atol=0)
             torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=BF16_TOL, atol=0)
         _check_grads(sim.grads, ref_grads, tol=BF16_TOL)
+        bmms = [n for n in plan.graph_module.graph.nodes if n.target == torch.ops.aten.bmm.default]
+        assert bmms and all(n.meta["val"].dtype == torch.bfloat16 for n in bmms)  # the experts compute in bf16
     report = plan.context.report["expert_rewrite"]
     assert [layer["path"] for layer in report["layers"]] == [BLOCKS[name].format(i) for i in range(2)]
     assert report["groups"] == groups and report["expert_axis"] == axis
