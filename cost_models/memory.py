@@ -1071,8 +1071,14 @@ class GraphMemory:
         for n in nodes:
             w = op_workspace(n, self.mesh, strategy)
             if w.kept:
-                out.append((self.kept_storage(n, w, strategy), w.kept, self.timeline.segment(n)))
+                out.append((self._kept_key(n, w, strategy), w.kept, self.timeline.segment(n)))
         return tuple(out)
+
+    def _kept_key(self, node: Node, w, strategy):
+        """:meth:`kept_storage`, per stage under a :class:`StagedTimeline` (each stage's graph makes its own)."""
+        key = self.kept_storage(node, w, strategy)
+        stage_of = getattr(self.timeline, "stage_of", None)
+        return (key, stage_of[self.timeline.segment(node)]) if stage_of else key
 
     def kept_points(self, kept) -> np.ndarray:
         """Bytes per point of the storages ``kept`` (:meth:`kept` of a plan's options), as :func:`plan_memory` counts
@@ -1108,7 +1114,7 @@ class GraphMemory:
         asks (``_op_decisions`` walks the graph)."""
         if w.kept_key is None:
             return node
-        return self._kept_owners.setdefault(self.kept_storage(node, w, strategy), node)
+        return self._kept_owners.setdefault(self._kept_key(node, w, strategy), node)
 
     def gradient(self, node: Node, output_spec) -> int:
         """Bytes of the gradient of ``node``'s output in backward (single-output values; 0 otherwise)."""

@@ -56,9 +56,11 @@ def test_a_limit_the_whole_model_cannot_meet_is_met_by_each_stage():
 
 @pytest.mark.parametrize("limit", [3.0, 3.4])
 def test_the_searchs_stage_memory_is_the_pipeline_plans(limit):
-    """pipe=2 x data=2, 1F1B (stage 0 holds 2 microbatches in flight, stage 1 one), ZeRO chosen per parameter: each
-    stage's memory as the search counts it for the plan it chose equals PipelinePlan.stage_memory within 2%."""
-    model, args, kwargs = models.gpt(**GPT)
+    """HF Llama (untied embeddings, as Llama-3), pipe=2 x data=2, 1F1B (stage 0 holds 2 microbatches in flight,
+    stage 1 one), ZeRO chosen per parameter: each stage's memory as the search counts it for the plan it chose
+    equals PipelinePlan.stage_memory within 2% (1.5-1.8% under here: values a stage's graph makes again, which the
+    whole graph makes once)."""
+    model, args, kwargs = models.hf_llama(**GPT)
     pplan = autoshard.plan(model, autoshard.Mesh(pipe=2, data=2), args, kwargs, pipeline=Pipeline(microbatches=4),
                            search=autoshard.Search(memory_limit=limit * 2**20, zero="auto", recompute=False))
     searched = _search(pplan)["stage_memory"]

@@ -511,7 +511,23 @@ class _Builder:
         kept = kept_copies(self.extra, self.within, recompute)
         timeline = problem.memory_model.timeline if problem.memory_model is not None else None
         starts = set(timeline.forward_ends) if timeline is not None else {0}
-        accumulating = timeline is not None and timeline.accumulating
+        # a pipeline's stages: each stage's end of forward holds its own largest gradients (.objective.memory_points)
+        own: dict[int, tuple[int, int]] = {}  # end of forward -> (its stage's gradient, its new parameter gradient)
+        if problem.stage_sets is not None:
+            owner = timeline.owner()
+            for end in timeline.forward_ends:
+                mine = problem.stage_sets[int(owner[end])]
+                grad_s, new_s = self.new_var(0.0), self.new_var(0.0)
+                for i, d in enumerate(problem.decisions):
+                    if not mine[i]:
+                        continue
+                    if d.stored is not None:
+                        at_least(new_s, [(i, d.stored)])
+                    else:
+                        at_least(grad_s, [(i, d.gradient)])
+                for col, g in self.gradients:
+                    self.constraint([(grad_s, scale), (col, -g)], 0.0, np.inf)
+                own[end] = (grad_s, new_s)
         for p in range(last + 1):
             entries = []
             for i, d in enumerate(problem.decisions):
@@ -522,9 +538,11 @@ class _Builder:
                         entries.append((self.offsets[i] + k, b))
             entries += [(col, b) for col, v in kept.items() if (b := v[p])]
             entries += [(zero3, 2.0 * scale)] if p < last else [(stored, scale)]
-            entries += [(gradient, scale), (live, scale)] if p in starts else []
-            # a parameter's new gradient before it is added to an earlier microbatch's (at most the largest stored)
-            entries += [(stored, scale)] if accumulating and p in starts else []
+            if p in own:
+                grad_s, new_s = own[p]
+                entries += [(grad_s, scale), (live, scale)] + ([(new_s, scale)] if timeline.accumulating else [])
+            elif p in starts:
+                entries += [(gradient, scale), (live, scale)]
             if peak is None:
                 self.constraint(entries, -np.inf, room - float(problem.fixed_points[p]))
             else:

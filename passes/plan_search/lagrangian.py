@@ -180,12 +180,17 @@ def _least_temporaries(problem: Problem) -> np.ndarray:
     (:func:`.objective.memory_points`). Within the limit, a plan's priced bytes are within ``limit`` less these."""
     least = np.zeros(len(problem.fixed_points))
     timeline = problem.memory_model.timeline if problem.memory_model is not None else None
-    least[list(timeline.forward_ends) if timeline is not None else 0] = max(
-        (min(d.gradient) for d in problem.decisions if d.stored is None and d.gradient), default=0.0)
+    if problem.stage_sets is None:
+        least[list(timeline.forward_ends) if timeline is not None else 0] = max(
+            (min(d.gradient) for d in problem.decisions if d.stored is None and d.gradient), default=0.0)
+    else:  # a pipeline's stages: each its own
+        owner = timeline.owner()
+        for end in timeline.forward_ends:
+            mine = problem.stage_sets[int(owner[end])]
+            least[end] = max((min(d.gradient) for i, d in enumerate(problem.decisions)
+                              if mine[i] and d.stored is None and d.gradient), default=0.0)
     least[-1] = max([float(problem.fixed_stored),
                      *(min(d.stored) for d in problem.decisions if d.stored is not None and d.stored)])
-    if timeline is not None and timeline.accumulating:
-        least[list(timeline.forward_ends)] += least[-1]
     return least
 
 

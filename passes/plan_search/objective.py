@@ -298,11 +298,21 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     if kept:
         acts = acts + problem.memory_model.kept_points(kept)
     timeline = problem.memory_model.timeline if problem.memory_model is not None else None
-    # accumulating (a pipeline's later backwards): a parameter's new gradient too, at most the largest stored
-    accumulated = stored if timeline is not None and timeline.accumulating else 0.0
-    return point_totals(0.0, varying + acts, 2 * gathered,
-                        max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live + accumulated, stored,
-                        timeline.forward_ends if timeline is not None else (0,))
+    if problem.stage_sets is None:
+        return point_totals(0.0, varying + acts, 2 * gathered,
+                            max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored,
+                            timeline.forward_ends if timeline is not None else (0,))
+    # a pipeline's stages: each stage's end of forward holds its own ops' largest gradient and (accumulating: an
+    # earlier microbatch made every gradient) its own parameters' largest new gradient, besides the copies' largest
+    # gradient and the largest recomputed copy's activations (over every stage: an upper bound)
+    out = point_totals(0.0, varying + acts, 2 * gathered, 0.0, stored, ())
+    owner = timeline.owner()
+    for end in timeline.forward_ends:
+        mine = problem.stage_sets[int(owner[end])]
+        grad = float(cols.gradient[at][mine].max(initial=0.0))
+        new = float(cols.stored[at][mine].max(initial=0.0)) if timeline.accumulating else 0.0
+        out[end] += max(grad, copies_gradient) + live + new
+    return out
 
 
 def live_bytes(d, points) -> float:

@@ -179,6 +179,10 @@ class Problem:
     fixed_stored: int = 0  # the largest stored tensor of the annotated parameters (the optimizer's temporaries)
     #: seconds every plan pays whatever it chooses: mixed precision's casts of the inputs and annotated parameters
     fixed_seconds: float = 0.0
+    #: a pipeline's stages fixed before the search (:class:`autoshard.cost_models.memory.StagedTimeline`): per
+    #: decision, the stages its copies lie in (a parameter: those of its first and last use), as a (stages ×
+    #: decisions) boolean array; None: one timeline
+    stage_sets: np.ndarray | None = None
     #: the terms with redistributions backward may run again (``ValueTerm.rerun``)
     rerun_terms: list = field(default_factory=list, repr=False)
     #: (layouts, answer) of the last :func:`.objective.activations`: a repair changes no layout
@@ -356,6 +360,14 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     _cast_seconds(gm, problem, copies)
     for term in problem.terms:
         term.alive = memory.alive(term.members)
+    stage_of = getattr(memory.timeline, "stage_of", None)
+    if stage_of:
+        tl = memory.timeline
+        problem.stage_sets = np.zeros((max(stage_of) + 1, len(problem.decisions)), dtype=bool)
+        for i, d in enumerate(problem.decisions):
+            for n in members[d.node]:
+                for segment in tl.uses(n) if n.op == "get_attr" else (tl.segment(n),):
+                    problem.stage_sets[stage_of[segment], i] = True
     problem.price_at(0)
     return problem
 

@@ -22,6 +22,10 @@ from autoshard.compiler.pipeline.options import Pipeline
 from autoshard.placements import Replicate, assemble, local_shape, shard_tensor
 
 
+#: how often a pipelined plan whose largest rank is over the memory limit is searched again (for a lower limit)
+STAGE_REPLANS = 2
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     """A pipelined plan's estimated step (:meth:`PipelinePlan.cost`), in seconds."""
@@ -437,13 +441,26 @@ def build_pipeline_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs:
     stages = mesh.axis_size(pipeline.axis) * pipeline.stages_per_rank
     split = tuple(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split
     # the plan phase of the one pass list, with the pipeline split and the stage graphs enabled
-    plan = build_plan(model, sub, margs, mkwargs,
-                      options if submesh_options else _strip_axis(options, mesh, pipeline.axis),
-                      pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis,
-                                               pipeline.microbatches, pipeline.schedule, pipeline.stages_per_rank),
-                      once=once)
-    gm = plan.graph_module
-    return PipelinePlan(plan, mesh, sub, pipeline, stage_split_of(gm), list(stage_graphs_of(gm)), batch,
-                        type(model).__name__, (tuple(args), dict(kwargs or {})))
+    planned = options if submesh_options else _strip_axis(options, mesh, pipeline.axis)
+    limit = planned.memory_limit
+    for attempt in range(1 + STAGE_REPLANS):
+        plan = build_plan(model, sub, margs, mkwargs, planned,
+                          pipeline=PipelineOptions(stages, split, pipeline.profile or options.profile, pipeline.axis,
+                                                   pipeline.microbatches, pipeline.schedule,
+                                                   pipeline.stages_per_rank),
+                          once=once)
+        gm = plan.graph_module
+        out = PipelinePlan(plan, mesh, sub, pipeline, stage_split_of(gm), list(stage_graphs_of(gm)), batch,
+                           type(model).__name__, (tuple(args), dict(kwargs or {})))
+        # the search bounds each stage (one per rank) by its own count, a little under stage_memory's (values a
+        # stage's graph makes again, which the whole graph makes once): where the largest rank is over the limit,
+        # search again for a limit smaller in proportion, as build_plan does for a whole plan
+        if limit is None or once is not None or pipeline.stages_per_rank != 1 or attempt == STAGE_REPLANS:
+            break
+        peak = out.memory_per_rank()
+        if peak <= limit:
+            break
+        planned = replace(planned, memory_limit=planned.memory_limit * limit / peak * (1 - 1e-3))
+    return out
 
 
