@@ -58,8 +58,9 @@ def test_a_limit_the_whole_model_cannot_meet_is_met_by_each_stage():
 def test_the_searchs_stage_memory_is_the_pipeline_plans(limit):
     """HF Llama (untied embeddings, as Llama-3), pipe=2 x data=2, 1F1B (stage 0 holds 2 microbatches in flight,
     stage 1 one), ZeRO chosen per parameter: each stage's memory as the search counts it for the plan it chose
-    equals PipelinePlan.stage_memory within 2% (1.5-1.8% under here: values a stage's graph makes again, which the
-    whole graph makes once)."""
+    equals PipelinePlan.stage_memory within 3% (1.5-2.6% under here: values a stage's graph makes again, which the
+    whole graph makes once, and the boundary sent in its reader's layout, not its producer's); the plan is searched
+    again where its largest stage is over the limit."""
     model, args, kwargs = models.hf_llama(**GPT)
     pplan = autoshard.plan(model, autoshard.Mesh(pipe=2, data=2), args, kwargs, pipeline=Pipeline(microbatches=4),
                            search=autoshard.Search(memory_limit=limit * 2**20, zero="auto", recompute=False))
@@ -67,7 +68,7 @@ def test_the_searchs_stage_memory_is_the_pipeline_plans(limit):
     memory = [pplan.stage_memory(s) for s in range(pplan.num_stages)]
     assert len(searched) == len(memory) == 2
     for a, b in zip(searched, memory):
-        assert abs(a - b) <= 0.02 * b, (searched, memory)
+        assert abs(a - b) <= 0.03 * b, (searched, memory)
     assert max(memory) <= limit * 2**20
 
 

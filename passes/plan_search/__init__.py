@@ -45,7 +45,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.fx
 from autoshard.cost_models.memory import StagedTimeline, layer_cuts
@@ -123,9 +122,7 @@ class PlanSearch:
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
                                 zero=0 if ctx.pinned is not None else zero, recompute=recompute, timeline=timeline)
         if timeline is not None:
-            problem.fixed_points += receive_buffers(gm, timeline, self.pipeline.microbatches, ctx.mesh,
-                                                    ctx.options.data_axis)
-            problem.price_at(0)
+            receive_buffers(problem, gm, timeline, self.pipeline.microbatches)
         t1 = time.perf_counter()
         with slow_step(f"autoshard: searching the best plan ({len(problem.decisions)} decisions)"):
             status: dict = {}
@@ -242,32 +239,37 @@ def in_flight(pipeline) -> tuple[int, ...]:
     return tuple(m if pipeline.schedule == "gpipe" else min(m, p - s) for s in range(p))
 
 
-def receive_buffers(gm: torch.fx.GraphModule, timeline: StagedTimeline, microbatches: int, mesh,
-                    data_axis: str | None) -> np.ndarray:
-    """Bytes per point of the receive buffers ``torch.distributed.pipelining`` keeps, one per microbatch, as
+def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: StagedTimeline, microbatches: int) -> None:
+    """Add to ``problem`` the receive buffers ``torch.distributed.pipelining`` keeps, one per microbatch, as
     :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_breakdown` counts them: at a stage's points, the activations
-    crossing its first cut (received) and the floating ones crossing the next (their gradients received). Crossing:
-    a value (:meth:`GraphMemory.is_value`) made before the cut and read after it; its layout is not chosen yet, so
-    its rows are taken as split over the data axis and nothing else (the hidden state's layout between layers)."""
-    from autoshard.cost_models.memory import GraphMemory
-
+    crossing its first cut (received) and the floating ones crossing the next (their gradients received). A crossing
+    value (:meth:`GraphMemory.is_value`, made before a cut and read after it) adds its bytes in each option's output
+    layout to its decision's points, at the points of the stage receiving it and of the one sending it."""
+    memory = problem.memory_model
     stage = {n: timeline.stage_of[timeline.segment(n)] for n in gm.graph.nodes if n in timeline.index}
-    data = mesh.axis_size(data_axis) if data_axis in mesh.names else 1
-    crossing = [0.0] * (max(timeline.stage_of, default=0) + 1)  # bytes crossing the cut before stage s
     for n in gm.graph.nodes:
-        if not GraphMemory.is_value(n) or n not in stage:
+        if not memory.is_value(n) or n not in stage:
             continue
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             continue
         last = max((stage.get(u, stage[n]) for u in n.users), default=stage[n])
-        for s in range(stage[n] + 1, last + 1):
-            crossing[s] += val.numel() * val.element_size() / (data if val.dim() else 1)
-    out = np.zeros(timeline.points)
-    for s in range(len(crossing)):
-        both = crossing[s] + (crossing[s + 1] if s + 1 < len(crossing) else 0.0)
-        out += microbatches * both * timeline.mask(s)
-    return out
+        if last == stage[n]:
+            continue
+        i = problem.index.get(canonical(problem.canon, n))
+        if i is None or problem.decisions[i].stored is not None:
+            continue
+        d = problem.decisions[i]
+        # the stages between pass it on: each receives it and sends it again
+        where = sum(timeline.mask(s) for s in range(stage[n], last + 1)) + sum(
+            timeline.mask(s) for s in range(stage[n] + 1, last))
+        for k, option in enumerate(d.options):
+            extra = microbatches * float(sum(memory.own_bytes(n, option.output_spec)[0])) * where
+            d.points[k] = d.points[k] + extra
+            if d.points_recomputed is not None:
+                d.points_recomputed[k] = d.points_recomputed[k] + extra
+    problem.columns = None
+    problem.price_at(0)
 
 
 def _stage_peaks(problem: Problem, choice: list[int], units) -> list[int]:
