@@ -1,4 +1,4 @@
-"""The plan search of a pipelined model bounds each stage's memory (issue 38, part 1): its stages are fixed before
+"""The plan search of a pipelined model bounds each stage's memory: its stages are fixed before
 the search (the layers dealt out evenly, :func:`autoshard.cost_models.memory.layer_cuts`), one memory row per
 liveness point of a stage, its activations times the microbatches in flight under the schedule
 (:class:`autoshard.cost_models.memory.StagedTimeline`); the split cuts where the search fixed the stages. Small
