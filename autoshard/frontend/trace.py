@@ -81,12 +81,21 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
         # a model built under torch.device("meta"): trace with meta inputs of the same shapes and dtypes
         args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
     # one trace at a time where ranks are threads of one process (the simulator; a no-op otherwise)
-    with RANK_THREADS.exclusive(), slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"):
-        if device is None:
-            return _trace(model, args, kwargs, reuse_layers)
-        with _on_device(model, device) as faked:
-            gm = _trace(model, *faked.inputs(args, kwargs), reuse_layers)
-        return faked.restore(gm)
+    # (no frame between this one and _export: the traceback of a model torch.export cannot trace stays short)
+    faking = _on_device(model, device) if device is not None else contextlib.nullcontext()
+    with RANK_THREADS.exclusive(), slow_step(f"autoshard: tracing {type(model).__name__} with torch.export"), \
+            faking as faked:
+        if faked is not None:
+            args, kwargs = faked.inputs(args, kwargs)
+        gm = None
+        if reuse_layers:
+            try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
+                gm = _finish(_export_reusing_layers(model, args, kwargs), model, "layer_reuse")
+            except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
+                _log_no_reuse(model, e)
+        if gm is None:
+            gm = _finish(_export(model, args, kwargs), model, "trace")
+    return gm if faked is None else faked.restore(gm)
 
 
 def _traceable_on(device: torch.device) -> bool:
@@ -98,15 +107,6 @@ def _traceable_on(device: torch.device) -> bool:
     backend = getattr(torch, device.type, None) if device.type != "meta" else None
     available = getattr(backend, "is_available", None)
     return bool(available is not None and available())
-
-
-def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, reuse_layers: bool) -> torch.fx.GraphModule:
-    if reuse_layers:
-        try:  # a checkpoint region in a copied layer would lose its mark: such models export every layer
-            return _finish(_export_reusing_layers(model, args, kwargs), model, "layer_reuse")
-        except Exception as e:  # copying is an optimisation: every failure falls back to exporting every layer
-            _log_no_reuse(model, e)
-    return _finish(_export(model, args, kwargs), model, "trace")
 
 
 class _on_device:
