@@ -56,13 +56,14 @@ def hf_deberta_v2(batch: int = 4, seq: int = 8, vocab: int = 64, seed: int = 0):
     return model, (), {"input_ids": ids, "labels": labels}
 
 
-def hf_dbrx(batch: int = 4, seq: int = 8, vocab: int = 64, seed: int = 0):
-    """Tiny DBRX: one layer, 4 experts top-2 with flat ``[E·f, h]`` expert weights. (transformers 5's DbrxAttention
-    reads ``attn_config.rope_theta`` and clamps with ``clip_qkv`` unconditionally, so both are given.)"""
+def hf_dbrx(batch: int = 4, seq: int = 8, vocab: int = 64, seed: int = 0, layers: int = 1):
+    """Tiny DBRX: ``layers`` layers (one by default), 4 experts top-2 with flat ``[E·f, h]`` expert weights.
+    (transformers 5's DbrxAttention reads ``attn_config.rope_theta`` and clamps with ``clip_qkv`` unconditionally,
+    so both are given.)"""
     from transformers import DbrxConfig, DbrxForCausalLM
 
     torch.manual_seed(seed)
-    cfg = DbrxConfig(d_model=32, n_heads=4, n_layers=1, max_seq_len=seq, vocab_size=vocab,
+    cfg = DbrxConfig(d_model=32, n_heads=4, n_layers=layers, max_seq_len=seq, vocab_size=vocab,
                      attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                      ffn_config={"hidden_size": 32, "ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
                      use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)

@@ -88,17 +88,11 @@ def deepseek_v3(batch=4, seq=8, vocab=64, seed=0):
 
 
 def dbrx(batch=4, seq=8, vocab=64, seed=0):
-    """Flat experts ``experts.mlp.{w1, v1, w2}`` of ``[E·f, h]`` (4 experts top-2), router ``router.layer``."""
-    from transformers import DbrxConfig, DbrxForCausalLM
+    """Flat experts ``experts.mlp.{w1, v1, w2}`` of ``[E·f, h]`` (4 experts top-2), router ``router.layer``: the
+    held-out models' tiny DBRX with 2 layers."""
+    from tests.test_held_out_models import hf_dbrx
 
-    torch.manual_seed(seed)
-    cfg = DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=seq, vocab_size=vocab,
-                     attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                     ffn_config={"hidden_size": 32, "ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
-                     use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    model = DbrxForCausalLM(cfg)
-    ids, labels = _ids(batch, seq, vocab, seed + 1)
-    return model, (), {"input_ids": ids, "labels": labels}
+    return hf_dbrx(batch, seq, vocab, seed, layers=2)
 
 
 MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3, "dbrx": dbrx}
