@@ -91,14 +91,24 @@ def reference(steps: int):
     return losses, first, model
 
 
-def assert_trained_close(got: dict, want: dict, steps: int) -> None:
-    """Equal to 1e-5 but the attention key biases, whose gradient is zero in exact arithmetic (a bias on k adds the
-    same q·b to every score of a row): what they get is rounding noise, which Adam turns into steps of up to ``lr``
-    that differ with the order of the sums (another mesh), up to ``2·lr·steps``."""
+def assert_trained_close(got: dict, want: dict, steps: int, got_grads: dict, want_grads: dict) -> None:
+    """Equal to 1e-5 but where a gradient is rounding noise: the attention key biases, whose gradient is zero in exact
+    arithmetic (a bias on k adds the same q·b to every score of a row), and the elements where the two runs'
+    first-step gradients differ by more than 1e-4 of the gradient plus Adam's eps (a weight element whose sum cancels
+    to 1e-8 where its neighbours are 1e-4). Adam's normalisation turns noise into steps of up to ``lr`` that differ
+    with the order of the sums (another mesh, another CPU's kernels): up to ``2·lr·steps`` there."""
     assert list(got) == list(want)
     for k, v in want.items():
-        tol = 2 * LR * steps if k.endswith("attn.k.bias") else 1e-5
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
+        atol = torch.full_like(v, 1e-5)
+        if k.endswith("attn.k.bias"):
+            atol[:] = 2 * LR * steps
+        elif k in want_grads and k in got_grads:
+            noise = (got_grads[k] - want_grads[k]).abs() > 1e-4 * (want_grads[k].abs() + 1e-8)
+            atol[noise] = 2 * LR * steps
+        bad = (got[k] - v).abs() > atol + 1e-5 * v.abs()
+        assert not bad.any(), (f"{k}: {int(bad.sum())} of {v.numel()} elements differ; largest "
+                               f"{(got[k] - v).abs()[bad].max().item():.3e} (tolerance there "
+                               f"{atol[bad].max().item():.1e})")
 
 
 def assert_equal_state(got: dict, want: dict, what: str) -> None:
@@ -195,7 +205,8 @@ def test_pipeline_saved_on_pipe_data_loads_anywhere_and_resumes(tmp_path):
     for target, g in grads.items():
         torch.testing.assert_close(g, ref_grads[public.get(target, target)], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, t=target: f"{t}: {m}")
-    assert_trained_close(r0["final"], ref_model.state_dict(), steps=4)
+    first_grads = {public.get(t, t): g for t, g in grads.items()}
+    assert_trained_close(r0["final"], ref_model.state_dict(), 4, first_grads, ref_grads)
 
     # eval(): the forward only, the loss of the trained weights (the one-device model's, in eval mode)
     ref_model.eval()
@@ -228,7 +239,7 @@ def test_pipeline_saved_on_pipe_data_loads_anywhere_and_resumes(tmp_path):
             torch.testing.assert_close(torch.tensor(r[what]), torch.tensor(ref_after), rtol=1e-5, atol=1e-5,
                                        msg=lambda m, w=what: f"{w}: {m}")
     for what in ("a_after", "b_after", "c_after"):  # the weights after the 2 more steps: the one-device run's
-        assert_trained_close(r0[what], ref_model.state_dict(), steps=4)
+        assert_trained_close(r0[what], ref_model.state_dict(), 4, first_grads, ref_grads)
 
     # (d) the plain model: autoshard.load, and DCP's own reader (the model's tensors under "model.<name>")
     plain = new_model(seed=5)
