@@ -27,9 +27,9 @@ The pass (:class:`PlanSearch`) builds a problem, searches it and writes the choi
 A plan not proven optimal is reported (report ``optimal``, ``gap``) and warned about, never silently used. Time never
 ends the search without a plan (:func:`search`: the best plan met, or a solver-free one, with its gap and
 ``timed_out``); the one error is a memory limit below the least memory any plan needs: below a lower bound
-computed without a solve (:func:`least_memory_bound`), or below the least peak the least-peak ILP proves within
-``PROOF_SECONDS``, it is refused before the walk; a limit between the bound and the least plan found is refused only
-when the walk, too, finds no plan within it.
+computed without a solve (:func:`least_memory_bound`) it is refused before the walk (naming the least peak exactly
+when the least-peak ILP proves it within ``PROOF_SECONDS``); a limit above the bound is refused only when the walk
+finds no plan within it and the least-peak ILP none either.
 The graph arrives functional, its inputs and annotated parameters seeded and its gradients marked
 (``passes/prepare.py``, earlier in the pass list).
 Annotated parameters are hard constraints, as in propagation (:func:`autoshard.passes.propagate.pinned_values`).
@@ -84,8 +84,8 @@ class PlanSearch:
     optimizer: str = "adam"
     tie_layers: bool = True
     #: seconds for the whole search (None: DEFAULT_TIME_LIMIT, 120; compile's Options.search_time_limit, the CLI's
-    #: --search-time-limit); a plan stopped by it reports its gap. A limit no plan meets is refused before the walk
-    #: (in at most PROOF_SECONDS of it), whatever this is.
+    #: --search-time-limit); a plan stopped by it reports its gap. A limit below the least-memory bound is refused
+    #: before the walk (in at most PROOF_SECONDS of it), whatever this is.
     time_limit: float | None = None
     #: under a memory limit: seconds for the exact ILP after the Lagrangian search, when that leaves a gap
     exact_seconds: float = 2.0

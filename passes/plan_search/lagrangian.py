@@ -8,14 +8,16 @@ structure, so it solves like the unconstrained one, from the previous HiGHS basi
 :meth:`_Walk.relaxed`). The search (:func:`search`):
 
 0. A limit the least-memory plan (:func:`.repair.least_memory_plan`: per decision the option of fewest bytes,
-   every unit recomputed) does not meet is checked before the walk (:func:`_least_memory`): every plan needs at
-   least :func:`least_memory_bound` bytes (per liveness point, each decision's fewest bytes there, by the same
-   columns the walk prices, plus the temporaries every plan has: computed in milliseconds), and the least-peak ILP
-   (:func:`.ilp.least_peak_program`) gets ``PROOF_SECONDS`` to find the plan of least peak and prove it. A limit
-   below the bound, or below a proven least peak, is :class:`~autoshard.errors.PlanError` at once, naming the
-   least memory ("at least" when not proven), the least-memory plan found and the options that would lower it
-   (:func:`_no_plan_fits`) — the only error. Between the bound and the least plan found the walk runs; a plan the
-   ILP found within the limit is its fallback (:meth:`_Walk.least_fitting`).
+   every unit recomputed) does not meet is checked against :func:`least_memory_bound` before the walk: every plan
+   needs at least that many bytes (per liveness point, each decision's fewest bytes there, by the same columns the
+   walk prices, plus the temporaries every plan has: computed in milliseconds). A limit below it is
+   :class:`~autoshard.errors.PlanError` at once (:func:`_least_memory` gives the least-peak ILP
+   (:func:`.ilp.least_peak_program`) ``PROOF_SECONDS`` to name the least memory exactly), naming the least memory
+   ("at least" when not proven), the least-memory plan found and the options that would lower it
+   (:func:`_no_plan_fits`) — the only error. Above it the walk runs; the least-peak ILP is solved only when the walk
+   meets no plan that fits (:meth:`_Walk.least_fitting`; a proven least peak above the limit is the same error).
+   (It used to run before every walk under such a limit: on a Llama-3-8B-shaped HF model at 4 GiB on
+   data=8 x model=8, 5.4 s of ILP, unproven when its 5 s ran out, before a walk of 3.4 s that met the plan itself.)
 1. ``λ = 0`` (:meth:`_Walk.point`): the least-time plan; if it fits, it is optimal.
 2. Cutting planes (:meth:`_Walk.cutting_planes`): every plan met is a cut ``θ ≤ T_i + λ·(M_i − room)`` of the dual;
    a small LP maximises their lower envelope within a box around the best multipliers so far (Kelley's method in
@@ -91,14 +93,13 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if problem.memory_limit is None:
         return _unconstrained(problem, total, info)
     least = least_memory_plan(problem)
-    floor, seed = 0.0, None
+    floor = 0.0
     if least.memory > problem.memory_limit:  # is the limit met at all? (step 0)
-        floor, found, proven = _least_memory(problem, least, min(PROOF_SECONDS, total))
-        if found.memory <= problem.memory_limit:
-            seed = found
-        elif proven or problem.memory_limit < floor:
-            raise _no_plan_fits(problem, floor, found, proven)
-    walk = _Walk(problem, total, floor, seed)
+        floor = least_memory_bound(problem)
+        if problem.memory_limit < floor:  # no plan is: name the least memory, exactly if the ILP proves it in time
+            least_bytes, found, proven = _least_memory(problem, least, min(PROOF_SECONDS, total))
+            raise _no_plan_fits(problem, least_bytes, found, proven)
+    walk = _Walk(problem, total, floor)
     start = walk.point(walk.zero)
     if start is None:  # time_limit ran out in the first solve
         info.update(binding=None)
@@ -159,7 +160,7 @@ def _out_of_time(problem: Problem, walk: _Walk, info: dict) -> tuple[list[int], 
     :func:`.repair.fallback_plan` (a tenth of the time limit, at least a second, to improve it) or a repaired plan
     of the walk, whichever is faster; the gap to the best lower bound known is reported."""
     made = fallback_plan(problem, max(1.0, 0.1 * walk.total))
-    found = [p for p in (made, walk.best, walk.seed) if p is not None]
+    found = [p for p in (made, walk.best) if p is not None]
     if not found:
         raise _no_plan_fits(problem, walk.floor or least_memory_bound(problem), walk.least_met(), proven=False,
                             searched=walk.elapsed())
@@ -217,10 +218,10 @@ class _Walk:
     """The state of the search under a limit: the programs and per-point bytes per recomputation set, the HiGHS
     copy, the time budget, the best plan within the limit and the best lower bound so far."""
 
-    def __init__(self, problem: Problem, total: float, floor: float = 0.0, seed: Candidate | None = None):
+    def __init__(self, problem: Problem, total: float, floor: float = 0.0):
         self.problem, self.total, self.start = problem, total, time.perf_counter()
-        # bytes every plan needs at least (0: not computed), and a plan within the limit found before the walk
-        self.floor, self.seed = floor, seed
+        # bytes every plan needs at least (0: not computed)
+        self.floor = floor
         self.limit = problem.memory_limit
         base = build_program(problem, frozenset(), memory_row=False)
         self.base, self.warm = base, WarmLP.create(base)
@@ -427,10 +428,12 @@ class _Walk:
         """When no plan the walk met could be repaired to fit: the least-memory plan met, the solver-free one or the
         plan of least peak (the ILP of every liveness point's row), repaired; raises when none fits."""
         problem = self.problem
-        found = [p for p in (least_memory_plan(problem), self.least, self.seed) if p is not None]
-        if min(p.memory for p in found) > self.limit:  # (the ILP's plan, when it found one within the limit, is seed)
-            peak, _ = _least_peak_plan(problem, 2 * max(start.memory, found[0].memory), start.time,
-                                       max(1.0, self.left()))
+        found = [p for p in (least_memory_plan(problem), self.least) if p is not None]
+        if min(p.memory for p in found) > self.limit:
+            peak, proven = _least_peak_plan(problem, 2 * max(start.memory, found[0].memory), start.time,
+                                            max(1.0, self.left()))
+            if peak is not None and proven and peak.memory > self.limit:  # the least memory, proven
+                raise _no_plan_fits(problem, peak.memory, peak, proven=True)
             found += [peak] if peak is not None else []
         least = min(found, key=lambda p: p.memory)
         if least.memory > self.limit:
@@ -441,7 +444,7 @@ class _Walk:
 
     def least_met(self) -> Candidate:
         """The plan of least memory met: the walk's, the one found before it, the least-memory plan."""
-        found = [p for p in (least_memory_plan(self.problem), self.least, self.seed) if p is not None]
+        found = [p for p in (least_memory_plan(self.problem), self.least) if p is not None]
         return min(found, key=lambda p: p.memory)
 
     def final_bound(self) -> float:
