@@ -11,7 +11,10 @@ drift from the code.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import functools
 import importlib
 import inspect
 import os
@@ -23,13 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import autoshard
 from autoshard import errors
+from autoshard.api.cluster import plan_cluster
 from autoshard.placements import Partial, Shard, parse_placement
 from examples import models
 from tests.test_checkpoint_integrity import CATALOGUE_TRIGGERS  # the checkpoint integrity rows
+from tests.test_cluster_plan import chain
+from tests.test_plan_file import _edited, _eval, _gpt, _layout_changed, _rename_a_decision, _renamed, _untied
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "docs" / "errors.md"  # the catalogue (docs/errors.md); the name is kept for its users
@@ -200,14 +207,21 @@ def _sim_timeout():
     world.run(body)
 
 
-def _world_size_mismatch():
+@contextlib.contextmanager
+def _one_rank_process_group():
+    """torch.distributed initialised in this process alone (gloo, world size 1), as a job of one rank."""
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
                                 timeout=timedelta(seconds=30))
         try:
-            autoshard.runtime.DistCommunicator(autoshard.Mesh(data=2, model=2))
+            yield
         finally:
             dist.destroy_process_group()
+
+
+def _world_size_mismatch():
+    with _one_rank_process_group():
+        autoshard.runtime.DistCommunicator(autoshard.Mesh(data=2, model=2))
 
 
 def _no_dist():
@@ -271,6 +285,77 @@ def _moe(**kw):
 
 def _pipeline(mesh, **kw):
     return lambda: autoshard.Pipeline(**kw).check(autoshard.Mesh(**mesh))
+
+
+# ---- plan files (autoshard/compiler/plan_file.py, autoshard.load_plan) ----------------------------------------------
+@functools.cache
+def _plan_text() -> str:
+    """tests/test_plan_file.py's GPT planned by the search on data=2, as Plan.save writes it (planned once)."""
+    model, args, kwargs = _gpt()
+    plan = autoshard.plan(model, autoshard.Mesh(data=2), args, kwargs, search=autoshard.Search())
+    with tempfile.TemporaryDirectory() as d:
+        plan.save(f"{d}/plan.json")
+        return Path(f"{d}/plan.json").read_text()
+
+
+@functools.cache
+def _pipeline_text() -> str:
+    """tests/test_cluster_plan.py's chain pipelined on pipe=2 with a loss_fn, as PipelinePlan.save writes it."""
+    model, args, _ = chain(batch=4)
+    plan = autoshard.plan(model, autoshard.Mesh(pipe=2), args,
+                          pipeline=autoshard.Pipeline(microbatches=2, loss_fn=F.mse_loss))
+    with tempfile.TemporaryDirectory() as d:
+        plan.save(f"{d}/plan.json")
+        return Path(f"{d}/plan.json").read_text()
+
+
+def _load_plan(text=_plan_text, make=_gpt, edit=None, **load_kw):
+    """A trigger: the plan file ``text()`` written to a temporary directory (``edit``: its JSON edited first, by
+    tests/test_plan_file.py's ``_edited``), then ``autoshard.load_plan`` for ``make()``'s model and inputs."""
+    def run():
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "plan.json"
+            path.write_text(text())
+            if edit is not None:
+                path = _edited(path, Path(d), edit)
+            model, args, kwargs = make()
+            autoshard.load_plan(path, model, args, kwargs, **load_kw)
+    return run
+
+
+def _load_plan_text(text: str):
+    """A trigger: ``autoshard.load_plan`` of a file holding ``text``."""
+    def run():
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "plan.json").write_text(text)
+            autoshard.load_plan(Path(d, "plan.json"), *_gpt())
+    return run
+
+
+def _plan_file_world_size():
+    with _one_rank_process_group():  # a job of one rank loads the plan of data=2
+        _load_plan()()
+
+
+def _plan_file_unstorable():
+    model, args, kwargs = _mlp()
+    plan = autoshard.plan(model, autoshard.Mesh(data=2), args, kwargs)
+    plan.context.options = dataclasses.replace(plan.context.options, moe=object())
+    with tempfile.TemporaryDirectory() as d:
+        plan.save(f"{d}/plan.json")
+
+
+def _swap_stages(doc):
+    """As a file saved where the pipeline cut the stages otherwise."""
+    doc["split"]["modules"] = doc["split"]["modules"][::-1]
+
+
+def _cluster(**kw):
+    """A trigger: ``plan_cluster`` of the MLP on 2 devices, ``kw`` its keywords."""
+    def run():
+        model, args, kwargs = _mlp()
+        return plan_cluster(model, args, kwargs, **{"devices": 2, **kw})
+    return run
 
 
 TRIGGERS = {
@@ -351,6 +436,39 @@ TRIGGERS = {
         _compile({"model": 2}, comm=autoshard.runtime.SimWorld(autoshard.Mesh(x=2)).communicator(0))),
     "checkpoint-save-interrupted":
         "tests/test_faults.py::test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads",
+    # plan files
+    "plan-file-missing": lambda: autoshard.load_plan(Path(tempfile.gettempdir(), "no-such-dir", "plan.json"), *_gpt()),
+    "plan-file-not-json": _load_plan_text("not json"),
+    "plan-file-format": _load_plan(edit=lambda d: d.update(format="something")),
+    "plan-file-version": _load_plan(edit=lambda d: d.update(version=2)),
+    "plan-file-damaged": _load_plan(edit=lambda d: d.pop("decisions")),
+    "plan-file-malformed-value": _load_plan(edit=lambda d: d["options"].update(memory_limit={"$": "float"})),
+    "plan-file-dtype": _load_plan(edit=lambda d: d["options"].update(memory_limit={"$": "dtype", "name": "float4"})),
+    "plan-file-tag": _load_plan(edit=lambda d: d["options"].update({"$": "Popen"})),
+    "plan-file-fields": _load_plan(edit=lambda d: d["options"].update(planner_v2=1)),
+    "plan-file-unstorable": _plan_file_unstorable,
+    "plan-file-model-type": lambda: autoshard.load_plan("plan.json", lambda x: x, (torch.ones(2),)),
+    "plan-file-other-model": _load_plan(make=_renamed),
+    "plan-file-other-tying": _load_plan(make=_untied),
+    "plan-file-other-mode": _load_plan(make=_eval),
+    "plan-file-other-inputs": _load_plan(make=lambda: _gpt(batch=8)),
+    "plan-file-other-mesh": _load_plan(mesh=autoshard.Mesh(data=4)),
+    "plan-file-other-world-size": _plan_file_world_size,
+    "plan-file-foreign-nodes": _load_plan(edit=_rename_a_decision),
+    "plan-file-too-few-decisions": _load_plan(edit=lambda d: d.update(decisions=[])),
+    "plan-file-too-many-decisions": _load_plan(edit=lambda d: d.update(decisions=d["decisions"] * 2)),
+    "plan-file-replays-otherwise": _load_plan(edit=_layout_changed),
+    "plan-file-other-stages": _load_plan(_pipeline_text, lambda: chain(batch=4), _swap_stages, loss_fn=F.mse_loss),
+    "plan-file-needs-loss-fn": _load_plan(_pipeline_text, lambda: chain(batch=4)),
+    "plan-file-loss-fn-without-pipeline": _load_plan(loss_fn=F.mse_loss),
+    # choosing the mesh for N devices
+    "cluster-devices": _cluster(devices=0),
+    "cluster-gpus-per-node": _cluster(gpus_per_node=0),
+    "cluster-annotations": _cluster(annotations={"fc1.weight": ("S(0)",)}),
+    "cluster-pipeline": _cluster(pipeline=autoshard.Pipeline(microbatches=2)),
+    "cluster-no-devices": _cluster(devices=None),
+    "cluster-search-type": _cluster(search={"memory_limit": "80GiB"}),
+    "cluster-no-plan": lambda: _cluster(search=autoshard.Search(memory_limit="1KiB"))().best,
 }
 
 TRIGGERS.update(CATALOGUE_TRIGGERS)

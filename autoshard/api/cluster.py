@@ -137,10 +137,13 @@ def candidate_meshes(devices: int, gpus_per_node: int | None = None, data_axis: 
     """``data × model = devices`` with ``model`` at most ``gpus_per_node`` and dividing it (a model group never
     straddles two nodes), the model axis inner; axes of size 1 left out. Largest data axis first."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise PlanError(f"devices is {devices!r}, but must be a positive int (the number of ranks).")
+        raise PlanError(f"devices is {devices!r}, but must be a positive int (the number of ranks to plan for: "
+                        "plan_cluster(..., devices=N), autoshard plan --devices N).")
     if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
                                       or gpus_per_node < 1):
-        raise PlanError(f"gpus_per_node is {gpus_per_node!r}, but must be a positive int.")
+        raise PlanError(f"gpus_per_node is {gpus_per_node!r}, but must be a positive int (the devices of one node, "
+                        "which bound the model axis: gpus_per_node=G, autoshard plan --gpus-per-node G), or None "
+                        "(no node bound).")
     out = []
     for model in range(1, devices + 1):
         if devices % model or (gpus_per_node is not None and (model > gpus_per_node or gpus_per_node % model)):
@@ -274,7 +277,8 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
         devices = dist.get_world_size()
     search = search if search is not None else Search()
     if not isinstance(search, Search):
-        raise PlanError(f"search has type {type(search).__name__}, but must be autoshard.Search(...).")
+        raise PlanError(f"plan_cluster got search of type {type(search).__name__}, but search must be "
+                        "autoshard.Search(profile=..., memory_limit=..., ...) or None (the default Search()).")
     limit = parse_bytes(search.memory_limit)
     zero = search.zero != 0
     out = []

@@ -199,7 +199,8 @@ def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs:
     from autoshard.compiler.plan_file import read_plan_file
 
     if not isinstance(model, torch.nn.Module):
-        raise PlanError(f"model has type {type(model).__name__}, but autoshard.load_plan plans a torch.nn.Module.")
+        raise PlanError(f"model has type {type(model).__name__}, but autoshard.load_plan needs a torch.nn.Module: "
+                        "pass the model the plan was made for, autoshard.load_plan(path, model, example_inputs).")
     saved = read_plan_file(path)
     if mesh is not None:
         saved.check_mesh(as_mesh(mesh))
@@ -240,7 +241,10 @@ def load_plan(path, model: torch.nn.Module, example_inputs=None, example_kwargs:
             plan = build_pipeline_plan(model, saved.mesh, args, kwargs, saved.options, pipeline, once=replayed,
                                        submesh_options=True)
     except PlanError as e:
-        raise PlanError(f"the plan in {saved.path} does not replay on this model: {e}") from e
+        fix = "" if saved.path in str(e) else (" For a loaded plan: the model traces here to another program than "
+                                               "where the plan was saved (or the file was edited); save the plan "
+                                               "again with the versions this job runs.")
+        raise PlanError(f"the plan in {saved.path} does not replay on this model: {e}{fix}") from e
     left = sum(1 for _ in replay)
     if left:
         raise PlanError(f"planning the model used {len(saved.decisions) - left} of the {len(saved.decisions)} "

@@ -123,7 +123,9 @@ def decode(data, where: str = "plan file"):
         if tag == "dtype":
             dtype = getattr(torch, fields["name"], None)
             if not isinstance(dtype, torch.dtype):
-                raise PlanError(f"{where} names the dtype {fields['name']!r}, which this torch does not have.")
+                raise PlanError(f"{where} names the dtype {fields['name']!r}, which this torch ({torch.__version__}) "
+                                "does not have: the plan was saved with another torch. Load it with that torch, or "
+                                "plan again and save the plan with this one.")
             return dtype
         if tag == "Shard":
             return Shard(int(fields["dim"]))
@@ -388,22 +390,22 @@ def read_plan_file(path) -> PlanFile:
                         f"{VERSION}: save the plan again with this autoshard.")
     try:
         mesh = Mesh(tuple((str(n), int(s)) for n, s in data["mesh"]))
-        return PlanFile(where, mesh, decode(data["options"], "the file's options"), bool(data["training"]),
+        return PlanFile(where, mesh, decode(data["options"], f"{where}: options"), bool(data["training"]),
                         str(data["model"]),
                         {n: (tuple(s), d) for n, (s, d) in data["parameters"].items()},
                         [list(g) for g in data["tied"]], list(data["inputs"]),
-                        str(data["digest"]), dict(data["layout"]), decode(data["decisions"], "the file's decisions"),
-                        _pipeline_of(data.get("pipeline")), data.get("split"))
+                        str(data["digest"]), dict(data["layout"]), decode(data["decisions"], f"{where}: decisions"),
+                        _pipeline_of(data.get("pipeline"), where), data.get("split"))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"{where} is a damaged plan file ({type(e).__name__}: {e}): save the plan again.") from None
 
 
-def _pipeline_of(data) -> dict | None:
+def _pipeline_of(data, where: str) -> dict | None:
     if data is None:
         return None
     out = {k: data[k] for k in ("microbatches", "schedule", "stages_per_rank", "axis", "loss_fn")}
     out["split"] = data["split"] if isinstance(data["split"], str) else tuple(str(m) for m in data["split"])
-    out["profile"] = decode(data["profile"], "the file's pipeline profile")
+    out["profile"] = decode(data["profile"], f"{where}: pipeline profile")
     return out
 
 
