@@ -115,3 +115,23 @@ def _attr(module, target: str):
     for part in target.split("."):
         module = getattr(module, part)
     return module
+
+
+@pytest.mark.xfail(strict=True, reason="open: on a Llama-3-8B shape the search's stage memory is 13-26% above "
+                                       "stage_memory at stages 0-2 and 20% below it at the last stage (measured "
+                                       "46.4/30.4/24.1/35.8 GiB against 36.7/26.2/19.6/44.6 GiB); the last stage's "
+                                       "backward temporaries (the logits' gradient, 9.8 GiB by stage_memory) look "
+                                       "counted at the wrong stage")
+def test_the_searchs_stage_memory_is_stage_memory_on_a_llama3_8b_shape():
+    """Llama-3-8B shape on meta with 4 layers (vocab 128256: the head's logits dominate the last stage), pipe=4,
+    1F1B over 4 microbatches, no ZeRO or recomputation, a limit that does not bind (it makes the search count
+    stages): each stage's memory as the search counts it equals PipelinePlan.stage_memory within 3%, as on the
+    small HF Llama above."""
+    model, args, kwargs = models.llama3_8b_meta(batch=32, seq=2048, layers=4)
+    pplan = autoshard.plan(model, autoshard.Mesh(pipe=4), args, kwargs, pipeline=Pipeline(microbatches=4),
+                           search=autoshard.Search(profile="multi-node", memory_limit="100GiB", zero=0,
+                                                   recompute=False))
+    searched = _search(pplan)["stage_memory"]
+    memory = [pplan.stage_memory(s) for s in range(pplan.num_stages)]
+    for a, b in zip(searched, memory):
+        assert abs(a - b) <= 0.03 * b, (searched, memory)
