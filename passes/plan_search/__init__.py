@@ -265,6 +265,8 @@ def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: Staged
             timeline.mask(s) for s in range(stage[n] + 1, last))
         for k, option in enumerate(d.options):
             extra = microbatches * float(sum(memory.own_bytes(n, option.output_spec)[0])) * where
+            received = problem.receive.setdefault(i, [0.0] * len(d.options))
+            received[k] = received[k] + extra
             d.points[k] = d.points[k] + extra
             if d.points_recomputed is not None:
                 d.points_recomputed[k] = d.points_recomputed[k] + extra

@@ -297,10 +297,13 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
             kept.extend(d.kept[k])
     if kept:
         acts = acts + problem.memory_model.kept_points(kept)
+    for i, per_option in problem.receive.items():  # a pipeline's receive buffers of the crossing values
+        acts = acts + per_option[choice[i]]
     timeline = problem.memory_model.timeline if problem.memory_model is not None else None
     if problem.stage_sets is None:
         return point_totals(0.0, varying + acts, 2 * gathered,
-                            max(float(cols.gradient[at].max(initial=0.0)), copies_gradient) + live, stored,
+                            max(float(cols.gradient[at].max(initial=0.0)), float(copies_gradient.max())) + live,
+                            stored,
                             timeline.forward_ends if timeline is not None else (0,))
     # a pipeline's stages: each stage's end of forward holds its own ops' largest gradient and (accumulating: an
     # earlier microbatch made every gradient) its own parameters' largest new gradient, besides the copies' largest
@@ -311,7 +314,7 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
         mine = problem.stage_sets[int(owner[end])]
         grad = float(cols.gradient[at][mine].max(initial=0.0))
         new = float(cols.stored[at][mine].max(initial=0.0)) if timeline.accumulating else 0.0
-        out[end] += max(grad, copies_gradient) + live + new
+        out[end] += max(grad, float(copies_gradient[int(owner[end])])) + live + new
     return out
 
 
@@ -336,11 +339,11 @@ def recomputation_change(problem: Problem, choice: list[int]) -> dict:
 
 def activations(problem: Problem, choice: list[int]) -> tuple:
     """What the chosen layouts keep for backward, and what recomputing a unit changes of it: (saved activation bytes
-    per point with nothing recomputed, the largest gradient of a redistributed copy, {unit: what one recomputed copy
-    holds while its backward runs; region id: the same of a region marked before the search}, {unit: bytes per point
-    of the inputs its copies keep as regions, that no op of theirs saves}, {unit: bytes per point its copies' values
-    keep recomputed less what they keep otherwise}); the
-    last two are for every copy of the unit recomputed (a share scales them). The first is
+    per point with nothing recomputed, the largest gradient of a redistributed copy (an array: one entry per pipeline
+    stage, one without stages), {unit: what one recomputed copy holds while its backward runs; region id: the same
+    of a region marked before the search}, {unit: bytes per point of the inputs its copies keep as regions, that no
+    op of theirs saves}, {unit: bytes per point its copies' values keep recomputed less what they keep otherwise});
+    the last two are for every copy of the unit recomputed (a share scales them). The first is
     :func:`autoshard.cost_models.memory.saved_bytes` of every value group — its own output where a reader that
     keeps it reads the layout it is produced in, a copy per other layout a keeping reader needs, the outputs of
     multi-output ops that save them — as ``plan_memory`` counts the compiled graph; recomputed, a value keeps only
@@ -366,7 +369,11 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
     copies of each parameter apart, with the decisions whose stage decides whether they count."""
     memory = problem.memory_model
     parameter_copies = []
-    values, copies_gradient, live, region_inputs = [], 0.0, {}, {}
+    values, live, region_inputs = [], {}, {}
+    # the largest gradient of a redistributed copy, per pipeline stage (one entry without stages): a copy's gradient
+    # exists in the backward of the stages of the value's producers and readers, not in every stage's
+    stage_sets = problem.stage_sets
+    copies_gradient = np.zeros(1 if stage_sets is None else stage_sets.shape[0])
     recomputed: dict = {}  # unit -> {index in values: the value as its unit's recomputed copy keeps it}
     unit_of: dict = {}  # value node -> the unit it lies in
     for d, k in zip(problem.decisions, choice):
@@ -386,6 +393,8 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
         if not parameter and (not memory.is_value(u) or len(output_tensors(u)) != 1):
             continue
         ix = term.index()
+        ends = [*ix.producers, *ix.consumers]
+        here = slice(None) if stage_sets is None or not ends else stage_sets[:, ends].any(axis=1)
         o = term.fixed if term.fixed is not None else next(ix.out[(d, choice[d])] for d in ix.producers
                                                            if (d, choice[d]) in ix.out)
         dtype = u.meta["val"].dtype
@@ -426,12 +435,13 @@ def _layout_activations(problem: Problem, choice: list[int]) -> tuple:
         for i in wanted.values():  # every copy's gradient exists in backward, kept or not (parameters': .grad)
             if i != o and not parameter:
                 t = memory.copy_bytes(u, i) // max(1, u.meta["val"].element_size())
-                copies_gradient = max(copies_gradient, largest_gradient(t, dtype))
+                copies_gradient[here] = np.maximum(copies_gradient[here], largest_gradient(t, dtype))
         if parameter:  # its copies alone (its own bytes are its decision's), unless stored sharded
             parameter_copies.append((ix.producers, saved_bytes([SavedValue(u, [0], reads, term.alive, 0)])[0]))
             continue
         own, numel = memory.own_bytes(u, o)
-        copies_gradient = max(copies_gradient, largest_gradient(numel, dtype))  # (a getitem's: ops' are decisions')
+        # (a getitem's: ops' are decisions')
+        copies_gradient[here] = np.maximum(copies_gradient[here], largest_gradient(numel, dtype))
         if unit is not None:
             unit_of[u] = unit
             kept_again, done = [], set()

@@ -183,6 +183,9 @@ class Problem:
     #: decision, the stages its copies lie in (a parameter: those of its first and last use), as a (stages ×
     #: decisions) boolean array; None: one timeline
     stage_sets: np.ndarray | None = None
+    #: a pipeline's receive buffers (``plan_search.receive_buffers``): {op decision: bytes per point, per option} of
+    #: the values it makes that cross a stage cut (in the option columns' points too)
+    receive: dict = field(default_factory=dict, repr=False)
     #: the terms with redistributions backward may run again (``ValueTerm.rerun``)
     rerun_terms: list = field(default_factory=list, repr=False)
     #: (layouts, answer) of the last :func:`.objective.activations`: a repair changes no layout
