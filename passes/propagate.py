@@ -558,22 +558,25 @@ def _require_outputs(node: torch.fx.Node, ctx: Context) -> None:
 
 
 #: what an output keeps on an axis (:func:`output_keeps`): nothing (replicated), a dim-0 shard where it has one,
-#: or this rank's chunk of dim 0 (a batch-shaped output on the data axis)
-KEEP_NONE, KEEP_SHARD, KEEP_BATCH = 0, 1, 2
+#: this rank's chunk of dim 0 (a batch-shaped output on the data axis), or, on an axis of size 1, the layout it is
+#: made in (Replicate and Shard hold the same whole tensor on one rank: a redistribution would only copy it)
+KEEP_NONE, KEEP_SHARD, KEEP_BATCH, KEEP_AS_MADE = 0, 1, 2, 3
 
 
 def output_keeps(node: torch.fx.Node, ctx: Context) -> list[tuple[int, ...]]:
     """Per tensor of the output node, per mesh axis, what the output keeps there (``KEEP_*``)."""
     mesh, opts = ctx.mesh, ctx.options
+    single = [size == 1 for _, size in mesh.axes]
     if opts.data_axis not in mesh.names:
-        return [(KEEP_NONE,) * mesh.ndim for _ in tensor_inputs(node)]
+        return [tuple(KEEP_AS_MADE if single[a] else KEEP_NONE for a in range(mesh.ndim))
+                for _ in tensor_inputs(node)]
     axis = mesh.names.index(opts.data_axis)
     batches = batch_sizes(node.graph, ctx)
     out = []
     for x in tensor_inputs(node):
         dims = shape(x)
         keep = KEEP_BATCH if dims and dims[0] in batches else KEEP_SHARD
-        out.append(tuple(keep if a == axis else KEEP_NONE for a in range(mesh.ndim)))
+        out.append(tuple(KEEP_AS_MADE if single[a] else keep if a == axis else KEEP_NONE for a in range(mesh.ndim)))
     return out
 
 
@@ -592,7 +595,7 @@ def batch_sizes(graph: torch.fx.Graph, ctx: Context) -> set[int]:
 def output_spec(src, keep: tuple[int, ...]) -> tuple:
     """The layout an output of layout ``src`` leaves in, given what it keeps per axis (:func:`output_keeps`)."""
     return tuple(Shard(0) if k == KEEP_BATCH else p if (k == KEEP_SHARD and isinstance(p, Shard) and p.dim == 0)
-                 else Replicate() for p, k in zip(src, keep))
+                 or (k == KEEP_AS_MADE and not isinstance(p, Partial)) else Replicate() for p, k in zip(src, keep))
 
 
 __all__ = ["Propagate", "keeps_layout", "mark_requires_grad", "node_strategies", "pin_conflict", "pinned_values",

@@ -134,3 +134,19 @@ def test_the_searchs_stage_memory_is_stage_memory_on_a_llama3_8b_shape():
     memory = [pplan.stage_memory(s) for s in range(pplan.num_stages)]
     for a, b in zip(searched, memory):
         assert abs(a - b) <= 0.03 * b, (searched, memory)
+
+
+def test_an_axis_of_size_one_beside_pipe_costs_the_last_stage_no_copy():
+    """A ``data`` axis of size 1 beside ``pipe``: the batch-shaped output (the logits) leaves in the layout it is made
+    in, since every layout of a size-1 axis is the whole tensor on its one rank. It was sliced to this rank's chunk
+    there, a clone of the 7.8 GiB logits per microbatch in the last stage that the search did not count (44.6 GiB
+    by stage_memory against its 36.8). (The token ids are still all-gathered on that axis where a stage reads them
+    replicated: a copy of 128 KiB.)"""
+    model, args, kwargs = models.llama3_8b_meta(batch=32, seq=2048, layers=4)
+    pplan = autoshard.plan(model, autoshard.Mesh(pipe=4, data=1), args, kwargs, pipeline=Pipeline(microbatches=4),
+                           search=autoshard.Search(profile="multi-node", memory_limit="100GiB", zero=0,
+                                                   recompute=False))
+    last = pplan.num_stages - 1
+    assert _search(pplan)["stage_memory"][last] == pytest.approx(pplan.stage_memory(last), rel=0.03)
+    kinds = [n.meta[M.COLLECTIVE].kind for n in pplan.stages[last].gm.graph.nodes if M.COLLECTIVE in n.meta]
+    assert "local_slice" not in kinds, kinds
