@@ -263,9 +263,9 @@ def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: Staged
         # the stages between pass it on: each receives it and sends it again
         where = sum(timeline.mask(s) for s in range(stage[n], last + 1)) + sum(
             timeline.mask(s) for s in range(stage[n] + 1, last))
+        received = problem.receive.setdefault(i, [0.0] * len(d.options))
         for k, option in enumerate(d.options):
             extra = microbatches * float(sum(memory.own_bytes(n, option.output_spec)[0])) * where
-            received = problem.receive.setdefault(i, [0.0] * len(d.options))
             received[k] = received[k] + extra
             d.points[k] = d.points[k] + extra
             if d.points_recomputed is not None:

@@ -97,7 +97,7 @@ def search(problem: Problem, time_limit: float | None = None, info: dict | None 
     if least.memory > problem.memory_limit:  # is the limit met at all? (step 0)
         floor = least_memory_bound(problem)
         if problem.memory_limit < floor:  # no plan is: name the least memory, exactly if the ILP proves it in time
-            least_bytes, found, proven = _least_memory(problem, least, min(PROOF_SECONDS, total))
+            least_bytes, found, proven = _least_memory(problem, least, floor, min(PROOF_SECONDS, total))
             raise _no_plan_fits(problem, least_bytes, found, proven)
     walk = _Walk(problem, total, floor)
     start = walk.point(walk.zero)
@@ -500,12 +500,11 @@ def least_memory_bound(problem: Problem) -> float:
     return float(per_point.max())
 
 
-def _least_memory(problem: Problem, least: Candidate, seconds: float) -> tuple[float, Candidate, bool]:
+def _least_memory(problem: Problem, least: Candidate, floor: float, seconds: float) -> tuple[float, Candidate, bool]:
     """(bytes every plan needs at least, the plan of least memory found, whether that plan is proven the least):
-    :func:`least_memory_bound`, then the least-peak ILP for at most ``seconds`` (its program's build included).
-    Proven, the least memory is that plan's (a limit that high is met; transients included)."""
+    ``floor`` (:func:`least_memory_bound`), then the least-peak ILP for at most ``seconds`` (its program's build
+    included). Proven, the least memory is that plan's (a limit that high is met; transients included)."""
     started = time.perf_counter()
-    floor = least_memory_bound(problem)
     peak, proven = _least_peak_plan(problem, 2 * least.memory, least.time, seconds, started=started)
     found = peak if peak is not None and peak.memory < least.memory else least
     if proven:
