@@ -99,8 +99,8 @@ def test_llama3_8b_meta_infeasible_limit_names_a_true_lower_bound():
     assert least > 2**30
     _check_message(error, 2**30)
     limit = 1.05 * error.least_memory_found
-    # 4 s of search (a fraction of its unbounded time here): the bound holds whatever plan the search reaches
-    plan = _plan("llama3_8b_meta", mesh, "gpu-8x-nvlink", limit, time_limit=4.0, **kwargs)
+    # 10 s of search (about a sixth of its unbounded time here): the bound holds whatever plan the search reaches
+    plan = _plan("llama3_8b_meta", mesh, "gpu-8x-nvlink", limit, time_limit=10.0, **kwargs)
     searched = plan.context.report["plan_search"]["memory_per_rank"]
     assert least <= searched <= limit
 
