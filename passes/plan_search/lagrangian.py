@@ -158,9 +158,16 @@ def _unconstrained(problem: Problem, total: float, info: dict) -> tuple[list[int
 def _out_of_time(problem: Problem, walk: _Walk, info: dict) -> tuple[list[int], frozenset | dict]:
     """The plan when time_limit ran out before the walk met one within the limit: the solver-free plan of
     :func:`.repair.fallback_plan` (a tenth of the time limit, at least a second, to improve it) or a repaired plan
-    of the walk, whichever is faster; the gap to the best lower bound known is reported."""
+    of the walk, whichever is faster; when neither fits, the least-peak ILP's plan (as long again) if it fits. The
+    gap to the best lower bound known is reported."""
     made = fallback_plan(problem, max(1.0, 0.1 * walk.total))
     found = [p for p in (made, walk.best) if p is not None]
+    if not found:  # the plan of least peak, as the walk's own last resort (least_fitting) would, as long again
+        least = walk.least_met()
+        peak, _ = _least_peak_plan(problem, 2 * least.memory, least.time, max(1.0, 0.1 * walk.total))
+        if peak is not None and peak.memory <= problem.memory_limit:
+            fixed = repair(problem, peak.choice, peak.recompute)
+            found = [fixed if fixed is not None and fixed.time < peak.time else peak]
     if not found:
         raise _no_plan_fits(problem, walk.floor or least_memory_bound(problem), walk.least_met(), proven=False,
                             searched=walk.elapsed())
