@@ -154,6 +154,12 @@ def llama3_70b_meta(batch: int = 2, seq: int = 16, layers: int = 80, vocab: int 
     return _llama_meta(batch, seq, layers, vocab, hidden=8192, ffn=28672, heads=64, kv_heads=8)
 
 
+def llama31_405b_meta(batch: int = 2, seq: int = 16, layers: int = 126, vocab: int = 128256):
+    """A Llama-3.1-405B-shaped ``LlamaForCausalLM`` (hidden 16384, 128 heads, 8 KV heads, FFN 53248, 126 layers) on
+    the meta device, like :func:`llama3_8b_meta`."""
+    return _llama_meta(batch, seq, layers, vocab, hidden=16384, ffn=53248, heads=128, kv_heads=8)
+
+
 #: Megatron plans (vocabulary-parallel embeddings and LM head, column-parallel then row-parallel linears, heads
 #: split on the model axis), per model, as
 #: {glob: placement on the model axis}; ``megatron(mesh, name)`` expands them to one placement per mesh axis.
@@ -175,6 +181,7 @@ MEGATRON = {
 }
 MEGATRON["llama3_8b_meta"] = MEGATRON["hf_llama"]
 MEGATRON["llama3_70b_meta"] = MEGATRON["hf_llama"]
+MEGATRON["llama31_405b_meta"] = MEGATRON["hf_llama"]
 
 
 class BlockLoss(nn.Module):

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.api.cli import main
-from autoshard.api.cluster import candidate_meshes, candidate_pipelines, least_state_bytes, plan_cluster
+from autoshard.api import planning
+from autoshard.api.cluster import (CANDIDATE_TIME_LIMIT, candidate_meshes, candidate_pipelines, least_state_bytes,
+                                   plan_cluster)
 from autoshard.cost_models.memory import training_state_bytes
 from autoshard.errors import PlanError
 from examples import models
@@ -66,6 +68,45 @@ def test_a_limit_no_mesh_can_hold_prunes_every_mesh_before_any_search():
     assert all("parameters, gradients and optimizer state need at least" in c.pruned for c in chosen.candidates)
     with pytest.raises(PlanError, match="no mesh of 4 devices has a plan: data=4: its parameters"):
         chosen.best
+
+
+def test_each_candidate_searches_for_at_most_the_candidate_time_limit_unless_the_user_gives_one(monkeypatch):
+    """A candidate's search is given CANDIDATE_TIME_LIMIT (not a single plan's 120 s) when Search.time_limit is None,
+    and the user's time_limit otherwise; a search that refuses within it is recorded as failed with its words."""
+    model, args, kwargs = models.gpt(layers=1)
+    given = []
+
+    def refuse(model, mesh, *a, search=None, **k):
+        given.append(search.time_limit)
+        raise PlanError(f"no plan within it was found in {search.time_limit} s of search")
+
+    monkeypatch.setattr(planning, "plan", refuse)
+    chosen = plan_cluster(model, args, kwargs, devices=4, search=autoshard.Search(memory_limit="1GiB"))
+    assert given and set(given) == {CANDIDATE_TIME_LIMIT}  # (a pipeline's schedules share one search)
+    assert all(c.failed == f"PlanError: no plan within it was found in {CANDIDATE_TIME_LIMIT} s of search"
+               for c in chosen.candidates)
+    given.clear()
+    plan_cluster(model, args, kwargs, devices=4, pipelines=False,
+                 search=autoshard.Search(memory_limit="1GiB", time_limit=7))
+    assert given == [7] * len(candidate_meshes(4))
+
+
+def test_a_data_axis_the_batch_does_not_divide_is_not_planned(monkeypatch):
+    """batch 2 on 4 devices: data=4 would replicate the batch over its ranks (as a pipeline's microbatches must divide
+    over the data axis, a mesh's batch must): pruned with that reason and not searched; data=2 x model=2 is."""
+    from autoshard.passes import plan_search
+
+    model, args, kwargs = models.gpt(batch=2, layers=1)
+    searched, search = [], plan_search.search
+    monkeypatch.setattr(plan_search, "search", lambda *a, **k: searched.append("search") or search(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = plan_cluster(model, args, kwargs, devices=4, pipelines=False)
+    by_mesh = {c.mesh: c for c in chosen.candidates}
+    assert by_mesh[M(data=4)].pruned == ("the batch of 2 does not divide over data=4: every rank of a data group "
+                                         "would run the whole batch")
+    assert by_mesh[M(data=2, model=2)].plan is not None and by_mesh[M(model=4)].plan is not None
+    assert searched == ["search"] * 2
 
 
 def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():
