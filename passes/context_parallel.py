@@ -9,11 +9,13 @@ Three passes of the one list (``passes/manager.py``):
 * :class:`ContextAttention` (plan phase, after collective insertion): each attention whose strategy shards the sequence
   on the axis takes the local form the user asked for (``ring`` / ``all_gather`` / ``ulysses``); checks what the
   head-tail layout cannot hold (a parameter sharded on the axis, dropout with a sharded mask) and raises
-  :class:`~autoshard.errors.PlanError` naming the module; reports attention left gathered.
+  :class:`~autoshard.errors.PlanError` naming the module; reports each attention's form, those split on the axis by
+  heads or batch (the sequence all-to-all'd: Ulysses as a redistribution), and those left gathered.
 * :class:`BalanceContext` (rank phase, after localisation; only with ``balance``): the chunks a rank holds are
   ``r`` and ``2n-1-r``, so every collective on the axis that cuts or joins a dim reorders it: a local slice,
   reduce-scatter or the split side of an all-to-all takes the head-tail order first, an all-gather (or the joined
-  side of an all-to-all) puts the natural order back (:func:`autoshard.runtime.context.head_tail`). Positions
+  side of an all-to-all) puts the natural order back (:func:`autoshard.runtime.context.head_tail`); ZeRO's gathers
+  of parameters stored over the axis (:func:`autoshard.compiler.context.zero_axis`) keep the natural order. Positions
   (rotary), masks and labels are computed whole and sliced, so they follow; outputs leave the program gathered,
   in natural order.
 """
@@ -32,6 +34,7 @@ from autoshard.errors import PlanError
 from autoshard.frontend.graph_utils import node_location
 from autoshard.compiler.ops.attention import context_axis_of, context_form
 from autoshard.compiler.ops.context import sequence_cut
+from autoshard.passes.shard_storage import stage_of
 from autoshard.placements import Replicate, Shard
 
 __all__ = ["BalanceContext", "ContextAttention", "CutSequence"]
@@ -125,13 +128,21 @@ class ContextAttention:
 
         layout = gm.meta.get(M.CONTEXT)
         mesh = ctx.mesh
-        forms, gathered = {}, []
+        forms, split, gathered = {}, {}, []
         for n in _attention_nodes(gm):
             strat = n.meta.get(M.STRATEGY)
             a = None if strat is None else context_axis_of(strat, n.args[0].meta["val"].dim())
             if a is None:
                 if layout is not None:
-                    gathered.append(node_location(n))
+                    # the sequence redistributed whole onto this attention: split on the axis by heads (Ulysses'
+                    # all-to-all, as a redistribution) or batch, or gathered (every rank of the axis runs it all)
+                    q = strat.input_specs[0] if strat is not None and strat.input_specs else None
+                    p = q[mesh.index(layout.axis)] if q else None
+                    ndim = n.args[0].meta["val"].dim()
+                    if isinstance(p, Shard):
+                        split[n.name] = "heads" if p.dim == ndim - 3 else "batch"
+                    else:
+                        gathered.append(node_location(n))
                 continue
             form = context_form(strat)
             if layout is not None and layout.attention is not None and mesh.names[a] == layout.axis:
@@ -151,7 +162,7 @@ class ContextAttention:
         if gathered:
             ctx.warn(f"context_axis={layout.axis!r}: {len(gathered)} attention(s) run on the whole sequence "
                      f"(gathered), not context-parallel: {gathered[:3]}")
-        M.plan_report(gm)[self.name] = {"attention": forms, "gathered": gathered}
+        M.plan_report(gm)[self.name] = {"attention": forms, "split": split, "gathered": gathered}
         return gm
 
     @staticmethod
@@ -160,6 +171,8 @@ class ContextAttention:
         n_ = ctx.mesh.shape[a]
         for n in gm.graph.nodes:
             spec = n.meta.get(M.SPEC)
+            if M.STORAGE in n.meta:  # stored sharded by ZeRO over the axis (zero_axis): computed with as gathered
+                spec = n.meta[M.STORAGE].compute
             val = n.meta.get("val")
             if isinstance(val, torch.Tensor) and isinstance(spec, tuple) and spec and isinstance(spec[a], Shard) \
                     and val.shape[spec[a].dim] % (2 * n_):
@@ -203,6 +216,8 @@ class BalanceContext:
             k = kind_of(node)
             if k is None or len(node.args) < 2 or node.args[1] != axis:
                 continue
+            if k.name in _GATHERS and stage_of(node.args[0]) > 0:
+                continue  # ZeRO's gather of a parameter stored over the axis (zero_axis): natural order both ways
             if k.name in _GATHERS:
                 dim, size = node.args[2], node.args[3]
                 with graph.inserting_after(node):

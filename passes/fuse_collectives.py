@@ -20,7 +20,7 @@ from autoshard.passes.shard_storage import stage_of
 
 from autoshard import meta as M
 from autoshard.compiler.collective_kinds import KINDS, is_kind
-from autoshard.compiler.context import Context
+from autoshard.compiler.context import Context, zero_axis
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class FuseGatherGradSync:
                 continue
             gathered = node.args[0]
             x, axis, dim, size = gathered.args
-            stage = stage_of(x) if axis == ctx.options.data_axis else 0
+            stage = stage_of(x) if axis == zero_axis(ctx.options, ctx.mesh) else 0
             if stage == 1:
                 continue  # ZeRO-1: the gradient is all-reduced, then sliced (passes/shard_storage.py)
             kind = KINDS["all_gather_reshard" if stage == 3 else "all_gather_sync"]
@@ -58,8 +58,9 @@ class FuseGatherGradSync:
 def _reshard_unsynced_gathers(graph: torch.fx.Graph, ctx: Context) -> None:
     """A ZeRO-3 parameter's all-gather with no gradient sync after it (its users compute replicated over the data
     axis) is still not kept for backward: ``all_gather_reshard`` with no axes to sum (backward: this rank's slice)."""
+    axis_of_zero = zero_axis(ctx.options, ctx.mesh)
     for node in list(graph.nodes):
-        if not is_kind(node, "all_gather") or node.args[1] != ctx.options.data_axis or stage_of(node.args[0]) != 3:
+        if not is_kind(node, "all_gather") or node.args[1] != axis_of_zero or stage_of(node.args[0]) != 3:
             continue
         x, axis, dim, size = node.args
         kind = KINDS["all_gather_reshard"]

@@ -491,6 +491,12 @@ def _replicated_axes(spec) -> int:
     return sum(isinstance(p, Replicate) for s in specs for p in (s or ()))
 
 
+#: (input, dim) pairs an op's local form reads as contiguous chunks at this rank's offset: the vocabulary-parallel
+#: loss compares labels against its class range. Head-tail balancing puts chunks r and 2n-1-r on a rank, so these are
+#: never sharded on a balanced context axis (the plan's numbers would be wrong, not refused).
+_GLOBAL_OFFSET_DIMS = {torch.ops.aten.cross_entropy_loss.default: ((0, 1),)}
+
+
 def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
     """Every strategy the rule table allows for ``node`` on ``ctx.mesh`` (the search space of one op)."""
     inputs = tensor_inputs(node)
@@ -521,9 +527,32 @@ def node_strategies(node: torch.fx.Node, ctx: Context) -> list[M.Strategy]:
     strategies = strategies_for(rule(info), info.in_shapes, info.out_shapes, ctx.mesh)
     # A parameter is never Partial: every rank would compute its whole gradient while holding a share of it.
     params = [i for i, x in enumerate(inputs) if x.op == "get_attr"]
-    return [s for s in strategies
-            if not any(s.input_specs[i] is not None and any(isinstance(p, Partial) for p in s.input_specs[i])
-                       for i in params)]
+    strategies = [s for s in strategies
+                  if not any(s.input_specs[i] is not None and any(isinstance(p, Partial) for p in s.input_specs[i])
+                             for i in params)]
+    # The context axis shards the sequence: a parameter sharded on it would make it a tensor-parallel axis (and
+    # cannot hold head-tail balancing's reordered chunks), so no strategy reads one sharded there.
+    # With head-tail balancing every dim sharded there is cut in 2n chunks, so it must divide by 2n (what
+    # passes/context_parallel.py checks of the plan, made a constraint of the search space).
+    cp = ctx.options.context_parallel
+    if cp is not None and cp.axis in ctx.mesh.names and ctx.mesh.axis_size(cp.axis) > 1:
+        a, chunks = ctx.mesh.index(cp.axis), 2 * ctx.mesh.axis_size(cp.axis)
+
+        def fits(s: M.Strategy) -> bool:
+            if any(s.input_specs[i] is not None and isinstance(s.input_specs[i][a], Shard) for i in params):
+                return False
+            if not cp.balance:
+                return True
+            for i, d in _GLOBAL_OFFSET_DIMS.get(node.target, ()):  # a shard whose local form needs its offset
+                if s.input_specs[i] is not None and s.input_specs[i][a] == Shard(d):
+                    return False
+            outs = s.output_spec if s.output_spec and isinstance(s.output_spec[0], tuple) else (s.output_spec,)
+            pairs = [*zip(s.input_specs, info.in_shapes), *zip(outs, info.out_shapes)]
+            return not any(spec is not None and shp is not None and isinstance(spec[a], Shard)
+                           and shp[spec[a].dim] % chunks for spec, shp in pairs)
+
+        strategies = [s for s in strategies if fits(s)]
+    return strategies
 
 
 def _price(node, inputs, strat: M.Strategy, ctx: Context, paid: set[tuple]) -> float | None:

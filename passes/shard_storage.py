@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.compiler.context import Context
+from autoshard.compiler.context import Context, zero_axis
 from autoshard.frontend.graph_utils import shape
 from autoshard.placements import Shard
 
@@ -99,7 +99,7 @@ class ShardStorage:
     phase: str = "plan"
 
     def run(self, gm: torch.fx.GraphModule, ctx: Context) -> torch.fx.GraphModule:
-        mesh, axis = ctx.mesh, ctx.options.data_axis
+        mesh, axis = ctx.mesh, zero_axis(ctx.options, ctx.mesh)
         zero = dict(ctx.pinned.storage) if ctx.pinned is not None else ctx.options.zero
         stored: dict[int, list[str]] = {1: [], 2: [], 3: []}
         kept: list[str] = []

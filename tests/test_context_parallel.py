@@ -21,7 +21,9 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import meta as M
 from autoshard.compiler.ops import entry
-from autoshard.placements import local_shape
+from autoshard.compiler.context import Pinned
+from autoshard.compiler.ops.attention import CONTEXT_FORMS
+from autoshard.placements import Shard, local_shape
 from autoshard.compiler.plan import loss_of
 from autoshard.runtime import SimWorld
 from autoshard.runtime.context import context_attention, head_tail
@@ -219,9 +221,18 @@ def test_ulysses_needs_heads_divisible_by_the_axis():
                           context_axis=autoshard.ContextParallel("context", "ulysses"))
 
 
-def test_balance_needs_sizes_divisible_by_twice_the_axis():
-    model, args, kwargs = _llama(4, 16, 1)  # batch 4 on the context axis (the loss) does not cut in 8
-    with pytest.raises(autoshard.PlanError, match="does not divide by 8"):
+def test_balance_shards_on_the_axis_only_what_cuts_in_2n_chunks():
+    """Batch 4 on Mesh(context=4): the loss cannot move its shard onto a batch of 4 (head-tail cuts it in 8). The
+    planners never shard a dim on a balanced axis that does not divide by 2n, nor the vocabulary-parallel loss's
+    classes (its local form reads its class range as one contiguous chunk; head-tail would hand it chunks r and
+    2n-1-r: before, this plan was refused, and with only the divisibility rule its loss was 0.7% off). The plan
+    equals one device. A sequence the axis does not divide is refused."""
+    model, args, kwargs = _llama(4, 16, 1)
+    plan = autoshard.compile(model, autoshard.Mesh(context=4), args, kwargs, context_axis="context").plan
+    sim = plan.simulate(args, kwargs)
+    _check_equal(model, args, kwargs, sim.outputs, sim.grads)
+    model, args, kwargs = _llama(4, 12, 1)
+    with pytest.raises(autoshard.PlanError, match="the length 12 must divide by the axis size 4"):
         autoshard.compile(model, autoshard.Mesh(context=4), args, kwargs, context_axis="context")
 
 
@@ -317,6 +328,33 @@ def test_context_parallel_composes(mesh, options):
         options["plan"] = models.megatron(mesh, "hf_llama")
     plan = autoshard.compile(model, mesh, args, kwargs, context_axis="context", **options).plan
     assert set(plan.context.report["context_attention"]["attention"].values()) == {"ring on context"}
+    sim = plan.simulate(args, kwargs)
+    _check_equal(model, args, kwargs, sim.outputs, sim.grads)
+
+
+@pytest.mark.parametrize("mesh,search", [("data=2,context=2", {}), ("context=2,model=2", {}),
+                                         ("context=4", {"zero": 3}), ("context=4", {"zero": 1})])
+def test_the_search_plans_context_parallel_with_head_tail_balance(mesh, search):
+    """context_parallel with the plan search: the search keeps every parameter off the context axis (it shards the
+    sequence; before, it sharded the projections there as tensor parallelism, which head-tail balancing refused) and
+    every dim it shards there divisible by 2n (head-tail's chunks), chooses per attention between the
+    context-parallel forms and the gathered sequence, and the plan equals one device. On ``Mesh(context=4)`` (no
+    data axis) ZeRO stores the parameters over the context axis, whose ranks hold the same parameters, as FSDP
+    shards over dp_shard x cp: its gathers keep their natural order (only the sequence is head-tail)."""
+    batch = 1 if mesh == "context=4" else 4
+    model, args, kwargs = _llama(batch, 32, 2)
+    mesh = autoshard.Mesh.parse(mesh)
+    plan = autoshard.plan(model, mesh, args, kwargs, context_parallel="context", search=autoshard.Search(**search))
+    report = plan.context.report["context_attention"]
+    assert len(report["attention"]) + len(report["split"]) + len(report["gathered"]) == 2
+    assert all(f.split(" on ")[0] in CONTEXT_FORMS for f in report["attention"].values())
+    a = mesh.index("context")
+    compute = {name: spec for name, spec in Pinned.of_plan(plan).layouts}
+    assert compute and not any(isinstance(spec[a], Shard) for spec in compute.values())
+    if search.get("zero"):
+        storage = plan.param_storage()
+        assert storage and {s.axis for s in storage.values()} == {"context"}
+        assert {s.stage for s in storage.values()} == {search["zero"]}
     sim = plan.simulate(args, kwargs)
     _check_equal(model, args, kwargs, sim.outputs, sim.grads)
 

@@ -133,9 +133,9 @@ def _add_plan_arguments(show: argparse.ArgumentParser, planner: str, mesh_requir
                       help=f"hardware profile: cpu-gloo, gpu-8x-nvlink, multi-node or a TOML file (default {profile})")
     show.add_argument("--memory-limit", default=None, help="per-rank memory limit for the search, e.g. 2GiB")
     show.add_argument("--search-time-limit", type=float, default=None, metavar="SECONDS",
-                      help="seconds for the search (default 120, with --devices 30 per candidate; the best plan found by "
-                           "then is used, its gap warned about); a --memory-limit no plan meets is refused in seconds "
-                           "whatever this is")
+                      help="seconds for the search (default 120, with --devices 30 per candidate; the best plan "
+                           "found by then is used, its gap warned about); a --memory-limit no plan meets is refused in "
+                           "seconds whatever this is")
     # left out, --zero and --recompute are compile's defaults: auto when the search has a --memory-limit
     show.add_argument("--zero", default=compile_default("zero"), choices=("0", "1", "2", "3", "auto"),
                       help="ZeRO stage of parameter storage over the data axis; auto: the search picks (default: "

@@ -76,6 +76,17 @@ class Pinned:
         return cls(layouts=tuple(compute.items()), storage=tuple((name, st.stage) for name, st in storage.items()))
 
 
+def zero_axis(options: Options, mesh: Mesh) -> str:
+    """The mesh axis ZeRO stores parameters sharded over: the data axis; where context parallelism runs on a mesh
+    without a data axis of size > 1, the context axis (its ranks hold the same parameters and sum their gradients,
+    as torchtitan's FSDP shards over ``dp_shard × cp``)."""
+    cp = options.context_parallel
+    data = options.data_axis
+    if cp is not None and cp.axis in mesh.names and not (data in mesh.names and mesh.axis_size(data) > 1):
+        return cp.axis
+    return data
+
+
 def searches(options: Options, pinned: Pinned | None = None, training: bool = True) -> bool:
     """Whether the plan search lays a plan out: where the options ask for it (``planner="search"``), except for the
     eval-mode program of another plan (``pinned``, ``training`` false). There every parameter and buffer is pinned

@@ -37,7 +37,7 @@ from autoshard.passes.propagate import (annotation_error, keeps_layout, node_str
                                         written_inputs)
 
 from autoshard import meta as M
-from autoshard.compiler.context import Context
+from autoshard.compiler.context import Context, zero_axis
 from autoshard.frontend.graph_utils import is_getitem, is_tensor_node, itemsize, rerun_in_backward, shape, tensor_inputs
 from autoshard.mesh import Mesh
 from autoshard.placements import Spec, format_spec
@@ -334,7 +334,8 @@ def build_problem(gm: torch.fx.GraphModule, ctx: Context, profile: HardwareProfi
     :class:`autoshard.cost_models.memory.StagedTimeline`)."""
     mesh = ctx.mesh
     canon = find_layers(gm) if tie_layers else {}
-    data_axis = ctx.options.data_axis if ctx.options.data_axis in mesh.names else None
+    data_axis = zero_axis(ctx.options, mesh)  # the axis ZeRO stores over (the data axis, or the context axis)
+    data_axis = data_axis if data_axis in mesh.names else None
     layers = recompute_units(gm, canon) if recompute == "auto" or zero in ("auto", 3) else LayerUnits()
     if recompute != "auto":
         layers = LayerUnits(layer_of=layers.layer_of, copy_of=layers.copy_of)
