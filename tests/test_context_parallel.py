@@ -246,12 +246,26 @@ def test_no_attention_to_shard():
 GLOO_MESHES = ("data=2,context=2", "context=4")
 
 
+#: ZeRO-3 over the context axis (no data axis: compiler.context.zero_axis), head-tail balanced, ring attention
+ZERO_ON_CONTEXT = "context=4 zero=3"
+
+
+def _compiled_gloo(mesh: str):
+    if mesh != ZERO_ON_CONTEXT:
+        return _compiled_shared(mesh, "ring")
+    model, args, kwargs = _llama(MESHES["context=4"])
+    plan = autoshard.compile(model, autoshard.Mesh(context=4), args, kwargs, zero=3,
+                             context_axis=autoshard.ContextParallel("context", "ring")).plan
+    assert {s.axis for s in plan.param_storage().values()} == {"context"}
+    return model, args, kwargs, plan
+
+
 def _gloo_worker(rank, world_size):
     from autoshard.runtime import DistCommunicator, use
 
     out = {}
-    for mesh in GLOO_MESHES:
-        _, args, kwargs, plan = _compiled(mesh, "ring")
+    for mesh in (*GLOO_MESHES, ZERO_ON_CONTEXT):
+        _, args, kwargs, plan = _compiled_gloo(mesh)
         comm = DistCommunicator(plan.mesh, timeout=120)
         module = plan.rank_program(rank)
         a, k = plan.shard_inputs(rank, args, kwargs)
@@ -269,8 +283,8 @@ def test_ring_on_four_gloo_processes_equals_one_device():
     from autoshard.runtime import spawn
 
     results = spawn(_gloo_worker, 4, timeout=400, start_method="forkserver")  # no torch import per rank
-    for mesh in GLOO_MESHES:
-        model, args, kwargs, plan = _compiled_shared(mesh, "ring")
+    for mesh in (*GLOO_MESHES, ZERO_ON_CONTEXT):
+        model, args, kwargs, plan = _compiled_gloo(mesh)
         specs = plan.param_specs()
         grads = {fqn: assemble([results[r][mesh][1][fqn] for r in range(4)], spec, plan.mesh)
                  for fqn, spec in specs.items() if results[0][mesh][1].get(fqn) is not None}
