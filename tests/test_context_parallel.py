@@ -373,6 +373,21 @@ def test_the_search_plans_context_parallel_with_head_tail_balance(mesh, search):
     _check_equal(model, args, kwargs, sim.outputs, sim.grads)
 
 
+@pytest.mark.parametrize("seq,mesh,profile", [(32768, "context=8", "gpu-8x-nvlink"),
+                                               (131072, "context=64", "multi-node")])
+def test_llama3_8b_long_sequences_plan_context_parallel_within_80_gib(seq, mesh, profile):
+    """Llama-3-8B shape on meta, batch 1, bf16, 32k tokens on 8 devices and 131k on 64 (bench/long_context_plan.py):
+    the search plans context parallelism within 80 GiB; no attention runs on the whole sequence on every rank; the
+    parameters are stored over the context axis (there is no data axis)."""
+    from tests.test_bench_smoke import _load
+
+    _, plan = _load("long_context_plan").plan_case(seq, mesh, profile, "80GiB")
+    assert plan.cost().memory_per_rank <= 80 * 2**30
+    report = plan.context.report["context_attention"]
+    assert not report["gathered"] and len(report["attention"]) + len(report["split"]) == 32
+    assert {s.axis for s in plan.param_storage().values()} == {"context"}
+
+
 def _hf_small(kind: str):
     """A 1-layer Mistral (sliding window 8: the window is in the mask) or Qwen2 with SDPA attention, GQA 4/2."""
     from examples.models import _ids
