@@ -109,6 +109,22 @@ def test_a_data_axis_the_batch_does_not_divide_is_not_planned(monkeypatch):
     assert searched == ["search"] * 2
 
 
+def test_context_candidates_put_the_context_axis_between_data_and_model_and_plan_context_parallel():
+    assert candidate_meshes(4, context_axis="context") == [M(data=4), M(data=2, context=2), M(context=4),
+                                                           M(data=2, model=2), M(context=2, model=2), M(model=4)]
+    model, args, kwargs = models.hf_llama(batch=1, seq=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = plan_cluster(model, args, kwargs, devices=4, pipelines=False, context_axis="context")
+    planned = {c.mesh: c.plan for c in chosen.candidates if c.plan is not None}
+    assert set(planned) == {M(context=4), M(context=2, model=2), M(model=4)}  # batch 1: no data axis
+    for mesh, plan in planned.items():
+        cp = plan.context.options.context_parallel
+        assert (cp is not None and cp.axis == "context") == ("context" in mesh.names)
+    with pytest.raises(PlanError, match="give context_axis=NAME"):
+        plan_cluster(model, args, kwargs, devices=4, context_parallel="context")
+
+
 def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():
     model, args, kwargs = models.mlp(hidden=32)
     with warnings.catch_warnings():

@@ -466,6 +466,7 @@ TRIGGERS = {
     "cluster-gpus-per-node": _cluster(gpus_per_node=0),
     "cluster-annotations": _cluster(annotations={"fc1.weight": ("S(0)",)}),
     "cluster-pipeline": _cluster(pipeline=autoshard.Pipeline(microbatches=2)),
+    "cluster-context-parallel": _cluster(context_parallel="context"),
     "cluster-no-devices": _cluster(devices=None),
     "cluster-search-type": _cluster(search={"memory_limit": "80GiB"}),
     "cluster-no-plan": lambda: _cluster(search=autoshard.Search(memory_limit="1KiB"))().best,

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "the cheapest chosen (autoshard.api.cluster)")
     plan.add_argument("--no-pipelines", action="store_true",
                       help="with --devices: only data x model meshes (no pipe axis)")
+    plan.add_argument("--context", action="store_true",
+                      help="with --devices: also data x context x model meshes, the sequence of attention sharded on "
+                           "`context` (context parallelism, head-tail balanced)")
     plan.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                       help="with --devices: ranks per node; the model axis stays inside a node (at most G)")
     plan.add_argument("--top", type=int, default=3, metavar="K",
@@ -323,7 +326,7 @@ def plan_devices(args: argparse.Namespace) -> int:
     with slow_step(f"autoshard: planning {type(model).__name__} on every mesh of {args.devices} devices"):
         chosen = plan_cluster(model, example_args, example_kwargs, devices=args.devices,
                               gpus_per_node=args.gpus_per_node, search=search, data_axis=args.data_axis,
-                              pipelines=not args.no_pipelines,
+                              pipelines=not args.no_pipelines, context_axis="context" if args.context else None,
                               on_unsupported=args.on_unsupported, precision=parse_precision(args.precision),
                               moe=autoshard.MoE.parse(args.moe) if args.moe else None)
     best = chosen.best  # no plan at all: a PlanError naming each mesh's reason

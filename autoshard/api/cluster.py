@@ -12,7 +12,9 @@ parallelism's collectives run inside a node, data parallelism's between nodes; :
 ``data × model`` mesh of the rest, with ``microbatches`` in ``pipe, 2·pipe, 4·pipe`` (those that divide the batch
 into microbatches the data axis divides) and each schedule the runtime has: ``1f1b`` and ``gpipe``, and
 ``interleaved`` with 2 stages per rank where there are at least ``2·pipe`` microbatches. An axis of size 1 is left
-out of the mesh. (Context axes are not searched here: the plan search does not choose the context axis yet.)
+out of the mesh. With ``context_axis`` (``--context``) the meshes are ``data × context × model``, each with a context
+axis planned with ``context_parallel`` (the search chooses each attention's form, ZeRO over the context axis where
+there is no data axis); pipelines are not combined with a context axis.
 
 Each candidate is planned by the plan search (:func:`autoshard.plan`, its options as given) and priced by
 ``plan.cost()`` (a pipeline: :meth:`PipelinePlan.cost <autoshard.compiler.pipeline.PipelinePlan.cost>`, the
@@ -145,9 +147,11 @@ class ClusterPlan:
 
 
 def candidate_meshes(devices: int, gpus_per_node: int | None = None, data_axis: str = "data",
-                     model_axis: str = "model") -> list[Mesh]:
+                     model_axis: str = "model", context_axis: str | None = None) -> list[Mesh]:
     """``data × model = devices`` with ``model`` at most ``gpus_per_node`` and dividing it (a model group never
-    straddles two nodes), the model axis inner; axes of size 1 left out. Largest data axis first."""
+    straddles two nodes), the model axis inner; axes of size 1 left out. Largest data axis first. With
+    ``context_axis``: ``data × context × model``, the context axis between the two (torchtitan's order: its ring or
+    all-to-all inside a node where it fits), each context size of each model size, smallest context first."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise PlanError(f"devices is {devices!r}, but must be a positive int (the number of ranks to plan for: "
                         "plan_cluster(..., devices=N), autoshard plan --devices N).")
@@ -160,8 +164,15 @@ def candidate_meshes(devices: int, gpus_per_node: int | None = None, data_axis: 
     for model in range(1, devices + 1):
         if devices % model or (gpus_per_node is not None and (model > gpus_per_node or gpus_per_node % model)):
             continue
-        axes = tuple((n, s) for n, s in ((data_axis, devices // model), (model_axis, model)) if s > 1)
-        out.append(Mesh(axes or ((data_axis, 1),)))
+        for context in range(1, devices // model + 1) if context_axis is not None else (1,):
+            if (devices // model) % context:
+                continue
+            sizes = ((data_axis, devices // model // context), (context_axis, context), (model_axis, model))
+            axes = tuple((n, s) for n, s in sizes if s > 1)
+            out.append(Mesh(axes or ((data_axis, 1),)))
+    if context_axis is not None:  # as without it, then by context size
+        out.sort(key=lambda m: (m.axis_size(model_axis) if model_axis in m.names else 1,
+                                m.axis_size(context_axis) if context_axis in m.names else 1))
     return out
 
 
@@ -263,12 +274,14 @@ def _most_splits(shape: tuple[int, ...], mesh: Mesh, zero: bool, data_axis: str)
 def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
                  devices: int | None = None, gpus_per_node: int | None = None, search=None, data_axis: str = "data",
                  model_axis: str = "model", pipe_axis: str = "pipe", pipelines: bool = True,
-                 schedules: tuple[str, ...] = SCHEDULES, **options) -> ClusterPlan:
+                 schedules: tuple[str, ...] = SCHEDULES, context_axis: str | None = None, **options) -> ClusterPlan:
     """Plan ``model`` on every :func:`candidate_meshes` of ``devices`` and (``pipelines``) every
     :func:`candidate_pipelines` (of ``schedules``) with the plan search (``search``: an :class:`autoshard.Search`,
     default ``Search()``; ``options``: :func:`autoshard.plan`'s other keywords but annotations, which name one mesh's
     axes, and pipeline, which is chosen here) and rank the plans by their estimated step time; candidates a bound says
-    cannot fit ``search.memory_limit`` are pruned (see the module docstring). ``devices`` left out: the world torchrun
+    cannot fit ``search.memory_limit`` are pruned (see the module docstring). ``context_axis``: also the meshes with
+    that axis between data and model (:func:`candidate_meshes`), each planned with ``context_parallel=context_axis``
+    (the sequence sharded there; pipelines are not combined with it). ``devices`` left out: the world torchrun
     started (every rank calls this together; each candidate without a pipe axis is planned on rank 0 and replayed on
     the others, as :func:`autoshard.plan` does)."""
     from autoshard.api.planning import Search, examples_of, parse_bytes
@@ -276,6 +289,10 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
     if options.get("annotations"):
         raise PlanError("plan_cluster got annotations, but they give placements for one mesh's axes while the "
                         "meshes are being chosen: plan the mesh you annotate for with autoshard.plan.")
+    if options.get("context_parallel") is not None:
+        raise PlanError("plan_cluster got context_parallel=, but it names one mesh's axis: give context_axis=NAME "
+                        "(autoshard plan --devices N --context) and the meshes with that axis are among the "
+                        "candidates.")
     if options.get("pipeline") is not None:
         raise PlanError("plan_cluster got pipeline=, but it chooses the pipeline (its degree, microbatches and "
                         "schedule) among the candidates: drop it, or plan that pipeline with autoshard.plan.")
@@ -297,9 +314,10 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
     zero = search.zero != 0
     out = []
     batch = _batch(*examples_of(example_inputs, example_kwargs))
-    for mesh in candidate_meshes(devices, gpus_per_node, data_axis, model_axis):
+    for mesh in candidate_meshes(devices, gpus_per_node, data_axis, model_axis, context_axis):
+        context = context_axis if context_axis in mesh.names else None
         out.append(_plan_mesh(model, example_inputs, example_kwargs, mesh, search, limit, zero, data_axis, batch,
-                              options))
+                              dict(options, context_parallel=context) if context else options))
     if pipelines:
         groups: dict = {}  # (mesh, microbatches, stages per rank) -> its schedules: one microbatch plan each
         for mesh, pipeline in candidate_pipelines(devices, gpus_per_node, batch, data_axis, model_axis, pipe_axis,
@@ -321,7 +339,11 @@ def _plan_mesh(model, example_inputs, example_kwargs, mesh: Mesh, search, limit,
 
     from autoshard.api.planning import plan
 
-    bound = least_state_bytes(model, mesh, search.optimizer, zero, data_axis)
+    stored = data_axis  # the axis ZeRO stores over: the context axis where there is no data axis (zero_axis)
+    context = options.get("context_parallel")
+    if context is not None and not (data_axis in mesh.names and mesh.axis_size(data_axis) > 1):
+        stored = context
+    bound = least_state_bytes(model, mesh, search.optimizer, zero, stored)
     if limit is not None and bound > limit:
         return Candidate(mesh, pruned=f"its parameters, gradients and optimizer state need at least {_gib(bound)} "
                                       f"per rank, over memory_limit {_gib(limit)}")
