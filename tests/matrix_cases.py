@@ -88,6 +88,9 @@ CASES: dict[str, Case] = {
     "context_ring": Case("hf_llama", {"batch": 2, "seq": 16, "layers": 1, "hidden": 32},
                          {"data": 2, "context": 2},
                          opts={"context_axis": autoshard.ContextParallel("context", "ring")}),
+    # the search with context parallelism; no data axis: ZeRO-3 stores over the context axis (head-tail balanced)
+    "context_search_zero3": Case("hf_llama", {"batch": 1, "seq": 16, "layers": 1, "hidden": 32}, {"context": 4},
+                                 opts={"context_axis": "context", "planner": "search", "zero": 3}, eval=True),
     "pipeline_1f1b": Case("gpt", {"layers": 2, **PIPE_SMALL}, {"pipe": 2, "data": 2},
                           opts={"pipeline": autoshard.Pipeline(microbatches=4, schedule="1f1b")}),
     "pipeline_interleaved": Case("gpt", {"layers": 4, **PIPE_SMALL}, {"pipe": 2, "data": 2},
