@@ -157,6 +157,22 @@ def backward_flops(node: Node) -> int:
     return round(e.backward * e.flops(_Op(node)))
 
 
+def flops_at(node: Node, size: Callable[[int], float]) -> tuple[float, float]:
+    """(forward, backward) FLOPs of ``node`` with each of its sizes ``s`` read as ``size(s)`` (a smaller microbatch:
+    ``s / m`` for the batch), backward 0 where its outputs carry no gradient; (0, 0) for non-ops and for an op whose
+    FLOPs formula needs integer sizes (so a sum of these bounds the work from below)."""
+    e = _entry_of(node)
+    if e is None:
+        return 0.0, 0.0
+    op = _Op(node, size)
+    try:
+        f = float(e.flops(op))
+        b = float(e.backward_flops(op)) if e.backward_flops is not None else e.backward * f
+    except (TypeError, ValueError):
+        return 0.0, 0.0
+    return f, (b if _has_gradient(node) else 0.0)
+
+
 def bytes_accessed(node: Node) -> int:
     """Bytes ``node`` reads and writes in the forward: each distinct tensor input once plus its outputs;
     0 for views; indices + 2·output for embedding (only the looked-up rows are read)."""

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import autoshard
 from autoshard.api.cli import main
 from autoshard.api import planning
-from autoshard.api.cluster import (CANDIDATE_TIME_LIMIT, candidate_meshes, candidate_pipelines, least_state_bytes,
-                                   plan_cluster)
+from autoshard.api.cluster import (CANDIDATE_TIME_LIMIT, candidate_meshes, candidate_pipelines, describe,
+                                   least_state_bytes, plan_cluster, step_floor)
 from autoshard.cost_models.memory import training_state_bytes
 from autoshard.errors import PlanError
 from examples import models
@@ -123,6 +123,35 @@ def test_context_candidates_put_the_context_axis_between_data_and_model_and_plan
         assert (cp is not None and cp.axis == "context") == ("context" in mesh.names)
     with pytest.raises(PlanError, match="give context_axis=NAME"):
         plan_cluster(model, args, kwargs, devices=4, context_parallel="context")
+
+
+@pytest.mark.parametrize("factory,profile", [("gpt", "gpu-8x-nvlink"), ("hf_llama", "multi-node")])
+def test_the_step_floor_is_below_every_planned_candidates_step(factory, profile, monkeypatch):
+    """step_floor (the pipelines' pruning bound) is a lower bound of plan.cost() / PipelinePlan.cost() on every
+    candidate of 4 devices, meshes and pipelines (pruning turned off: every candidate planned), and pruning by it
+    chooses the same configuration."""
+    from autoshard.api import cluster
+    from autoshard.compiler.pipeline.options import bubble_fraction
+    from autoshard.cost_models.profile import load_profile
+
+    model, args, kwargs = getattr(models, factory)(batch=8, seq=32)
+    search = autoshard.Search(profile=profile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pruned = plan_cluster(model, args, kwargs, devices=4, search=search)
+        monkeypatch.setattr(cluster, "step_floor", lambda *a, **k: 0.0)
+        every = plan_cluster(model, args, kwargs, devices=4, search=search)
+    graph = next(c.plan for c in every.candidates if c.plan is not None and c.pipeline is None).graph_module
+    checked = 0
+    for c in every.planned:
+        m = c.pipeline.microbatches if c.pipeline else 1
+        v = c.pipeline.stages_per_rank if c.pipeline and c.pipeline.schedule == "interleaved" else 1
+        bubble = bubble_fraction(c.mesh.axis_size("pipe"), m, v) if c.pipeline else 0.0
+        floor = step_floor(graph, load_profile(profile), 4, 8, m, bubble)
+        assert 0 < floor <= c.step_time_s, (describe(c), floor, c.step_time_s)
+        checked += 1
+    assert checked >= 8
+    assert (pruned.best.mesh, pruned.best.pipeline) == (every.best.mesh, every.best.pipeline)
 
 
 def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():

@@ -41,6 +41,9 @@ proportion. Bounds prune before the search runs:
 * the search's own bound (:func:`autoshard.passes.plan_search.least_memory_bound`, computed without a solve): a
   candidate whose limit is below the least memory any of its plans needs is refused in seconds, before the search's
   walk, and recorded as pruned with the search's words.
+* :func:`step_floor`, for pipelines (planned after the meshes, least floor first): the batch's matmul and attention
+  FLOPs over every device at the profile's peak, over one minus the schedule's bubble; a pipeline whose floor is not
+  below the best step already found is not planned.
 
 Each candidate's search runs for at most ``search.time_limit`` seconds, :data:`CANDIDATE_TIME_LIMIT` (30) where it
 is None: a candidate whose search meets no plan within ``memory_limit`` in that time is recorded as failed with the
@@ -61,7 +64,7 @@ import torch
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 
-__all__ = ["Candidate", "ClusterPlan", "candidate_meshes", "candidate_pipelines", "least_state_bytes",
+__all__ = ["Candidate", "ClusterPlan", "candidate_meshes", "candidate_pipelines", "least_state_bytes", "step_floor",
            "pipeline_json", "plan_cluster"]
 
 #: the schedules :func:`candidate_pipelines` tries, in the order ties are broken (1F1B holds fewer microbatches
@@ -271,6 +274,48 @@ def _most_splits(shape: tuple[int, ...], mesh: Mesh, zero: bool, data_axis: str)
     return free * best
 
 
+def step_floor(gm: torch.fx.GraphModule, profile, devices: int, batch: int, microbatches: int = 1,
+               bubble: float = 0.0) -> float:
+    """A lower bound on the estimated step (``plan.cost()``, ``PipelinePlan.cost()``) of any plan of the model whose
+    planned graph ``gm`` is (global shapes, its gradients marked) on ``devices`` ranks, its batch of ``batch`` cut
+    into ``microbatches`` run with the schedule's idle fraction ``bubble``: the matmul and attention FLOPs (forward,
+    and backward where a gradient flows) of one microbatch, times the microbatches, over every device at the
+    profile's peak for the op's dtype and the highest efficiency any of the op's tables (its kind, dtype, forward or
+    backward) reaches, over ``1 - bubble``. Every op is priced at least its FLOPs over its split (at most the
+    devices of a stage, ``devices / pipe``), its peak and its efficiency; a pipeline's slowest rank runs
+    at least the ``1/pipe`` share of the stages' microbatches over ``1 - bubble``; recomputation and communication
+    only add. A microbatch's FLOPs are the graph's with every size equal to ``batch`` read as ``batch /
+    microbatches``: a dim that merely equals the batch shrinks too, which only lowers the bound (FLOPs grow with
+    every size)."""
+    from autoshard import meta as M
+    from autoshard.compiler.ops import entry
+    from autoshard.cost_models.compute import compute_dtype, flops_at
+
+    tables = dict(profile.efficiency)
+
+    def best(kind: str, dtype) -> float:  # the most HardwareProfile.efficiency_for can return for these ops
+        name = f"{kind}.{str(dtype).removeprefix('torch.')}"
+        found = [tables[t] for t in (f"{name}.backward", f"{kind}.backward", name, kind) if t in tables]
+        fractions = [f for table in found for _, f in table]
+        if name not in tables and kind not in tables:
+            fractions.append(1.0)  # a forward lookup finds no table: 1
+        return max(fractions)
+
+    def size(s: int) -> float:
+        return s / microbatches if s == batch else s
+
+    seconds = 0.0
+    for n in gm.graph.nodes:
+        e = entry(n.target) if n.op == "call_function" else None
+        if e is None or e.compute_kind not in ("matmul", "attention"):
+            continue
+        forward, backward = flops_at(n, size)
+        dtype = compute_dtype(n)
+        work = forward + (backward if n.meta.get(M.REQUIRES_GRAD) else 0.0)
+        seconds += work / (profile.flops_for(dtype) * best(e.compute_kind, dtype))
+    return microbatches * seconds / devices / (1 - bubble)
+
+
 def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: dict | None = None, *,
                  devices: int | None = None, gpus_per_node: int | None = None, search=None, data_axis: str = "data",
                  model_axis: str = "model", pipe_axis: str = "pipe", pipelines: bool = True,
@@ -323,7 +368,29 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
         for mesh, pipeline in candidate_pipelines(devices, gpus_per_node, batch, data_axis, model_axis, pipe_axis,
                                                   schedules):
             groups.setdefault((mesh, pipeline.microbatches, pipeline.stages_per_rank), []).append(pipeline)
-        for (mesh, _, _), group in groups.items():
+        # each pipeline's step floor (step_floor) from a planned mesh's graph, least first; one at or above the
+        # best step found so far cannot be chosen and is not searched
+        floors = dict.fromkeys(groups, 0.0)
+        graph = next((c.plan for c in out if c.plan is not None), None)
+        if graph is not None and batch is not None:
+            from autoshard.compiler.pipeline.options import bubble_fraction
+            from autoshard.cost_models.profile import HardwareProfile, load_profile
+
+            profile = search.profile if isinstance(search.profile, HardwareProfile) else load_profile(search.profile)
+            for key, group in groups.items():
+                mesh, m, v = key
+                virtual = v if group[0].schedule == "interleaved" else 1
+                floors[key] = step_floor(graph.graph_module, profile, devices, batch, m,
+                                         bubble_fraction(mesh.axis_size(pipe_axis), m, virtual))
+        for key in sorted(groups, key=lambda k: floors[k]):
+            mesh, group = key[0], groups[key]
+            steps = [c.step_time_s for c in out if c.plan is not None]
+            if steps and floors[key] >= min(steps):
+                why = (f"its step is at least {floors[key]:.4g} s (the batch's matmul and attention FLOPs over "
+                       f"{devices} devices at the profile's peak, with the schedule's bubble), not below the best "
+                       f"found ({min(steps):.4g} s)")
+                out.extend(Candidate(mesh, pruned=why, pipeline=p) for p in group)
+                continue
             out.extend(_plan_pipeline(model, example_inputs, example_kwargs, mesh, group, search, limit, zero,
                                       data_axis, options))
     order = sorted(out, key=lambda c: (c.plan is None, c.step_time_s if c.plan is not None else math.inf,
