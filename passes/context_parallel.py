@@ -183,7 +183,8 @@ class ContextAttention:
             if n.op == "get_attr" and isinstance(spec, tuple) and spec and isinstance(spec[a], Shard):
                 raise PlanError(f"parameter `{n.meta.get(M.PARAM, n.target)}` is sharded {spec[a]} on the context "
                                 f"axis `{layout.axis}`, but with head-tail load balancing that axis shards only the "
-                                "sequence. Keep parameters replicated (or ZeRO on the data axis) there, or use "
+                                "sequence. Keep parameters replicated there (ZeRO may store them sharded: over the "
+                                "data axis, or over this axis where the mesh has no data axis), or use "
                                 "ContextParallel(balance=False).")
             if n.op == "call_function" and "dropout" in str(n.target) and isinstance(spec, tuple) and spec \
                     and isinstance(spec[a], Shard) and _drops(n):
