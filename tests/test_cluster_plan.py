@@ -151,6 +151,30 @@ def test_the_step_floor_is_below_every_planned_candidates_step(factory, profile,
     assert checked >= 8
 
 
+def _cluster_on_rank(rank, world_size):
+    model, args, kwargs = models.gpt(batch=8, seq=16, layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = plan_cluster(model, args, kwargs, search=autoshard.Search(profile="gpu-8x-nvlink"))
+    return [(describe(c), c.step_time_s, c.memory_per_rank_bytes, c.pruned, c.failed) for c in chosen.candidates]
+
+
+@pytest.mark.gloo
+def test_every_rank_torchrun_started_makes_the_same_choice():
+    """plan_cluster without devices, on 4 gloo processes (the world torchrun started): every rank gets the same
+    candidates in the same order with the same figures (rank 0's searches replayed; the step floor's pruning the
+    same), and the choice is the one planning the 4 devices in one process makes."""
+    from autoshard.runtime import spawn
+
+    out = spawn(_cluster_on_rank, 4, timeout=300, start_method="forkserver")
+    assert all(out[r] == out[0] for r in range(4))
+    model, args, kwargs = models.gpt(batch=8, seq=16, layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        here = plan_cluster(model, args, kwargs, devices=4, search=autoshard.Search(profile="gpu-8x-nvlink"))
+    assert out[0][0][0] == describe(here.best) and out[0][0][1] == pytest.approx(here.best.step_time_s)
+
+
 def test_the_chosen_mesh_is_the_cheapest_candidate_by_plan_cost():
     model, args, kwargs = models.mlp(hidden=32)
     with warnings.catch_warnings():
