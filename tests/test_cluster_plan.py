@@ -112,14 +112,18 @@ def test_a_data_axis_the_batch_does_not_divide_is_not_planned(monkeypatch):
 def test_context_candidates_put_the_context_axis_between_data_and_model_and_plan_context_parallel():
     assert candidate_meshes(4, context_axis="context") == [M(data=4), M(data=2, context=2), M(context=4),
                                                            M(data=2, model=2), M(context=2, model=2), M(model=4)]
-    model, args, kwargs = models.hf_llama(batch=1, seq=32)
+    assert (M(pipe=2, context=2), autoshard.Pipeline(2, "1f1b")) in candidate_pipelines(4, batch=2,
+                                                                                      context_axis="context")
+    model, args, kwargs = models.hf_llama(batch=2, seq=32, layers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        chosen = plan_cluster(model, args, kwargs, devices=4, pipelines=False, context_axis="context")
-    planned = {c.mesh: c.plan for c in chosen.candidates if c.plan is not None}
-    assert set(planned) == {M(context=4), M(context=2, model=2), M(model=4)}  # batch 1: no data axis
-    for mesh, plan in planned.items():
-        cp = plan.context.options.context_parallel
+        chosen = plan_cluster(model, args, kwargs, devices=4, context_axis="context", schedules=("1f1b",))
+    planned = {(c.mesh, c.pipeline): c.plan for c in chosen.candidates if c.plan is not None}
+    assert {mesh for mesh, pipeline in planned if pipeline is None} >= {M(data=2, context=2), M(context=4)}
+    assert (M(pipe=2, context=2), autoshard.Pipeline(2, "1f1b")) in planned
+    for (mesh, pipeline), plan in planned.items():
+        options = (plan.microbatch_plan if pipeline is not None else plan).context.options
+        cp = options.context_parallel
         assert (cp is not None and cp.axis == "context") == ("context" in mesh.names)
     with pytest.raises(PlanError, match="give context_axis=NAME"):
         plan_cluster(model, args, kwargs, devices=4, context_parallel="context")

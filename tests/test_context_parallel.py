@@ -293,6 +293,41 @@ def test_ring_on_four_gloo_processes_equals_one_device():
         assert all(results[r][mesh][2] == 6 * (n - 1) * 2 for r in range(4))
 
 
+def _pipeline_cp_plan():
+    """HF Llama on Mesh(pipe=2, context=2), 1F1B over 2 microbatches, ring attention head-tail balanced on
+    `context`, ZeRO-3 stored over `context` in each stage (no data axis)."""
+    model, args, kwargs = _llama(4, 32, 2)
+    pplan = autoshard.plan(model, autoshard.Mesh(pipe=2, context=2), args, kwargs, zero=3,
+                           context_parallel=autoshard.ContextParallel("context", "ring"),
+                           pipeline=autoshard.Pipeline(microbatches=2, schedule="1f1b"))
+    return model, args, kwargs, pplan
+
+
+def _pipeline_cp_worker(rank, world_size):
+    from autoshard.api.pipelined_module import PipelineRunner
+    from autoshard.runtime import DistCommunicator
+
+    comm = DistCommunicator(autoshard.Mesh(pipe=2, context=2), timeout=120)
+    _, args, kwargs, pplan = _pipeline_cp_plan()
+    runner = PipelineRunner(pplan, comm=comm)
+    return runner.step(*args, **kwargs), runner.grads()
+
+
+@pytest.mark.gloo
+def test_pipeline_with_context_parallelism_on_four_gloo_processes_equals_one_device():
+    """A pipeline whose stages run context-parallel (what plan_cluster's pipe x context candidates plan): loss and
+    every gradient equal one device."""
+    from autoshard.runtime import spawn
+
+    results = spawn(_pipeline_cp_worker, 4, timeout=300, start_method="forkserver")
+    model, args, kwargs, pplan = _pipeline_cp_plan()
+    forms = set(pplan.microbatch_plan.context.report["context_attention"]["attention"].values())
+    assert forms == {"ring on context"}
+    assert {s.axis for s in pplan.microbatch_plan.param_storage().values()} == {"context"}
+    grads = pplan.assemble_grads([results[r][1] for r in range(4)])
+    _check_equal(model, args, kwargs, [results[r][0] for r in range(4)], grads)
+
+
 # ---- the search chooses context parallelism by itself ------------------------------------------------------
 def test_search_picks_context_parallel_attention_for_a_long_sequence(monkeypatch):
     """Llama-3-8B shape, sequence 8192, batch 1, 64 ranks on one axis: 32 heads do not divide by 64 and the batch

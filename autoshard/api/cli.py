@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-pipelines", action="store_true",
                       help="with --devices: only data x model meshes (no pipe axis)")
     plan.add_argument("--context", action="store_true",
-                      help="with --devices: also data x context x model meshes, the sequence of attention sharded on "
-                           "`context` (context parallelism, head-tail balanced)")
+                      help="with --devices: also data x context x model meshes (and pipelines over them), the "
+                           "sequence of attention sharded on `context` (context parallelism, head-tail balanced)")
     plan.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                       help="with --devices: ranks per node; the model axis stays inside a node (at most G)")
     plan.add_argument("--top", type=int, default=3, metavar="K",

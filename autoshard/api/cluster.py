@@ -14,7 +14,7 @@ into microbatches the data axis divides) and each schedule the runtime has: ``1f
 ``interleaved`` with 2 stages per rank where there are at least ``2·pipe`` microbatches. An axis of size 1 is left
 out of the mesh. With ``context_axis`` (``--context``) the meshes are ``data × context × model``, each with a context
 axis planned with ``context_parallel`` (the search chooses each attention's form, ZeRO over the context axis where
-there is no data axis); pipelines are not combined with a context axis.
+there is no data axis); the pipelines' meshes of the other axes likewise.
 
 Each candidate is planned by the plan search (:func:`autoshard.plan`, its options as given) and priced by
 ``plan.cost()`` (a pipeline: :meth:`PipelinePlan.cost <autoshard.compiler.pipeline.PipelinePlan.cost>`, the
@@ -181,12 +181,14 @@ def candidate_meshes(devices: int, gpus_per_node: int | None = None, data_axis: 
 
 def candidate_pipelines(devices: int, gpus_per_node: int | None = None, batch: int | None = None,
                         data_axis: str = "data", model_axis: str = "model", pipe_axis: str = "pipe",
-                        schedules: tuple[str, ...] = SCHEDULES) -> list[tuple[Mesh, object]]:
+                        schedules: tuple[str, ...] = SCHEDULES,
+                        context_axis: str | None = None) -> list[tuple[Mesh, object]]:
     """``(mesh, Pipeline)`` for ``pipe × data × model = devices``, ``pipe`` a divisor > 1 of ``devices`` and outermost,
     ``data × model`` each of :func:`candidate_meshes` of ``devices / pipe``; ``microbatches`` in ``pipe, 2·pipe,
     4·pipe`` where they divide ``batch`` into microbatches the data axis divides (``batch`` None: all three); each of
     ``schedules`` (``interleaved``: :data:`VIRTUAL_STAGES` stages per rank, with at least that many times ``pipe``
-    microbatches). Smallest pipe first, then as :func:`candidate_meshes`, fewest microbatches, ``schedules``' order."""
+    microbatches). Smallest pipe first, then as :func:`candidate_meshes`, fewest microbatches, ``schedules``' order.
+    ``context_axis``: the meshes of the rest are ``data × context × model`` (:func:`candidate_meshes`)."""
     from autoshard.compiler.pipeline import Pipeline
 
     candidate_meshes(devices, gpus_per_node)  # the arguments checked
@@ -194,7 +196,7 @@ def candidate_pipelines(devices: int, gpus_per_node: int | None = None, batch: i
     for pipe in range(2, devices + 1):
         if devices % pipe:
             continue
-        for sub in candidate_meshes(devices // pipe, gpus_per_node, data_axis, model_axis):
+        for sub in candidate_meshes(devices // pipe, gpus_per_node, data_axis, model_axis, context_axis):
             rest = tuple((n, k) for n, k in sub.axes if k > 1)
             mesh = Mesh(((pipe_axis, pipe), *rest))
             d = sub.axis_size(data_axis) if data_axis in sub.names else 1
@@ -326,9 +328,9 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
     axes, and pipeline, which is chosen here) and rank the plans by their estimated step time; candidates a bound says
     cannot fit ``search.memory_limit`` are pruned (see the module docstring). ``context_axis``: also the meshes with
     that axis between data and model (:func:`candidate_meshes`), each planned with ``context_parallel=context_axis``
-    (the sequence sharded there; pipelines are not combined with it). ``devices`` left out: the world torchrun
-    started (every rank calls this together; each candidate without a pipe axis is planned on rank 0 and replayed on
-    the others, as :func:`autoshard.plan` does)."""
+    (the sequence sharded there; pipelines too: ``pipe × data × context × model``). ``devices`` left out: the world
+    torchrun started (every rank calls this together; each candidate without a pipe axis is planned on rank 0 and
+    replayed on the others, as :func:`autoshard.plan` does)."""
     from autoshard.api.planning import Search, examples_of, parse_bytes
 
     if options.get("annotations"):
@@ -366,7 +368,7 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
     if pipelines:
         groups: dict = {}  # (mesh, microbatches, stages per rank) -> its schedules: one microbatch plan each
         for mesh, pipeline in candidate_pipelines(devices, gpus_per_node, batch, data_axis, model_axis, pipe_axis,
-                                                  schedules):
+                                                  schedules, context_axis):
             groups.setdefault((mesh, pipeline.microbatches, pipeline.stages_per_rank), []).append(pipeline)
         # each pipeline's step floor (step_floor) from a planned mesh's graph, least first; one at or above the
         # best step found so far cannot be chosen and is not searched
@@ -391,8 +393,9 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
                        f"found ({min(steps):.4g} s)")
                 out.extend(Candidate(mesh, pruned=why, pipeline=p) for p in group)
                 continue
+            context = context_axis if context_axis in mesh.names else None
             out.extend(_plan_pipeline(model, example_inputs, example_kwargs, mesh, group, search, limit, zero,
-                                      data_axis, options))
+                                      data_axis, dict(options, context_parallel=context) if context else options))
     order = sorted(out, key=lambda c: (c.plan is None, c.step_time_s if c.plan is not None else math.inf,
                                        c.memory_per_rank_bytes if c.plan is not None else math.inf))
     return ClusterPlan(devices, gpus_per_node, tuple(order))
@@ -406,11 +409,7 @@ def _plan_mesh(model, example_inputs, example_kwargs, mesh: Mesh, search, limit,
 
     from autoshard.api.planning import plan
 
-    stored = data_axis  # the axis ZeRO stores over: the context axis where there is no data axis (zero_axis)
-    context = options.get("context_parallel")
-    if context is not None and not (data_axis in mesh.names and mesh.axis_size(data_axis) > 1):
-        stored = context
-    bound = least_state_bytes(model, mesh, search.optimizer, zero, stored)
+    bound = least_state_bytes(model, mesh, search.optimizer, zero, _stored_axis(mesh, data_axis, options))
     if limit is not None and bound > limit:
         return Candidate(mesh, pruned=f"its parameters, gradients and optimizer state need at least {_gib(bound)} "
                                       f"per rank, over memory_limit {_gib(limit)}")
@@ -444,7 +443,7 @@ def _plan_pipeline(model, example_inputs, example_kwargs, mesh: Mesh, group: lis
     axis = group[0].axis
     pipe = mesh.axis_size(axis)
     rest = Mesh(tuple((n, k) for n, k in mesh.axes if n != axis) or ((data_axis, 1),))
-    bound = least_state_bytes(model, rest, search.optimizer, zero, data_axis) / pipe
+    bound = least_state_bytes(model, rest, search.optimizer, zero, _stored_axis(rest, data_axis, options)) / pipe
     if limit is not None and bound > limit:
         why = (f"its largest stage's parameters, gradients and optimizer state need at least {_gib(bound)} per rank "
                f"(1/{pipe} of the model's on the other axes), over memory_limit {_gib(limit)}")
@@ -483,6 +482,15 @@ def _plan_pipeline(model, example_inputs, example_kwargs, mesh: Mesh, group: lis
             break
         searched = searched * limit / least * (1 - 1e-3)
     return best
+
+
+def _stored_axis(mesh: Mesh, data_axis: str, options: dict) -> str:
+    """The axis ZeRO stores over on ``mesh`` (:func:`autoshard.compiler.context.zero_axis`): the data axis, or the
+    context axis where context parallelism runs and there is no data axis of size > 1."""
+    context = options.get("context_parallel")
+    if context is not None and not (data_axis in mesh.names and mesh.axis_size(data_axis) > 1):
+        return context
+    return data_axis
 
 
 def _refused(mesh: Mesh, error: PlanError, seconds: float) -> Candidate:
