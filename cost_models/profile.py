@@ -238,6 +238,17 @@ class HardwareProfile:
             return 1.0
         return _interpolate(table, work)
 
+    def efficiency_ceiling(self, kind: str, dtype) -> float:
+        """The most :meth:`efficiency_for` returns for ``kind`` in ``dtype`` at any work, forward or backward: the
+        largest fraction of the tables it may read, 1 where a forward lookup finds none."""
+        tables = dict(self.efficiency)
+        name = f"{kind}.{str(dtype).removeprefix('torch.')}"
+        found = [tables[t] for t in (f"{name}.backward", f"{kind}.backward", name, kind) if t in tables]
+        fractions = [f for table in found for _, f in table]
+        if name not in tables and kind not in tables:
+            fractions.append(1.0)
+        return max(fractions)
+
     def optimizer_seconds(self, optimizer: str, tensors: int, elements: float) -> float:
         """Seconds of one step of ``optimizer`` over ``tensors`` parameter tensors of ``elements`` elements."""
         for name, per_tensor, per_element in self.optimizer_step:

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autoshard.compiler.context import zero_axis_of
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 
@@ -293,16 +294,6 @@ def step_floor(gm: torch.fx.GraphModule, profile, devices: int, batch: int, micr
     from autoshard.compiler.ops import entry
     from autoshard.cost_models.compute import compute_dtype, flops_at
 
-    tables = dict(profile.efficiency)
-
-    def best(kind: str, dtype) -> float:  # the most HardwareProfile.efficiency_for can return for these ops
-        name = f"{kind}.{str(dtype).removeprefix('torch.')}"
-        found = [tables[t] for t in (f"{name}.backward", f"{kind}.backward", name, kind) if t in tables]
-        fractions = [f for table in found for _, f in table]
-        if name not in tables and kind not in tables:
-            fractions.append(1.0)  # a forward lookup finds no table: 1
-        return max(fractions)
-
     def size(s: int) -> float:
         return s / microbatches if s == batch else s
 
@@ -314,7 +305,7 @@ def step_floor(gm: torch.fx.GraphModule, profile, devices: int, batch: int, micr
         forward, backward = flops_at(n, size)
         dtype = compute_dtype(n)
         work = forward + (backward if n.meta.get(M.REQUIRES_GRAD) else 0.0)
-        seconds += work / (profile.flops_for(dtype) * best(e.compute_kind, dtype))
+        seconds += work / (profile.flops_for(dtype) * profile.efficiency_ceiling(e.compute_kind, dtype))
     return microbatches * seconds / devices / (1 - bubble)
 
 
@@ -409,7 +400,8 @@ def _plan_mesh(model, example_inputs, example_kwargs, mesh: Mesh, search, limit,
 
     from autoshard.api.planning import plan
 
-    bound = least_state_bytes(model, mesh, search.optimizer, zero, _stored_axis(mesh, data_axis, options))
+    stored = zero_axis_of(mesh, data_axis, options.get("context_parallel"))
+    bound = least_state_bytes(model, mesh, search.optimizer, zero, stored)
     if limit is not None and bound > limit:
         return Candidate(mesh, pruned=f"its parameters, gradients and optimizer state need at least {_gib(bound)} "
                                       f"per rank, over memory_limit {_gib(limit)}")
@@ -443,7 +435,8 @@ def _plan_pipeline(model, example_inputs, example_kwargs, mesh: Mesh, group: lis
     axis = group[0].axis
     pipe = mesh.axis_size(axis)
     rest = Mesh(tuple((n, k) for n, k in mesh.axes if n != axis) or ((data_axis, 1),))
-    bound = least_state_bytes(model, rest, search.optimizer, zero, _stored_axis(rest, data_axis, options)) / pipe
+    stored = zero_axis_of(rest, data_axis, options.get("context_parallel"))
+    bound = least_state_bytes(model, rest, search.optimizer, zero, stored) / pipe
     if limit is not None and bound > limit:
         why = (f"its largest stage's parameters, gradients and optimizer state need at least {_gib(bound)} per rank "
                f"(1/{pipe} of the model's on the other axes), over memory_limit {_gib(limit)}")
@@ -482,15 +475,6 @@ def _plan_pipeline(model, example_inputs, example_kwargs, mesh: Mesh, group: lis
             break
         searched = searched * limit / least * (1 - 1e-3)
     return best
-
-
-def _stored_axis(mesh: Mesh, data_axis: str, options: dict) -> str:
-    """The axis ZeRO stores over on ``mesh`` (:func:`autoshard.compiler.context.zero_axis`): the data axis, or the
-    context axis where context parallelism runs and there is no data axis of size > 1."""
-    context = options.get("context_parallel")
-    if context is not None and not (data_axis in mesh.names and mesh.axis_size(data_axis) > 1):
-        return context
-    return data_axis
 
 
 def _refused(mesh: Mesh, error: PlanError, seconds: float) -> Candidate:

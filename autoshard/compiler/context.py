@@ -81,10 +81,16 @@ def zero_axis(options: Options, mesh: Mesh) -> str:
     without a data axis of size > 1, the context axis (its ranks hold the same parameters and sum their gradients,
     as torchtitan's FSDP shards over ``dp_shard × cp``)."""
     cp = options.context_parallel
-    data = options.data_axis
-    if cp is not None and cp.axis in mesh.names and not (data in mesh.names and mesh.axis_size(data) > 1):
-        return cp.axis
-    return data
+    return zero_axis_of(mesh, options.data_axis, cp.axis if cp is not None else None)
+
+
+def zero_axis_of(mesh: Mesh, data_axis: str, context_axis: str | None) -> str:
+    """:func:`zero_axis` from the axis names: ``context_axis`` where it is on ``mesh`` and ``data_axis`` is not (or
+    has size 1), else ``data_axis``."""
+    if context_axis is not None and context_axis in mesh.names and not (
+            data_axis in mesh.names and mesh.axis_size(data_axis) > 1):
+        return context_axis
+    return data_axis
 
 
 def searches(options: Options, pinned: Pinned | None = None, training: bool = True) -> bool:
