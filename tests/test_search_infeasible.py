@@ -81,7 +81,7 @@ def test_hf_llama_limit_just_above_the_bound_is_met_or_said_to_be_a_bound(hf_lla
     least = hf_llama_refused.least_memory
     limit = 1.01 * least
     try:
-        plan = _plan("hf_llama", mesh, "cpu-gloo", limit, time_limit=5.0, layers=2)
+        plan = _plan("hf_llama", mesh, "cpu-gloo", limit, time_limit=2.0, layers=2)
     except PlanError as error:
         assert not error.least_memory_proven and error.least_memory <= limit < error.least_memory_found
         text = str(error)
@@ -99,10 +99,17 @@ def test_llama3_8b_meta_infeasible_limit_names_a_true_lower_bound():
     assert least > 2**30
     _check_message(error, 2**30)
     limit = 1.05 * error.least_memory_found
-    # 10 s of search (about a sixth of its unbounded time here): the bound holds whatever plan the search reaches
-    plan = _plan("llama3_8b_meta", mesh, "gpu-8x-nvlink", limit, time_limit=10.0, **kwargs)
-    searched = plan.context.report["plan_search"]["memory_per_rank"]
-    assert least <= searched <= limit
+    # 3 s of search (a small share of its unbounded time here): the bound holds whatever plan the search reaches.
+    # The plan "found" is the refusal's least-peak ILP's, as far as it got in its second (load-dependent): the
+    # search may not reach one within 5% of it in its time, and then says the bound is only a bound
+    try:
+        plan = _plan("llama3_8b_meta", mesh, "gpu-8x-nvlink", limit, time_limit=3.0, **kwargs)
+    except PlanError as refused:
+        assert not refused.least_memory_proven and refused.least_memory == pytest.approx(least)
+        assert "no plan within it was found in" in str(refused) and "search_time_limit" in str(refused)
+    else:
+        searched = plan.context.report["plan_search"]["memory_per_rank"]
+        assert least <= searched <= limit
 
 
 def test_the_bound_is_below_the_least_memory_plan_and_the_least_peak():
