@@ -122,7 +122,7 @@ def _cases(rank, world_size, limit):
 
 @pytest.fixture(scope="module")
 def gloo_results():
-    return spawn(_cases, 4, _limit(), timeout=240)
+    return spawn(_cases, 4, _limit(), timeout=240, start_method="forkserver")
 
 
 def _sim(case, *args):

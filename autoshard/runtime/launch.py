@@ -61,8 +61,12 @@ def free_port() -> int:
 
 
 # Imported by the forkserver before it forks the first child: the compiler and the model libraries the children
-# of a test suite import; multiprocessing skips a name that fails to import.
-_PRELOAD = ("autoshard.api.sharded_module", "autoshard.passes", "transformers",
+# of a test suite import, and what their first trace, plan search and pipeline import lazily (torch.export's
+# tracer, the search's solvers, torch's pipelining): 14% of the children's CPU in two gloo tests before these were
+# preloaded; multiprocessing skips a name that fails to import.
+_PRELOAD = ("autoshard.api.sharded_module", "autoshard.api.entry", "autoshard.api.in_place", "autoshard.passes",
+            "autoshard.passes.plan_search", "autoshard.compiler.plan", "torch.export._trace",
+            "torch.distributed.pipelining", "torch.distributed.checkpoint", "transformers",
             "transformers.models.llama.modeling_llama")
 
 
