@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use, its CPU affinity bounded by the cgroup's CPU quota.
+    pytest-xdist counts the affinity (or, with psutil installed, the host's physical cores), but a container limited
+    to 2 cores by a quota still shows every core of its host there: up to ``--maxprocesses`` (4) workers on 2 cores,
+    which measured 5-15% slower than 2 on this 2-core machine."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, _cgroup_cpus() or n))
+
+
+def _cgroup_cpus() -> int | None:
+    """The cores the cgroup's CPU quota allows (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), None: no quota."""
+    for path, period_path in (("/sys/fs/cgroup/cpu.max", None),
+                              ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if period_path is not None:
+                with open(period_path) as f:
+                    fields.append(f.read().strip())
+        except OSError:
+            continue
+        if len(fields) == 2 and fields[0] not in ("max", "-1"):
+            try:
+                return math.ceil(int(fields[0]) / int(fields[1]))
+            except (ValueError, ZeroDivisionError):
+                return None
+        return None
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:
