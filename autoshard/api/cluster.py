@@ -322,7 +322,8 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
     (the sequence sharded there; pipelines too: ``pipe × data × context × model``). ``devices`` left out: the world
     torchrun started (every rank calls this together; each candidate without a pipe axis is planned on rank 0 and
     replayed on the others, as :func:`autoshard.plan` does)."""
-    from autoshard.api.planning import Search, examples_of, parse_bytes
+    from autoshard.api.planning import Search
+    from autoshard.compiler.plan import reused_traces
 
     if options.get("annotations"):
         raise PlanError("plan_cluster got annotations, but they give placements for one mesh's axes while the "
@@ -348,14 +349,24 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
                         "autoshard.Search(profile=..., memory_limit=..., ...) or None (the default Search()).")
     if search.time_limit is None:
         search = dataclasses.replace(search, time_limit=CANDIDATE_TIME_LIMIT)
+    with reused_traces():  # every candidate plans the one trace of the model (one per microbatch shape)
+        return _plan_candidates(model, example_inputs, example_kwargs, devices, gpus_per_node, search, options,
+                                data_axis, model_axis, context_axis, pipe_axis, schedules, pipelines)
+
+
+def _plan_candidates(model, example_inputs, example_kwargs, devices: int, gpus_per_node, search, options: dict,
+                     data_axis: str, model_axis: str, context_axis: str, pipe_axis: str, schedules, pipelines: bool
+                     ) -> ClusterPlan:
+    """:func:`plan_cluster`'s candidates, planned and ordered."""
+    from autoshard.api.planning import examples_of, parse_bytes
+
     limit = parse_bytes(search.memory_limit)
     zero = search.zero != 0
     out = []
     batch = _batch(*examples_of(example_inputs, example_kwargs))
     for mesh in candidate_meshes(devices, gpus_per_node, data_axis, model_axis, context_axis):
-        context = context_axis if context_axis in mesh.names else None
         out.append(_plan_mesh(model, example_inputs, example_kwargs, mesh, search, limit, zero, data_axis, batch,
-                              dict(options, context_parallel=context) if context else options))
+                              _mesh_options(options, mesh, context_axis)))
     if pipelines:
         groups: dict = {}  # (mesh, microbatches, stages per rank) -> its schedules: one microbatch plan each
         for mesh, pipeline in candidate_pipelines(devices, gpus_per_node, batch, data_axis, model_axis, pipe_axis,
@@ -384,12 +395,17 @@ def plan_cluster(model: torch.nn.Module, example_inputs=None, example_kwargs: di
                        f"found ({min(steps):.4g} s)")
                 out.extend(Candidate(mesh, pruned=why, pipeline=p) for p in group)
                 continue
-            context = context_axis if context_axis in mesh.names else None
             out.extend(_plan_pipeline(model, example_inputs, example_kwargs, mesh, group, search, limit, zero,
-                                      data_axis, dict(options, context_parallel=context) if context else options))
+                                      data_axis, _mesh_options(options, mesh, context_axis)))
     order = sorted(out, key=lambda c: (c.plan is None, c.step_time_s if c.plan is not None else math.inf,
                                        c.memory_per_rank_bytes if c.plan is not None else math.inf))
     return ClusterPlan(devices, gpus_per_node, tuple(order))
+
+
+def _mesh_options(options: dict, mesh: Mesh, context_axis: str) -> dict:
+    """The compile options of one candidate mesh: ``options``, with context parallelism on ``context_axis`` where
+    the mesh has that axis."""
+    return dict(options, context_parallel=context_axis) if context_axis in mesh.names else options
 
 
 def _plan_mesh(model, example_inputs, example_kwargs, mesh: Mesh, search, limit, zero: bool, data_axis: str,

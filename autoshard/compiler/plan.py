@@ -8,6 +8,7 @@ questions about itself without any process group: ``show()``, ``format()``, ``co
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import gc
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import torch
 import torch.fx
 
 from autoshard import meta as M
-from autoshard.compiler.rank_programs import param_specs_of, rank_program
+from autoshard.compiler.rank_programs import param_specs_of, program_copy, rank_program
 from autoshard.compiler.context import Context, Options, Pinned, searches
 from autoshard.compiler.plan_file import tied_groups
 from autoshard.errors import AutoshardError, PlanError
@@ -362,11 +363,10 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
         return decisions[-1]
 
     # one trace and its passes at a time where ranks are threads of one process (the simulator)
-    with RANK_THREADS.exclusive(), _gc_paused():
+    with RANK_THREADS.exclusive(), _gc_paused(), reused_traces():
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
-            gm = trace(model, args, kwargs, device=device) if options.precision is None else trace_with_precision(
-                model, args, kwargs, options.precision, device)  # the compute copy's graph (frontend/precision.py)
+            gm = _traced(model, args, kwargs, options.precision, device)
             ctx = Context(mesh, options, once=recorded, pinned=pinned)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
             gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned,
@@ -392,6 +392,84 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     return Plan(gm, mesh, ctx, type(model).__name__, training=model.training,
                 examples=(tuple(args), dict(kwargs or {})), model_signature=signature_of(model), decisions=decisions,
                 tied=tied_groups(model))
+
+
+#: the traces of the innermost reused_traces() block: trace key -> (model, its traced program); None outside one
+_TRACES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("autoshard_reused_traces", default=None)
+
+
+@contextlib.contextmanager
+def reused_traces():
+    """Within the block, :func:`build_plan` traces each model once per inputs (shapes, dtypes, devices,
+    ``requires_grad``, non-tensor values), mode, device and precision policy, and plans a copy of that program every
+    further time (:func:`traced_copy`): the search's re-plans and ``plan_cluster``'s candidate meshes trace the model
+    once (Llama-3.1-405B on meta: 3.3 s a trace). Only within one call that plans a model it does not change: the
+    copy is of the model as it was traced (a parameter replaced meanwhile would not be seen). Blocks nest: an inner
+    one shares the outer one's traces."""
+    token = _TRACES.set({} if _TRACES.get() is None else _TRACES.get())
+    try:
+        yield
+    finally:
+        _TRACES.reset(token)
+
+
+def _traced(model: torch.nn.Module, args: tuple, kwargs: dict | None, precision, device) -> torch.fx.GraphModule:
+    """The traced program of ``model`` (the compute copy's under a precision policy: frontend/precision.py), from
+    the enclosing :func:`reused_traces` block's traces when it traced the same already."""
+    def fresh():
+        return trace(model, args, kwargs, device=device) if precision is None else trace_with_precision(
+            model, args, kwargs, precision, device)
+
+    traces = _TRACES.get()
+    if traces is None:
+        return fresh()
+    key = (id(model), model.training, str(device), repr(precision), _inputs_key(args, kwargs))
+    if key not in traces:  # kept as traced (the passes rewrite a copy); the model kept: its id is not reused
+        traces[key] = (model, fresh())
+    return traced_copy(traces[key][1])
+
+
+def _inputs_key(args, kwargs) -> tuple:
+    """What of the example inputs the trace depends on: their structure, each tensor's shape, strides, dtype,
+    device and ``requires_grad``, every other leaf's value (aliasing inputs are traced as copies: trace's
+    ``unaliased``)."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten((tuple(args) if isinstance(args, (tuple, list)) else (args,),
+                                        dict(kwargs or {})))
+    sig = tuple((tuple(x.shape), x.stride(), x.dtype, str(x.device), x.requires_grad, type(x))
+                if isinstance(x, torch.Tensor) else (type(x), repr(x)) for x in leaves)
+    return str(spec), sig
+
+
+def traced_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a traced program for the plan passes to rewrite: :func:`program_copy`'s (the graph and every node's
+    metadata copied, the module tree new, its tensors shared), with every parameter and buffer of ``gm`` at its
+    path (a tensor no node reads too) and export's input checks (``validate_inputs``, ``range_constraints``)."""
+    copy = program_copy(gm)
+    for buffers, named in ((False, gm.named_parameters(remove_duplicate=False)),
+                           (True, gm.named_buffers(remove_duplicate=False))):
+        for name, t in named:
+            owner, _, leaf = name.rpartition(".")
+            module = gm.get_submodule(owner)
+            try:
+                target = copy.get_submodule(owner)
+            except AttributeError:
+                target = copy
+                for part in owner.split(".") if owner else ():
+                    if not hasattr(target, part):
+                        target.add_module(part, torch.nn.Module())
+                    target = getattr(target, part)
+            if leaf in target._parameters or leaf in target._buffers or leaf in target.__dict__:
+                continue
+            if buffers:
+                target.register_buffer(leaf, t, persistent=leaf not in module._non_persistent_buffers_set)
+            else:
+                target.register_parameter(leaf, t)
+    for name in ("validate_inputs", "range_constraints"):
+        if name in gm.__dict__:
+            copy.__dict__[name] = gm.__dict__[name]
+    return copy
 
 
 #: how often build_plan plans again when the searched plan's peak by plan.cost() exceeds the memory limit
