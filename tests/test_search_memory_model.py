@@ -17,7 +17,7 @@ import torch
 from autoshard.api.sharded_module import make_options
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
-from autoshard.compiler.plan import build_plan
+from autoshard.compiler.plan import build_plan, reused_traces
 from examples import models
 from tests.opcases import CASES
 from tests.test_hf_moe import DROPLESS
@@ -30,6 +30,8 @@ TOLERANCE = 0.01
 
 
 def _plan(model, args, kwargs=None, moe=None, **options):
+    """The searched plan of ``model`` on MESH; within one test, plans of the same model and inputs share its trace
+    (``reused_traces``: a plan of a copy of the trace equals a fresh trace's, tests/test_reused_traces.py)."""
     from autoshard.api.planning import with_moe as _with_moe
 
     opts = make_options(None, "data", "replicate", MESH, planner="search", **options)
@@ -37,6 +39,12 @@ def _plan(model, args, kwargs=None, moe=None, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return build_plan(model, MESH, args, kwargs or {}, opts)
+
+
+@pytest.fixture(autouse=True)
+def _one_trace_per_model():
+    with reused_traces():
+        yield
 
 
 def _check_equal(plan, tolerance: float = TOLERANCE) -> float:
