@@ -366,7 +366,10 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
     with RANK_THREADS.exclusive(), _gc_paused(), reused_traces():
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
-            gm = _traced(model, args, kwargs, options.precision, device)
+            key, gm = _kept_trace(model, args, kwargs, options.precision, device)
+            if gm is None:  # (the trace called here: an untraceable model's error stays a few frames long)
+                gm = _keep_trace(key, model, trace(model, args, kwargs, device=device) if options.precision is None
+                                 else trace_with_precision(model, args, kwargs, options.precision, device))
             ctx = Context(mesh, options, once=recorded, pinned=pinned)
             planned = options if target == options.memory_limit else dataclasses.replace(options, memory_limit=target)
             gm = run_passes(gm, ctx, pass_list(planned, pipeline=pipeline, pinned=pinned,
@@ -413,20 +416,25 @@ def reused_traces():
         _TRACES.reset(token)
 
 
-def _traced(model: torch.nn.Module, args: tuple, kwargs: dict | None, precision, device) -> torch.fx.GraphModule:
-    """The traced program of ``model`` (the compute copy's under a precision policy: frontend/precision.py), from
-    the enclosing :func:`reused_traces` block's traces when it traced the same already."""
-    def fresh():
-        return trace(model, args, kwargs, device=device) if precision is None else trace_with_precision(
-            model, args, kwargs, precision, device)
-
+def _kept_trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, precision, device
+                ) -> tuple[tuple | None, torch.fx.GraphModule | None]:
+    """``(key, program)``: a copy of the enclosing :func:`reused_traces` block's trace of ``model`` with these inputs,
+    mode, device and precision policy (the compute copy's graph under one: frontend/precision.py), or None where it
+    has none yet (then :func:`_keep_trace` the new trace under ``key``; key None: outside any block)."""
     traces = _TRACES.get()
     if traces is None:
-        return fresh()
+        return None, None
     key = (id(model), model.training, str(device), repr(precision), _inputs_key(args, kwargs))
-    if key not in traces:  # kept as traced (the passes rewrite a copy); the model kept: its id is not reused
-        traces[key] = (model, fresh())
-    return traced_copy(traces[key][1])
+    return key, traced_copy(traces[key][1]) if key in traces else None
+
+
+def _keep_trace(key: tuple | None, model: torch.nn.Module, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` kept as traced under ``key`` (with the model: its id is not reused while the block lasts) and a copy
+    of it for the passes to rewrite; ``gm`` itself outside a block."""
+    if key is None:
+        return gm
+    _TRACES.get()[key] = (model, gm)
+    return traced_copy(gm)
 
 
 def _inputs_key(args, kwargs) -> tuple:
