@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -93,6 +94,39 @@ def test_apply_shards_the_model_it_is_given():
         for name, p in other.named_parameters():
             assert torch.equal(state[name], p.detach()), name
         assert any(not torch.equal(state[n], p.detach()) for n, p in model.named_parameters())
+
+
+def test_one_plan_applied_on_every_rank_thread_shards_each_ranks_own_model():
+    """Simulated ranks sharing one Plan (``autoshard.apply`` of one plan on every rank thread, each to its own copy
+    of the model): each rank's shards are its own model's, in whatever order the ranks apply it and make their
+    shards. Here both apply before either makes its shards, rank 0 first: the first to make them releases the
+    plan's weights, so rank 1 found meta tensors there and refused ("uninitialised memory") — 1 run of the suite in
+    about 5 did so by chance (tests/runtime/test_no_sync.py shares a plan so)."""
+    model, args, kwargs = _gpt()
+    mesh = autoshard.Mesh(data=2)
+    plan = autoshard.plan(model, mesh, args, kwargs)
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    with torch.no_grad():
+        for p in copies[1].parameters():
+            p.add_(1.0)
+    world = SimWorld(mesh, timeout=120)
+    both_applied, rank0_made = threading.Barrier(2, timeout=60), threading.Event()
+
+    def body(rank):
+        sharded = autoshard.apply(copies[rank], plan, comm=world.communicator(rank))
+        both_applied.wait()
+        if rank == 1:
+            assert rank0_made.wait(60)
+        sharded.materialize()
+        if rank == 0:
+            rank0_made.set()
+        return {n: p.to_local().detach().clone() for n, p in sharded.named_parameters()}
+
+    for rank, local in enumerate(world.run(body)):
+        own = dict(copies[rank].named_parameters())
+        assert set(local) == set(own)
+        for name, t in local.items():
+            assert torch.equal(t, own[name].detach()), (rank, name)
 
 
 def test_apply_to_another_model_names_the_difference():

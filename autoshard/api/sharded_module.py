@@ -118,9 +118,11 @@ class ShardedModule(torch.nn.Module):
         self._traced_training = model.training
         self.training = model.training
         self._model = (model,)  # until the plan has its weights (a tuple keeps it out of this module's children)
+        self._applied_to = ()  # autoshard.apply's model until this rank's shards are made
         self._examples = None
         if planned is not None:  # autoshard.apply: the plan is made, and made for this model
             self._adopt(planned, model, *planned.examples)
+            self._applied_to = (model,)  # whose weights this rank's shards take (see materialize)
         elif example_inputs is not None or example_kwargs is not None:
             args = () if example_inputs is None else (
                 example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
@@ -287,7 +289,15 @@ class ShardedModule(torch.nn.Module):
             return self.local
         plan = self._need_plan()
         comm = self.communicator()
-        local = plan.rank_program(comm.rank, bucket_grads=self.bucketing)
+        # Simulated ranks may share one applied plan (autoshard.apply of one Plan on every rank thread): its graph
+        # holds the weights of the model applied last, and the first rank to make its shards releases them. So a
+        # rank binds its own model's weights, makes its program and releases them in one step.
+        with RANK_THREADS.exclusive():
+            if self._applied_to:
+                plan.bind_weights(self._applied_to[0])
+            local = plan.rank_program(comm.rank, bucket_grads=self.bucketing)
+            plan.release_weights()
+        self._applied_to = ()
         tensors = [*local.parameters(), *local.buffers()]
         if any(t.is_meta for t in tensors):
             local.to_empty(device=self.device)
@@ -305,7 +315,6 @@ class ShardedModule(torch.nn.Module):
             public = {target: (holder._parameters if is_param else holder._buffers)[attr]
                       for target, holder, attr, is_param in self._published_targets(local)}
             self.bucketer = GradBucketer(local, comm=comm, bucket_cap_mb=self.bucket_cap_mb, public=public)
-        plan.release_weights()
         return local
 
     def init_weights(self, init=None) -> None:
