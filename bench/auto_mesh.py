@@ -12,6 +12,7 @@ measured fastest, with its measured time over the fastest's.
     python bench/auto_mesh.py                          # GPT 4 layers, hidden 128, batch 16, seq 64, on 4 ranks
     python bench/auto_mesh.py --profile here.toml      # priced by a calibrated profile (autoshard calibrate)
     python bench/auto_mesh.py --quick                  # a smoke run: tiny GPT, 1F1B only, 3 best measured
+    python bench/auto_mesh.py --model hf_llama         # HF LlamaForCausalLM of the same shape (GQA: 2 kv heads)
 
 On a machine with fewer cores than ranks (this one: 2 cores, 4 ranks) the processes share cores, which the cost
 model does not price: the comparison is of the ranking, not of the absolute times.
@@ -34,21 +35,30 @@ SHAPE = {"batch": 16, "seq": 64, "layers": 4, "hidden": 128, "heads": 4, "vocab"
 QUICK = {"batch": 4, "seq": 16, "layers": 2, "hidden": 32, "heads": 4, "vocab": 64}
 
 
-def build(shape: dict):
+#: the models --model names: the examples' GPT (token ids in, loss out) and Hugging Face's LlamaForCausalLM (input_ids
+#: and labels as keywords)
+MODELS = ("gpt", "hf_llama")
+
+
+def build(shape: dict, name: str = "gpt"):
     from examples import models
 
+    if name == "hf_llama":
+        return models.hf_llama(batch=shape["batch"], seq=shape["seq"], layers=shape["layers"],
+                               hidden=shape["hidden"], heads=shape["heads"], kv_heads=max(1, shape["heads"] // 2),
+                               vocab=shape["vocab"])
     return models.gpt(batch=shape["batch"], seq=shape["seq"], layers=shape["layers"], hidden=shape["hidden"],
                       heads=shape["heads"], vocab=shape["vocab"])
 
 
-def plan_all(shape: dict, devices: int, profile: str, schedules: tuple[str, ...]):
+def plan_all(shape: dict, devices: int, profile: str, schedules: tuple[str, ...], name: str = "gpt"):
     """The candidates of ``plan_cluster`` (planned ones with their plans) and its planning seconds."""
     import warnings
 
     import autoshard
     from autoshard.api.cluster import plan_cluster
 
-    model, args, kwargs = build(shape)
+    model, args, kwargs = build(shape, name)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -57,7 +67,8 @@ def plan_all(shape: dict, devices: int, profile: str, schedules: tuple[str, ...]
     return chosen, time.perf_counter() - t0
 
 
-def _worker(rank: int, world: int, files: list[str], shape: dict, warmup: int, steps: int) -> list[dict]:
+def _worker(rank: int, world: int, files: list[str], shape: dict, warmup: int, steps: int, name: str = "gpt"
+            ) -> list[dict]:
     import warnings
 
     import torch
@@ -67,13 +78,13 @@ def _worker(rank: int, world: int, files: list[str], shape: dict, warmup: int, s
     out = []
     for path in files:
         try:
-            out.append(_measure(rank, path, shape, warmup, steps))
+            out.append(_measure(rank, path, shape, warmup, steps, name))
         except Exception as e:  # the same on every rank: a row saying so, the run goes on
             out.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
     return out
 
 
-def _measure(rank: int, path: str, shape: dict, warmup: int, steps: int) -> dict:
+def _measure(rank: int, path: str, shape: dict, warmup: int, steps: int, name: str = "gpt") -> dict:
     import torch
     import torch.distributed as dist
 
@@ -81,22 +92,23 @@ def _measure(rank: int, path: str, shape: dict, warmup: int, steps: int) -> dict
     from autoshard.compiler.plan import loss_of
 
     torch.manual_seed(0)
-    model, args, kwargs = build(shape)
+    model, args, kwargs = build(shape, name)
     plan = autoshard.load_plan(path, model, args, kwargs)
     pipelined = hasattr(plan, "microbatch_plan")
     sharded = autoshard.apply(model, plan)
     if pipelined:  # a pipelined module takes the global batch
-        a = args
+        a, kw = args, kwargs
     else:
         a = tuple(autoshard.data_shard(x, plan.mesh, rank) for x in args)
+        kw = {k: autoshard.data_shard(v, plan.mesh, rank) for k, v in kwargs.items()}
     optimizer = torch.optim.AdamW(list(sharded.parameters()), lr=1e-4)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         if pipelined:
-            sharded(*a)
+            sharded(*a, **kw)
         else:
-            loss_of(sharded(*a)).backward()
+            loss_of(sharded(*a, **kw)).backward()
         optimizer.step()
 
     for _ in range(warmup):
@@ -114,20 +126,20 @@ def _measure(rank: int, path: str, shape: dict, warmup: int, steps: int) -> dict
 
 def run(shape: dict, devices: int = 4, profile: str = "cpu-gloo", warmup: int = 2, steps: int = 5,
         schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved"), timeout: float = 1800,
-        start_method: str = "spawn", measure: int | None = None) -> dict:
+        start_method: str = "spawn", measure: int | None = None, name: str = "gpt") -> dict:
     """Plan, then measure every planned candidate (``measure``: the best that many by prediction) on ``devices``
     gloo processes: one row per candidate."""
     from autoshard.api.cluster import describe
     from autoshard.runtime import spawn
 
-    chosen, planning_s = plan_all(shape, devices, profile, schedules)
+    chosen, planning_s = plan_all(shape, devices, profile, schedules, name)
     planned = chosen.planned[:measure]
     folder = tempfile.mkdtemp(prefix="auto_mesh")
     files = []
     for i, c in enumerate(planned):
         files.append(os.path.join(folder, f"candidate{i}.json"))
         c.plan.save(files[-1])
-    results = spawn(_worker, devices, files, shape, warmup, steps, timeout=timeout, start_method=start_method)
+    results = spawn(_worker, devices, files, shape, warmup, steps, name, timeout=timeout, start_method=start_method)
     rows = []
     for i, c in enumerate(planned):
         got = results[0][i]
@@ -140,6 +152,7 @@ def run(shape: dict, devices: int = 4, profile: str = "cpu-gloo", warmup: int = 
     fastest = min(ok, key=lambda r: r["measured_s"]) if ok else None
     best = rows[0] if rows else None
     return {"rows": rows, "planning_s": planning_s, "devices": devices, "profile": profile, "shape": shape,
+            "model": name,
             "not_planned": [(describe(c), c.pruned or c.failed) for c in chosen.candidates if c.plan is None],
             "chosen_fastest": bool(best and fastest and best is fastest),
             "chosen_over_fastest": (best["measured_s"] / fastest["measured_s"]
@@ -171,6 +184,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--measure", type=int, default=None, metavar="K",
                     help="measure only the K best by prediction (default: every planned candidate)")
+    ap.add_argument("--model", choices=MODELS, default="gpt", help="the examples' GPT or HF LlamaForCausalLM")
     ap.add_argument("--quick", action="store_true",
                     help="tiny GPT, 1F1B pipelines only, the 3 best predicted measured for 2 steps")
     a = ap.parse_args(argv)
@@ -178,9 +192,10 @@ def main(argv=None) -> dict:
     warmup, steps, measure = (1, 2, 3) if a.quick else (a.warmup, a.steps, a.measure)
     started = time.monotonic()
     result = run(shape, a.devices, a.profile, warmup, steps, schedules,
-                 start_method="forkserver" if a.quick else "spawn", measure=measure)
+                 start_method="forkserver" if a.quick else "spawn", measure=measure, name=a.model)
     measured = "every planned candidate" if measure is None else f"the {measure} best predicted"
-    print(f"auto_mesh: GPT {shape} on {a.devices} gloo ranks, {measured} measured, profile {a.profile}, "
+    model = "GPT" if a.model == "gpt" else "HF LlamaForCausalLM"
+    print(f"auto_mesh: {model} {shape} on {a.devices} gloo ranks, {measured} measured, profile {a.profile}, "
           f"median of {steps} steps after {warmup} warm-up; planning {result['planning_s']:.1f} s, all "
           f"{time.monotonic() - started:.0f} s")
     print(format_table(result))
