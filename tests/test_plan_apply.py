@@ -100,8 +100,8 @@ def test_one_plan_applied_on_every_rank_thread_shards_each_ranks_own_model():
     """Simulated ranks sharing one Plan (``autoshard.apply`` of one plan on every rank thread, each to its own copy
     of the model): each rank's shards are its own model's, in whatever order the ranks apply it and make their
     shards. Here both apply before either makes its shards, rank 0 first: the first to make them releases the
-    plan's weights, so rank 1 found meta tensors there and refused ("uninitialised memory") — 1 run of the suite in
-    about 5 did so by chance (tests/runtime/test_no_sync.py shares a plan so)."""
+    plan's weights, so rank 1 found meta tensors there and refused ("uninitialised memory"): one clean-clone run of
+    the suite failed so by chance, in tests/runtime/test_no_sync.py, which shares a plan so."""
     model, args, kwargs = _gpt()
     mesh = autoshard.Mesh(data=2)
     plan = autoshard.plan(model, mesh, args, kwargs)

@@ -68,3 +68,24 @@ def test_other_inputs_or_mode_are_traced_again():
         model.eval()
         _plan(model, args, kwargs, mesh)
         assert len(plan_module._TRACES.get()) == 3
+
+
+def test_a_copy_has_every_tensor_of_the_trace_as_it_is_there():
+    """HF Llama's trace holds a buffer no node reads and a non-persistent one (the rotary ``inv_freq``): the copy has
+    every parameter and buffer at the same name, the same tensor, persistent or not as in the trace."""
+    from autoshard.compiler.plan import traced_copy
+    from autoshard.frontend.trace import trace
+
+    model, args, kwargs = models.hf_llama(layers=1)
+    traced = trace(model, args, kwargs)
+    copy = traced_copy(traced)
+
+    def tensors(gm):
+        return {name: (id(t), name.rpartition(".")[2] in gm.get_submodule(name.rpartition(".")[0])
+                       ._non_persistent_buffers_set)
+                for name, t in [*gm.named_parameters(remove_duplicate=False),
+                                *gm.named_buffers(remove_duplicate=False)]}
+
+    assert any(non_persistent for _, non_persistent in tensors(traced).values())
+    assert tensors(copy) == tensors(traced)
+    assert list(copy.state_dict()) == list(traced.state_dict())

@@ -363,7 +363,8 @@ def build_plan(model: torch.nn.Module, mesh: Mesh, args: tuple, kwargs: dict | N
         return decisions[-1]
 
     # one trace and its passes at a time where ranks are threads of one process (the simulator)
-    with RANK_THREADS.exclusive(), _gc_paused(), reused_traces():
+    replans = options.memory_limit is not None and pipeline is None and searches(options, pinned, model.training)
+    with RANK_THREADS.exclusive(), _gc_paused(), reused_traces() if replans else contextlib.nullcontext():
         target = options.memory_limit
         for attempt in range(1 + SEARCH_REPLANS):
             key, gm = _kept_trace(model, args, kwargs, options.precision, device)
@@ -453,27 +454,19 @@ def _inputs_key(args, kwargs) -> tuple:
 def traced_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of a traced program for the plan passes to rewrite: :func:`program_copy`'s (the graph and every node's
     metadata copied, the module tree new, its tensors shared), with every parameter and buffer of ``gm`` at its
-    path (a tensor no node reads too) and export's input checks (``validate_inputs``, ``range_constraints``)."""
+    path (a tensor no node reads too; non-persistent buffers stay so) and export's input checks
+    (``validate_inputs``, ``range_constraints``)."""
+    from torch.fx.graph_module import _assign_attr
+
     copy = program_copy(gm)
-    for buffers, named in ((False, gm.named_parameters(remove_duplicate=False)),
-                           (True, gm.named_buffers(remove_duplicate=False))):
-        for name, t in named:
-            owner, _, leaf = name.rpartition(".")
-            module = gm.get_submodule(owner)
-            try:
-                target = copy.get_submodule(owner)
-            except AttributeError:
-                target = copy
-                for part in owner.split(".") if owner else ():
-                    if not hasattr(target, part):
-                        target.add_module(part, torch.nn.Module())
-                    target = getattr(target, part)
-            if leaf in target._parameters or leaf in target._buffers or leaf in target.__dict__:
-                continue
-            if buffers:
-                target.register_buffer(leaf, t, persistent=leaf not in module._non_persistent_buffers_set)
-            else:
-                target.register_parameter(leaf, t)
+    present = {*dict(copy.named_parameters(remove_duplicate=False)), *dict(copy.named_buffers(remove_duplicate=False))}
+    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if name not in present:  # (a tensor no node reads: program_copy takes only what the graph reads)
+            _assign_attr(t, copy, name)
+    for name, _ in gm.named_buffers(remove_duplicate=False):  # registering a buffer makes it persistent
+        owner, _, leaf = name.rpartition(".")
+        if leaf in gm.get_submodule(owner)._non_persistent_buffers_set:
+            copy.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
     for name in ("validate_inputs", "range_constraints"):
         if name in gm.__dict__:
             copy.__dict__[name] = gm.__dict__[name]
