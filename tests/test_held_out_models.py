@@ -30,7 +30,7 @@ from autoshard.errors import PlanError
 from autoshard.frontend import hf_blocks
 from examples import models
 from examples.models import _ids
-from tests import opcases, test_rules
+from tests import opcases, rule_sweep
 from tests.test_equivalence import assert_simulated_equals_one_device
 from tests.test_memory_limit_sweep import SWEEP
 
@@ -117,7 +117,7 @@ def test_type_as_of_a_0d_tensor_matches_one_device():
 
 
 #: type_as of a 0-d self and a 2-d other: every strategy of the rule, forced, against the unsharded op
-#: (tests/test_rules.py's checker)
+#: (tests/rule_sweep.py's checker)
 TYPE_AS_CASES = [
     opcases.case("type_as_0d_self", aten.type_as.default, lambda m, a, b: a.type_as(b) * b.sum(),
                  opcases.f(), opcases.f(4, 8)),
@@ -126,20 +126,20 @@ TYPE_AS_CASES = [
 
 def _type_as_entries():
     for c in TYPE_AS_CASES:
-        for mesh_name in test_rules.MESHES:
+        for mesh_name in rule_sweep.MESHES:
             yield pytest.param(c, mesh_name, id=f"{c.name}-{mesh_name}")
 
 
 @pytest.mark.parametrize("case, mesh_name", list(_type_as_entries()))
 def test_type_as_rule_every_strategy_matches_the_unsharded_op(case, mesh_name, monkeypatch):
     monkeypatch.setitem(opcases.BY_NAME, case.name, case)
-    strats = test_rules.candidates(case.name, mesh_name)
+    strats = rule_sweep.candidates(case.name, mesh_name)
     assert len(strats) > 1  # something besides all-replicated (the output or self sharded, or Partial)
     for strat in strats:
-        for variant in test_rules.variants(case.name, strat):
-            what = f"{case.name} on {mesh_name}, strategy {','.join(test_rules.tokens(strat))} ({variant})"
-            plan = test_rules.build(case.name, mesh_name, strat, variant)
-            test_rules.check(case.name, plan, what)
+        for variant in rule_sweep.variants(case.name, strat):
+            what = f"{case.name} on {mesh_name}, strategy {','.join(rule_sweep.tokens(strat))} ({variant})"
+            plan = rule_sweep.build(case.name, mesh_name, strat, variant)
+            rule_sweep.check(case.name, plan, what)
 
 
 # ---- Mesh(context=1) ----------------------------------------------------------------------------------------

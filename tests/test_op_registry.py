@@ -71,7 +71,7 @@ def test_shardable_ops_that_write_a_shape_have_a_local_form():
 
 def test_rules_with_bias_inputs_have_a_local_form():
     """Evaluated on the traced op cases (real OpInfos): a rule that names a bias needs its add-once local form."""
-    from tests.test_rules import traced
+    from tests.rule_sweep import traced
 
     with_bias, missing, seen = set(), [], set()
     for c in opcases.CASES:
