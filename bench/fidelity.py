@@ -76,10 +76,10 @@ def plan_options(name: str, plan: str):
         return "data=4", {"zero": 3}
     if plan in ("tp", "tp_sp"):
         mesh = autoshard.Mesh(model=4)
-        return "model=4", {"plan": models.megatron(mesh, name), "sequence_parallel": plan == "tp_sp"}
+        return "model=4", {"annotations": models.megatron(mesh, name), "sequence_parallel": plan == "tp_sp"}
     if plan == "recompute":
         mesh = autoshard.Mesh(data=2, model=2)
-        return "data=2,model=2", {"plan": models.megatron(mesh, name), "recompute": LAYERS[name]}
+        return "data=2,model=2", {"annotations": models.megatron(mesh, name), "recompute": LAYERS[name]}
     if plan == "bf16":
         return "data=4", {"precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16)}
     if plan == "moe_ep":

@@ -19,7 +19,10 @@
    forward, and forward + backward); the **optimizer step** (``AdamW.step`` over DTensor parameters, as a compiled
    model's are: many small tensors and a few large ones, fitted to a cost per tensor and per element:
    :func:`fit_optimizer`); the **overlap** of an async all-reduce with matmuls run meanwhile (what gradient buckets
-   do in backward): ``(serial - together) / min(comm, compute)``;
+   do in backward): ``(serial - together) / min(comm, compute)``; the **contention**: how much slower a rank's
+   matmuls run while every rank runs them than alone (:func:`_contention`). With gloo (the ranks compute on the
+   CPU cores they share) every compute time above is scaled by it, since a training step's ranks compute at once
+   while each probe, the fastest of its repeats right after a barrier, finds a core free;
 3. the **step overhead**: a one-layer model compiled data-parallel over the ranks with the profile fitted so far,
    its fastest training step less ``plan.cost(profile)``'s (the call's checks, ``zero_grad``, the loop).
 
@@ -118,6 +121,9 @@ class Calibration:
     tables: tuple = ()
     #: seconds a training step of a compiled model costs beyond its ops, collectives and optimizer
     step_overhead: float = 0.0
+    #: how much slower a rank computes while every rank does (:func:`_contention`); every compute time above is
+    #: scaled by it (gloo: the ranks share the CPU's cores)
+    contention: float = 1.0
 
     def profile(self, name: str | None = None) -> HardwareProfile:
         return HardwareProfile(
@@ -341,6 +347,53 @@ def _step_overhead(profile: HardwareProfile, world_size: int, repeats: int) -> f
     return max(0.0, measured - predicted)
 
 
+#: seconds of matmuls each rank runs per probe of :func:`_contention`: many scheduler slices, so that ranks that share
+#: a core share it for most of the probe
+_CONTENTION_SECONDS = 0.05
+
+
+def _contention(rank: int, world_size: int, repeats: int) -> float:
+    """How much slower a rank computes while every rank computes than alone: the same matmuls (about
+    :data:`_CONTENTION_SECONDS`), timed on each rank in turn while the others wait in a barrier, then on every rank
+    at once; the median of each over ``max(3, repeats // 3)`` rounds, their ratio averaged over the ranks, at least 1.
+
+    The efficiency tables time each op right after a barrier, the fastest of their repeats: a short op that finds a
+    core free. In a training step the ranks compute at the same time, so ranks that outnumber the cores (4 gloo
+    ranks on 2 cores) each get a share of one: the compute probes alone priced the steps of 4 ranks on this 2-core
+    machine at 0.2-0.9x of their measured time (bench/fidelity.py)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, a)
+    per_mm = torch.tensor([(time.perf_counter() - start) / 8], dtype=torch.float64)
+    dist.all_reduce(per_mm, op=dist.ReduceOp.MIN)  # every rank runs the same count: the fastest rank's estimate
+    count = max(1, int(_CONTENTION_SECONDS / max(per_mm.item(), 1e-9)))
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        for _ in range(count):
+            torch.mm(a, a)
+        return time.perf_counter() - t0
+
+    rounds = max(3, repeats // 3)
+    alone, together = [], []
+    for _ in range(rounds):
+        for r in range(world_size):
+            dist.barrier()
+            if r == rank:
+                alone.append(work())
+        dist.barrier()
+        together.append(work())
+    dist.barrier()
+    ratio = torch.tensor([statistics.median(together) / statistics.median(alone)], dtype=torch.float64)
+    dist.all_reduce(ratio)
+    return max(1.0, ratio.item() / world_size)
+
+
 def _overlap(comm, repeats: int) -> float:
     """Fraction of an async all-reduce's time hidden behind compute run meanwhile (what the gradient buckets do in
     backward): ``(serial - together) / min(comm, compute)``, clipped to [0, 1]."""
@@ -393,6 +446,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
         tables = {kind: _rate_table(kind, repeats) for kind in _TABLE_SIZES}
         optimizer = _optimizer_samples(comm, repeats)
         overlap = _overlap(comm, repeats)
+        contention = _contention(rank, world_size, repeats)
 
         times = torch.tensor([t for kind in COLLECTIVES for _, t in samples[kind]]
                              + [t for kind in pair_samples for _, t in pair_samples[kind]], dtype=torch.float64)
@@ -417,7 +471,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, sizes: tuple[in
                                    for kind in pair_samples},
                   "peak_flops": rates[0].item(), "mem_bandwidth": rates[1].item(),
                   "bfloat16_flops": rates[2].item(), "op_overhead": overhead, "tables": tables,
-                  "optimizer": optimizer, "overlap": overlap,
+                  "optimizer": optimizer, "overlap": overlap, "contention": contention,
                   "transport": type(comm).__name__, "calls": counts}
         # every rank has the same numbers now: the profile they give prices a tiny compiled model's step, and
         # what its measured step takes beyond that is the fixed cost of a training step
@@ -485,8 +539,11 @@ def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: floa
     pairs = {kind: {2: [(int(nb), float(t)) for nb, t in v]} for kind, v in raw.get("pair_samples", {}).items()}
     fits = tuple(fit_collective(kind, samples[kind], world_size, pairs.get(kind)) for kind in COLLECTIVES)
     joint = fit_link(samples, world_size, pairs)
-    overhead = (float(raw["op_overhead"][0]), float(raw["op_overhead"][1]))
-    tables = {k: [(float(w), float(t)) for w, t in v] for k, v in raw["tables"].items()}
+    # gloo ranks compute on the CPU cores they share: every compute time as it is while all ranks compute
+    # (:func:`_contention`; NCCL ranks compute on their own devices)
+    slower = float(raw.get("contention", 1.0)) if backend == "gloo" else 1.0
+    overhead = (slower * float(raw["op_overhead"][0]), slower * float(raw["op_overhead"][1]))
+    tables = {k: [(float(w), slower * float(t)) for w, t in v] for k, v in raw["tables"].items()}
     peaks, efficiency = fit_efficiency(tables, overhead[0])
     return Calibration(
         world_size=world_size,
@@ -501,9 +558,11 @@ def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: floa
         dtype_flops=(("bfloat16", peaks["matmul.bfloat16"]),),
         op_overhead=overhead,
         efficiency=efficiency,
-        optimizer_step=tuple((name, *fit_optimizer(raw["optimizer"])) for name in ("adam", "adamw")),
+        optimizer_step=tuple((name, *fit_optimizer([(nt, ne, slower * t) for nt, ne, t in raw["optimizer"]]))
+                             for name in ("adam", "adamw")),
         tables=tuple((k, tuple(v)) for k, v in tables.items()),
         step_overhead=float(raw.get("step_overhead", 0.0)),
+        contention=slower,
     )
 
 
@@ -574,7 +633,8 @@ def format_calibration(cal: Calibration) -> str:
         lines.append(f"efficiency {kind}: " + ", ".join(f"{w:.3g}: {f:.2f}" for w, f in pts))
     lines.append(f"per op: forward {cal.op_overhead[0] * 1e6:.3g} us, backward {cal.op_overhead[1] * 1e6:.3g} us; "
                  f"per step {cal.step_overhead * 1e3:.3g} ms; gradient reductions hidden behind compute: "
-                 f"{cal.link.overlap:.2f}")
+                 f"{cal.link.overlap:.2f}; compute {cal.contention:.2f}x slower with every rank computing "
+                 "(compute times scaled by it)")
     for name, per_tensor, per_element in cal.optimizer_step:
         lines.append(f"optimizer {name}: {per_tensor * 1e6:.3g} us per tensor, {per_element * 1e9:.3g} ns per element")
     return "\n".join(lines)

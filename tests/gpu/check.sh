@@ -40,7 +40,7 @@ loss_ref.backward()
 world = SimWorld(mesh, timeout=600)
 def body(rank):
     torch.manual_seed(0)
-    sharded = autoshard.compile(meta_model, mesh, args, kwargs, plan=models.megatron(mesh, "hf_llama"),
+    sharded = autoshard.compile(meta_model, mesh, args, kwargs, annotations=models.megatron(mesh, "hf_llama"),
                                 comm=world.communicator(rank), device=dev)
     sharded.init_weights()
     a = tuple(autoshard.data_shard(x, mesh, rank) for x in args)
