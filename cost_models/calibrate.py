@@ -20,9 +20,8 @@
    model's are: many small tensors and a few large ones, fitted to a cost per tensor and per element:
    :func:`fit_optimizer`); the **overlap** of an async all-reduce with matmuls run meanwhile (what gradient buckets
    do in backward): ``(serial - together) / min(comm, compute)``; the **contention**: how much slower a rank's
-   matmuls run while every rank runs them than alone (:func:`_contention`). With gloo (the ranks compute on the
-   CPU cores they share) every compute time above is scaled by it, since a training step's ranks compute at once
-   while each probe, the fastest of its repeats right after a barrier, finds a core free;
+   matmuls run while every rank runs them than alone (:func:`_contention`), printed beside the profile, not
+   applied to it;
 3. the **step overhead**: a one-layer model compiled data-parallel over the ranks with the profile fitted so far,
    its fastest training step less ``plan.cost(profile)``'s (the call's checks, ``zero_grad``, the loop).
 
@@ -121,8 +120,8 @@ class Calibration:
     tables: tuple = ()
     #: seconds a training step of a compiled model costs beyond its ops, collectives and optimizer
     step_overhead: float = 0.0
-    #: how much slower a rank computes while every rank does (:func:`_contention`); every compute time above is
-    #: scaled by it (gloo: the ranks share the CPU's cores)
+    #: how much slower a rank computes while every rank does than alone (:func:`_contention`): measured and
+    #: printed, not applied to the profile (see :func:`_contention`)
     contention: float = 1.0
 
     def profile(self, name: str | None = None) -> HardwareProfile:
@@ -359,8 +358,12 @@ def _contention(rank: int, world_size: int, repeats: int) -> float:
 
     The efficiency tables time each op right after a barrier, the fastest of their repeats: a short op that finds a
     core free. In a training step the ranks compute at the same time, so ranks that outnumber the cores (4 gloo
-    ranks on 2 cores) each get a share of one: the compute probes alone priced the steps of 4 ranks on this 2-core
-    machine at 0.2-0.9x of their measured time (bench/fidelity.py)."""
+    ranks on 2 cores: about 1.85x) each get a share of one. It is not applied to the profile: scaling every compute
+    time by it (measured side by side, bench/README.md) brought the predicted steps of 4 ranks on this 2-core machine
+    closer (median error 55% -> 31%) but ranked plans worse (0.462 -> 0.422 on the same measurements) and made
+    bench/auto_mesh.py's choice 1.31x the fastest measured instead of 1.00x, since the collectives and the sends,
+    where a rank waits for peers that were descheduled, stay priced as timed with every rank arriving together.
+    Applied alone it would move the search's choices towards more communication."""
     import statistics
 
     import torch.distributed as dist
@@ -539,11 +542,8 @@ def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: floa
     pairs = {kind: {2: [(int(nb), float(t)) for nb, t in v]} for kind, v in raw.get("pair_samples", {}).items()}
     fits = tuple(fit_collective(kind, samples[kind], world_size, pairs.get(kind)) for kind in COLLECTIVES)
     joint = fit_link(samples, world_size, pairs)
-    # gloo ranks compute on the CPU cores they share: every compute time as it is while all ranks compute
-    # (:func:`_contention`; NCCL ranks compute on their own devices)
-    slower = float(raw.get("contention", 1.0)) if backend == "gloo" else 1.0
-    overhead = (slower * float(raw["op_overhead"][0]), slower * float(raw["op_overhead"][1]))
-    tables = {k: [(float(w), slower * float(t)) for w, t in v] for k, v in raw["tables"].items()}
+    overhead = (float(raw["op_overhead"][0]), float(raw["op_overhead"][1]))
+    tables = {k: [(float(w), float(t)) for w, t in v] for k, v in raw["tables"].items()}
     peaks, efficiency = fit_efficiency(tables, overhead[0])
     return Calibration(
         world_size=world_size,
@@ -558,11 +558,10 @@ def calibration_from_raw(raw: dict, world_size: int, backend: str, seconds: floa
         dtype_flops=(("bfloat16", peaks["matmul.bfloat16"]),),
         op_overhead=overhead,
         efficiency=efficiency,
-        optimizer_step=tuple((name, *fit_optimizer([(nt, ne, slower * t) for nt, ne, t in raw["optimizer"]]))
-                             for name in ("adam", "adamw")),
+        optimizer_step=tuple((name, *fit_optimizer(raw["optimizer"])) for name in ("adam", "adamw")),
         tables=tuple((k, tuple(v)) for k, v in tables.items()),
         step_overhead=float(raw.get("step_overhead", 0.0)),
-        contention=slower,
+        contention=float(raw.get("contention", 1.0)),
     )
 
 
@@ -633,8 +632,8 @@ def format_calibration(cal: Calibration) -> str:
         lines.append(f"efficiency {kind}: " + ", ".join(f"{w:.3g}: {f:.2f}" for w, f in pts))
     lines.append(f"per op: forward {cal.op_overhead[0] * 1e6:.3g} us, backward {cal.op_overhead[1] * 1e6:.3g} us; "
                  f"per step {cal.step_overhead * 1e3:.3g} ms; gradient reductions hidden behind compute: "
-                 f"{cal.link.overlap:.2f}; compute {cal.contention:.2f}x slower with every rank computing "
-                 "(compute times scaled by it)")
+                 f"{cal.link.overlap:.2f}; compute {cal.contention:.2f}x slower with every rank computing than "
+                 "alone (not applied)")
     for name, per_tensor, per_element in cal.optimizer_step:
         lines.append(f"optimizer {name}: {per_tensor * 1e6:.3g} us per tensor, {per_element * 1e9:.3g} ns per element")
     return "\n".join(lines)
