@@ -362,9 +362,9 @@ def _contention(rank: int, world_size: int, repeats: int) -> float:
     time by it (measured side by side, bench/README.md) brought the predicted steps of 4 ranks on this 2-core machine
     closer (median error 55% -> 31%) but ranked plans worse (0.462 -> 0.422 on the same measurements) and made
     bench/auto_mesh.py's choice (GPT, 4 ranks) 1.31x the fastest measured (the previous stop's, unscaled: 1.00x),
-    since the collectives and the sends,
-    where a rank waits for peers that were descheduled, stay priced as timed with every rank arriving together.
-    Applied alone it would move the search's choices towards more communication."""
+    since the collectives and the sends, where a rank waits for peers that were descheduled, stay priced as timed
+    with every rank arriving together. Applied alone it would move the search's choices towards more communication
+    (bench/collective_wait.py measures that wait)."""
     import statistics
 
     import torch.distributed as dist

@@ -152,14 +152,18 @@ def eager(case_name: str):
     """(outputs, {param: grad}, [input grad or None]) of the unsharded module. Computed once per case (a fresh copy
     of the module and inputs, so it does not depend on the strategy, mesh or variant); callers only read it."""
     model, args, _, _ = traced(case_name)
-    model = copy.deepcopy(model)
-    args = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-    outs = _flat(model(*args))
+    return _forward_backward(copy.deepcopy(model),
+                             tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args))
+
+
+def _forward_backward(module, inputs: tuple):
+    """(outputs, {param: grad}, [input grad or None]) of ``module(*inputs)`` and the loss's backward."""
+    outs = _flat(module(*inputs))
     loss = _loss(outs, _loss_weights(outs))
     if loss is not None:
         loss.backward()
-    return ([o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters()},
-            [a.grad for a in args])
+    return ([o.detach() for o in outs], {n: p.grad for n, p in module.named_parameters()},
+            [x.grad for x in inputs])
 
 
 def build(case_name: str, mesh_name: str, strat, variant: str, forced: bool = True) -> Plan:
@@ -202,12 +206,7 @@ def simulate(plan: Plan, args):
         module = plan.rank_program(rank)
         local = tuple(local_input(a, h.meta[M.SPEC], plan.mesh, rank, seed=i).requires_grad_(a.requires_grad)
                       for i, (a, h) in enumerate(zip(args, holders)))
-        outs = _flat(module(*local))
-        loss = _loss(outs, _loss_weights(outs))
-        if loss is not None:
-            loss.backward()
-        return ([o.detach() for o in outs], {n: p.grad for n, p in module.named_parameters()},
-                [x.grad for x in local])
+        return _forward_backward(module, local)
 
     return SimWorld(plan.mesh, timeout=30, serial=True).run(body)  # ranks take turns: threads would buy nothing
 
