@@ -30,6 +30,8 @@ fresh interpreters).
     python bench/fidelity.py                 # calibrate, then 3 models x 9 plans (about 10 minutes on 2 cores)
     python bench/fidelity.py --quick         # small shapes, 1 layer, 1 timed step
     python bench/fidelity.py --models gpt --plans dp,tp
+    python bench/fidelity.py --world 2 --json run.json   # 2 ranks (on a 2-core machine: one core each)
+    python bench/fidelity.py --repredict run.json --profile other.toml   # run.json's plans priced by another profile
 """
 
 from __future__ import annotations
@@ -63,31 +65,36 @@ def build_model(name: str, shape: dict):
     return getattr(models, name)(heads=8, **kw)
 
 
-def plan_options(name: str, plan: str):
-    """(mesh text, compile options) of ``plan`` on model ``name``."""
+def plan_options(name: str, plan: str, world: int = WORLD):
+    """(mesh text, compile options) of ``plan`` on model ``name`` over ``world`` ranks (a power of 2, at least 2:
+    the meshes above with 4 read as ``world``, and data=2 x model=2 as data=world/2 x model=2, pipe=2 x data=2 as
+    pipe=2 x data=world/2; an axis of size 1 is left out)."""
     import torch
 
     import autoshard
     from examples import models
 
+    def text(**axes) -> str:
+        return ",".join(f"{k}={v}" for k, v in axes.items() if v > 1)
+
     if plan == "dp":
-        return "data=4", {}
+        return text(data=world), {}
     if plan == "zero3":
-        return "data=4", {"zero": 3}
+        return text(data=world), {"zero": 3}
     if plan in ("tp", "tp_sp"):
-        mesh = autoshard.Mesh(model=4)
-        return "model=4", {"annotations": models.megatron(mesh, name), "sequence_parallel": plan == "tp_sp"}
+        mesh = autoshard.Mesh(model=world)
+        return text(model=world), {"annotations": models.megatron(mesh, name), "sequence_parallel": plan == "tp_sp"}
     if plan == "recompute":
-        mesh = autoshard.Mesh(data=2, model=2)
-        return "data=2,model=2", {"annotations": models.megatron(mesh, name), "recompute": LAYERS[name]}
+        mesh = autoshard.Mesh.parse(text(data=world // 2, model=2))
+        return text(data=world // 2, model=2), {"annotations": models.megatron(mesh, name), "recompute": LAYERS[name]}
     if plan == "bf16":
-        return "data=4", {"precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16)}
+        return text(data=world), {"precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16)}
     if plan == "moe_ep":
-        return "data=4", {"moe": autoshard.MoE(layers=FFNS[name], num_experts=4, top_k=2, expert_axis="data")}
+        return text(data=world), {"moe": autoshard.MoE(layers=FFNS[name], num_experts=4, top_k=2, expert_axis="data")}
     if plan == "cp_ring":
-        return "context=4", {"context_axis": autoshard.ContextParallel("context", attention="ring")}
+        return text(context=world), {"context_axis": autoshard.ContextParallel("context", attention="ring")}
     if plan == "pipeline":
-        return "pipe=2,data=2", {"pipeline": autoshard.Pipeline(microbatches=4, schedule="1f1b")}
+        return text(pipe=2, data=world // 2), {"pipeline": autoshard.Pipeline(microbatches=4, schedule="1f1b")}
     raise ValueError(f"unknown plan {plan!r}; the plans are {PLANS}")
 
 
@@ -215,20 +222,20 @@ def _worker(rank: int, world: int, pairs: list, shape: dict, profile_path: str, 
     out = {}
     for name, plan in pairs:
         try:
-            out[(name, plan)] = _measure(rank, name, plan, shape, profile_path, prof_obj, warmup, steps)
+            out[(name, plan)] = _measure(rank, world, name, plan, shape, profile_path, prof_obj, warmup, steps)
         except Exception as e:  # the same on every rank (a plan refused): a row saying so, the run goes on
             out[(name, plan)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     return out
 
 
-def _measure(rank, name, plan, shape, profile_path, prof_obj, warmup, steps) -> dict:
+def _measure(rank, world, name, plan, shape, profile_path, prof_obj, warmup, steps) -> dict:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     import autoshard
 
-    mesh_text, opts = plan_options(name, plan)
+    mesh_text, opts = plan_options(name, plan, world)
     if plan == "pipeline":
         opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
                                               schedule=opts["pipeline"].schedule, profile=profile_path)
@@ -283,19 +290,69 @@ def _measure(rank, name, plan, shape, profile_path, prof_obj, warmup, steps) -> 
             "mesh": mesh_text, "setup_s": compile_s}
 
 
+def predict(name: str, plan: str, shape: dict, profile_path: str, world: int = WORLD) -> dict:
+    """The cost model's prediction of one (model, plan) in this process, no ranks started: the same plan as
+    :func:`_measure` compiles (:func:`autoshard.plan`, no process group needed) priced by the same calls as
+    :func:`_predict`, as ``{stage: (step seconds, largest memory over the stage's ranks)}`` (stage None: no
+    pipeline). ``--repredict`` prices a saved run's plans with another profile: cost models compared on the
+    same measurements."""
+    import torch
+
+    import autoshard
+    from autoshard.cost_models.profile import load_profile
+
+    mesh_text, opts = plan_options(name, plan, world)
+    if "pipeline" in opts:
+        opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
+                                              schedule=opts["pipeline"].schedule, profile=profile_path)
+    if "context_axis" in opts:
+        opts["context_parallel"] = opts.pop("context_axis")
+    mesh = autoshard.Mesh.parse(mesh_text)
+    torch.manual_seed(0)
+    model, args, kwargs = build_model(name, shape)
+    planned = autoshard.plan(model, mesh, args, kwargs, **opts)
+    if "pipeline" in opts:
+        from autoshard.compiler.report import stages_json
+
+        step = stages_json(planned)["estimated_step_s"]
+        stages = sorted({s for r in range(mesh.size) for s in planned.stages_of(r)})
+        return {s: (step, max(planned.stage_memory(s, r) for r in range(mesh.size) if s in planned.stages_of(r)))
+                for s in stages}
+    cost = planned.cost(load_profile(profile_path))
+    return {None: (cost.step_time, cost.memory_per_rank)}
+
+
+def repredict(rows: list[dict], shape: dict, profile_path: str, world: int) -> list[dict]:
+    """``rows`` of a saved run with their predictions made again from ``profile_path`` (:func:`predict`); the
+    measurements are kept as they were."""
+    cache, out = {}, []
+    for r in rows:
+        if "error" in r:
+            out.append(r)
+            continue
+        plan = r["plan"].split(" ")[0]
+        key = (r["model"], plan)
+        if key not in cache:
+            cache[key] = predict(r["model"], plan, shape, profile_path, world)
+        stage = int(r["plan"].split(" s")[1]) if " s" in r["plan"] else None
+        t, m = cache[key][stage]
+        out.append({**r, "pred_time": t, "pred_memory": m, "pred_opt": 0.0, "pred_comm": 0.0})
+    return out
+
+
 def spearman(xs, ys) -> float:
     from scipy.stats import spearmanr
 
     return float(spearmanr(xs, ys).statistic)
 
 
-def run(pairs, shape, profile_path, warmup, steps, timeout=3600, start_method="spawn") -> list[dict]:
+def run(pairs, shape, profile_path, warmup, steps, timeout=3600, start_method="spawn", world=WORLD) -> list[dict]:
     """Every (model, plan) pair measured and predicted: one row per (model, plan, stage) with the largest memory
     over the ranks of that stage. ``start_method="forkserver"`` (``--quick``) forks the 4 processes from a server
     that has imported torch, autoshard and transformers once, not 4 fresh interpreters importing them each."""
     from autoshard.runtime import spawn
 
-    results = spawn(_worker, WORLD, list(pairs), shape, profile_path, warmup, steps, timeout=timeout,
+    results = spawn(_worker, world, list(pairs), shape, profile_path, warmup, steps, timeout=timeout,
                     start_method=start_method)
     rows = []
     for key in results[0]:
@@ -360,7 +417,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per plan (default 5; 1 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; 1 with --quick)")
     ap.add_argument("--json", default=None, help="also write the rows and the summary to this file")
+    ap.add_argument("--world", type=int, default=WORLD, help=f"gloo ranks (default {WORLD}; a power of 2)")
+    ap.add_argument("--repredict", default=None, metavar="RUN.json",
+                    help="start no ranks: price the plans of a run saved by --json again with --profile, beside "
+                         "that run's measurements")
     opts = ap.parse_args(argv)
+    if opts.world < 2 or opts.world & (opts.world - 1):
+        ap.error(f"--world {opts.world}: the plans need a power of 2, at least 2")
+    if opts.repredict:
+        if opts.profile is None:
+            ap.error("--repredict prices a saved run again: give the --profile to price it with")
+        with open(opts.repredict) as f:
+            saved = json.load(f)
+        shape = saved.get("shape") or SHAPES["full"]
+        rows = repredict(saved["rows"], shape, opts.profile, saved.get("world", WORLD))
+        print(f"{opts.repredict}'s measurements, predicted again from {opts.profile}")
+        print(format_rows(rows))
+        result = {"rows": rows, "summary": summary(rows), "shape": shape, "world": saved.get("world", WORLD)}
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        return result
     models_ = [m for m in (opts.models or ",".join(MODELS)).split(",") if m]
     plans = [p for p in (opts.plans or ",".join(PLANS)).split(",") if p]
     for p in plans:
@@ -383,15 +460,16 @@ def main(argv=None) -> dict:
         from autoshard.cost_models.calibrate import format_calibration, measure
         from autoshard.cost_models.profile import save_profile
 
-        cal = measure(world_size=WORLD, repeats=3 if opts.quick else 10, timeout=600)
+        cal = measure(world_size=opts.world, repeats=3 if opts.quick else 10, timeout=600)
         print(format_calibration(cal))
         profile_path = str(save_profile(cal.profile("fidelity"), os.path.join(tempfile.mkdtemp(), "fidelity.toml")))
     started = time.monotonic()
-    rows = run(pairs, shape, profile_path, warmup, steps, start_method="forkserver" if opts.quick else "spawn")
-    print(f"{len(pairs)} (model, plan) pairs on {WORLD} gloo ranks, shape {shape}, profile "
+    rows = run(pairs, shape, profile_path, warmup, steps, start_method="forkserver" if opts.quick else "spawn",
+               world=opts.world)
+    print(f"{len(pairs)} (model, plan) pairs on {opts.world} gloo ranks, shape {shape}, profile "
           f"{profile_path}, {time.monotonic() - started:.0f} s")
     print(format_rows(rows))
-    result = {"rows": rows, "summary": summary(rows)}
+    result = {"rows": rows, "summary": summary(rows), "shape": shape, "world": opts.world}
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

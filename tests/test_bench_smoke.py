@@ -100,11 +100,13 @@ def test_runtime_quick_times_the_sharded_module_and_compares_its_gradients(capsy
 
 
 @pytest.mark.gloo
-def test_fidelity_quick_runs_and_predicts_every_plan(capsys):
+def test_fidelity_quick_runs_and_predicts_every_plan(capsys, tmp_path):
     """bench/fidelity.py --quick: every plan (each on one of the three models) trained on 4 gloo ranks, timed, its
-    allocator peak read, and priced by the cost model; the errors are benchmark numbers, not asserted here."""
+    allocator peak read, and priced by the cost model; the errors are benchmark numbers, not asserted here. Its
+    saved run priced again in one process (``--repredict``, no ranks) gives the ranks' own predictions."""
     fidelity = importlib.import_module("bench.fidelity")  # (importable: spawned workers unpickle its functions)
-    result = fidelity.main(["--quick", "--profile", "cpu-gloo"])
+    saved = tmp_path / "run.json"
+    result = fidelity.main(["--quick", "--profile", "cpu-gloo", "--json", str(saved)])
     rows = result["rows"]
     assert [r for r in rows if "error" in r] == []
     ran = {r["plan"].split(" ")[0] for r in rows}
@@ -121,6 +123,13 @@ def test_fidelity_quick_runs_and_predicts_every_plan(capsys):
     assert -1 <= summary["rank_correlation"] <= 1
     out = capsys.readouterr().out
     assert "rank correlation" in out and "median error" in out
+    again = fidelity.main(["--repredict", str(saved), "--profile", "cpu-gloo"])["rows"]
+    assert [(r["model"], r["plan"], r["time"], r["memory"]) for r in again] == \
+        [(r["model"], r["plan"], r["time"], r["memory"]) for r in rows]  # the measurements as they were
+    for a, r in zip(again, rows):
+        assert a["pred_memory"] == pytest.approx(r["pred_memory"], rel=1e-9), r
+        if r["timed"]:
+            assert a["pred_time"] == pytest.approx(r["pred_time"], rel=1e-9), r
 
 
 def test_moe_scale_quick(capsys):
@@ -154,3 +163,15 @@ def test_auto_mesh_quick(capsys):
     assert result["chosen_over_fastest"] == pytest.approx(rows[0]["measured_s"] / fastest)
     out = capsys.readouterr().out
     assert "chosen measured fastest: " in out and all(r["config"] in out for r in rows)
+
+
+def test_fidelity_plans_on_any_power_of_two_ranks():
+    """``--world``: every plan's mesh uses exactly the ranks asked for (an axis of size 1 left out)."""
+    import autoshard
+
+    fidelity = importlib.import_module("bench.fidelity")
+    for world in (2, 4, 8):
+        for plan in fidelity.PLANS:
+            text, _ = fidelity.plan_options("gpt", plan, world)
+            mesh = autoshard.Mesh.parse(text)
+            assert mesh.size == world and 1 not in dict(mesh.axes).values(), (world, plan, text)
