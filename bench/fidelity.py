@@ -32,6 +32,7 @@ fresh interpreters).
     python bench/fidelity.py --models gpt --plans dp,tp
     python bench/fidelity.py --world 2 --json run.json   # 2 ranks (on a 2-core machine: one core each)
     python bench/fidelity.py --repredict run.json --profile other.toml   # run.json's plans priced by another profile
+    python bench/fidelity.py --alone --profile cal.toml   # the compute model alone: one rank, no contention
 """
 
 from __future__ import annotations
@@ -340,6 +341,61 @@ def repredict(rows: list[dict], shape: dict, profile_path: str, world: int) -> l
     return out
 
 
+def alone(models: list[str], shape: dict, profile_path: str, steps: int = 5, warmup: int = 2) -> list[dict]:
+    """The compute model without ranks: each model planned on one rank (``data=1``) at the per-rank batch of the
+    data-parallel plan, in fp32 and under ``MixedPrecision(bf16)``; its rank program's forward + backward timed in
+    this process (one thread, a 1-rank gloo group: the median of ``steps``) beside ``plan.cost().compute_time``.
+    What the multi-rank rows miss beyond this is the ranks sharing the machine, not the ops' prices."""
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard.cost_models.profile import load_profile
+    from autoshard.runtime import DistCommunicator
+
+    if dist.is_initialized():
+        raise RuntimeError("bench/fidelity.py --alone makes its own 1-rank process group: run it outside torchrun")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        comm = DistCommunicator(autoshard.Mesh(data=1))
+        return _alone_rows(models, shape, load_profile(profile_path), comm, steps, warmup)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _alone_rows(models, shape, profile, comm, steps, warmup) -> list[dict]:
+    import torch
+
+    import autoshard
+    from autoshard.compiler.plan import loss_of
+    from autoshard.runtime import use
+
+    per_rank = dict(shape, batch=shape["batch"] // WORLD)
+    rows = []
+    for name in models:
+        for precision in ("fp32", "bf16"):
+            opts = {} if precision == "fp32" else {"precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16)}
+            torch.manual_seed(0)
+            model, args, kwargs = build_model(name, per_rank)
+            plan = autoshard.plan(model, autoshard.Mesh(data=1), args, kwargs, **opts)
+            program = plan.rank_program(0)
+            a, k = plan.shard_inputs(0, args, kwargs)
+            times = []
+            for i in range(warmup + steps):
+                for p in program.parameters():
+                    p.grad = None
+                with use(comm):
+                    t = time.perf_counter()
+                    loss_of(program(*a, **k)).backward()
+                    times.append(time.perf_counter() - t)
+            rows.append({"model": name, "precision": precision, "batch": per_rank["batch"],
+                         "time": statistics.median(times[warmup:]), "pred_time": plan.cost(profile).compute_time})
+    return rows
+
+
 def spearman(xs, ys) -> float:
     from scipy.stats import spearmanr
 
@@ -418,6 +474,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; 1 with --quick)")
     ap.add_argument("--json", default=None, help="also write the rows and the summary to this file")
     ap.add_argument("--world", type=int, default=WORLD, help=f"gloo ranks (default {WORLD}; a power of 2)")
+    ap.add_argument("--alone", action="store_true",
+                    help="start no ranks: each model's forward + backward on one rank in fp32 and bf16, measured "
+                         "beside the compute the cost model prices (needs --profile)")
     ap.add_argument("--repredict", default=None, metavar="RUN.json",
                     help="start no ranks: price the plans of a run saved by --json again with --profile, beside "
                          "that run's measurements")
@@ -446,6 +505,16 @@ def main(argv=None) -> dict:
     for m in models_:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; the models are {', '.join(MODELS)}")
+    if opts.alone:
+        if opts.profile is None:
+            ap.error("--alone prices the compute with a profile: give --profile")
+        rows = alone(models_, SHAPES["quick" if opts.quick else "full"], opts.profile, steps=1 if opts.quick else 5,
+                     warmup=1 if opts.quick else 2)
+        for r in rows:
+            print(f"{r['model']:9} {r['precision']:5} batch {r['batch']:3}: forward + backward measured "
+                  f"{r['time'] * 1e3:8.1f} ms, compute predicted {r['pred_time'] * 1e3:8.1f} ms "
+                  f"({r['pred_time'] / r['time'] - 1:+.1%})")
+        return {"alone": rows}
     if opts.quick and opts.models is None and opts.plans is None:
         pairs = [(MODELS[i % len(MODELS)], p) for i, p in enumerate(PLANS)]  # every plan once, the models in turn
     else:

@@ -12,8 +12,9 @@
 2. on every rank at once, so that ranks share the machine as they will in a run (rates and times averaged over
    ranks): a 512×512 fp32 matmul and a 32 MiB copy; the **efficiency tables**: a linear layer at five sizes in fp32
    and bf16, its gradients' two matmuls (``g @ W`` and ``g.t() @ x``: backward's layouts, which bf16 kernels on a
-   CPU run at another rate than the forward's) in both, causal attention (``scaled_dot_product_attention``) at five
-   sequence lengths and an elementwise add at five sizes, each in fp32 and bf16 — each size's rate less the per-op
+   CPU run at another rate than the forward's) in both, causal attention (``scaled_dot_product_attention``) and its
+   gradients at five sequence lengths (bf16 attention's backward ran 2.8x slower than fp32's on this CPU, its
+   forward about as fast) and an elementwise add at five sizes, each in fp32 and bf16 — each size's rate less the per-op
    overhead, over the kind's best rate (:func:`fit_efficiency`); the
    **per-op overhead** of a generated program (a :class:`torch.fx.GraphModule` chain of ops on 8-element tensors,
    forward, and forward + backward); the **optimizer step** (``AdamW.step`` over DTensor parameters, as a compiled
@@ -249,12 +250,18 @@ def _collective_call(comm, kind: str, nbytes: int, world_size: int, axis: str = 
     return numel * 4, lambda: comm.all_to_all(inp, axis, 0, 0)
 
 
-#: Sizes of the efficiency tables: square matmuls of side n, causal attention of sequence s (batch 1, 4 heads of
-#: 32) and elementwise adds of n elements, each in fp32 and in bf16 (a bf16 op's rate is not fp32's: CPUs without
+#: Sizes of the efficiency tables: square matmuls of side n, causal attention of sequence s (heads of 32) and
+#: elementwise adds of n elements, each in fp32 and in bf16 (a bf16 op's rate is not fp32's: CPUs without
 #: bf16 units convert, GPUs have their own bf16 peak).
 _SIDES, _ELEMENTS = (32, 64, 128, 256, 512), (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+#: attention's sequence lengths, at batch x heads = 4 x 8 (:data:`_ATTENTION_BATCH_HEADS`): at one work a kernel's
+#: rate depends on the shape — bf16 attention's backward at [4, 8, 128, 32] ran 3.4x slower than fp32's on this CPU,
+#: at [1, 4, 512, 32] (the same work order) as fast — so the probes have the batch x heads of a training step
+_SEQS = (16, 32, 64, 128, 256)
+_ATTENTION_BATCH_HEADS = (4, 8)
 _TABLE_SIZES = {"matmul": _SIDES, "matmul.bfloat16": _SIDES, "matmul.backward": _SIDES,
-                "matmul.bfloat16.backward": _SIDES, "attention": _SIDES, "attention.bfloat16": _SIDES,
+                "matmul.bfloat16.backward": _SIDES, "attention": _SEQS, "attention.bfloat16": _SEQS,
+                "attention.backward": _SEQS, "attention.bfloat16.backward": _SEQS,
                 "memory": _ELEMENTS, "memory.bfloat16": _ELEMENTS}
 _CHAIN = 100  # ops in the per-op overhead chain
 
@@ -270,9 +277,16 @@ def _table_case(kind: str, size: int):
         a = torch.randn(size, size).to(dtype)
         return 2 * size**3, lambda: torch.nn.functional.linear(a, a)
     if kind.startswith("attention"):
-        q = torch.randn(1, 4, size, 32).to(dtype)
-        return 4 * 4 * size * size * 32, lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q,
-                                                                                                 is_causal=True)
+        batch, heads = _ATTENTION_BATCH_HEADS
+        work = 4 * batch * heads * size * size * 32  # the op registry's forward FLOPs
+        q, k, v = (torch.randn(batch, heads, size, 32).to(dtype) for _ in range(3))
+        if not kind.endswith(".backward"):
+            return work, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # its gradients (the registry's backward: 2.5x the forward's FLOPs), the forward's graph kept
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grad = torch.randn_like(out)
+        return 2.5 * work, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
     x, y = torch.randn(size).to(dtype), torch.randn(size).to(dtype)
     return 3 * x.element_size() * size, lambda: torch.add(x, y)
 

@@ -175,3 +175,16 @@ def test_fidelity_plans_on_any_power_of_two_ranks():
             text, _ = fidelity.plan_options("gpt", plan, world)
             mesh = autoshard.Mesh.parse(text)
             assert mesh.size == world and 1 not in dict(mesh.axes).values(), (world, plan, text)
+
+
+def test_fidelity_alone_times_and_prices_one_rank(capsys):
+    """``--alone``: each model's rank program on one rank (no contention), fp32 and bf16, measured and priced; the
+    1-rank process group it makes is gone afterwards (this worker runs other tests)."""
+    import torch.distributed as dist
+
+    fidelity = importlib.import_module("bench.fidelity")
+    rows = fidelity.main(["--alone", "--quick", "--profile", "cpu-gloo", "--models", "gpt"])["alone"]
+    assert [(r["model"], r["precision"]) for r in rows] == [("gpt", "fp32"), ("gpt", "bf16")]
+    assert all(r["time"] > 0 and r["pred_time"] > 0 for r in rows)
+    assert not dist.is_initialized()
+    assert "compute predicted" in capsys.readouterr().out

@@ -94,7 +94,8 @@ def test_real_run_on_two_gloo_processes(tmp_path, monkeypatch):
     assert all(math.isfinite(t) and t > 0 for t in cal.op_overhead)
     assert {k for k, _ in cal.efficiency} == {"matmul", "matmul.bfloat16", "matmul.backward",
                                               "matmul.bfloat16.backward", "attention", "attention.bfloat16",
-                                              "memory", "memory.bfloat16"}
+                                              "attention.backward", "attention.bfloat16.backward", "memory",
+                                              "memory.bfloat16"}
     for kind, pts in cal.efficiency:
         assert len(pts) == 5 and all(0 < f <= 1 for _, f in pts)
         if kind in ("matmul", "matmul.bfloat16", "memory"):  # their own peaks (attention's fractions are of the
