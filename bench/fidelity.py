@@ -362,7 +362,9 @@ def alone(models: list[str], shape: dict, profile_path: str, steps: int = 5, war
         comm = DistCommunicator(autoshard.Mesh(data=1))
         return _alone_rows(models, shape, load_profile(profile_path), comm, steps, warmup)
     finally:
-        dist.destroy_process_group()
+        from autoshard.runtime.dist import shutdown
+
+        shutdown()  # this communicator's groups and the default one (their gloo threads joined), as a run ends
         torch.set_num_threads(threads)
 
 
