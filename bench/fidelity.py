@@ -341,11 +341,13 @@ def repredict(rows: list[dict], shape: dict, profile_path: str, world: int) -> l
     return out
 
 
-def alone(models: list[str], shape: dict, profile_path: str, steps: int = 5, warmup: int = 2) -> list[dict]:
+def alone(models: list[str], shape: dict, profile_path: str, steps: int = 5, warmup: int = 2,
+          world: int = WORLD) -> list[dict]:
     """The compute model without ranks: each model planned on one rank (``data=1``) at the per-rank batch of the
-    data-parallel plan, in fp32 and under ``MixedPrecision(bf16)``; its rank program's forward + backward timed in
-    this process (one thread, a 1-rank gloo group: the median of ``steps``) beside ``plan.cost().compute_time``.
-    What the multi-rank rows miss beyond this is the ranks sharing the machine, not the ops' prices."""
+    data-parallel plan on ``world`` ranks, in fp32 and under ``MixedPrecision(bf16)``; its rank program's forward +
+    backward timed in this process (one thread, a 1-rank gloo group: the median of ``steps``) beside
+    ``plan.cost().compute_time``. What the multi-rank rows miss beyond this is the ranks sharing the machine, not
+    the ops' prices."""
     import torch
     import torch.distributed as dist
 
@@ -360,7 +362,8 @@ def alone(models: list[str], shape: dict, profile_path: str, steps: int = 5, war
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         comm = DistCommunicator(autoshard.Mesh(data=1))
-        return _alone_rows(models, shape, load_profile(profile_path), comm, steps, warmup)
+        return _alone_rows(models, dict(shape, batch=shape["batch"] // world), load_profile(profile_path), comm,
+                           steps, warmup)
     finally:
         from autoshard.runtime.dist import shutdown
 
@@ -368,14 +371,13 @@ def alone(models: list[str], shape: dict, profile_path: str, steps: int = 5, war
         torch.set_num_threads(threads)
 
 
-def _alone_rows(models, shape, profile, comm, steps, warmup) -> list[dict]:
+def _alone_rows(models, per_rank, profile, comm, steps, warmup) -> list[dict]:
     import torch
 
     import autoshard
     from autoshard.compiler.plan import loss_of
     from autoshard.runtime import use
 
-    per_rank = dict(shape, batch=shape["batch"] // WORLD)
     rows = []
     for name in models:
         for precision in ("fp32", "bf16"):
@@ -386,7 +388,7 @@ def _alone_rows(models, shape, profile, comm, steps, warmup) -> list[dict]:
             program = plan.rank_program(0)
             a, k = plan.shard_inputs(0, args, kwargs)
             times = []
-            for i in range(warmup + steps):
+            for _ in range(warmup + steps):
                 for p in program.parameters():
                     p.grad = None
                 with use(comm):
@@ -511,7 +513,7 @@ def main(argv=None) -> dict:
         if opts.profile is None:
             ap.error("--alone prices the compute with a profile: give --profile")
         rows = alone(models_, SHAPES["quick" if opts.quick else "full"], opts.profile, steps=1 if opts.quick else 5,
-                     warmup=1 if opts.quick else 2)
+                     warmup=1 if opts.quick else 2, world=opts.world)
         for r in rows:
             print(f"{r['model']:9} {r['precision']:5} batch {r['batch']:3}: forward + backward measured "
                   f"{r['time'] * 1e3:8.1f} ms, compute predicted {r['pred_time'] * 1e3:8.1f} ms "

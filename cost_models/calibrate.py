@@ -13,9 +13,10 @@
    ranks): a 512×512 fp32 matmul and a 32 MiB copy; the **efficiency tables**: a linear layer at five sizes in fp32
    and bf16, its gradients' two matmuls (``g @ W`` and ``g.t() @ x``: backward's layouts, which bf16 kernels on a
    CPU run at another rate than the forward's) in both, causal attention (``scaled_dot_product_attention``) and its
-   gradients at five sequence lengths (bf16 attention's backward ran 2.8x slower than fp32's on this CPU, its
-   forward about as fast) and an elementwise add at five sizes, each in fp32 and bf16 — each size's rate less the per-op
-   overhead, over the kind's best rate (:func:`fit_efficiency`); the
+   gradients at five sequence lengths, at a training step's batch x heads (bf16 attention's backward ran 3.4x slower
+   than fp32's at [4, 8, 128, 32] on this CPU, its forward about as fast) and an elementwise add at five sizes,
+   each in fp32 and bf16 — each size's rate less the per-op overhead, over the kind's best rate
+   (:func:`fit_efficiency`); the
    **per-op overhead** of a generated program (a :class:`torch.fx.GraphModule` chain of ops on 8-element tensors,
    forward, and forward + backward); the **optimizer step** (``AdamW.step`` over DTensor parameters, as a compiled
    model's are: many small tensors and a few large ones, fitted to a cost per tensor and per element:
