@@ -200,15 +200,29 @@ def _step_fn(sharded, pipelined: bool, args, kwargs, optimizer):
     return step
 
 
-def _predict(sharded, pipelined: bool, rank: int, profile) -> dict:
+def _options(name: str, plan: str, world: int, profile_path: str) -> tuple[str, dict]:
+    """:func:`plan_options` with the pipeline's stages split by ``profile_path`` (the profile every plan is priced
+    with)."""
+    import autoshard
+
+    mesh_text, opts = plan_options(name, plan, world)
+    if "pipeline" in opts:
+        opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
+                                              schedule=opts["pipeline"].schedule, profile=profile_path)
+    return mesh_text, opts
+
+
+def _predict(plan, pipelined: bool, rank: int, profile) -> dict:
+    """The cost model's prediction for ``rank`` of a plan (a pipeline's :class:`PipelinePlan`): step time and
+    memory, and for the pipeline the rank's stage."""
     if pipelined:
         from autoshard.compiler.report import stages_json
 
-        pplan = sharded.plan
+        pplan = plan
         stages = stages_json(pplan)
         stage = pplan.stages_of(rank)[0]
         return {"time": stages["estimated_step_s"], "memory": pplan.stage_memory(stage, rank), "stage": stage}
-    cost = sharded.plan.cost(profile)
+    cost = plan.cost(profile)
     return {"time": cost.step_time, "memory": cost.memory_per_rank, "stage": None, "opt": cost.optimizer_time,
             "comm": cost.comm_time}
 
@@ -236,10 +250,7 @@ def _measure(rank, world, name, plan, shape, profile_path, prof_obj, warmup, ste
 
     import autoshard
 
-    mesh_text, opts = plan_options(name, plan, world)
-    if plan == "pipeline":
-        opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
-                                              schedule=opts["pipeline"].schedule, profile=profile_path)
+    mesh_text, opts = _options(name, plan, world, profile_path)
     mesh = autoshard.Mesh.parse(mesh_text)
     torch.manual_seed(0)
     model, args, kwargs = build_model(name, shape)
@@ -283,7 +294,7 @@ def _measure(rank, world, name, plan, shape, profile_path, prof_obj, warmup, ste
     finally:
         _count_every_block(False)
     peak = live + _allocator_peak(prof, live_ptrs)
-    pred = _predict(sharded, pipelined, rank, prof_obj)
+    pred = _predict(sharded.plan, pipelined, rank, prof_obj)
     return {"time": statistics.median(slowest.tolist()), "memory": peak,
             "opt_time": statistics.median(slowest_opt.tolist()),
             "pred_opt": pred.get("opt", 0.0), "pred_comm": pred.get("comm", 0.0),
@@ -302,25 +313,20 @@ def predict(name: str, plan: str, shape: dict, profile_path: str, world: int = W
     import autoshard
     from autoshard.cost_models.profile import load_profile
 
-    mesh_text, opts = plan_options(name, plan, world)
-    if "pipeline" in opts:
-        opts["pipeline"] = autoshard.Pipeline(microbatches=opts["pipeline"].microbatches,
-                                              schedule=opts["pipeline"].schedule, profile=profile_path)
+    mesh_text, opts = _options(name, plan, world, profile_path)
     if "context_axis" in opts:
         opts["context_parallel"] = opts.pop("context_axis")
     mesh = autoshard.Mesh.parse(mesh_text)
     torch.manual_seed(0)
     model, args, kwargs = build_model(name, shape)
     planned = autoshard.plan(model, mesh, args, kwargs, **opts)
-    if "pipeline" in opts:
-        from autoshard.compiler.report import stages_json
-
-        step = stages_json(planned)["estimated_step_s"]
-        stages = sorted({s for r in range(mesh.size) for s in planned.stages_of(r)})
-        return {s: (step, max(planned.stage_memory(s, r) for r in range(mesh.size) if s in planned.stages_of(r)))
-                for s in stages}
-    cost = planned.cost(load_profile(profile_path))
-    return {None: (cost.step_time, cost.memory_per_rank)}
+    profile, out = load_profile(profile_path), {}
+    pipelined = "pipeline" in opts
+    for rank in range(mesh.size) if pipelined else (0,):  # each stage's largest memory over its ranks, as run() keeps
+        p = _predict(planned, pipelined, rank, profile)
+        t, m = out.get(p["stage"], (p["time"], 0))
+        out[p["stage"]] = (t, max(m, p["memory"]))
+    return out
 
 
 def repredict(rows: list[dict], shape: dict, profile_path: str, world: int) -> list[dict]:
