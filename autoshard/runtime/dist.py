@@ -50,11 +50,16 @@ import; ``torch.export`` imports it on the first trace, which the lazy path runs
 Those backends then die during interpreter finalization, where their C++ threads may still release a finished
 collective's tensors: a thread that takes the GIL once finalization has begun is ended by CPython with
 ``pthread_exit``, whose unwinding through a C++ ``noexcept`` destructor calls ``std::terminate`` — the
-intermittent ``terminate called without an active exception`` (SIGABRT) of issue 22 under load.
+intermittent ``terminate called without an active exception`` (SIGABRT) under load. Scripts that end with a
+bare destroy anyway (most do) are covered by an ``atexit`` hook, registered by the first communicator, that runs
+:func:`shutdown` while the interpreter is still whole.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import sys
 import weakref
 from collections.abc import Collection
 from contextlib import contextmanager
@@ -140,6 +145,7 @@ class DistCommunicator(Communicator):
             raise MeshError(f"native_ops has {sorted(unknown)}, but only {sorted(_ALL)} can be chosen.")
         self.native_ops = frozenset(native_ops)
         _LIVE.add(self)
+        _register_exit_hook()
 
     def close(self) -> None:
         """Wait for this rank's async collectives still in flight, then destroy the process groups this
@@ -391,23 +397,44 @@ def shutdown() -> None:
     for comm in list(_LIVE):
         comm.close()
     forget_meshes()  # the DeviceMeshes of DTensor parameters name this run's groups
-    if not dist.is_initialized():
-        return
-    world = dist.group.WORLD
-    dist.destroy_process_group()
-    _drop_import_time_defaults(world)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # also after a bare destroy_process_group(): the groups are shut down but still referenced from here
+    _drop_import_time_defaults()
+    gc.collect()  # a group caught in a reference cycle (a module that holds its communicator) is freed now
 
 
-def _drop_import_time_defaults(world) -> None:
+def _drop_import_time_defaults() -> None:
     """``torch.distributed.nn.functional`` (torch 2.13) declares ``group=group.WORLD`` as default arguments, so
     importing it after ``init_process_group`` pins the default group for good; put back the ``None`` the defaults
-    have when it is imported before (``group=None`` means the default group in every call it makes)."""
-    import sys
-
+    have when it is imported before (``group=None`` means the default group in every call it makes). Every process
+    group found there is that import-time WORLD (no default names another group), live or already destroyed."""
     module = sys.modules.get("torch.distributed.nn.functional")
-    if module is None or world is None:
+    if module is None:
         return
     for fn in vars(module).values():
         defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(d is world for d in defaults):
-            fn.__defaults__ = tuple(None if d is world else d for d in defaults)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
+_EXIT_HOOK: list[bool] = []  # registered once per process, by the first DistCommunicator
+
+
+def _register_exit_hook() -> None:
+    if not _EXIT_HOOK:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOK.append(True)
+
+
+def _shutdown_at_exit() -> None:
+    """:func:`shutdown` at interpreter exit, for scripts that end with a bare ``destroy_process_group()`` (or with
+    nothing): ``atexit`` hooks run while the interpreter is still whole, so the gloo backends this process still
+    references are torn down there and not during finalization (the module docstring says why that aborts).
+
+    After an uncaught exception (``sys.last_value``) with a collective still in flight it does nothing: waiting
+    for a collective whose peers have stopped at another one would hang the exit until the groups' timeout, where
+    the process would otherwise end at once."""
+    if getattr(sys, "last_value", None) is not None and any(comm._in_flight for comm in list(_LIVE)):
+        return
+    shutdown()

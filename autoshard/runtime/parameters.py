@@ -75,9 +75,25 @@ def default_device() -> torch.device:
 
 
 def forget_meshes() -> None:
-    """Drop the cached DeviceMeshes (``autoshard.runtime.shutdown()`` calls it before destroying the groups)."""
+    """Drop the cached DeviceMeshes and their process groups (``autoshard.runtime.shutdown()`` calls it before
+    destroying the groups), and
+    DTensor's own caches of sharding propagation, whose entries keep the DeviceMesh of every DTensor op run so far
+    (and through it that mesh's process groups, with their gloo threads)."""
     with _MESHES_LOCK:
+        meshes = [dm for _, dm in _MESHES.values()]
         _MESHES.clear()
+    for dm in meshes:
+        # DTensor parameters still alive (the user's module) keep their DeviceMesh, and it its process groups
+        # (``_pg_registry``): they are being destroyed, and no collective can run on them after this
+        getattr(dm, "_pg_registry", {}).clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # its C++ fast path's cache
+    if clear_native is not None:
+        clear_native()
 
 
 def placements_of(spec) -> tuple[Placement, ...]:

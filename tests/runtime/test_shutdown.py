@@ -11,6 +11,10 @@ sum, the communicator refuses further work, and not one gloo thread (``pt_gloo_r
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +106,34 @@ def test_shutdown_frees_the_pipe_group_a_live_pipelined_module_holds():
     for r in results:
         assert not any(t in GLOO_THREADS for t in r["after"]), r["after"]
         assert "communicator was closed" in r["refused"], r["refused"]
+
+
+def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
+    # torchrun as a module of this interpreter (see tests/test_examples.py); --standalone picks its own port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+
+
+BARE_DESTROY = str(Path(__file__).parent / "scripts" / "ends_with_bare_destroy.py")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to list threads")
+def test_a_script_that_ends_with_a_bare_destroy_leaves_no_gloo_thread_to_interpreter_teardown():
+    # the module (DTensor parameters), the optimizer and the loss are all alive when the script ends
+    proc = _torchrun(BARE_DESTROY)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert len(set(re.findall(r"rank \d: loss (\S+)", out))) == 1 and out.count(": loss ") == 2, out[-4000:]
+    assert sorted(re.findall(r"rank (\d): (\d+) gloo threads at exit", out)) == [(str(r), "0") for r in range(2)], \
+        out[-4000:]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to list threads")
+def test_a_script_that_ends_in_an_exception_exits_with_its_error_and_no_gloo_thread():
+    proc = _torchrun(BARE_DESTROY, "--raise")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "the script's own error, after training" in out, out[-4000:]
+    assert "terminate called" not in out, out[-4000:]
+    assert sorted(re.findall(r"rank (\d): (\d+) gloo threads at exit", out)) == [(str(r), "0") for r in range(2)], \
+        out[-4000:]
