@@ -333,11 +333,41 @@ def sweep_entries():
                         yield c.name, mesh_name, strats.index(strat), variant, strat
 
 
+def sweep_ids() -> list[tuple]:
+    """(case, mesh, strategy index, variant, strategy tokens, known-bug reason or None) of every sweep entry.
+
+    Collecting ``test_rules.py`` needs these, and computing them traces all 268 op cases (about 13 CPU-s), in every
+    pytest-xdist worker, since each collects the whole suite. So they are kept in a file named by a hash of what they
+    depend on (autoshard's sources, this module, ``opcases.py`` and torch's version): the first process computes
+    them under a lock, the others read them. ``test_rules.py`` checks the file against :func:`sweep_entries`."""
+    import fcntl
+    import hashlib
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted([*(root / "autoshard").rglob("*.py"), root / "tests" / "rule_sweep.py",
+                        root / "tests" / "opcases.py"]):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    folder = root / ".pytest_cache" / "autoshard"
+    folder.mkdir(parents=True, exist_ok=True)
+    cached = folder / f"rule-sweep-{digest.hexdigest()[:16]}.json"
+    with open(folder / "rule-sweep.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            ids = [(case_name, mesh_name, idx, variant, ",".join(tokens(strat)), _known_bug(case_name, strat))
+                   for case_name, mesh_name, idx, variant, strat in sweep_entries()]
+            partial = cached.with_suffix(".partial")
+            partial.write_text(json.dumps(ids))
+            partial.replace(cached)
+    return [tuple(entry) for entry in json.loads(cached.read_text())]
+
+
 def _sweep_params():
     params = []
-    for case_name, mesh_name, idx, variant, strat in sweep_entries():
-        reason = _known_bug(case_name, strat)
+    for case_name, mesh_name, idx, variant, strategy, reason in sweep_ids():
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         params.append(pytest.param(case_name, mesh_name, idx, variant, marks=marks,
-                                   id=f"{case_name}-{mesh_name}-{','.join(tokens(strat))}-{variant}"))
+                                   id=f"{case_name}-{mesh_name}-{strategy}-{variant}"))
     return params

@@ -48,10 +48,14 @@ from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
 from autoshard.placements import Shard, format_spec
 from tests import opcases
-from tests.rule_sweep import (ATOL, CASES, MESHES, RTOL, _has_partial, _node, _partial_parameter, _sweep_params,
-                              assert_close, build, candidates, check, sweep_entries, tokens, traced)
+from tests.rule_sweep import (ATOL, CASES, MESHES, RTOL, _has_partial, _known_bug, _node, _partial_parameter,
+                              _sweep_params, assert_close, build, candidates, check, sweep_entries, sweep_ids, tokens,
+                              traced)
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's own, from deepcopy
+pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),  # torch's own, from deepcopy
+              # one pytest-xdist worker runs the whole file (--dist loadgroup), so that one process traces the op
+              # cases, once each (functools.cache), and no other worker traces any
+              pytest.mark.xdist_group("rule_sweep")]
 
 
 SWEEP = _sweep_params()
@@ -65,6 +69,14 @@ def test_strategy(case_name, mesh_name, idx, variant):
     _, _, _, node_name = traced(case_name)
     assert _node(plan.graph_module, node_name).meta[M.STRATEGY] == strat, f"{what}: forced strategy not used"
     check(case_name, plan, what)
+
+
+def test_the_sweeps_ids_kept_on_disk_are_the_ones_computed_now():
+    """The parametrisation above reads :func:`sweep_ids`' file; the entries it would compute now are the same."""
+    now = [(case_name, mesh_name, idx, variant, ",".join(tokens(strat)), _known_bug(case_name, strat))
+           for case_name, mesh_name, idx, variant, strat in sweep_entries()]
+    assert sweep_ids() == now
+    assert len(now) == len(SWEEP) > 3000
 
 
 def _snapshot(gm: torch.fx.GraphModule):
