@@ -323,6 +323,14 @@ class Timeline:
     #: first temporaries then hold a parameter's new gradient too, before it is added to the one made before
     accumulating = False
 
+    def accumulates(self, point: int) -> bool:
+        """:attr:`accumulating` at liveness point ``point`` (one timeline: the same everywhere)."""
+        return self.accumulating
+
+    def positions(self) -> np.ndarray:
+        """Per point, its place in backward (one timeline: the point itself)."""
+        return np.arange(self.points)
+
     def activation_alive(self, segment: int, once: bool = False) -> np.ndarray:
         """1 at the points an activation of ``segment`` is alive (until its segment's backward), else 0.
         ``once``: a copy held once per step whatever the microbatches in flight (the same here; see
@@ -372,27 +380,42 @@ def parameter_points(timeline: Timeline, state: dict[str, int], first: int, last
 
 @dataclass(frozen=True)
 class StagedTimeline(Timeline):
-    """The liveness points of a pipelined model whose stages are fixed before the search: each point belongs to the
-    stage whose backward runs next (point ``k < S`` to the stage of segment ``S - 1 - k``), and counts only that
-    stage's bytes, as :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_memory` prices a stage. A stage's points
-    run from the end of its own forward (:attr:`forward_ends`) to its own backward's end; the whole model's
-    optimizer step (point ``S``) holds no stage's bytes (each stage's points hold all its gradients already). So
-    one memory row per point bounds every stage's memory instead of the whole model's:
+    """The liveness points of a pipelined model whose stages are fixed before the search: each point belongs to one
+    stage, and counts only that stage's bytes, as :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_memory`
+    prices a stage. So one memory row per point bounds every stage's memory instead of the whole model's.
 
-    - an activation of segment ``g`` in stage ``s``: alive at ``s``'s points until ``g``'s backward, plus
-      ``flight[s] - 1`` at every point of ``s`` (the other microbatches in flight hold their whole forward);
-    - a gradient: alive at every point of its stage (1F1B's steady state, and GPipe's later backwards: an
-      earlier microbatch made them all; an upper bound of the first backward);
-    - a parameter's stored state: at the points of the stages of its first and last use (a tied embedding and head
-      in both), nowhere else."""
+    Point ``k < S`` belongs to the stage of segment ``S - 1 - k`` (the stage whose backward runs next); a stage's
+    points run from the end of its own forward (:attr:`forward_ends`) to its own backward's end. They price the
+    backward that peaks there, as ``stage_memory`` takes the larger of two (``later`` per stage, the microbatches in
+    flight during the backwards after the first):
+
+    - where 1F1B's steady state exists (more microbatches than in flight: ``later == flight``), every backward
+      after the first holds ``flight`` microbatches and every gradient, which bounds the first too: an activation of
+      segment ``g`` in stage ``s`` is alive at ``s``'s points until ``g``'s backward, plus ``flight[s] - 1`` at
+      every point of ``s`` (the other microbatches in flight hold their whole forward); a gradient at every point
+      of its stage; backward's temporaries hold a parameter's new gradient too (:meth:`accumulates`);
+    - where none does (GPipe; 1F1B on a stage whose in-flight count is every microbatch: ``later == flight - 1``),
+      the first backward holds the most activations and no gradient yet, the later ones one microbatch fewer and
+      every gradient. Those stages' points price the first backward (``flight - 1`` others; a gradient from its
+      segment's backward on; no accumulation), and each has a twin after them (:meth:`positions`: the same place
+      in backward) pricing the later ones (``later - 1`` others, every gradient, accumulating) where there are any.
+
+    The whole model's optimizer step (the last point) holds no stage's bytes (each stage's points hold all its
+    gradients already). A parameter's stored state counts at the points of the stages of its first and last use
+    (a tied embedding and head in both), nowhere else."""
 
     stage_of: tuple[int, ...] = ()  # per segment: its stage
-    flight: tuple[int, ...] = ()  # per stage: microbatches in flight
+    flight: tuple[int, ...] = ()  # per stage: microbatches in flight at its first backward
+    #: per stage: microbatches in flight at its later backwards (``flight``: 1F1B's steady state; ``flight - 1``:
+    #: one fewer each time; 0: one microbatch, no later backward); empty: ``flight`` everywhere
+    later: tuple[int, ...] = ()
 
     @classmethod
-    def staged(cls, gm, cuts: tuple[str, ...], flight: tuple[int, ...]) -> StagedTimeline:
+    def staged(cls, gm, cuts: tuple[str, ...], flight: tuple[int, ...],
+               later: tuple[int, ...] | None = None) -> StagedTimeline:
         """The timeline of ``gm`` cut before the modules ``cuts`` (module paths, each starting a stage:
-        :func:`layer_cuts`), ``flight`` microbatches in flight per stage."""
+        :func:`layer_cuts`), ``flight`` microbatches in flight per stage at its first backward, ``later`` at the
+        ones after it (default: ``flight``)."""
         base = Timeline.of(gm)
         first: dict[int, int] = {}  # segment -> graph position of its first node
         starts = []
@@ -407,14 +430,55 @@ class StagedTimeline(Timeline):
         if len(starts) != len(cuts):
             raise PlanError(f"pipeline cut points {list(cuts)}: only {len(starts)} name modules of the model in order.")
         stage_of = tuple(sum(1 for c in starts if c <= first.get(s, 0)) for s in range(len(base.segments)))
-        return cls(base.segments, base.index, stage_of=stage_of, flight=tuple(flight))
+        return cls(base.segments, base.index, stage_of=stage_of, flight=tuple(flight),
+                   later=tuple(flight if later is None else later))
+
+    def draining(self, stage: int) -> bool:
+        """Whether ``stage``'s later backwards hold fewer microbatches than its first (its points price the first
+        backward, and their twins the later ones)."""
+        return bool(self.later) and self.later[stage] < self.flight[stage]
+
+    def _twins(self) -> list[int]:
+        """The base points (``k < S``) of the stages whose later backwards get points of their own, in order."""
+        key = ("twins",)
+        if key not in self._cache:
+            s = len(self.segments)
+            self._cache[key] = [k for k in range(s) if self.draining(st := self.stage_of[s - 1 - k])
+                                and self.later[st] >= 1]
+        return self._cache[key]
+
+    @property
+    def points(self) -> int:
+        return len(self.segments) + len(self._twins()) + 1
+
+    def positions(self) -> np.ndarray:
+        """Per point, its place in backward as a point of one timeline (``k``; a twin its base point's; the step
+        ``S``)."""
+        key = ("positions",)
+        if key not in self._cache:
+            s = len(self.segments)
+            self._cache[key] = np.array([*range(s), *self._twins(), s])
+        return self._cache[key]
+
+    def _first_backward(self) -> np.ndarray:
+        """1 at the points that price a draining stage's first backward, else 0."""
+        key = ("first",)
+        if key not in self._cache:
+            s = len(self.segments)
+            owner = self.owner()
+            self._cache[key] = np.array([float(k < s and self.draining(int(owner[k]))) for k in range(self.points)])
+        return self._cache[key]
+
+    def names(self) -> list[str]:
+        base = super().names()
+        return [*base[:-1], *(f"{base[k]}, a later microbatch" for k in self._twins()), base[-1]]
 
     def owner(self) -> np.ndarray:
         """Per point, its stage (-1: the optimizer step)."""
         key = ("owner",)
         if key not in self._cache:
             s = len(self.segments)
-            self._cache[key] = np.array([self.stage_of[s - 1 - k] for k in range(s)] + [-1])
+            self._cache[key] = np.array([self.stage_of[s - 1 - k] for k in (*range(s), *self._twins())] + [-1])
         return self._cache[key]
 
     def mask(self, stage: int) -> np.ndarray:
@@ -422,8 +486,14 @@ class StagedTimeline(Timeline):
 
     @property
     def forward_ends(self) -> tuple[int, ...]:
-        owner = self.owner()
-        return tuple(k for k in range(len(owner) - 1) if k == 0 or owner[k] != owner[k - 1])
+        owner, s = self.owner(), len(self.segments)
+        return tuple(k for k in range(len(owner) - 1)
+                     if k == 0 or k == s or owner[k] != owner[k - 1])
+
+    def accumulates(self, point: int) -> bool:
+        """Whether an earlier microbatch has made every gradient of the stage at ``point`` (its backward's
+        temporaries hold a parameter's new gradient before it is added)."""
+        return not self._first_backward()[point]
 
     def held(self, first: int, last: int) -> np.ndarray:
         return np.maximum(self.mask(self.stage_of[first]), self.mask(self.stage_of[last]))
@@ -432,15 +502,37 @@ class StagedTimeline(Timeline):
         key = ("activation", segment, once)
         if key not in self._cache:
             stage = self.stage_of[segment]
-            own = (np.arange(self.points) < len(self.segments) - segment) * self.mask(stage)
-            self._cache[key] = own if once else own + (self.flight[stage] - 1) * self.mask(stage)
+            mask = self.mask(stage)
+            own = (self.positions() < len(self.segments) - segment) * mask
+            if once:
+                self._cache[key] = own
+            else:
+                others = self.flight[stage] - 1
+                if self.draining(stage):  # its twins: the later backwards, one microbatch fewer
+                    first = self._first_backward()
+                    others = first * others + (1 - first) * (self.later[stage] - 1)
+                self._cache[key] = own + others * mask
         return self._cache[key]
 
+    def _gradient_from(self, segment: int, stage: int) -> np.ndarray:
+        """1 at ``stage``'s points where a gradient made by ``segment``'s backward is alive: all of them, but from
+        that backward on at the points of a draining stage's first backward."""
+        made = (self.positions() >= len(self.segments) - segment).astype(float)
+        first = self._first_backward()
+        return self.mask(stage) * (first * made + (1 - first))
+
     def gradient_alive(self, segment: int) -> np.ndarray:
-        return self.mask(self.stage_of[segment])
+        key = ("gradient", segment)
+        if key not in self._cache:
+            self._cache[key] = self._gradient_from(segment, self.stage_of[segment])
+        return self._cache[key]
 
     def gradient_held(self, first: int, last: int) -> np.ndarray:
-        return self.held(first, last)  # a tied weight's stages each hold its gradient
+        # a tied weight's stages each hold its gradient: the later stage's from its last use's backward, the earlier
+        # one's from its first use's (the last use within that stage, at most: an upper bound)
+        a, b = self.stage_of[first], self.stage_of[last]
+        out = self._gradient_from(last, b)
+        return out if a == b else np.maximum(out, self._gradient_from(first, a))
 
     accumulating = True
 
@@ -632,9 +724,7 @@ def transient_point(timeline: Timeline, node: Node) -> np.ndarray:
     """1 at the liveness point where ``node``'s transient workspace counts: just before its segment's backward
     (the activations of its segment and those before alive, the gradients of the later ones made), else 0. Two
     ops of one segment add up there (an upper bound: they run one after the other)."""
-    out = np.zeros(timeline.points)
-    out[len(timeline.segments) - 1 - timeline.segment(node)] = 1.0
-    return out
+    return (timeline.positions() == len(timeline.segments) - 1 - timeline.segment(node)).astype(float)
 
 
 def largest_gradient(local_numel: int, dtype: torch.dtype) -> int:

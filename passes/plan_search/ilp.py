@@ -540,7 +540,7 @@ class _Builder:
             entries += [(zero3, 2.0 * scale)] if p < last else [(stored, scale)]
             if p in own:
                 grad_s, new_s = own[p]
-                entries += [(grad_s, scale), (live, scale)] + ([(new_s, scale)] if timeline.accumulating else [])
+                entries += [(grad_s, scale), (live, scale)] + ([(new_s, scale)] if timeline.accumulates(p) else [])
             elif p in starts:
                 entries += [(gradient, scale), (live, scale)]
             if peak is None:

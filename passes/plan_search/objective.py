@@ -313,7 +313,7 @@ def memory_points(problem: Problem, choice: list[int], recompute=frozenset()) ->
     for end in timeline.forward_ends:
         mine = problem.stage_sets[int(owner[end])]
         grad = float(cols.gradient[at][mine].max(initial=0.0))
-        new = float(cols.stored[at][mine].max(initial=0.0)) if timeline.accumulating else 0.0
+        new = float(cols.stored[at][mine].max(initial=0.0)) if timeline.accumulates(end) else 0.0
         out[end] += max(grad, float(copies_gradient[int(owner[end])])) + live + new
     return out
 
