@@ -58,7 +58,8 @@ def test_a_limit_the_whole_model_cannot_meet_is_met_by_each_stage():
 def test_the_searchs_stage_memory_is_the_pipeline_plans(limit):
     """HF Llama (untied embeddings, as Llama-3), pipe=2 x data=2, 1F1B (stage 0 holds 2 microbatches in flight,
     stage 1 one), ZeRO chosen per parameter: each stage's memory as the search counts it for the plan it chose
-    equals PipelinePlan.stage_memory within 3% (0.5-1.1% under here: values a stage's graph makes again, which the
+    equals PipelinePlan.stage_memory within 3% (0.5-0.6% under here, stage 1; stage 0 exact, 0.9-1.1% under before
+    the stage output it keeps per microbatch in flight was counted: values a stage's graph makes again, which the
     whole graph makes once, and the boundary sent in its reader's layout, not its producer's); the plan is searched
     again where its largest stage is over the limit."""
     model, args, kwargs = models.hf_llama(**GPT)
@@ -78,8 +79,9 @@ def test_a_stage_with_every_microbatch_in_flight_is_priced_at_its_first_backward
     """GPipe, and 1F1B with as many microbatches as stages: no microbatch starts after a stage's first backward, which
     holds every microbatch's activations and no gradient; the later backwards hold one microbatch fewer and every
     gradient (:class:`autoshard.cost_models.memory.StagedTimeline`'s twin points). The search's stage memory equals
-    PipelinePlan.stage_memory within 3%, at a limit its old count (every gradient at the first backward) met with no
-    plan: 1F1B over 2 microbatches at 3.4 MiB found none in 120 s; GPipe over 4 at 4.0 MiB counted 7.9-8.6% over."""
+    PipelinePlan.stage_memory within 1% (measured: within 0.01%), at a limit its old count (every gradient at the
+    first backward) met with no plan: 1F1B over 2 microbatches at 3.4 MiB found none in 120 s; GPipe over 4 at 4.0
+    MiB counted 7.9-8.6% over."""
     model, args, kwargs = models.hf_llama(**GPT)
     limit = 3.4 * 2**20
     pplan = autoshard.plan(model, autoshard.Mesh(pipe=2, data=2), args, kwargs,
@@ -88,7 +90,7 @@ def test_a_stage_with_every_microbatch_in_flight_is_priced_at_its_first_backward
     searched = _search(pplan)["stage_memory"]
     memory = [pplan.stage_memory(s) for s in range(pplan.num_stages)]
     for a, b in zip(searched, memory):
-        assert abs(a - b) <= 0.03 * b, (searched, memory)
+        assert abs(a - b) <= 0.01 * b, (searched, memory)
     assert max(memory) <= limit
 
 
@@ -143,7 +145,9 @@ def test_the_searchs_stage_memory_is_stage_memory_on_a_llama3_8b_shape():
     stages): each stage's memory as the search counts it equals PipelinePlan.stage_memory within 3%, as on the
     small HF Llama above. The first stage has every microbatch in flight at its first backward and none starts after
     it: the search counted every gradient there too, 40.4 GiB against 36.7 (+10%); it now prices that backward and
-    the later ones (one microbatch fewer, every gradient) at points of their own: 35.7 GiB (-2.7%)."""
+    the later ones (one microbatch fewer, every gradient) at points of their own: 35.7 GiB (-2.7%); counting too
+    the stage output every stage but the last keeps per microbatch in flight, 36.7 GiB, and every stage within 0.1%
+    (they were 2.6-3.1% under); asserted within 1%."""
     model, args, kwargs = models.llama3_8b_meta(batch=32, seq=2048, layers=4)
     pplan = autoshard.plan(model, autoshard.Mesh(pipe=4), args, kwargs, pipeline=Pipeline(microbatches=4),
                            search=autoshard.Search(profile="multi-node", memory_limit="100GiB", zero=0,
@@ -151,7 +155,7 @@ def test_the_searchs_stage_memory_is_stage_memory_on_a_llama3_8b_shape():
     searched = _search(pplan)["stage_memory"]
     memory = [pplan.stage_memory(s) for s in range(pplan.num_stages)]
     for a, b in zip(searched, memory):
-        assert abs(a - b) <= 0.03 * b, (searched, memory)
+        assert abs(a - b) <= 0.01 * b, (searched, memory)
 
 
 def test_an_axis_of_size_one_beside_pipe_costs_the_last_stage_no_copy():

@@ -257,6 +257,9 @@ def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: Staged
     layout to its decision's points, at the points of the stage receiving it and of the one sending it."""
     memory = problem.memory_model
     stage = {n: timeline.stage_of[timeline.segment(n)] for n in gm.graph.nodes if n in timeline.index}
+    first = {}  # stage -> its first segment
+    for g, s in enumerate(timeline.stage_of):
+        first.setdefault(s, g)
     for n in gm.graph.nodes:
         if not memory.is_value(n) or n not in stage:
             continue
@@ -273,9 +276,13 @@ def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: Staged
         # the stages between pass it on: each receives it and sends it again
         where = sum(timeline.mask(s) for s in range(stage[n], last + 1)) + sum(
             timeline.mask(s) for s in range(stage[n] + 1, last))
+        # and each stage that sends it keeps it, an output of its graph, for every microbatch in flight until that
+        # microbatch's backward reaches the stage (stage_breakdown's keeps_outputs)
+        kept = timeline.activation_alive(timeline.segment(n)) + sum(
+            timeline.activation_alive(first[s]) for s in range(stage[n] + 1, last))
         received = problem.receive.setdefault(i, [0.0] * len(d.options))
         for k, option in enumerate(d.options):
-            extra = microbatches * float(sum(memory.own_bytes(n, option.output_spec)[0])) * where
+            extra = float(sum(memory.own_bytes(n, option.output_spec)[0])) * (microbatches * where + kept)
             received[k] = received[k] + extra
             d.points[k] = d.points[k] + extra
             if d.points_recomputed is not None:
