@@ -76,9 +76,8 @@ def default_device() -> torch.device:
 
 def forget_meshes() -> None:
     """Drop the cached DeviceMeshes and their process groups (``autoshard.runtime.shutdown()`` calls it before
-    destroying the groups), and
-    DTensor's own caches of sharding propagation, whose entries keep the DeviceMesh of every DTensor op run so far
-    (and through it that mesh's process groups, with their gloo threads)."""
+    destroying the groups), and DTensor's own caches of sharding propagation, whose entries keep the DeviceMesh of
+    every DTensor op run so far (and through it that mesh's process groups, with their gloo threads)."""
     with _MESHES_LOCK:
         meshes = [dm for _, dm in _MESHES.values()]
         _MESHES.clear()

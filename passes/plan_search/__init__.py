@@ -72,8 +72,8 @@ __all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS",
            "build_problem", "build_program", "evaluate", "explain", "fallback_plan", "find_layers",
            "improve_layouts", "in_flight", "in_flight_later", "layer_copies", "least_memory_bound",
            "least_memory_plan", "leaves_unit", "lp_bound", "option_cost", "option_memory", "output_spec_for",
-           "quickest_plan", "receive_buffers",
-           "repair", "search", "solve", "staged_cuts", "term_cost", "transient_bytes"]
+           "quickest_plan", "receive_buffers", "repair", "search", "solve", "staged_cuts", "term_cost",
+           "transient_bytes"]
 
 
 @dataclass(frozen=True)
@@ -250,11 +250,14 @@ def in_flight_later(pipeline) -> tuple[int, ...]:
 
 
 def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: StagedTimeline, microbatches: int) -> None:
-    """Add to ``problem`` the receive buffers ``torch.distributed.pipelining`` keeps, one per microbatch, as
-    :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_breakdown` counts them: at a stage's points, the activations
-    crossing its first cut (received) and the floating ones crossing the next (their gradients received). A crossing
-    value (:meth:`GraphMemory.is_value`, made before a cut and read after it) adds its bytes in each option's output
-    layout to its decision's points, at the points of the stage receiving it and of the one sending it."""
+    """Add to ``problem`` what a value crossing a stage boundary costs the stages, as
+    :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_breakdown` counts it: the receive buffers
+    ``torch.distributed.pipelining`` keeps, one per microbatch (at a stage's points, the activations crossing its
+    first cut, received, and the floating ones crossing the next, their gradients received), and the sending stage's
+    own copy, an output of its graph kept for every microbatch in flight until that microbatch's backward (at its
+    points, as an activation of the value's segment; a stage that passes it on, as one of its first segment's). A
+    crossing value (:meth:`GraphMemory.is_value`, made before a cut and read after it) adds its bytes in each
+    option's output layout to its decision's points."""
     memory = problem.memory_model
     stage = {n: timeline.stage_of[timeline.segment(n)] for n in gm.graph.nodes if n in timeline.index}
     first = {}  # stage -> its first segment
