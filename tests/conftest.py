@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -57,3 +58,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def update_golden(request: pytest.FixtureRequest) -> bool:
     """True when pytest runs with ``--update-golden``: golden tests then rewrite their files."""
     return bool(request.config.getoption("--update-golden"))
+
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (pyproject's addopts) a test with no ``xdist_group`` is a unit of its own, sent to
+    whichever worker is free, so the tests sharing one of our module-scoped fixtures (a module's gloo run of every
+    case, a torchrun reference) would each run that fixture again on their own worker: test_matrix's 4-process
+    fixture ran twice (40 s each) in the first run that way. Such tests are grouped by their module, so that one
+    worker runs them, and the fixture once. (Runs before pytest-xdist's hook, which reads the groups.)"""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        for name in info.names_closure:
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope in ("module", "package", "session") and _ours(defs[-1].func):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+                break
+
+
+def _ours(func) -> bool:
+    try:
+        path = inspect.getsourcefile(func)
+    except TypeError:
+        return False
+    return path is not None and os.path.abspath(path).startswith(_TESTS + os.sep)
