@@ -61,7 +61,7 @@ from autoshard import meta as M
 from autoshard.compiler.collective_kinds import kind_of
 from autoshard.compiler.context import Context, Options, Pinned, searches
 from autoshard.errors import AutoshardError
-from autoshard.frontend.graph_utils import is_tensor_node
+from autoshard.frontend.graph_utils import is_tensor_node, node_leaves
 from autoshard.placements import Placement
 
 __all__ = ["Pass", "PipelineOptions", "ProgramOptions", "RankContext", "collective_signature", "pass_list",
@@ -211,8 +211,7 @@ def verify(gm: torch.fx.GraphModule, ran: list[str]) -> None:
                 continue
             if local and not all(M.SPEC in x.meta for x in node.all_input_nodes):
                 continue
-            leaves = [x for x in pytree.tree_leaves((node.args, node.kwargs))
-                      if (_has_tensor_spec(x) if local else is_tensor_node(x))]
+            leaves = [x for x in node_leaves(node) if (_has_tensor_spec(x) if local else is_tensor_node(x))]
             for i, (x, want) in enumerate(zip(leaves, strat.input_specs)):
                 have = x.meta.get(M.SPEC)
                 if want is not None and have != want:

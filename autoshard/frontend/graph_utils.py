@@ -17,16 +17,22 @@ def is_tensor_node(x) -> bool:
     return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
 
 
+def node_leaves(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every Node among ``node``'s arguments, flattened from args then kwargs in :func:`tensor_inputs`' order
+    (``pytree.tree_leaves((node.args, node.kwargs))``'s Nodes), repeats included."""
+    leaves: list = []
+    _node_leaves(node.args, leaves)
+    _node_leaves(node.kwargs, leaves)
+    return leaves
+
+
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued inputs, flattened from args then kwargs (the order rules index).
 
     The order is ``pytree.tree_flatten((node.args, node.kwargs))``'s (lists and tuples in order, dicts by
     insertion), walked directly: this runs for every node in every pass, and pytree's generic walk was the plan
     search's largest single cost after the solver."""
-    leaves: list = []
-    _node_leaves(node.args, leaves)
-    _node_leaves(node.kwargs, leaves)
-    return [x for x in leaves if is_tensor_node(x)]
+    return [x for x in node_leaves(node) if is_tensor_node(x)]
 
 
 def _node_leaves(a, out: list) -> None:
