@@ -218,10 +218,9 @@ def _predict(plan, pipelined: bool, rank: int, profile) -> dict:
     if pipelined:
         from autoshard.compiler.report import stages_json
 
-        pplan = plan
-        stages = stages_json(pplan)
-        stage = pplan.stages_of(rank)[0]
-        return {"time": stages["estimated_step_s"], "memory": pplan.stage_memory(stage, rank), "stage": stage}
+        stage = plan.stages_of(rank)[0]
+        return {"time": stages_json(plan)["estimated_step_s"], "memory": plan.stage_memory(stage, rank),
+                "stage": stage}
     cost = plan.cost(profile)
     return {"time": cost.step_time, "memory": cost.memory_per_rank, "stage": None, "opt": cost.optimizer_time,
             "comm": cost.comm_time}

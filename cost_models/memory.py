@@ -319,13 +319,11 @@ class Timeline:
         ``last``'s backward on."""
         return self.gradient_alive(last)
 
-    #: whether an earlier microbatch's backward has made every gradient (a pipeline's later backwards): backward's
-    #: first temporaries then hold a parameter's new gradient too, before it is added to the one made before
-    accumulating = False
-
     def accumulates(self, point: int) -> bool:
-        """:attr:`accumulating` at liveness point ``point`` (one timeline: the same everywhere)."""
-        return self.accumulating
+        """Whether an earlier microbatch's backward has made every gradient at liveness point ``point`` (a
+        pipeline's later backwards): backward's first temporaries then hold a parameter's new gradient too, before
+        it is added to the one made before. One timeline: never."""
+        return False
 
     def positions(self) -> np.ndarray:
         """Per point, its place in backward (one timeline: the point itself)."""
@@ -533,8 +531,6 @@ class StagedTimeline(Timeline):
         a, b = self.stage_of[first], self.stage_of[last]
         out = self._gradient_from(last, b)
         return out if a == b else np.maximum(out, self._gradient_from(first, a))
-
-    accumulating = True
 
 
 def layer_cuts(gm, stages: int) -> tuple[str, ...] | None:

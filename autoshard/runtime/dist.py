@@ -418,13 +418,14 @@ def _drop_import_time_defaults() -> None:
             fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
-_EXIT_HOOK: list[bool] = []  # registered once per process, by the first DistCommunicator
+_exit_hook_registered = False  # by the first DistCommunicator of the process
 
 
 def _register_exit_hook() -> None:
-    if not _EXIT_HOOK:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
         atexit.register(_shutdown_at_exit)
-        _EXIT_HOOK.append(True)
+        _exit_hook_registered = True
 
 
 def _shutdown_at_exit() -> None:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from autoshard.compiler.pipeline.options import microbatches_in_flight
 from autoshard.cost_models.memory import StagedTimeline, layer_cuts
 from autoshard.cost_models.profile import HardwareProfile, load_profile
 from autoshard.passes.plan_search.ilp import Program, build_program, solve
@@ -70,7 +71,7 @@ from autoshard.progress import slow_step
 __all__ = ["DEFAULT_TIME_LIMIT", "GAP_TOLERANCE", "INFEASIBLE", "PROOF_SECONDS", "TIE_BREAK", "Candidate",
            "DecisionVar", "PlanSearch", "Problem", "Program", "Unit", "ValueTerm", "WarmLP", "best_units",
            "build_problem", "build_program", "evaluate", "explain", "fallback_plan", "find_layers",
-           "improve_layouts", "in_flight", "in_flight_later", "layer_copies", "least_memory_bound",
+           "improve_layouts", "in_flight", "layer_copies", "least_memory_bound",
            "least_memory_plan", "leaves_unit", "lp_bound", "option_cost", "option_memory", "output_spec_for",
            "quickest_plan", "receive_buffers", "repair", "search", "solve", "staged_cuts", "term_cost",
            "transient_bytes"]
@@ -119,7 +120,7 @@ class PlanSearch:
         timeline = None
         cuts = staged_cuts(gm, self.pipeline) if self.memory_limit is not None else None
         if cuts is not None:
-            timeline = StagedTimeline.staged(gm, cuts, in_flight(self.pipeline), in_flight_later(self.pipeline))
+            timeline = StagedTimeline.staged(gm, cuts, *in_flight(self.pipeline))
         problem = build_problem(gm, ctx, profile, self.memory_limit, self.optimizer, self.tie_layers,
                                 zero=0 if ctx.pinned is not None else zero, recompute=recompute, timeline=timeline)
         if timeline is not None:
@@ -234,19 +235,12 @@ def staged_cuts(gm: torch.fx.GraphModule, pipeline) -> tuple[str, ...] | None:
     return layer_cuts(gm, pipeline.stages)
 
 
-def in_flight(pipeline) -> tuple[int, ...]:
-    """Microbatches in flight per stage under the schedule: GPipe all, 1F1B ``stages - stage``."""
-    m, p = pipeline.microbatches, pipeline.stages
-    return tuple(m if pipeline.schedule == "gpipe" else min(m, p - s) for s in range(p))
-
-
-def in_flight_later(pipeline) -> tuple[int, ...]:
-    """Microbatches in flight per stage at its backwards after the first, as
-    :meth:`autoshard.compiler.pipeline.PipelinePlan.stage_breakdown` counts them: 1F1B keeps its in-flight count
-    while more microbatches remain to start (its steady state); GPipe, and a 1F1B stage that started them all before
-    its first backward, hold one fewer (0: a single microbatch, no later backward)."""
-    m = pipeline.microbatches
-    return tuple(f if pipeline.schedule != "gpipe" and m > f else f - 1 for f in in_flight(pipeline))
+def in_flight(pipeline) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, the microbatches in flight at its first backward and at its later ones
+    (:func:`autoshard.compiler.pipeline.options.microbatches_in_flight`, as ``PipelinePlan.stage_breakdown``)."""
+    counts = [microbatches_in_flight(pipeline.schedule, pipeline.microbatches, pipeline.stages, s)
+              for s in range(pipeline.stages)]
+    return tuple(c[0] for c in counts), tuple(c[1] for c in counts)
 
 
 def receive_buffers(problem: Problem, gm: torch.fx.GraphModule, timeline: StagedTimeline, microbatches: int) -> None:

@@ -85,3 +85,12 @@ def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
+
+
+def microbatches_in_flight(schedule: str, microbatches: int, stages: int, stage: int) -> tuple[int, int]:
+    """(at its first backward, at its later ones) the microbatches stage ``stage`` of ``stages`` holds in flight:
+    GPipe all of them, then one fewer each time; 1F1B ``stages - stage`` (at most all), kept while more microbatches
+    remain to start (its steady state), else one fewer (0: a single microbatch, no later backward)."""
+    first = microbatches if schedule == "gpipe" else min(microbatches, stages - stage)
+    later = first if schedule != "gpipe" and microbatches > first else first - 1
+    return first, later

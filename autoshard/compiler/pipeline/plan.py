@@ -336,14 +336,14 @@ class PipelinePlan:
         flight while more remain, GPipe and 1F1B's cool-down one fewer)."""
         import math
 
+        from autoshard.compiler.pipeline.options import microbatches_in_flight
         from autoshard.cost_models.memory import plan_memory
 
         self.mesh._check_rank(rank)  # shards are even: every rank of a stage holds the same bytes
         if not 0 <= stage < self.num_stages:
             raise PlanError(f"stage_memory has stage={stage}, but the pipeline has stages 0..{self.num_stages - 1}.")
         m = self.pipeline.microbatches
-        gpipe = self.pipeline.schedule == "gpipe"
-        flight = m if gpipe else min(m, self.num_stages - stage)
+        flight, later = microbatches_in_flight(self.pipeline.schedule, m, self.num_stages, stage)
         options = self.microbatch_plan.context.options
         precision = options.precision
 
@@ -353,7 +353,6 @@ class PipelinePlan:
                                accumulating=accumulating, keeps_outputs=True, sync_once=True)
 
         cases = [price(flight, False)]
-        later = flight if not gpipe and m > flight else flight - 1
         if later >= 1:
             cases.append(price(later, True))
         worst = max(cases, key=lambda b: b.peak)
